@@ -1,0 +1,274 @@
+"""Benchmark of the tree-attention kernel against XLA masked attention and the jnp reference.
+
+Shape: Qwen3-8B attention (32 q heads, 8 kv heads, head_dim 128), bfloat16, batch 1; a prefix of
+``ctx`` committed tokens and ``W`` new tokens (W=1: AR decode; W>1: a random draft tree).
+
+    python -m dflash_jax.bench.tree_attention_bench --out results.json        # H200, < 4 min
+    python -m dflash_jax.bench.tree_attention_bench --quick --interpret       # CPU smoke test
+
+Each timed program runs ``iters`` attention calls inside one jit (a fori_loop whose output feeds
+the next call's queries), so Python dispatch is out of the numbers; the K/V cache rotates over
+several copies so that long runs do not measure the L2 cache. Reported: the median over
+``reps`` such programs of the time per call, and the bandwidth it implies over the bytes the
+call must move (K/V slots 0..ctx+W-1 once, q and out once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import platform
+import statistics
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.tree_attention import (
+    default_block_sizes,
+    key_visibility,
+    tree_attention_pallas,
+    tree_attention_reference,
+)
+
+# Rotate K/V copies until they span this many bytes: 3x an H200's 60 MB L2.
+_ROTATE_BYTES = 180e6
+_MAX_COPIES = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    batch: int
+    ctx: int
+    width: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def max_len(self) -> int:
+        return self.ctx + self.width
+
+    def kv_bytes(self, itemsize: int) -> int:
+        """Bytes of K and V in slots 0..ctx+W-1."""
+        return 2 * self.batch * self.max_len * self.kv_heads * self.head_dim * itemsize
+
+    def min_bytes(self, itemsize: int) -> int:
+        """K/V read once, q read once, out written once."""
+        q_bytes = self.batch * self.width * self.q_heads * self.head_dim * itemsize
+        return self.kv_bytes(itemsize) + 2 * q_bytes
+
+
+def random_tree_visibility(rng: np.random.Generator, batch: int, width: int) -> np.ndarray:
+    """[batch, width, width] ancestor-or-self masks of random trees (parent[i] < i, root 0)."""
+    visible = np.zeros((batch, width, width), dtype=bool)
+    for b in range(batch):
+        parent = [-1] + [int(rng.integers(0, i)) for i in range(1, width)]
+        for t in range(width):
+            node = t
+            while node >= 0:
+                visible[b, t, node] = True
+                node = parent[node]
+    return visible
+
+
+def make_inputs(shape: Shape, dtype: jnp.dtype, copies: int, seed: int = 0):
+    """Random q, `copies` K/V caches [batch, max_len, kv_heads, head_dim], lens, visibility."""
+    key = jax.random.key(seed)
+    kq, kk, kv = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (shape.batch, shape.width, shape.q_heads, shape.head_dim), dtype)
+    cache_shape = (shape.batch, shape.max_len, shape.kv_heads, shape.head_dim)
+    ks = tuple(jax.random.normal(k_, cache_shape, dtype) for k_ in jax.random.split(kk, copies))
+    vs = tuple(jax.random.normal(v_, cache_shape, dtype) for v_ in jax.random.split(kv, copies))
+    lens = jnp.full((shape.batch,), shape.ctx, jnp.int32)
+    if shape.width == 1:
+        visible = None
+    else:
+        rng = np.random.default_rng(seed)
+        visible = jnp.asarray(random_tree_visibility(rng, shape.batch, shape.width))
+    return q, ks, vs, lens, visible
+
+
+AttnFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, "jax.Array | None"], jax.Array]
+
+
+def xla_masked_attention(q, k, v, prefix_lens, visible, *, mask: jax.Array) -> jax.Array:
+    """jax.nn.dot_product_attention with a precomputed [batch, 1, W, max_len] mask."""
+    del prefix_lens, visible
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+
+
+def timed_program(attn: AttnFn, iters: int, copies: int):
+    """A jitted program running `iters` chained calls of attn over rotating K/V copies."""
+    assert iters % copies == 0
+
+    @jax.jit
+    def run(q, ks, vs, lens, visible):
+        def body(_, q_):
+            for c in range(copies):  # static unroll: no dynamic slice (copy) of the caches
+                q_ = attn(q_, ks[c], vs[c], lens, visible).astype(q_.dtype)
+            return q_
+        return jax.lax.fori_loop(0, iters // copies, body, q)
+
+    return run
+
+
+def time_ms(attn: AttnFn, inputs, iters: int, reps: int) -> float:
+    """Median milliseconds per attention call (compile and warm-up excluded)."""
+    q, ks, vs, lens, visible = inputs
+    run = timed_program(attn, iters, len(ks))
+    jax.block_until_ready(run(q, ks, vs, lens, visible))  # compile + warm-up
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(run(q, ks, vs, lens, visible))
+        samples.append((time.perf_counter() - start) * 1e3 / iters)
+    return statistics.median(samples)
+
+
+def max_rel_err(out: jax.Array, ref: jax.Array) -> float:
+    """max |out - ref| / max |ref| (NaN anywhere gives inf)."""
+    out32, ref32 = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    if not np.all(np.isfinite(out32)):
+        return math.inf
+    return float(np.max(np.abs(out32 - ref32)) / max(np.max(np.abs(ref32)), 1e-30))
+
+
+def bench_shape(shape: Shape, dtype, *, interpret: bool, iters: int, reps: int,
+                with_reference: bool, overrides: dict | None = None) -> dict:
+    """Checks and times one shape. overrides: explicit kernel block sizes."""
+    itemsize = jnp.dtype(dtype).itemsize
+    copies = int(min(_MAX_COPIES, max(1, math.ceil(_ROTATE_BYTES / shape.kv_bytes(itemsize)))))
+    copies = 1 if interpret else copies
+    iters = max(copies, iters // copies * copies)
+    inputs = make_inputs(shape, dtype, copies)
+    q, ks, vs, lens, visible = inputs
+    kernel_args = dict(overrides or {})
+    pallas = functools.partial(tree_attention_pallas, interpret=interpret, **kernel_args)
+    mask = key_visibility(lens, visible, shape.width, shape.max_len)[:, None]
+    xla = functools.partial(xla_masked_attention, mask=mask)
+
+    # Correctness: kernel (and XLA) against the reference in float32 on the same inputs.
+    ref = jax.jit(tree_attention_reference)(q.astype(jnp.float32), ks[0].astype(jnp.float32),
+                                            vs[0].astype(jnp.float32), lens, visible)
+    err_pallas = max_rel_err(jax.jit(pallas)(q, ks[0], vs[0], lens, visible), ref)
+    err_xla = max_rel_err(jax.jit(xla)(q, ks[0], vs[0], lens, visible), ref)
+
+    row = dataclasses.asdict(shape)
+    blocks = default_block_sizes(shape.batch, shape.width, shape.q_heads // shape.kv_heads,
+                                 shape.kv_heads, shape.head_dim, shape.max_len)
+    row.update(dataclasses.asdict(blocks))
+    row.update(kernel_args)
+    row.update(err_pallas=err_pallas, err_xla=err_xla, copies=copies, iters=iters)
+    min_bytes = shape.min_bytes(itemsize)
+    impls = {"pallas": pallas, "xla": xla}
+    if with_reference:
+        impls["reference"] = tree_attention_reference
+    for name, fn in impls.items():
+        ms = time_ms(fn, inputs, iters, reps)
+        row[f"{name}_ms"] = ms
+        row[f"{name}_gbps"] = min_bytes / (ms * 1e-3) / 1e9
+    return row
+
+
+def markdown_table(rows: list[dict]) -> str:
+    cols = [("ctx", "ctx"), ("width", "W"), ("pallas_ms", "pallas ms"),
+            ("pallas_gbps", "pallas GB/s"), ("xla_ms", "xla ms"), ("xla_gbps", "xla GB/s"),
+            ("reference_ms", "ref ms"), ("speedup_vs_xla", "x vs xla"),
+            ("err_pallas", "pallas rel err"), ("split_k", "split_k")]
+    cols = [c for c in cols if any(c[0] in r for r in rows)]
+    lines = ["| " + " | ".join(h for _, h in cols) + " |",
+             "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = []
+        for key, _ in cols:
+            val = r.get(key, "")
+            if isinstance(val, float):
+                val = f"{val:.3g}" if key.startswith("err") else f"{val:.4g}"
+            cells.append(str(val))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def sweep_configs(width: int) -> list[dict]:
+    """Kernel tilings tried by --sweep for one width (group 4 folded into rows)."""
+    configs = []
+    for block_q in ((16,) if width == 1 else (64, 128)):
+        for block_k in (32, 64, 128):
+            for num_warps in (4, 8):
+                for num_stages in (2, 3, 4):
+                    configs.append(dict(block_q=block_q, block_k=block_k, num_warps=num_warps,
+                                        num_stages=num_stages))
+    return configs
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="tree_attention_bench.json", help="JSON results path")
+    parser.add_argument("--quick", action="store_true", help="few small shapes")
+    parser.add_argument("--interpret", action="store_true",
+                        help="run the kernel in Pallas interpret mode (CPU smoke test)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time alternative tilings (for retuning default_block_sizes)")
+    parser.add_argument("--iters", type=int, default=32)
+    parser.add_argument("--reps", type=int, default=7)
+    args = parser.parse_args(argv)
+
+    if args.interpret:
+        # Tiny heads so that interpret mode finishes in seconds on a CPU.
+        heads, contexts, widths, dtype = (4, 2, 64), (64, 96), (1, 16), jnp.float32
+        args.iters, args.reps = 2, 1
+    else:
+        heads, dtype = (32, 8, 128), jnp.bfloat16
+        contexts = (1024, 16384) if args.quick else (1024, 4096, 16384, 32768)
+        widths = (1, 16, 256) if args.quick else (1, 16, 64, 256, 512)
+    q_heads, kv_heads, head_dim = heads
+
+    rows = []
+    started = time.perf_counter()
+    for ctx in contexts:
+        for width in widths:
+            shape = Shape(1, ctx, width, q_heads, kv_heads, head_dim)
+            row = bench_shape(shape, dtype, interpret=args.interpret, iters=args.iters,
+                              reps=args.reps, with_reference=True)
+            row["speedup_vs_xla"] = row["xla_ms"] / row["pallas_ms"]
+            rows.append(row)
+            print(f"ctx={ctx} W={width}: pallas {row['pallas_ms']:.4f} ms "
+                  f"({row['pallas_gbps']:.0f} GB/s, err {row['err_pallas']:.2e}), "
+                  f"xla {row['xla_ms']:.4f} ms, ref {row['reference_ms']:.4f} ms", flush=True)
+            if args.sweep:
+                for cfg in sweep_configs(width):
+                    for split_k in sorted({1, row["split_k"], 2 * row["split_k"]}):
+                        try:
+                            trial = bench_shape(shape, dtype, interpret=args.interpret,
+                                                iters=args.iters, reps=3, with_reference=False,
+                                                overrides=dict(cfg, split_k=split_k))
+                        except Exception as exc:  # a tiling Triton rejects
+                            print(f"  sweep {cfg} split_k={split_k}: failed {exc!r:.120}")
+                            continue
+                        row.setdefault("sweep", []).append(
+                            dict(cfg, split_k=split_k, ms=trial["pallas_ms"],
+                                 err=trial["err_pallas"]))
+                best = min(row.get("sweep", []), key=lambda r: r["ms"], default=None)
+                print(f"  best tiling {best}", flush=True)
+
+    result = dict(
+        device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
+        jax_version=jax.__version__, python=platform.python_version(),
+        date=time.strftime("%Y-%m-%d"), dtype=jnp.dtype(dtype).name,
+        interpret=args.interpret, iters=args.iters, reps=args.reps,
+        seconds=time.perf_counter() - started, rows=rows)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\n{result['device']}, jax {jax.__version__}, {result['dtype']}, "
+          f"heads {q_heads}/{kv_heads}x{head_dim}, batch 1, {result['seconds']:.0f} s\n")
+    print(markdown_table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Plain autoregressive decoding, entirely on device: a jitted prefill and a `lax.while_loop`.
+
+Also the pieces every decoder shares: prompt validation, prefill, stop handling and the
+output buffer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.config import ModelConfig
+from dflash_jax.kv_cache import KVCache
+from dflash_jax.model import ModelParams, forward
+from dflash_jax.sampling import SamplingParams, sample
+
+PAD = -1  # output slots after a sequence has finished
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Generation:
+    """tokens: [batch, max_new_tokens] int32 (PAD after the end); num_tokens: [batch] int32.
+
+    For speculative decoders `accepted` is [batch, max_rounds] int32 (tokens committed per round,
+    bonus included; 0 for rounds a sequence did not run) and `rounds` [batch] int32.
+    """
+
+    tokens: Any
+    num_tokens: Any
+    accepted: Any = None
+    rounds: Any = None
+
+
+def check_prompts(prompt_lens: np.ndarray, prompt_width: int, max_new_tokens: int, max_len: int,
+                  slack: int = 1) -> None:
+    """Host-side checks that every sequence fits the cache; raises naming the argument."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    lens = np.asarray(prompt_lens)
+    if lens.ndim != 1 or lens.size == 0:
+        raise ValueError(f"prompt_lens must be a non-empty [batch] array, got shape {lens.shape}")
+    if (lens < 1).any():
+        raise ValueError(f"every prompt needs at least one token; prompt_lens = {lens.tolist()}")
+    if (lens > prompt_width).any():
+        raise ValueError(f"prompt_lens {lens.tolist()} exceed the prompt array width {prompt_width}")
+    need = int(lens.max()) + max_new_tokens + slack
+    if max(need, prompt_width) > max_len:
+        raise ValueError(
+            f"prompt of {int(lens.max())} tokens + max_new_tokens {max_new_tokens} (+{slack} scratch slots) "
+            f"needs a cache of {max(need, prompt_width)}, but max_len is {max_len}")
+
+
+def prefill(params: ModelParams, cfg: ModelConfig, prompts: jax.Array, prompt_lens: jax.Array,
+            cache: KVCache, tap_layers: tuple[int, ...] = (), attn_impl: str = "auto"
+            ) -> tuple[jax.Array, jax.Array | None, KVCache]:
+    """Runs the right-padded prompts [batch, P] through the target.
+
+    Returns logits at each prompt's last token [batch, vocab], the tap features of all P
+    rows [batch, P, taps*embed] (rows past a prompt's length are garbage), and the cache
+    with lengths = prompt_lens.
+    """
+    batch, width = prompts.shape
+    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
+    cache = dataclasses.replace(cache, lengths=jnp.zeros((batch,), jnp.int32))
+    out = forward(params, cfg, prompts, positions, cache, None, tap_layers=tap_layers,
+                  logit_rows=(prompt_lens - 1)[:, None], attn_impl=attn_impl)
+    cache = dataclasses.replace(out.cache, lengths=prompt_lens.astype(jnp.int32))
+    return out.logits[:, 0], out.taps, cache
+
+
+def is_stop(tokens: jax.Array, stop_tokens: tuple[int, ...]) -> jax.Array:
+    if not stop_tokens:
+        return jnp.zeros(tokens.shape, bool)
+    return jnp.isin(tokens, jnp.asarray(stop_tokens, tokens.dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "max_len", "sampling", "stop_tokens",
+                                             "attn_impl"))
+def generate_ar(params: ModelParams, cfg: ModelConfig, prompts: jax.Array, prompt_lens: jax.Array,
+                key: jax.Array, *, max_new_tokens: int, max_len: int,
+                sampling: SamplingParams = SamplingParams(), stop_tokens: tuple[int, ...] = (),
+                attn_impl: str = "auto") -> Generation:
+    """Autoregressive generation for a batch of right-padded prompts [batch, P].
+
+    Each sequence stops after a stop token (which is kept) or `max_new_tokens` tokens.
+    """
+    batch = prompts.shape[0]
+    dtype = params.embed.dtype
+    cache = KVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, dtype)
+    logits, _, cache = prefill(params, cfg, prompts, prompt_lens, cache, attn_impl=attn_impl)
+    key, sub = jax.random.split(key)
+    first = sample(sub, logits, sampling)
+    out = jnp.full((batch, max_new_tokens), PAD, jnp.int32).at[:, 0].set(first)
+    count = jnp.ones((batch,), jnp.int32)
+    done = is_stop(first, stop_tokens) | (max_new_tokens <= 1)
+
+    def cond(state):
+        return ~jnp.all(state[4])
+
+    def body(state):
+        cache, last, out, count, done, key = state
+        positions = cache.lengths[:, None]
+        step = forward(params, cfg, last[:, None], positions, cache, None, attn_impl=attn_impl)
+        key, sub = jax.random.split(key)
+        nxt = sample(sub, step.logits[:, 0], sampling)
+        # Finished sequences keep their slot and output; their compute is wasted but harmless.
+        lengths = cache.lengths + (~done).astype(jnp.int32)
+        write = jnp.where(done, max_new_tokens, count)  # out of range -> dropped
+        out = out.at[jnp.arange(batch), write].set(nxt, mode="drop")
+        count = count + (~done).astype(jnp.int32)
+        done = done | is_stop(nxt, stop_tokens) | (count >= max_new_tokens)
+        cache = dataclasses.replace(step.cache, lengths=lengths)
+        return cache, jnp.where(done, last, nxt), out, count, done, key
+
+    state = (cache, first, out, count, done, key)
+    _, _, out, count, _, _ = jax.lax.while_loop(cond, body, state)
+    return Generation(tokens=out, num_tokens=count)

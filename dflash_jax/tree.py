@@ -1,0 +1,303 @@
+"""Draft trees: DDTree's best-first tree and DFlash's chain, built on device with static shapes.
+
+A tree is stored per sequence as `W` node slots. Slot 0 is the root (the last bonus token, not
+yet in the target cache); slots 1..n are drafted nodes ordered so that a parent always precedes
+its children; the remaining slots are padding (`valid` False). The verify step runs the target
+over all `W` slots with the `visible` mask as tree attention; the accept step walks down from
+the root following the target's choice.
+
+DDTree (arXiv 2604.12989) grows the tree with a best-first heap: pop the most probable prefix,
+push its next-ranked sibling and its first child, until `budget` nodes are taken. Because the
+drafter's per-depth distributions do not depend on the parent, the heap's result is exactly the
+`budget` prefixes with the highest summed log-probability, which `build_tree` computes with a
+few `top_k`s instead of a data-dependent loop.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Row block of the tree-attention kernel: the tree width is padded to a multiple of it.
+ROW_BLOCK = 16
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Tree:
+    """A batch of draft trees, `W` node slots per sequence.
+
+    tokens:  [batch, W] int32    node tokens; slot 0 is the root (last bonus token); padding 0
+    parents: [batch, W] int32    parent slot, always < the node's own slot; -1 for the root and
+                                 for padding
+    depths:  [batch, W] int32    root 0, a node = its parent + 1; padding 0
+    valid:   [batch, W] bool     False on padding slots
+    visible: [batch, W, W] bool  visible[b, i, j]: slot j is an ancestor-or-self of slot i (both
+                                 valid); a padding row sees only itself, so no attention row is
+                                 empty, and padding is never accepted
+    scores:  [batch, W] float32  summed draft log-prob of the node's path (root 0, padding -inf;
+                                 all 0 for a chain)
+    """
+
+    tokens: jax.Array
+    parents: jax.Array
+    depths: jax.Array
+    valid: jax.Array
+    visible: jax.Array
+    scores: jax.Array
+
+    @property
+    def batch(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.tokens.shape[1]
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    # Sizes decide array shapes, so they must be Python ints known at trace time.
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be a Python int (static), got {type(value).__name__}: {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def tree_width(budget: int, row_block: int = ROW_BLOCK) -> int:
+    """Slots for a root plus `budget` nodes: 1 + budget rounded up to a multiple of `row_block`.
+
+    Not the next power of two: verify cost grows with the width, and e.g. budget 256 would
+    otherwise pay for 512 rows.
+    """
+    budget = _check_int("budget", budget, 1)
+    row_block = _check_int("row_block", row_block, 1)
+    return _round_up(1 + budget, row_block)
+
+
+def ancestors_visible(parents: jax.Array, valid: jax.Array, max_depth: int | None = None) -> jax.Array:
+    """Ancestor-or-self mask from parent pointers.
+
+    parents: [batch, W] int32 (-1 or out of range = no parent); valid: [batch, W] bool.
+    max_depth: static bound on any node's depth (default W - 1); the loop runs
+    ceil(log2(max_depth + 1)) times, so a tight bound makes it cheaper.
+    Returns visible: [batch, W, W] bool, visible[b, i, j] = j is an ancestor-or-self of i and both
+    are valid; padding rows see only themselves.
+    """
+    if parents.ndim != 2:
+        raise ValueError(f"parents must be [batch, width], got shape {parents.shape}")
+    if valid.shape != parents.shape:
+        raise ValueError(f"valid must have the shape of parents {parents.shape}, got {valid.shape}")
+    width = parents.shape[1]
+    max_depth = width - 1 if max_depth is None else _check_int("max_depth", max_depth, 0)
+    valid = valid.astype(bool)
+    slot = jnp.arange(width, dtype=jnp.int32)
+    parents = parents.astype(jnp.int32)
+    in_range = (parents >= 0) & (parents < width)
+    safe = jnp.where(in_range, parents, 0)
+    parent_valid = jnp.take_along_axis(valid, safe, axis=1)
+    # Roots, padding and broken links point at themselves, so repeated jumps stop there.
+    jump = jnp.where(in_range & valid & parent_valid, safe, slot[None, :])
+
+    # Pointer doubling: after k rounds `seen` holds ancestors at distance < 2**k and `jump` the
+    # ancestor at distance 2**k (clamped at the root).
+    seen = jnp.broadcast_to(slot[:, None] == slot[None, :], (parents.shape[0], width, width))
+    rows = jax.vmap(lambda m, idx: m[idx])
+    for _ in range(max(0, math.ceil(math.log2(max_depth + 1)))):
+        seen = seen | rows(seen, jump)
+        jump = jnp.take_along_axis(jump, jump, axis=1)
+
+    both_valid = valid[:, :, None] & valid[:, None, :]
+    return (seen & both_valid) | (slot[:, None] == slot[None, :])
+
+
+def _sanitize(log_probs: jax.Array) -> jax.Array:
+    """float32 log-probs with NaN -> -inf and anything >= 0 (incl. -0.0) -> +0.0.
+
+    Why: prefix closure needs every child's score <= its parent's, and top_k orders floats
+    totally (-0.0 < +0.0, NaN above everything), so these values could otherwise let a child
+    outrank its parent. A no-op on proper log-probs except for -0.0.
+    """
+    lp = log_probs.astype(jnp.float32)
+    return jnp.where(lp < 0.0, lp, jnp.where(jnp.isnan(lp), -jnp.inf, 0.0))
+
+
+def _candidate_pairs(n_parents: int, n_tokens: int, budget: int) -> tuple[np.ndarray, np.ndarray]:
+    """(parent rank i, token rank j) pairs that can be among a depth's best `budget` nodes.
+
+    Child (i, j) is outranked by every (i', j') with i' <= i, j' <= j (score at least as high,
+    and earlier in the tie-break), so it can only be in the top `budget` if (i+1)(j+1) <= budget:
+    about budget * ln(budget) candidates instead of budget**2. Ordered lexicographically, which
+    is the tie-break order (lower parent rank, then lower token rank).
+    """
+    i, j = np.meshgrid(np.arange(n_parents), np.arange(n_tokens), indexing="ij")
+    keep = (i + 1) * (j + 1) <= budget
+    return i[keep].astype(np.int32), j[keep].astype(np.int32)
+
+
+def _check_draft_inputs(log_probs: Any, root_tokens: Any) -> None:
+    if getattr(log_probs, "ndim", None) != 3:
+        raise ValueError("log_probs must be [batch, depth, vocab], got shape "
+                         f"{getattr(log_probs, 'shape', None)}")
+    if getattr(root_tokens, "ndim", None) != 1:
+        raise ValueError(f"root_tokens must be [batch], got shape {getattr(root_tokens, 'shape', None)}")
+    if root_tokens.shape[0] != log_probs.shape[0]:
+        raise ValueError(f"root_tokens batch {root_tokens.shape[0]} != log_probs batch "
+                         f"{log_probs.shape[0]}")
+    if log_probs.shape[1] < 1 or log_probs.shape[2] < 1:
+        raise ValueError(f"log_probs needs depth >= 1 and vocab >= 1, got shape {log_probs.shape}")
+    if not jnp.issubdtype(log_probs.dtype, jnp.floating):
+        raise ValueError(f"log_probs must be floating point, got {log_probs.dtype}")
+    if not jnp.issubdtype(root_tokens.dtype, jnp.integer):
+        raise ValueError(f"root_tokens must be integer, got {root_tokens.dtype}")
+
+
+def build_tree(log_probs: jax.Array, root_tokens: jax.Array, budget: int,
+               width: int | None = None) -> Tree:
+    """DDTree: the root plus the `budget` most probable draft prefixes.
+
+    log_probs:   [batch, depth, vocab] float, log q_d for draft depths 1..depth (the drafter's
+                 per-depth distributions; they do not depend on the parent). Must be <= 0;
+                 larger values are treated as 0 and NaN as -inf.
+    root_tokens: [batch] int, the last bonus token of each sequence.
+    budget:      static int >= 1, drafted nodes per tree (the root is extra).
+    width:       static int >= 1 + budget, node slots (default `tree_width(budget)`).
+
+    Node scores are summed log-probs along the path. Ties are broken by lower depth, then by
+    rank within the depth (lower parent rank, then lower token rank, token ranks coming from a
+    stable top-k over the vocabulary), so a parent always beats an equal-scoring child and the
+    selection is prefix-closed. If fewer than `budget` prefixes exist (tiny vocabulary x depth),
+    the rest are padding. Output slots are ordered by depth, then by rank within the depth.
+    """
+    _check_draft_inputs(log_probs, root_tokens)
+    budget = _check_int("budget", budget, 1)
+    width = tree_width(budget) if width is None else _check_int("width", width, 1 + budget)
+    return _build_tree(log_probs, root_tokens, budget=budget, width=width)
+
+
+def _per_depth_best(log_probs: jax.Array, budget: int
+                    ) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
+    """Best `budget` nodes of every depth, each depth in rank order.
+
+    log_probs: [batch, depth, vocab] sanitised float32.
+    Returns per depth d (list index d-1), each [batch, n_d]: scores, token ids, and the rank of
+    the parent within depth d-1's list (0 = root at depth 1).
+    """
+    batch, depth, vocab = log_probs.shape
+    n_tokens = min(budget, vocab)
+    # Stable top_k: equal log-probs rank by lower token id, the tie-break the tests assume.
+    token_lp, token_ids = jax.lax.top_k(log_probs, n_tokens)  # [batch, depth, n_tokens]
+
+    scores = [token_lp[:, 0]]
+    tokens = [token_ids[:, 0].astype(jnp.int32)]
+    parent_rank = [jnp.zeros((batch, n_tokens), jnp.int32)]
+    for d in range(1, depth):
+        pi, tj = _candidate_pairs(scores[-1].shape[1], n_tokens, budget)
+        candidates = scores[-1][:, pi] + token_lp[:, d, tj]        # [batch, n_pairs]
+        n_keep = min(budget, pi.size)
+        best, which = jax.lax.top_k(candidates, n_keep)            # stable: lexicographic ties
+        scores.append(best)
+        parent_rank.append(jnp.asarray(pi)[which])
+        tokens.append(jnp.take_along_axis(token_ids[:, d], jnp.asarray(tj)[which], axis=1)
+                      .astype(jnp.int32))
+    return scores, tokens, parent_rank
+
+
+def _build_tree_impl(log_probs: jax.Array, root_tokens: jax.Array, budget: int, width: int) -> Tree:
+    batch, depth, _ = log_probs.shape
+    scores, tokens, parent_rank = _per_depth_best(_sanitize(log_probs), budget)
+
+    # Concatenate the depths: flat index = offset[d] + rank, so a lower flat index means lower
+    # depth, then lower rank -- exactly the tie-break, which stable top_k applies for free.
+    sizes = [s.shape[1] for s in scores]
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int32)
+    flat_scores = jnp.concatenate(scores, axis=1)                                 # [batch, N]
+    flat_tokens = jnp.concatenate(tokens, axis=1)
+    flat_parent = jnp.concatenate(
+        [jnp.full((batch, sizes[0]), -1, jnp.int32)]
+        + [parent_rank[d] + offsets[d - 1] for d in range(1, depth)], axis=1)     # -1 = root
+    flat_depth = np.concatenate([np.full(n, d + 1, np.int32) for d, n in enumerate(sizes)])
+
+    n_nodes = min(budget, flat_scores.shape[1])
+    _, chosen = jax.lax.top_k(flat_scores, n_nodes)
+    # Sorting flat indices orders slots by depth, so every parent lands before its children.
+    chosen = jnp.sort(chosen, axis=1)                                             # [batch, n]
+    slot_of = jnp.zeros(flat_scores.shape, jnp.int32).at[
+        jnp.arange(batch)[:, None], chosen].set(
+        jnp.broadcast_to(jnp.arange(1, n_nodes + 1, dtype=jnp.int32), chosen.shape),
+        indices_are_sorted=True, unique_indices=True)
+    node_parent_flat = jnp.take_along_axis(flat_parent, chosen, axis=1)
+    # Prefix closure guarantees a chosen node's parent was chosen too, so slot_of is filled there.
+    node_parent = jnp.where(node_parent_flat < 0, 0, jnp.take_along_axis(
+        slot_of, jnp.maximum(node_parent_flat, 0), axis=1))
+
+    pad = width - 1 - n_nodes
+
+    def assemble(root: jax.Array, nodes: jax.Array, fill: Any) -> jax.Array:
+        return jnp.concatenate([root[:, None].astype(nodes.dtype), nodes,
+                                jnp.full((batch, pad), fill, nodes.dtype)], axis=1)
+
+    out_tokens = assemble(root_tokens.astype(jnp.int32),
+                          jnp.take_along_axis(flat_tokens, chosen, axis=1), 0)
+    parents = assemble(jnp.full((batch,), -1, jnp.int32), node_parent, -1)
+    depths = assemble(jnp.zeros((batch,), jnp.int32), jnp.asarray(flat_depth)[chosen], 0)
+    out_scores = assemble(jnp.zeros((batch,), jnp.float32),
+                          jnp.take_along_axis(flat_scores, chosen, axis=1), -jnp.inf)
+    valid = jnp.broadcast_to(jnp.arange(width) < 1 + n_nodes, (batch, width))
+    visible = ancestors_visible(parents, valid, max_depth=depth)
+    return Tree(tokens=out_tokens, parents=parents, depths=depths, valid=valid,
+                visible=visible, scores=out_scores)
+
+
+_build_tree = jax.jit(_build_tree_impl, static_argnames=("budget", "width"))
+
+
+def chain_tree(block_tokens: jax.Array, width: int | None = None) -> Tree:
+    """DFlash's draft as a degenerate tree: a single chain.
+
+    block_tokens: [batch, bs] int, the root followed by the bs - 1 drafted tokens.
+    width: static int >= bs, node slots (default bs rounded up to a multiple of ROW_BLOCK).
+    Slot i holds block_tokens[:, i] at depth i with parent i - 1; visibility is causal. Scores are
+    all 0 (a chain carries no draft log-probs); padding as in `build_tree`.
+    """
+    if getattr(block_tokens, "ndim", None) != 2:
+        raise ValueError(f"block_tokens must be [batch, bs], got shape "
+                         f"{getattr(block_tokens, 'shape', None)}")
+    if not jnp.issubdtype(block_tokens.dtype, jnp.integer):
+        raise ValueError(f"block_tokens must be integer, got {block_tokens.dtype}")
+    batch, block = block_tokens.shape
+    if block < 1:
+        raise ValueError(f"block_tokens needs at least the root (bs >= 1), got shape {block_tokens.shape}")
+    width = _round_up(block, ROW_BLOCK) if width is None else _check_int("width", width, block)
+    return _chain_tree(block_tokens, width=width)
+
+
+def _chain_tree_impl(block_tokens: jax.Array, width: int) -> Tree:
+    batch, block = block_tokens.shape
+    slot = jnp.arange(width, dtype=jnp.int32)
+    is_node = slot < block
+    tokens = jnp.pad(block_tokens.astype(jnp.int32), ((0, 0), (0, width - block)))
+    parents = jnp.where(is_node, slot - 1, -1)
+    depths = jnp.where(is_node, slot, 0)
+    scores = jnp.where(is_node, 0.0, -jnp.inf).astype(jnp.float32)
+
+    def per_batch(x: jax.Array) -> jax.Array:
+        return jnp.broadcast_to(x, (batch,) + x.shape)
+
+    valid = per_batch(is_node)
+    # A chain's ancestors are just the earlier slots, so skip the pointer-doubling loop.
+    causal = (slot[None, :] <= slot[:, None]) & is_node[:, None] & is_node[None, :]
+    visible = per_batch(causal | (slot[:, None] == slot[None, :]))
+    return Tree(tokens=tokens, parents=per_batch(parents), depths=per_batch(depths), valid=valid,
+                visible=visible, scores=per_batch(scores))
+
+
+_chain_tree = jax.jit(_chain_tree_impl, static_argnames=("width",))

@@ -1,0 +1,21 @@
+"""Pallas (Triton backend) kernels, each with its pure-JAX reference beside it."""
+
+from pallas_kernels.tree_attention import (
+    BlockSizes,
+    default_block_sizes,
+    key_visibility,
+    resolve_impl,
+    tree_attention,
+    tree_attention_pallas,
+    tree_attention_reference,
+)
+
+__all__ = [
+    "BlockSizes",
+    "default_block_sizes",
+    "key_visibility",
+    "resolve_impl",
+    "tree_attention",
+    "tree_attention_pallas",
+    "tree_attention_reference",
+]

@@ -1,0 +1,420 @@
+"""Tree attention: the one attention of the target model (prefill, AR decode, chain and tree verify).
+
+The W new tokens of each sequence already have their K/V written into the cache at slots
+``L_b .. L_b+W-1``. Query ``t`` of sequence ``b`` sees key slot ``j`` iff ``j < L_b`` (the
+committed prefix) or ``L_b <= j < L_b+W`` and ``visible[b, t, j-L_b]`` (its tree ancestors and
+itself; causal when ``visible`` is None).
+
+This file holds, side by side:
+
+* ``tree_attention_reference``: plain jnp, a masked softmax over every cache slot.
+* ``tree_attention_pallas``: a Pallas kernel on the Triton GPU backend (flash attention with an
+  online softmax, GQA heads folded into rows, optional split-K over the prefix).
+* ``default_block_sizes``: the block sizes the dispatcher uses for a shape.
+* ``tree_attention``: the dispatcher.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+Impl = Literal["auto", "pallas", "reference", "interpret"]
+
+# exp2 is the native GPU instruction; folding log2(e) into the score scale makes exp2 exact
+# replacement for exp.
+_LOG2E = 1.4426950408889634
+# The running max starts finite so that a row whose keys are all masked (-inf) never computes
+# (-inf) - (-inf) = NaN; any real score is far above it.
+_M_INIT = -1e30
+# Triton's dot needs at least 16 rows and 16 columns per operand.
+_MIN_BLOCK = 16
+# H200 has 132 SMs; split-K aims for about two programs per SM.
+_TARGET_PROGRAMS = 264
+
+
+def _squeezed():
+    """The block-shape marker for a squeezed dimension (``pl.squeezed`` on newer jax)."""
+    return getattr(pl, "squeezed", None)
+
+
+def _check_shapes(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Array,
+                  visible: jax.Array | None) -> tuple[int, int, int, int, int, int]:
+    """Returns (batch, width, q_heads, kv_heads, head_dim, max_len); raises on a mismatch."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"q, k, v must be rank 4, got {q.shape}, {k.shape}, {v.shape}")
+    batch, width, q_heads, head_dim = q.shape
+    kb, max_len, kv_heads, kd = k.shape
+    if k.shape != v.shape or kb != batch or kd != head_dim:
+        raise ValueError(f"k {k.shape} / v {v.shape} do not match q {q.shape}")
+    if q_heads % kv_heads:
+        raise ValueError(f"q_heads={q_heads} is not a multiple of kv_heads={kv_heads}")
+    if prefix_lens.shape != (batch,):
+        raise ValueError(f"prefix_lens must be [batch]={batch}, got {prefix_lens.shape}")
+    if width > max_len:
+        raise ValueError(f"width={width} exceeds the cache length max_len={max_len}")
+    if visible is not None and visible.shape != (batch, width, width):
+        raise ValueError(f"visible must be [batch, width, width]={(batch, width, width)}, "
+                         f"got {visible.shape}")
+    return batch, width, q_heads, kv_heads, head_dim, max_len
+
+
+# --------------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------------
+
+def key_visibility(prefix_lens: jax.Array, visible: jax.Array | None, width: int,
+                   max_len: int) -> jax.Array:
+    """Which cache slots each new token sees.
+
+    Args:
+      prefix_lens: [batch] int32 committed lengths L_b.
+      visible: [batch, width, width] bool tree visibility, or None for causal.
+    Returns:
+      [batch, width, max_len] bool: slot j is visible to token t of sequence b.
+    """
+    j = jnp.arange(max_len)[None, None, :]
+    lens = prefix_lens.astype(jnp.int32)[:, None, None]
+    s = j - lens  # position of slot j inside the tree block; negative for the prefix
+    in_tree = (s >= 0) & (s < width)
+    if visible is None:
+        tree_ok = s <= jnp.arange(width)[None, :, None]
+    else:
+        batch = prefix_lens.shape[0]
+        s_idx = jnp.broadcast_to(jnp.clip(s, 0, width - 1), (batch, width, max_len))
+        tree_ok = jnp.take_along_axis(visible.astype(bool), s_idx, axis=2)
+    return (j < lens) | (in_tree & tree_ok)
+
+
+def tree_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Array,
+                             visible: jax.Array | None = None, *,
+                             scale: float | None = None) -> jax.Array:
+    """Masked softmax attention over every cache slot, in float32.
+
+    Args:
+      q: [batch, width, q_heads, head_dim] queries of the W new tokens.
+      k, v: [batch, max_len, kv_heads, head_dim] one layer's cache (new tokens already written).
+      prefix_lens: [batch] int32 committed lengths L_b (L_b + width <= max_len).
+      visible: [batch, width, width] bool, or None for causal among the new tokens.
+      scale: score scale, default head_dim ** -0.5.
+    Returns:
+      [batch, width, q_heads, head_dim] in q's dtype; rows that see no key are 0.
+    """
+    batch, width, q_heads, kv_heads, head_dim, max_len = _check_shapes(q, k, v, prefix_lens,
+                                                                       visible)
+    group = q_heads // kv_heads
+    scale = head_dim ** -0.5 if scale is None else scale
+    qg = q.astype(jnp.float32).reshape(batch, width, kv_heads, group, head_dim)
+    scores = jnp.einsum("btkgd,bjkd->bkgtj", qg, k.astype(jnp.float32),
+                        precision=lax.Precision.HIGHEST) * scale
+    seen = key_visibility(prefix_lens, visible, width, max_len)[:, None, None, :, :]
+    scores = jnp.where(seen, scores, -jnp.inf)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    # where() again on the weights: masked slots may hold garbage (even NaN) in k and v.
+    weights = jnp.where(seen, jnp.exp(scores - row_max), 0.0)
+    denom = jnp.sum(weights, axis=-1, keepdims=True)
+    slot_used = jnp.any(seen, axis=(1, 2, 3))[:, :, None, None]  # [batch, max_len, 1, 1]
+    v32 = jnp.where(slot_used, v.astype(jnp.float32), 0.0)
+    out = jnp.einsum("bkgtj,bjkd->btkgd", weights, v32, precision=lax.Precision.HIGHEST)
+    denom = jnp.moveaxis(denom, 3, 1)  # [batch, width, kv_heads, group, 1]
+    out = jnp.where(denom > 0, out / jnp.where(denom > 0, denom, 1.0), 0.0)
+    return out.reshape(batch, width, q_heads, head_dim).astype(q.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Block sizes
+# --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tiling of the Pallas kernel.
+
+    block_q: rows per program (rows = query tokens x the group's q heads); a power of two >= 16.
+    block_k: keys per loop step; a power of two >= 16.
+    split_k: programs sharing one row block's keys (flash-decoding); 1 = no split.
+    """
+    block_q: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split_k: int
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def default_block_sizes(batch: int, width: int, group: int, kv_heads: int, head_dim: int,
+                        max_len: int) -> BlockSizes:
+    """Block sizes for a shape. The prefix length is dynamic, so max_len stands in for it.
+
+    Rows per kv head are width * group. Few rows (AR decode, small chains) make the kernel a
+    pure K/V stream: small row blocks, wide key blocks, and split-K so that enough programs run
+    to pull full bandwidth. Many rows (tree verify) make it a flash-attention forward: 64-128 row
+    blocks, and split-K only when the grid would leave SMs idle.
+    """
+    rows = width * group
+    block_q = min(128, max(_MIN_BLOCK, _next_pow2(rows)))
+    if block_q <= 32:
+        block_k, num_warps, num_stages = 128, 4, 3
+    elif block_q == 64:
+        block_k, num_warps, num_stages = 64, 4, 3
+    else:
+        block_k, num_warps, num_stages = 64, 8, 3
+    if head_dim > 128:
+        block_k = min(block_k, 32)
+    block_k = min(block_k, max(_MIN_BLOCK, _next_pow2(max_len)))
+    programs = batch * kv_heads * pl.cdiv(rows, block_q)
+    key_blocks = pl.cdiv(max_len, block_k)
+    # Each split should still stream several key blocks, else the combine costs more than it saves.
+    split_k = max(1, min(pl.cdiv(_TARGET_PROGRAMS, programs), key_blocks // 4))
+    return BlockSizes(block_q=block_q, block_k=block_k, num_warps=num_warps,
+                      num_stages=num_stages, split_k=split_k)
+
+
+# --------------------------------------------------------------------------------------------
+# Pallas kernel
+# --------------------------------------------------------------------------------------------
+
+def _tree_attention_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, width: int, group: int,
+                           block_q: int, block_k: int, split_k: int, qk_scale: float,
+                           has_visible: bool, interpret: bool):
+    """One program: one sequence, one kv head, one block of rows, one split of the keys.
+
+    Refs (batch and head dims squeezed by the BlockSpecs):
+      lens_ref: [1] int32 L_b.
+      q_ref: [width, q_heads, head_dim] this sequence's queries.
+      k_ref, v_ref: [max_len, head_dim] this sequence's and kv head's cache.
+      vis_ref (if has_visible): [width, width] int8 tree visibility.
+      outputs, split_k == 1: o_ref [width, q_heads, head_dim].
+      outputs, split_k > 1: acc_ref [block_q, head_dim] f32 (unnormalised), m_ref and l_ref
+        [block_q] f32 (running max in log2 units and sum of exp2).
+    """
+    if has_visible:
+        vis_ref, *out_refs = refs
+    else:
+        vis_ref, out_refs = None, refs
+    kv_head = pl.program_id(1)
+    row_block = pl.program_id(2)
+    split = pl.program_id(3)
+    prefix_len = lens_ref[0]
+    tree_end = prefix_len + width
+
+    # Row r of this kv head is token r // group, q head kv_head * group + r % group, so the
+    # group's heads share every K/V tile. Padding rows reuse the last token; never stored.
+    rows = row_block * block_q + jnp.arange(block_q, dtype=jnp.int32)
+    row_ok = rows < width * group
+    token = jnp.minimum(rows // group, width - 1)
+    head = kv_head * group + rows % group
+    # All-integer indexers: interpret mode cannot mix index arrays with slices.
+    dims = jnp.arange(q_ref.shape[-1], dtype=jnp.int32)[None, :]
+    q_index = (token[:, None], head[:, None], dims)
+    q = q_ref[q_index]  # [block_q, head_dim] gather
+
+    # Key blocks [0, num_clean) lie wholly in the prefix and need no mask; the rest, up to the
+    # end of the tree, are masked. Split s takes a contiguous share of all blocks.
+    num_clean = prefix_len // block_k
+    num_blocks = pl.cdiv(tree_end, block_k)
+    per_split = pl.cdiv(num_blocks, split_k)
+    lo = split * per_split
+    hi = jnp.minimum(lo + per_split, num_blocks)
+    key_offsets = jnp.arange(block_k, dtype=jnp.int32)
+
+    def step(block, carry, masked: bool):
+        acc, m_prev, l_prev = carry
+        start = block * block_k
+        keys = start + key_offsets
+        if masked:
+            # Slots at or past L+W may hold anything (even NaN); never read them.
+            in_range = (keys < tree_end)[:, None]
+            k_tile = plgpu.load(k_ref.at[pl.ds(start, block_k), :], mask=in_range, other=0.0)
+            v_tile = plgpu.load(v_ref.at[pl.ds(start, block_k), :], mask=in_range, other=0.0)
+        else:
+            # plgpu.load rather than ref[...]: its interpret-mode rule tolerates a block that
+            # runs past max_len (only ever traced then, never executed).
+            k_tile = plgpu.load(k_ref.at[pl.ds(start, block_k), :])
+            v_tile = plgpu.load(v_ref.at[pl.ds(start, block_k), :])
+        scores = lax.dot_general(q, k_tile, (((1,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32) * qk_scale
+        if masked:
+            tree_pos = keys - prefix_len  # [block_k]; negative inside the prefix
+            if has_visible:
+                col = jnp.clip(tree_pos, 0, width - 1)
+                vis = vis_ref[token[:, None], col[None, :]] != 0  # [block_q, block_k] gather
+                in_tree = (tree_pos >= 0) & (keys < tree_end)
+                seen = (tree_pos < 0)[None, :] | (in_tree[None, :] & vis)
+            else:
+                # Causal: slot L+s is seen by token t iff s <= t (prefix slots have s < 0).
+                seen = tree_pos[None, :] <= token[:, None]
+            scores = jnp.where(seen, scores, -jnp.inf)
+        m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1))
+        alpha = jnp.exp2(m_prev - m_next)
+        p = jnp.exp2(scores - m_next[:, None])
+        l_next = l_prev * alpha + jnp.sum(p, axis=1)
+        pv = lax.dot_general(p.astype(v_tile.dtype), v_tile, (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+        return acc * alpha[:, None] + pv, m_next, l_next
+
+    head_dim = q_ref.shape[-1]
+    carry = (jnp.zeros((block_q, head_dim), jnp.float32),
+             jnp.full((block_q,), _M_INIT, jnp.float32),
+             jnp.zeros((block_q,), jnp.float32))
+    carry = lax.fori_loop(lo, jnp.minimum(hi, num_clean),
+                          functools.partial(step, masked=False), carry)
+    carry = lax.fori_loop(jnp.maximum(lo, num_clean), hi,
+                          functools.partial(step, masked=True), carry)
+    acc, m_i, l_i = carry
+
+    if split_k == 1:
+        (o_ref,) = out_refs
+        out = jnp.where(l_i[:, None] > 0, acc / jnp.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+        # A padding row repeats a real row's (token, head) and computes the same values, so
+        # storing it too is harmless. Interpret mode needs that: its masked scatter writes the
+        # old contents back at masked duplicates, which could clobber the real row.
+        mask = None if interpret else row_ok[:, None]
+        plgpu.store(o_ref.at[q_index], out.astype(o_ref.dtype), mask=mask)
+    else:
+        acc_ref, m_ref, l_ref = out_refs
+        acc_ref[...] = acc
+        m_ref[...] = m_i
+        l_ref[...] = l_i
+
+
+def _combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array, width: int, group: int,
+                    dtype: jnp.dtype) -> jax.Array:
+    """Merges split-K partials.
+
+    Args:
+      acc: [batch, kv_heads, split_k, rows_padded, head_dim] f32 unnormalised outputs.
+      m, l: [batch, kv_heads, split_k, rows_padded] f32 running max (log2 units) and sum.
+    Returns:
+      [batch, width, kv_heads * group, head_dim] in dtype.
+    """
+    m_all = jnp.max(m, axis=2, keepdims=True)
+    w = jnp.exp2(m - m_all)  # empty splits have m = _M_INIT and l = 0: weight irrelevant
+    denom = jnp.sum(w * l, axis=2)
+    num = jnp.sum(w[..., None] * acc, axis=2)
+    out = jnp.where(denom[..., None] > 0, num / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
+    batch, kv_heads, _, head_dim = out.shape
+    out = out[:, :, :width * group].reshape(batch, kv_heads, width, group, head_dim)
+    out = jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(batch, width, kv_heads * group, head_dim)
+    return out.astype(dtype)
+
+
+def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Array,
+                          visible: jax.Array | None = None, *, scale: float | None = None,
+                          block_q: int | None = None, block_k: int | None = None,
+                          num_warps: int | None = None, num_stages: int | None = None,
+                          split_k: int | None = None, interpret: bool = False) -> jax.Array:
+    """Tree attention as a Pallas Triton kernel; same contract as ``tree_attention_reference``.
+
+    Grid: (batch, kv_heads, row blocks, split_k). Block sizes left as None come from
+    ``default_block_sizes``.
+    """
+    batch, width, q_heads, kv_heads, head_dim, max_len = _check_shapes(q, k, v, prefix_lens,
+                                                                       visible)
+    group = q_heads // kv_heads
+    defaults = default_block_sizes(batch, width, group, kv_heads, head_dim, max_len)
+    block_q = defaults.block_q if block_q is None else block_q
+    block_k = defaults.block_k if block_k is None else block_k
+    num_warps = defaults.num_warps if num_warps is None else num_warps
+    num_stages = defaults.num_stages if num_stages is None else num_stages
+    split_k = defaults.split_k if split_k is None else split_k
+    for name, size in (("block_q", block_q), ("block_k", block_k), ("head_dim", head_dim)):
+        if size < _MIN_BLOCK or size & (size - 1):
+            raise ValueError(f"{name}={size} must be a power of two >= {_MIN_BLOCK} (Triton)")
+    if split_k < 1:
+        raise ValueError(f"split_k={split_k} must be >= 1")
+    scale = head_dim ** -0.5 if scale is None else scale
+
+    rows = width * group
+    row_blocks = pl.cdiv(rows, block_q)
+    grid = (batch, kv_heads, row_blocks, split_k)
+    sq = _squeezed()
+    in_specs = [
+        pl.BlockSpec((1,), lambda b, h, i, s: (b,)),
+        pl.BlockSpec((sq, width, q_heads, head_dim), lambda b, h, i, s: (b, 0, 0, 0)),
+        pl.BlockSpec((sq, max_len, sq, head_dim), lambda b, h, i, s: (b, 0, h, 0)),
+        pl.BlockSpec((sq, max_len, sq, head_dim), lambda b, h, i, s: (b, 0, h, 0)),
+    ]
+    args = [prefix_lens.astype(jnp.int32), q, k, v]
+    if visible is not None:
+        in_specs.append(pl.BlockSpec((sq, width, width), lambda b, h, i, s: (b, 0, 0)))
+        args.append(visible.astype(jnp.int8))
+    if split_k == 1:
+        # Programs of one sequence write disjoint rows of the same output block.
+        out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+        out_specs = pl.BlockSpec((sq, width, q_heads, head_dim), lambda b, h, i, s: (b, 0, 0, 0))
+    else:
+        padded = row_blocks * block_q
+        out_shape = (
+            jax.ShapeDtypeStruct((batch, kv_heads, split_k, padded, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, kv_heads, split_k, padded), jnp.float32),
+            jax.ShapeDtypeStruct((batch, kv_heads, split_k, padded), jnp.float32),
+        )
+        out_specs = (
+            pl.BlockSpec((sq, sq, sq, block_q, head_dim), lambda b, h, i, s: (b, h, s, i, 0)),
+            pl.BlockSpec((sq, sq, sq, block_q), lambda b, h, i, s: (b, h, s, i)),
+            pl.BlockSpec((sq, sq, sq, block_q), lambda b, h, i, s: (b, h, s, i)),
+        )
+    kernel = functools.partial(
+        _tree_attention_kernel, width=width, group=group, block_q=block_q, block_k=block_k,
+        split_k=split_k, qk_scale=float(scale) * _LOG2E, has_visible=visible is not None,
+        interpret=interpret)
+    result = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="tree_attention",
+    )(*args)
+    if split_k == 1:
+        return result
+    return _combine_splits(*result, width=width, group=group, dtype=q.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Dispatcher
+# --------------------------------------------------------------------------------------------
+
+def resolve_impl(impl: Impl = "auto") -> str:
+    """The implementation ``tree_attention`` runs for ``impl``: "pallas" on a GPU backend."""
+    if impl == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "reference"
+    if impl not in ("pallas", "reference", "interpret"):
+        raise ValueError(f"impl must be auto, pallas, reference or interpret, got {impl!r}")
+    return impl
+
+
+def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Array,
+                   visible: jax.Array | None = None, *, scale: float | None = None,
+                   impl: Impl = "auto") -> jax.Array:
+    """Attention of W new tokens over one layer's KV cache (prefix + tree visibility).
+
+    Args:
+      q: [batch, width, q_heads, head_dim].
+      k, v: [batch, max_len, kv_heads, head_dim]; the new tokens' K/V already at slots
+        prefix_lens[b] .. prefix_lens[b]+width-1.
+      prefix_lens: [batch] int32.
+      visible: [batch, width, width] bool, or None for causal among the new tokens.
+      impl: "auto" (Pallas on GPU, reference elsewhere), "pallas", "reference", "interpret".
+    Returns:
+      [batch, width, q_heads, head_dim] in q's dtype.
+    """
+    which = resolve_impl(impl)
+    if which == "reference":
+        return tree_attention_reference(q, k, v, prefix_lens, visible, scale=scale)
+    return tree_attention_pallas(q, k, v, prefix_lens, visible, scale=scale,
+                                 interpret=which == "interpret")

@@ -1,0 +1,308 @@
+"""Draft-tree builders: brute force, the paper's heap, structure, chain, arguments, jit."""
+from __future__ import annotations
+
+import heapq
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax.tree import Tree, ancestors_visible, build_tree, chain_tree, tree_width
+
+
+# ---------------------------------------------------------------------------------------------
+# References written independently of the library.
+
+def _token_ranks(lp_d: np.ndarray) -> np.ndarray:
+    """rank[token] within one depth: higher log-prob first, equal log-probs by lower token id."""
+    order = np.argsort(-lp_d, kind="stable")
+    rank = np.empty_like(order)
+    rank[order] = np.arange(order.size)
+    return rank
+
+
+def brute_force(lp: np.ndarray, budget: int) -> list[tuple[tuple[int, ...], np.float32]]:
+    """All prefixes of depth <= D, best `budget` first by (score desc, depth, rank in depth).
+
+    lp: [depth, vocab] float32. Rank in a depth orders by (score desc, parent's rank, token
+    rank): the documented tie-break. Scores are accumulated in float32 root-to-leaf, as on device.
+    Returns [(path, score)] in slot order: by depth, then rank within the depth.
+    """
+    depth, vocab = lp.shape
+    level: list[tuple[tuple[int, ...], np.float32]] = [((), np.float32(0.0))]
+    everything = []
+    for d in range(depth):
+        rank = _token_ranks(lp[d])
+        children = []
+        for parent_rank, (path, score) in enumerate(level):
+            for tok in range(vocab):
+                s = np.float32(score + lp[d, tok])
+                children.append(((-s, parent_rank, rank[tok]), path + (tok,), s))
+        children.sort(key=lambda c: c[0])
+        level = [(path, s) for _, path, s in children]
+        everything += [((-s, d, r), d, r, path, s) for r, (path, s) in enumerate(level)]
+    everything.sort(key=lambda e: e[0])
+    best = sorted(everything[:budget], key=lambda e: (e[1], e[2]))
+    return [(path, s) for _, _, _, path, s in best]
+
+
+def heap_tree(lp: np.ndarray, budget: int) -> dict[tuple[int, ...], float]:
+    """DDTree's best-first heap: pop the best prefix, push its next sibling and its first child."""
+    depth, vocab = lp.shape
+    order = np.argsort(-lp, axis=1, kind="stable")
+    sorted_lp = np.take_along_axis(lp, order, axis=1)
+    # entry: (-score, tiebreak counter, depth index, token rank, parent path, parent score)
+    counter = itertools.count()
+    heap = [(-float(sorted_lp[0, 0]), next(counter), 0, 0, (), np.float32(0.0))]
+    taken: dict[tuple[int, ...], float] = {}
+    while heap and len(taken) < budget:
+        _, _, d, r, parent_path, parent_score = heapq.heappop(heap)
+        score = np.float32(parent_score + sorted_lp[d, r])
+        path = parent_path + (int(order[d, r]),)
+        taken[path] = float(score)
+        if r + 1 < vocab:
+            sib = np.float32(parent_score + sorted_lp[d, r + 1])
+            heapq.heappush(heap, (-float(sib), next(counter), d, r + 1, parent_path, parent_score))
+        if d + 1 < depth:
+            child = np.float32(score + sorted_lp[d + 1, 0])
+            heapq.heappush(heap, (-float(child), next(counter), d + 1, 0, path, score))
+    return taken
+
+
+def tree_paths(tree: Tree, b: int) -> list[tuple[tuple[int, ...], float]]:
+    """[(token path below the root, score)] for the valid non-root slots, in slot order."""
+    tokens, parents = np.asarray(tree.tokens[b]), np.asarray(tree.parents[b])
+    valid, scores = np.asarray(tree.valid[b]), np.asarray(tree.scores[b])
+    out = []
+    for i in range(1, tree.width):
+        if not valid[i]:
+            continue
+        path, j = [], i
+        while j > 0:
+            path.append(int(tokens[j]))
+            j = int(parents[j])
+        out.append((tuple(reversed(path)), float(scores[i])))
+    return out
+
+
+def check_structure(tree: Tree, n_valid: int) -> None:
+    """Invariants every tree must satisfy, checked with plain loops."""
+    batch, width = tree.tokens.shape
+    assert width % 16 == 0
+    for arr in (tree.parents, tree.depths, tree.valid, tree.scores):
+        assert arr.shape == (batch, width)
+    assert tree.visible.shape == (batch, width, width)
+    assert tree.tokens.dtype == jnp.int32 and tree.parents.dtype == jnp.int32
+    assert tree.depths.dtype == jnp.int32 and tree.valid.dtype == jnp.bool_
+    assert tree.scores.dtype == jnp.float32 and tree.visible.dtype == jnp.bool_
+    parents, depths = np.asarray(tree.parents), np.asarray(tree.depths)
+    valid, visible = np.asarray(tree.valid), np.asarray(tree.visible)
+    for b in range(batch):
+        assert valid[b].sum() == n_valid
+        assert valid[b, :n_valid].all(), "valid slots come first"
+        assert parents[b, 0] == -1 and depths[b, 0] == 0
+        for i in range(width):
+            expect = np.zeros(width, bool)
+            if valid[b, i]:
+                j = i
+                while j >= 0:
+                    expect[j] = True
+                    j = int(parents[b, j])
+                if i > 0:
+                    p = parents[b, i]
+                    assert 0 <= p < i and valid[b, p]
+                    assert depths[b, i] == depths[b, p] + 1
+            else:
+                expect[i] = True
+            np.testing.assert_array_equal(visible[b, i], expect, err_msg=f"row {i}")
+
+
+def random_log_probs(key: int, shape: tuple[int, ...], sharpness: float = 2.0) -> np.ndarray:
+    logits = sharpness * jax.random.normal(jax.random.PRNGKey(key), shape)
+    return np.array(jax.nn.log_softmax(logits, axis=-1), np.float32)
+
+
+def n_prefixes(depth: int, vocab: int) -> int:
+    return sum(vocab ** d for d in range(1, depth + 1))
+
+
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("depth,vocab", [(3, 6), (4, 5), (3, 2)])
+@pytest.mark.parametrize("budget", [1, 2, 7, 31, 64])
+def test_equals_brute_force(depth: int, vocab: int, budget: int) -> None:
+    batch = 3
+    lp = random_log_probs(depth * 100 + vocab * 10 + budget, (batch, depth, vocab))
+    roots = jnp.arange(batch, dtype=jnp.int32) + 100
+    tree = build_tree(jnp.asarray(lp), roots, budget)
+    n_nodes = min(budget, n_prefixes(depth, vocab))
+    check_structure(tree, 1 + n_nodes)
+    np.testing.assert_array_equal(np.asarray(tree.tokens[:, 0]), np.asarray(roots))
+    for b in range(batch):
+        got = tree_paths(tree, b)
+        want = brute_force(lp[b], budget)
+        assert [p for p, _ in got] == [p for p, _ in want]
+        np.testing.assert_array_equal([s for _, s in got], [s for _, s in want])
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("budget", [3, 17, 40])
+def test_ties_are_deterministic_and_prefix_closed(seed: int, budget: int) -> None:
+    # Dyadic values sum exactly, so ties stay ties; 0 log-probs make children tie their parents
+    # and -inf makes whole subtrees tie each other.
+    depth, vocab = 4, 4
+    rng = np.random.default_rng(seed)
+    lp = rng.choice(np.array([0.0, -0.5, -1.0, -np.inf], np.float32), size=(2, depth, vocab))
+    lp[0] = -1.0  # uniform: every prefix of a depth ties
+    tree = build_tree(jnp.asarray(lp), jnp.array([1, 2], jnp.int32), budget)
+    check_structure(tree, 1 + min(budget, n_prefixes(depth, vocab)))
+    for b in range(2):
+        got = tree_paths(tree, b)
+        want = brute_force(lp[b], budget)
+        assert [p for p, _ in got] == [p for p, _ in want]
+        np.testing.assert_array_equal([s for _, s in got], [s for _, s in want])
+
+
+def test_parent_wins_tie_with_child_even_for_negative_zero() -> None:
+    # top_k orders -0.0 below +0.0; the child (-0.0 + 0.0 = +0.0) must still not beat its parent.
+    lp = jnp.array([[[-0.0, -1.0], [0.0, -1.0]]], jnp.float32)
+    tree = build_tree(lp, jnp.array([5]), 1)
+    assert tree_paths(tree, 0) == [((0,), 0.0)]
+    tree = build_tree(lp, jnp.array([5]), 2)
+    assert tree_paths(tree, 0) == [((0,), 0.0), ((0, 0), 0.0)]
+
+
+def test_nan_and_positive_log_probs_keep_the_tree_closed() -> None:
+    lp = random_log_probs(7, (2, 4, 5))
+    lp[0, 1, 2] = np.nan
+    lp[1, 2, 0] = 3.0
+    tree = build_tree(jnp.asarray(lp), jnp.array([0, 0]), 20)
+    check_structure(tree, 21)
+
+
+def test_equals_best_first_heap_realistic_shapes() -> None:
+    batch, depth, vocab, budget = 2, 15, 1000, 256
+    lp = random_log_probs(11, (batch, depth, vocab), sharpness=4.0)
+    tree = build_tree(jnp.asarray(lp), jnp.array([3, 4], jnp.int32), budget)
+    assert tree.width == 272
+    check_structure(tree, 1 + budget)
+    for b in range(batch):
+        got = dict(tree_paths(tree, b))
+        want = heap_tree(lp[b], budget)
+        assert got.keys() == want.keys()
+        for path, score in want.items():
+            assert got[path] == pytest.approx(score, rel=1e-6, abs=1e-6)
+
+
+def test_tree_width() -> None:
+    assert tree_width(1) == 16
+    assert tree_width(15) == 16
+    assert tree_width(16) == 32
+    assert tree_width(255) == 256
+    assert tree_width(256) == 272
+    assert tree_width(512) == 528
+    assert tree_width(7, row_block=8) == 8
+
+
+def test_explicit_wider_width_pads() -> None:
+    lp = random_log_probs(3, (1, 3, 6))
+    tree = build_tree(jnp.asarray(lp), jnp.array([9]), 7, width=48)
+    assert tree.width == 48
+    check_structure(tree, 8)
+    assert np.all(np.asarray(tree.parents[0, 8:]) == -1)
+    assert np.all(np.isneginf(np.asarray(tree.scores[0, 8:])))
+
+
+def test_ancestors_visible_on_hand_tree() -> None:
+    #        0
+    #      /   \
+    #     1     2
+    #    / \     \
+    #   3   4     5      slot 6: padding
+    parents = jnp.array([[-1, 0, 0, 1, 1, 2, -1]], jnp.int32)
+    valid = jnp.array([[True] * 6 + [False]])
+    expect = np.zeros((7, 7), bool)
+    for i, anc in enumerate([[0], [0, 1], [0, 2], [0, 1, 3], [0, 1, 4], [0, 2, 5], [6]]):
+        expect[i, anc] = True
+    np.testing.assert_array_equal(np.asarray(ancestors_visible(parents, valid))[0], expect)
+    np.testing.assert_array_equal(np.asarray(ancestors_visible(parents, valid, max_depth=2))[0],
+                                  expect)
+
+
+def test_chain_tree() -> None:
+    block = jnp.array([[10, 11, 12, 13, 14], [20, 21, 22, 23, 24]], jnp.int32)
+    tree = chain_tree(block)
+    assert tree.width == 16
+    check_structure(tree, 5)
+    np.testing.assert_array_equal(np.asarray(tree.tokens[:, :5]), np.asarray(block))
+    np.testing.assert_array_equal(np.asarray(tree.parents[0, :5]), [-1, 0, 1, 2, 3])
+    np.testing.assert_array_equal(np.asarray(tree.depths[1, :5]), [0, 1, 2, 3, 4])
+    causal = np.tril(np.ones((5, 5), bool))
+    np.testing.assert_array_equal(np.asarray(tree.visible[:, :5, :5]), np.stack([causal] * 2))
+    # Same mask as the general helper would compute from the parents.
+    np.testing.assert_array_equal(np.asarray(tree.visible),
+                                  np.asarray(ancestors_visible(tree.parents, tree.valid)))
+    assert chain_tree(jnp.zeros((1, 16), jnp.int32)).width == 16
+    assert chain_tree(jnp.zeros((1, 17), jnp.int32)).width == 32
+    assert chain_tree(block, width=5).width == 5
+
+
+def test_bad_arguments_name_the_argument() -> None:
+    lp = jnp.zeros((2, 3, 5), jnp.float32)
+    roots = jnp.zeros((2,), jnp.int32)
+    with pytest.raises(ValueError, match="budget"):
+        build_tree(lp, roots, 0)
+    with pytest.raises(ValueError, match="budget"):
+        build_tree(lp, roots, 2.0)
+    with pytest.raises(ValueError, match="budget"):
+        build_tree(lp, roots, jnp.int32(4))
+    with pytest.raises(ValueError, match="width"):
+        build_tree(lp, roots, 16, width=16)
+    with pytest.raises(ValueError, match="log_probs"):
+        build_tree(lp[0], roots, 4)
+    with pytest.raises(ValueError, match="log_probs"):
+        build_tree(lp[:, :0], roots, 4)
+    with pytest.raises(ValueError, match="log_probs"):
+        build_tree(lp.astype(jnp.int32), roots, 4)
+    with pytest.raises(ValueError, match="root_tokens"):
+        build_tree(lp, roots[:1], 4)
+    with pytest.raises(ValueError, match="root_tokens"):
+        build_tree(lp, roots[:, None], 4)
+    with pytest.raises(ValueError, match="root_tokens"):
+        build_tree(lp, roots.astype(jnp.float32), 4)
+    with pytest.raises(ValueError, match="budget"):
+        tree_width(0)
+    with pytest.raises(ValueError, match="row_block"):
+        tree_width(4, row_block=0)
+    with pytest.raises(ValueError, match="block_tokens"):
+        chain_tree(jnp.zeros((4,), jnp.int32))
+    with pytest.raises(ValueError, match="width"):
+        chain_tree(jnp.zeros((1, 8), jnp.int32), width=7)
+    with pytest.raises(ValueError, match="valid"):
+        ancestors_visible(jnp.zeros((1, 4), jnp.int32), jnp.ones((1, 5), bool))
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_runs_under_jit(batch: int) -> None:
+    lp = jnp.asarray(random_log_probs(5, (batch, 6, 50)))
+    roots = jnp.arange(batch, dtype=jnp.int32)
+    jitted = jax.jit(build_tree, static_argnames=("budget", "width"))
+    tree = jitted(lp, roots, budget=24)
+    eager = build_tree(lp, roots, 24)
+    for a, b in zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(eager)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    check_structure(tree, 25)
+
+    @jax.jit
+    def round_trip(lp: jax.Array, roots: jax.Array) -> tuple[Tree, Tree]:
+        blocks = jnp.concatenate([roots[:, None], jnp.argmax(lp, axis=-1).astype(jnp.int32)], 1)
+        return build_tree(lp, roots, 24), chain_tree(blocks)
+
+    tree2, chain = round_trip(lp, roots)
+    np.testing.assert_array_equal(np.asarray(tree2.tokens), np.asarray(tree.tokens))
+    # The chain of per-depth argmaxes is the leftmost path of the tree.
+    greedy = tree_paths(tree, 0)
+    path = tuple(int(t) for t in np.asarray(chain.tokens[0, 1:7]))
+    assert path[:1] in {p for p, _ in greedy}
