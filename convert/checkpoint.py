@@ -1,0 +1,132 @@
+"""Converted models on disk: orbax params + a JSON file with the config, for fast reloads.
+
+Layout of a checkpoint directory:
+    dflash_jax_model.json   marker + format version + ModelConfig + saved dtype (written LAST,
+                            so a directory whose save was interrupted is never taken for a checkpoint)
+    params/                 orbax StandardCheckpointer tree of ModelParams
+    tokenizer/              optional, `tokenizer.save_pretrained` output
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from convert.layout import ConversionError, ShardingsArg, sharding_lookup
+from dflash_jax.config import ModelConfig, RopeConfig
+from dflash_jax.model import ModelParams, model_specs
+from dflash_jax.params import is_spec, path_str
+
+MARKER = "dflash_jax_model.json"
+FORMAT = "dflash-jax/model-params"
+VERSION = 1
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / MARKER).is_file()
+
+
+def config_to_dict(cfg: ModelConfig) -> dict[str, Any]:
+    d = dataclasses.asdict(cfg)
+    d["eos_token_ids"] = list(cfg.eos_token_ids)
+    return d
+
+
+def config_from_dict(d: dict[str, Any], source: str) -> ModelConfig:
+    """Inverse of config_to_dict; unknown or missing fields fail naming the file."""
+    d = dict(d)
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ConversionError(f"{source}: unknown config fields {unknown} (written by a newer version?)")
+    try:
+        d["rope"] = RopeConfig(**d.get("rope", {}))
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        return ModelConfig(**d)
+    except (TypeError, ValueError) as err:
+        raise ConversionError(f"{source}: bad config: {err}") from None
+
+
+def _dtype_name(params: ModelParams) -> str:
+    dtypes = {np.dtype(x.dtype).name for x in jax.tree.leaves(params)}
+    if len(dtypes) != 1:
+        raise ConversionError(f"params mix dtypes {sorted(dtypes)}; cast them to one first")
+    return dtypes.pop()
+
+
+def save_checkpoint(path: str | Path, cfg: ModelConfig, params: ModelParams, tokenizer: Any = None,
+                    *, overwrite: bool = False) -> Path:
+    """Writes params (orbax), config (JSON) and optionally the tokenizer to directory `path`."""
+    path = Path(path).absolute()  # orbax wants absolute paths
+    if path.exists() and any(path.iterdir()):
+        if not overwrite:
+            raise ConversionError(f"{path}: destination exists and is not empty")
+        if not is_checkpoint(path):
+            # Refuse to delete a directory we did not write.
+            raise ConversionError(f"{path}: destination is not a dflash-jax checkpoint; not overwriting it")
+        shutil.rmtree(path)
+    path.mkdir(parents=True, exist_ok=True)
+    dtype = _dtype_name(params)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(path / "params", params)
+        ckpt.wait_until_finished()
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(path / "tokenizer"))
+    meta = {"format": FORMAT, "version": VERSION, "dtype": dtype, "config": config_to_dict(cfg)}
+    (path / MARKER).write_text(json.dumps(meta, indent=2) + "\n")
+    return path
+
+
+def read_meta(path: str | Path) -> tuple[ModelConfig, str]:
+    """-> (config, saved dtype name) from a checkpoint directory's marker file."""
+    marker = Path(path) / MARKER
+    if not marker.is_file():
+        raise ConversionError(f"{path}: not a dflash-jax checkpoint ({MARKER} is missing)")
+    try:
+        meta = json.loads(marker.read_text())
+    except json.JSONDecodeError as err:
+        raise ConversionError(f"{marker}: not valid JSON ({err})") from None
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise ConversionError(f"{marker}: format {meta.get('format')!r} version {meta.get('version')!r} "
+                              f"is not {FORMAT!r} version {VERSION}")
+    return config_from_dict(meta["config"], str(marker)), meta["dtype"]
+
+
+def load_checkpoint(path: str | Path, *, dtype: Any = None, shardings: ShardingsArg = None
+                    ) -> tuple[ModelConfig, ModelParams]:
+    """Restores (config, params). dtype: None keeps the saved dtype; otherwise cast on restore.
+
+    shardings: as for `convert.hf_safetensors.load_hf` (default: the first device).
+    """
+    path = Path(path).absolute()
+    cfg, saved_dtype = read_meta(path)
+    dtype = jnp.dtype(dtype or saved_dtype)
+    specs = model_specs(cfg)
+    lookup = sharding_lookup(shardings, specs)
+    default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
+    target = jax.tree_util.tree_unflatten(treedef, [
+        jax.ShapeDtypeStruct(s.shape, dtype, sharding=lookup(path_str(p), s) or default) for p, s in leaves])
+    try:
+        with ocp.StandardCheckpointer() as ckpt:
+            params = ckpt.restore(path / "params", target)
+    except Exception as err:  # orbax raises a variety of types for missing/mismatched arrays
+        raise ConversionError(f"{path / 'params'}: cannot restore params: {err}") from err
+    return cfg, params
+
+
+def load_checkpoint_tokenizer(path: str | Path) -> Any:
+    """The tokenizer saved beside the params, or None."""
+    tok_dir = Path(path) / "tokenizer"
+    if not tok_dir.is_dir():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tok_dir))

@@ -1,0 +1,176 @@
+"""Hugging Face safetensors checkpoints (Qwen3, Llama) -> `(ModelConfig, ModelParams)`.
+
+Accepted inputs:
+- a directory with `config.json` and `model.safetensors`, or with sharded
+  `model-0000x-of-0000y.safetensors` files and `model.safetensors.index.json`;
+- a single `.safetensors` file (config from `config=` or a `config.json` beside it);
+- a `*.safetensors.index.json` file.
+
+Tensors stream one at a time: read (memory-mapped by safetensors), cast, re-laid out, and
+placed on device (optionally straight into a per-tensor sharding), so a checkpoint never needs
+two full host copies.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+import jax.numpy as jnp
+from safetensors import safe_open
+
+from convert.layout import (HEADS_BIAS, HEADS_IN, HEADS_OUT, IDENTITY, TRANSPOSE, Assembler,
+                            ConversionError, MappingTable, Rule, ShardingsArg)
+from dflash_jax.config import ConfigError, ModelConfig, load_json, model_config_from_dict
+from dflash_jax.model import ModelParams, model_specs
+
+_L = "model.layers.{i}."
+
+# HF name -> our path. Shapes: HF Linear weights are [out, in]; ours are [in, ...out] (see layout.py).
+HF_TABLE = MappingTable([
+    Rule("model.embed_tokens.weight", "embed", IDENTITY),  # [vocab, embed]
+    Rule("model.norm.weight", "final_norm", IDENTITY),  # [embed]
+    Rule("lm_head.weight", "lm_head", TRANSPOSE),  # [vocab, embed] -> [embed, vocab]
+    Rule(_L + "input_layernorm.weight", "layers.{i}.attn_norm", IDENTITY),
+    Rule(_L + "post_attention_layernorm.weight", "layers.{i}.mlp_norm", IDENTITY),
+    Rule(_L + "self_attn.q_proj.weight", "layers.{i}.attn.q", HEADS_IN),  # [qh*hd, e] -> [e, qh, hd]
+    Rule(_L + "self_attn.k_proj.weight", "layers.{i}.attn.k", HEADS_IN),  # [kvh*hd, e] -> [e, kvh, hd]
+    Rule(_L + "self_attn.v_proj.weight", "layers.{i}.attn.v", HEADS_IN),
+    Rule(_L + "self_attn.o_proj.weight", "layers.{i}.attn.o", HEADS_OUT),  # [e, qh*hd] -> [qh, hd, e]
+    Rule(_L + "self_attn.q_norm.weight", "layers.{i}.attn.q_norm", IDENTITY),  # [hd] (qwen3)
+    Rule(_L + "self_attn.k_norm.weight", "layers.{i}.attn.k_norm", IDENTITY),
+    Rule(_L + "self_attn.q_proj.bias", "layers.{i}.attn.q_bias", HEADS_BIAS),  # [qh*hd] -> [qh, hd]
+    Rule(_L + "self_attn.k_proj.bias", "layers.{i}.attn.k_bias", HEADS_BIAS),
+    Rule(_L + "self_attn.v_proj.bias", "layers.{i}.attn.v_bias", HEADS_BIAS),
+    Rule(_L + "self_attn.o_proj.bias", "layers.{i}.attn.o_bias", IDENTITY),  # [e]
+    Rule(_L + "mlp.gate_proj.weight", "layers.{i}.mlp.gate", TRANSPOSE),  # [mlp, e] -> [e, mlp]
+    Rule(_L + "mlp.up_proj.weight", "layers.{i}.mlp.up", TRANSPOSE),
+    Rule(_L + "mlp.down_proj.weight", "layers.{i}.mlp.down", TRANSPOSE),  # [e, mlp] -> [mlp, e]
+])
+
+# Older checkpoints store RoPE's inverse frequencies as a buffer; we recompute them from config.
+_IGNORED_SUFFIXES = (".self_attn.rotary_emb.inv_freq",)
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+def _resolve_files(path: Path) -> tuple[list[Path], dict[str, str] | None, Path | None]:
+    """-> (shard files in order, index weight_map or None, the index file or None)."""
+    if path.is_dir():
+        if (path / INDEX_NAME).exists():
+            return _read_index(path / INDEX_NAME)
+        if (path / SINGLE_NAME).exists():
+            return [path / SINGLE_NAME], None, None
+        found = sorted(path.glob("*.safetensors"))
+        if len(found) == 1:
+            return found, None, None
+        raise ConversionError(
+            f"{path}: no {SINGLE_NAME} or {INDEX_NAME} found"
+            + (f" (and {len(found)} other .safetensors files, which is ambiguous)" if found else ""))
+    if path.name.endswith(".index.json"):
+        return _read_index(path)
+    if path.suffix == ".safetensors":
+        if not path.exists():
+            raise ConversionError(f"{path}: file not found")
+        return [path], None, None
+    raise ConversionError(f"{path}: not a safetensors checkpoint (expected a directory, a "
+                          f".safetensors file or a .safetensors.index.json file)")
+
+
+def _read_index(index: Path) -> tuple[list[Path], dict[str, str], Path]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as err:
+        raise ConversionError(f"{index}: not a valid safetensors index ({err!r})") from None
+    files: list[Path] = []
+    for name, file in weight_map.items():
+        shard = index.parent / file
+        if shard not in files:
+            if not shard.exists():
+                raise ConversionError(f"{index}: shard {file!r} (holding {name!r}) does not exist")
+            files.append(shard)
+    return files, weight_map, index
+
+
+def _open(file: Path):
+    try:
+        return safe_open(str(file), framework="numpy")
+    except Exception as err:  # SafetensorError does not subclass anything more specific
+        raise ConversionError(f"{file}: cannot read safetensors file (truncated or corrupt?): "
+                              f"{err}") from None
+
+
+def _check_shard_keys(files: list[Path], weight_map: dict[str, str] | None, index: Path | None
+                      ) -> None:
+    """Reads only headers: every tensor in exactly one shard, and where the index says."""
+    where: dict[str, Path] = {}
+    for file in files:
+        with _open(file) as f:
+            for name in f.keys():
+                if name in where:
+                    raise ConversionError(f"{file}: duplicate tensor {name!r}, also in {where[name]}")
+                where[name] = file
+    if weight_map is None:
+        return
+    for name, file in weight_map.items():
+        if name not in where:
+            raise ConversionError(f"{index}: missing tensor {name!r}: listed in shard {file!r}, "
+                                  f"which does not contain it")
+        if where[name].name != Path(file).name:
+            raise ConversionError(f"{where[name]}: tensor {name!r} is here, but {index} puts it in "
+                                  f"{file!r}")
+    for name, file in where.items():
+        if name not in weight_map:
+            raise ConversionError(f"{file}: tensor {name!r} is not listed in {index}")
+
+
+def _config(path: Path, config: Any) -> ModelConfig:
+    """config: None (find config.json), a path, a parsed dict, or a ModelConfig."""
+    if isinstance(config, ModelConfig):
+        return config
+    try:
+        if isinstance(config, Mapping):
+            return model_config_from_dict(config, source="config")
+        if config is None:
+            base = path if path.is_dir() else path.parent
+            config = base / "config.json"
+        config = Path(config)
+        return model_config_from_dict(load_json(config), source=str(config))
+    except ConfigError as err:
+        raise ConversionError(str(err)) from err
+
+
+def load_hf(path: str | Path, *, config: Any = None, dtype: Any = jnp.float32,
+            shardings: ShardingsArg = None) -> tuple[ModelConfig, ModelParams]:
+    """Loads an HF Qwen3/Llama safetensors checkpoint.
+
+    dtype: floating dtype of the result (float32 default; bfloat16 for GPU).
+    shardings: None (default device), a tree of Shardings matching `model_specs(cfg)`, or a
+    callable (dotted path, Spec) -> Sharding; each tensor is placed as it streams in.
+    """
+    path = Path(path)
+    files, weight_map, index = _resolve_files(path)
+    cfg = _config(path, config)
+    _check_shard_keys(files, weight_map, index)
+    asm = Assembler(model_specs(cfg), HF_TABLE, dtype, shardings)
+    for file in files:
+        with _open(file) as f:
+            for name in f.keys():
+                origin = f"{file}: {name!r}"
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                    continue  # some exporters write the tied copy too; the embedding is the weight
+                found = HF_TABLE.lookup(name)
+                if found is None:
+                    raise ConversionError(f"{origin}: unexpected tensor (no mapping for this name)")
+                rule, target = found
+                shape = tuple(f.get_slice(name).get_shape())
+                asm.claim(target, rule, shape, origin)
+                try:
+                    x = f.get_tensor(name)
+                except Exception as err:
+                    raise ConversionError(f"{origin}: cannot read tensor: {err}") from None
+                asm.put(target, rule, x)
+    return cfg, asm.finish(str(index or (files[0] if len(files) == 1 else path)))

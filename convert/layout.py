@@ -1,0 +1,198 @@
+"""Shared machinery of the converters: layout transforms, mapping tables, and the assembler.
+
+Every converter is a *mapping table*: source tensor name (with `{i}` for the layer index) ->
+our dotted param path + a `Layout` that turns the source layout into ours. Both HF
+safetensors and GGUF store matrices as `[out_features, in_features]` (GGUF's numpy view
+reverses ggml's dimension order, which lands on the same layout), so both tables share the
+layouts below.
+
+`Assembler` receives tensors one at a time, checks each against `model_specs(cfg)` BEFORE
+reading its data (unexpected name, duplicate, wrong shape), converts it, and places it on
+device immediately, so at most one source tensor is alive on the host at once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable, Iterable, Mapping
+
+import jax
+import ml_dtypes  # noqa: F401  registers bfloat16 with numpy (safetensors' numpy reader needs it)
+import numpy as np
+
+from dflash_jax.params import Spec, is_spec, path_str, spec_leaves_with_paths
+
+
+class ConversionError(ValueError):
+    """A checkpoint cannot be converted; the message names the file and the tensor or field."""
+
+
+# ----------------------------------------------------------------------------- layouts
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a source tensor becomes ours.
+
+    `source_shape(target_shape)` is the shape the source must have (checked before loading);
+    `apply(x, target_shape)` converts a source-layout array of that shape.
+    """
+
+    name: str
+    source_shape: Callable[[tuple[int, ...]], tuple[int, ...]]
+    apply: Callable[[np.ndarray, tuple[int, ...]], np.ndarray]
+
+
+# Norm weights, embeddings, output biases: same layout on both sides.
+IDENTITY = Layout("identity", lambda t: t, lambda x, t: x)
+
+# [out, in] -> [in, out]: our einsums contract the first axis (x @ W), torch's Linear the last.
+TRANSPOSE = Layout("transpose", lambda t: (t[1], t[0]), lambda x, t: x.T)
+
+# q/k/v projections: [heads * head_dim, embed] -> [embed, heads, head_dim]. Rows are head-major
+# (row = head * head_dim + j), so a reshape after the transpose splits heads correctly.
+HEADS_IN = Layout("split_heads_in", lambda t: (t[1] * t[2], t[0]), lambda x, t: x.T.reshape(t))
+
+# o projection: [embed, heads * head_dim] -> [heads, head_dim, embed].
+HEADS_OUT = Layout("split_heads_out", lambda t: (t[2], t[0] * t[1]), lambda x, t: x.T.reshape(t))
+
+# q/k/v biases: [heads * head_dim] -> [heads, head_dim].
+HEADS_BIAS = Layout("split_heads_bias", lambda t: (t[0] * t[1],), lambda x, t: x.reshape(t))
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One row of a mapping table: a source name template and where its tensor goes."""
+
+    source: str  # e.g. "model.layers.{i}.self_attn.q_proj.weight"
+    target: str  # e.g. "layers.{i}.attn.q"
+    layout: Layout
+    tag: str | None = None  # format-specific extra step (GGUF: "rope_q" / "rope_k" un-permutation)
+
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+class MappingTable:
+    """Looks up source names in a table of `Rule`s, and maps our paths back to source names."""
+
+    def __init__(self, rules: Iterable[Rule]):
+        self.rules = tuple(rules)
+        self._by_source = {r.source: r for r in self.rules}
+        self._by_target = {r.target: r for r in self.rules}
+        if len(self._by_source) != len(self.rules) or len(self._by_target) != len(self.rules):
+            raise ValueError("mapping table has a repeated source or target")  # programming error
+
+    def lookup(self, name: str) -> tuple[Rule, str] | None:
+        """source tensor name -> (rule, our dotted path), or None when no rule matches."""
+        match = _LAYER_INDEX.search(name)
+        if match:
+            # Replace only the first `.<digits>.`: that is the layer index in both formats.
+            template = name[:match.start()] + ".{i}." + name[match.end():]
+            rule = self._by_source.get(template)
+            if rule is not None:
+                return rule, rule.target.replace("{i}", match.group(1))
+        rule = self._by_source.get(name)
+        return (rule, rule.target) if rule is not None else None
+
+    def source_name(self, path: str) -> str:
+        """Our dotted path -> the source tensor name that provides it (for 'missing' errors)."""
+        match = re.search(r"\.(\d+)\.", path)
+        if match:
+            template = path[:match.start()] + ".{i}." + path[match.end():]
+            rule = self._by_target.get(template)
+            if rule is not None:
+                return rule.source.replace("{i}", match.group(1))
+        rule = self._by_target.get(path)
+        return rule.source if rule is not None else path
+
+
+# ----------------------------------------------------------------------------- shardings
+
+ShardingsArg = Any  # None | tree of jax.sharding.Sharding matching model_specs | callable(path, Spec)
+
+
+def sharding_lookup(shardings: ShardingsArg, specs: Any) -> Callable[[str, Spec], Any]:
+    """Normalises the `shardings` argument to a function (path, spec) -> Sharding | None."""
+    if shardings is None:
+        return lambda path, spec: None
+    if callable(shardings) and not isinstance(shardings, jax.sharding.Sharding):
+        return shardings
+    if isinstance(shardings, jax.sharding.Sharding):  # one sharding for every tensor
+        return lambda path, spec: shardings
+    flat, _ = jax.tree_util.tree_flatten_with_path(
+        shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    table = {path_str(p): s for p, s in flat}
+    wanted = {p for p, _ in spec_leaves_with_paths(specs)}
+    if set(table) != wanted:
+        missing = sorted(wanted - set(table))[:3]
+        extra = sorted(set(table) - wanted)[:3]
+        raise ConversionError(f"the shardings tree does not match the model's parameters "
+                              f"(missing {missing}, unexpected {extra})")
+    return lambda path, spec: table[path]
+
+
+# ----------------------------------------------------------------------------- assembling
+
+class Assembler:
+    """Collects converted tensors into a param tree shaped like `specs`.
+
+    Call `claim` with the source shape before reading a tensor (cheap checks), then `put`
+    with the converted host array; `finish` builds the tree and reports missing tensors.
+    """
+
+    def __init__(self, specs: Any, table: MappingTable, dtype: Any, shardings: ShardingsArg = None):
+        self.specs = specs
+        self.table = table
+        self.dtype = np.dtype(dtype)
+        self._spec = dict(spec_leaves_with_paths(specs))
+        self._sharding = sharding_lookup(shardings, specs)
+        self._values: dict[str, jax.Array] = {}
+        self._origin: dict[str, str] = {}
+
+    def claim(self, path: str, rule: Rule, source_shape: tuple[int, ...], origin: str) -> Spec:
+        """Checks a source tensor before it is read; returns our Spec for it.
+
+        origin: "file: tensor" for messages.
+        """
+        spec = self._spec.get(path)
+        if spec is None:
+            # The name is in the table but this config declares no such weight, e.g. q_norm in a
+            # llama checkpoint or a bias when attention_bias is false.
+            raise ConversionError(f"{origin}: unexpected tensor (it would fill {path}, which this "
+                                  f"model config does not have)")
+        if path in self._origin:
+            raise ConversionError(f"{origin}: duplicate tensor; {path} was already loaded from "
+                                  f"{self._origin[path]}")
+        expected = tuple(rule.layout.source_shape(spec.shape))
+        if tuple(source_shape) != expected:
+            raise ConversionError(f"{origin}: tensor has shape {tuple(source_shape)}, expected "
+                                  f"{expected} (for {path} {spec.shape})")
+        self._origin[path] = origin
+        return spec
+
+    def put(self, path: str, rule: Rule, x: np.ndarray) -> None:
+        """Converts one claimed source-layout host array and places it on device."""
+        spec = self._spec[path]
+        # Cast first (halves the host copy when going to bf16), then lay out; both make copies, so
+        # nothing aliases a memory-mapped file after this returns.
+        y = np.ascontiguousarray(rule.layout.apply(x.astype(self.dtype), spec.shape))
+        sharding = self._sharding(path, spec)
+        self._values[path] = jax.device_put(y, sharding) if sharding is not None else jax.device_put(y)
+
+    def finish(self, source: str) -> Any:
+        """Builds the param tree; raises naming the first missing source tensor."""
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(self.specs, is_leaf=is_spec)
+        out = []
+        for p, _ in leaves:
+            path = path_str(p)
+            if path not in self._values:
+                raise ConversionError(f"{source}: missing tensor {self.table.source_name(path)!r} "
+                                      f"(needed for {path})")
+            out.append(self._values[path])
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def require(mapping: Mapping[str, Any], key: str, source: str) -> Any:
+    if key not in mapping or mapping[key] is None:
+        raise ConversionError(f"{source}: required field {key!r} is missing")
+    return mapping[key]

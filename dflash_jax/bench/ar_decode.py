@@ -1,0 +1,103 @@
+"""AR decode ms/token at batch 1 against the HBM roofline (issue: foundation, GPU measurement).
+
+python -m dflash_jax.bench.ar_decode --models qwen3-8b smollm2-135m --contexts 1024 8192 --out ar.json
+
+Weights are random bf16 of each model's shape. Each timed call runs `steps` decode steps
+(one `lax.fori_loop`, compile excluded) from a cache already holding `ctx` tokens; the
+ms/token is the median call time / steps. The roofline is (weight bytes [+ KV bytes read])
+over the device copy bandwidth measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.bench.common import SHAPES, copy_bandwidth, environment, time_fn, write_json
+from dflash_jax.kv_cache import KVCache
+from dflash_jax.model import forward, init_params
+from dflash_jax.params import param_bytes
+
+
+def random_cache(cfg, batch: int, max_len: int, ctx: int, dtype) -> KVCache:
+    shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    keys = jax.random.split(jax.random.key(1), 2 * cfg.num_layers)
+    k = tuple(jax.random.normal(keys[i], shape, dtype) for i in range(cfg.num_layers))
+    v = tuple(jax.random.normal(keys[cfg.num_layers + i], shape, dtype) for i in range(cfg.num_layers))
+    return KVCache(k=k, v=v, lengths=jnp.full((batch,), ctx, jnp.int32))
+
+
+def make_decoder(cfg, steps: int, attn_impl: str):
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def run(params, cache, token):
+        def body(_, carry):
+            cache, tok = carry
+            out = forward(params, cfg, tok[:, None], cache.lengths[:, None], cache, None, attn_impl=attn_impl)
+            nxt = jnp.argmax(out.logits[:, 0], -1).astype(jnp.int32)
+            return dataclasses.replace(out.cache, lengths=cache.lengths + 1), nxt
+        cache, tok = jax.lax.fori_loop(0, steps, body, (cache, token))
+        return dataclasses.replace(cache, lengths=cache.lengths - steps), tok
+    return run
+
+
+def bench_model(name: str, contexts: list[int], steps: int, impls: list[str], bandwidth: float) -> list[dict]:
+    cfg = SHAPES[name]
+    params = init_params(cfg, jax.random.key(0), jnp.bfloat16)
+    wbytes = param_bytes(params)
+    rows = []
+    for ctx in contexts:
+        max_len = ctx + steps + 64
+        kv_bytes = 2 * cfg.num_layers * (ctx + steps // 2) * cfg.num_kv_heads * cfg.head_dim * 2
+        for impl in impls:
+            cache = random_cache(cfg, 1, max_len, ctx, jnp.bfloat16)
+            run = make_decoder(cfg, steps, impl)
+            tok = jnp.zeros((1,), jnp.int32) + 7
+            state = {"cache": cache}
+
+            def call():
+                state["cache"], t = run(params, state["cache"], tok)
+                return t
+            t = time_fn(call, warmup=2, iters=10)
+            ms = t["median_ms"] / steps
+            floor_w = wbytes / bandwidth * 1e3
+            floor_wkv = (wbytes + kv_bytes) / bandwidth * 1e3
+            rows.append({"model": name, "ctx": ctx, "attn": impl, "ms_per_token": ms,
+                         "weight_gb": wbytes / 1e9, "kv_gb_read": kv_bytes / 1e9,
+                         "roofline_weights_ms": floor_w, "roofline_weights_kv_ms": floor_wkv,
+                         "pct_of_weight_roofline": 100 * floor_w / ms,
+                         "pct_of_weight_kv_roofline": 100 * floor_wkv / ms})
+            print(rows[-1], flush=True)
+            del cache, state
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["qwen3-8b", "smollm2-135m"], choices=sorted(SHAPES))
+    ap.add_argument("--contexts", nargs="+", type=int, default=[1024, 8192])
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--impls", nargs="+", default=["pallas", "reference"])
+    ap.add_argument("--copy-gb", type=float, default=4.0)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    env = environment()
+    bw = copy_bandwidth(int(args.copy_gb * (1 << 30)))
+    print(env, bw, flush=True)
+    rows = []
+    for m in args.models:
+        rows += bench_model(m, args.contexts, args.steps, args.impls, bw["tb_per_s"] * 1e12)
+    write_json(args.out, {"env": env, "copy_bandwidth": bw, "rows": rows})
+    print(f"\ncopy bandwidth {bw['tb_per_s']:.2f} TB/s ({env['device']}, jax {env['jax']})")
+    print("| model | ctx | attention | ms/token | weights GB | roofline (w) ms | % of (w) | roofline (w+kv) ms | % of (w+kv) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['ctx']} | {r['attn']} | {r['ms_per_token']:.3f} | {r['weight_gb']:.2f} | "
+              f"{r['roofline_weights_ms']:.3f} | {r['pct_of_weight_roofline']:.0f}% | "
+              f"{r['roofline_weights_kv_ms']:.3f} | {r['pct_of_weight_kv_roofline']:.0f}% |")
+
+
+if __name__ == "__main__":
+    main()

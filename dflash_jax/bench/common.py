@@ -1,0 +1,61 @@
+"""Shared pieces of the GPU benchmarks: model shapes, timing, bandwidth and environment."""
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.config import ModelConfig, RopeConfig
+
+# Real models' shapes; the benchmarks use random weights of these shapes.
+SHAPES: dict[str, ModelConfig] = {
+    "qwen3-8b": ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                            num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, qk_norm=True,
+                            rope=RopeConfig(theta=1000000.0), max_position_embeddings=40960),
+    "smollm2-135m": ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, tie_word_embeddings=True,
+                                rope=RopeConfig(theta=100000.0), max_position_embeddings=8192),
+    "qwen3-32b": ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=5120, intermediate_size=25600,
+                             num_layers=64, num_heads=64, num_kv_heads=8, head_dim=128, qk_norm=True,
+                             rope=RopeConfig(theta=1000000.0), max_position_embeddings=40960),
+}
+
+
+def time_fn(fn: Callable[[], Any], warmup: int = 3, iters: int = 10) -> dict[str, float]:
+    """Median / min wall time in ms of `fn()` (which must return device arrays), after warm-up."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append((time.perf_counter() - t0) * 1e3)
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "iters": iters}
+
+
+def copy_bandwidth(num_bytes: int = 4 << 30) -> dict[str, float]:
+    """Device-to-device streaming bandwidth (bytes read + bytes written per second)."""
+    n = num_bytes // 2
+    x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
+    f = jax.jit(lambda a: a * jnp.bfloat16(1.5))
+    t = time_fn(lambda: f(x), warmup=3, iters=20)
+    return {"bytes_moved": 2 * n * 2, "median_ms": t["median_ms"],
+            "tb_per_s": 2 * n * 2 / (t["median_ms"] * 1e-3) / 1e12}
+
+
+def environment() -> dict[str, Any]:
+    dev = jax.devices()[0]
+    return {"date": time.strftime("%Y-%m-%d"), "device": getattr(dev, "device_kind", str(dev)),
+            "jax": jax.__version__, "python": platform.python_version(), "backend": jax.default_backend(),
+            "num_devices": jax.device_count()}
+
+
+def write_json(path: str | None, record: dict[str, Any]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(record, f, indent=2)

@@ -1,0 +1,141 @@
+"""Text in, text out: tokenizer and chat template, prompt batching, timed generation.
+
+The jitted decoders work on token arrays; this module is the host-side layer the CLI and
+benchmarks share. Compilation is done ahead of time so reported speeds exclude it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.config import ModelConfig
+from dflash_jax.generate import Generation, check_prompts, generate_ar
+from dflash_jax.sampling import SamplingParams
+
+_STOP_TOKEN_TEXTS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end_of_text|>")
+
+
+def encode_prompts(tokenizer: Any, prompts: Sequence[str], chat: bool = True) -> list[list[int]]:
+    """Token ids per prompt, wrapped in the tokenizer's chat template when `chat`."""
+    if not prompts:
+        raise ValueError("no prompts given")
+    out = []
+    for text in prompts:
+        if chat and getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+        else:
+            ids = tokenizer(text)["input_ids"]
+        out.append([int(t) for t in ids])
+    return out
+
+
+def stop_tokens_for(tokenizer: Any, cfg: ModelConfig) -> tuple[int, ...]:
+    """End-of-turn and end-of-text ids known to the tokenizer and the config."""
+    ids = set(cfg.eos_token_ids)
+    if tokenizer is not None:
+        if tokenizer.eos_token_id is not None:
+            ids.add(int(tokenizer.eos_token_id))
+        vocab = tokenizer.get_vocab()
+        ids.update(int(vocab[t]) for t in _STOP_TOKEN_TEXTS if t in vocab)
+    return tuple(sorted(ids))
+
+
+def pad_prompts(token_lists: Sequence[Sequence[int]], multiple: int = 32, pad_id: int = 0
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pads to a width rounded up to `multiple` (fewer recompilations) -> ([B, P], [B])."""
+    lens = np.array([len(t) for t in token_lists], np.int32)
+    if (lens == 0).any():
+        raise ValueError(f"prompt {int(np.argmin(lens))} is empty after tokenization")
+    width = int(-(-lens.max() // multiple) * multiple)
+    arr = np.full((len(token_lists), width), pad_id, np.int32)
+    for i, t in enumerate(token_lists):
+        arr[i, :len(t)] = t
+    return arr, lens
+
+
+@dataclasses.dataclass
+class TimedGeneration:
+    generation: Generation
+    seconds: float  # device time of the generation, compile excluded
+    compile_seconds: float
+
+    def token_lists(self) -> list[list[int]]:
+        toks = np.asarray(self.generation.tokens)
+        n = np.asarray(self.generation.num_tokens)
+        return [toks[b, :n[b]].tolist() for b in range(toks.shape[0])]
+
+    @property
+    def total_tokens(self) -> int:
+        return int(np.asarray(self.generation.num_tokens).sum())
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.total_tokens / self.seconds
+
+    def acceptance(self) -> dict[str, Any] | None:
+        """tau (mean tokens committed per round, bonus included) and per-sequence round counts."""
+        g = self.generation
+        if g.accepted is None:
+            return None
+        acc, rounds = np.asarray(g.accepted), np.asarray(g.rounds)
+        per_seq = [acc[b, :rounds[b]].tolist() for b in range(acc.shape[0])]
+        total_rounds = int(rounds.sum())
+        # The first token comes from prefill, not from a round.
+        committed = sum(sum(s) for s in per_seq)
+        return {"tau": committed / max(total_rounds, 1), "rounds": rounds.tolist(),
+                "accepted_per_round": per_seq}
+
+
+def timed_call(fn: Any, *args: Any, **kwargs: Any) -> TimedGeneration:
+    """Compiles `fn` for these arguments, then times one run of the compiled program.
+
+    Positional arguments that hold no arrays (configs) are static; the compiled program
+    takes the rest, in order.
+    """
+    t0 = time.perf_counter()
+    compiled = fn.lower(*args, **kwargs).compile()
+    t1 = time.perf_counter()
+    dynamic = [a for a in args if _is_array_tree(a)]
+    result = jax.block_until_ready(compiled(*dynamic))
+    t2 = time.perf_counter()
+    return TimedGeneration(result, t2 - t1, t1 - t0)
+
+
+def _is_array_tree(x: Any) -> bool:
+    leaves = jax.tree.leaves(x)
+    return bool(leaves) and all(isinstance(l, (jax.Array, np.ndarray)) for l in leaves)
+
+
+def run_ar(params: Any, cfg: ModelConfig, prompts: np.ndarray, lens: np.ndarray, *, max_new_tokens: int,
+           sampling: SamplingParams, stop_tokens: tuple[int, ...], seed: int = 0, max_len: int | None = None,
+           attn_impl: str = "auto") -> TimedGeneration:
+    max_len = max_len or _default_max_len(prompts, max_new_tokens, 1)
+    check_prompts(lens, prompts.shape[1], max_new_tokens, max_len)
+    return timed_call(generate_ar, params, cfg, jnp.asarray(prompts), jnp.asarray(lens), jax.random.key(seed),
+                      max_new_tokens=max_new_tokens, max_len=max_len, sampling=sampling,
+                      stop_tokens=stop_tokens, attn_impl=attn_impl)
+
+
+def _default_max_len(prompts: np.ndarray, max_new_tokens: int, slack: int) -> int:
+    need = prompts.shape[1] + max_new_tokens + slack
+    return int(-(-need // 64) * 64)
+
+
+def run_speculative(params: Any, cfg: ModelConfig, dparams: Any, dcfg: Any, prompts: np.ndarray,
+                    lens: np.ndarray, settings: Any, *, seed: int = 0, max_len: int | None = None
+                    ) -> TimedGeneration:
+    from dflash_jax.speculative import generate_speculative
+
+    slack = settings.cache_slack()
+    max_len = max_len or _default_max_len(prompts, settings.max_new_tokens, slack)
+    check_prompts(lens, prompts.shape[1], settings.max_new_tokens, max_len, slack=slack)
+    return timed_call(generate_speculative, params, cfg, dparams, dcfg, jnp.asarray(prompts), jnp.asarray(lens),
+                      jax.random.key(seed), settings=settings, max_len=max_len)

@@ -1,0 +1,232 @@
+"""DFlash and DDTree speculative decoding: the round, and the whole generation on device.
+
+One round (DESIGN.md, "The round"):
+  1. draft   -- the drafter proposes per-depth distributions for a block [root, MASK x (bs-1)];
+  2. tree    -- DFlash: the drafted block as a chain; DDTree: the top-`budget` prefixes;
+  3. verify  -- one target pass over the W tree slots with tree attention;
+  4. accept  -- walk down the tree following the target (or rejection-sample the chain);
+  5. commit  -- compact accepted K/V, extend the drafter context, emit tokens, update `done`.
+The generation is a `lax.while_loop` of rounds; every sequence of the batch has its own
+length, tree, accepted count and stop state.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax import drafter as dr
+from dflash_jax.accept import chain_rejection, follow_target
+from dflash_jax.config import ModelConfig
+from dflash_jax.generate import PAD, Generation, is_stop, prefill
+from dflash_jax.kv_cache import KVCache, gather_rows, write_rows
+from dflash_jax.model import ModelParams, forward
+from dflash_jax.sampling import SamplingParams, sample, sample_from_probs, sampling_probs
+from dflash_jax.tree import Tree, build_tree, chain_tree, tree_width
+
+METHODS = ("dflash", "ddtree")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecSettings:
+    """Static settings of a speculative decoder."""
+
+    method: str = "dflash"
+    block_size: int = 16
+    budget: int = 0  # DDTree node budget (drafted nodes, root excluded)
+    sampling: SamplingParams = SamplingParams()
+    max_new_tokens: int = 256
+    stop_tokens: tuple[int, ...] = ()
+    attn_impl: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if self.method == "ddtree" and self.budget < 1:
+            raise ValueError(f"budget must be >= 1 for ddtree, got {self.budget}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def width(self) -> int:
+        """Tree slots verified per round."""
+        return self.block_size if self.method == "dflash" else tree_width(self.budget)
+
+    def cache_slack(self) -> int:
+        """Scratch slots past the committed length that a round writes."""
+        return max(self.width, self.block_size) + 1
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SpecState:
+    cache: KVCache  # target cache; lengths = committed tokens (root not included)
+    draft_cache: Any  # dr.DraftCache; context for positions < lengths
+    root: jax.Array  # [batch] last bonus token, at position cache.lengths
+    out: jax.Array  # [batch, max_new_tokens]
+    count: jax.Array  # [batch] tokens emitted so far (the root included)
+    done: jax.Array  # [batch] bool
+    accepted: jax.Array  # [batch, max_new_tokens] tokens committed per round
+    rounds: jax.Array  # [batch]
+    key: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Draft:
+    tree: Tree
+    draft_probs: Any  # [batch, bs-1, vocab] for DFlash at T > 0, else None
+    node_ok: jax.Array  # [batch, W] nodes that may still be accepted (max_new_tokens bound)
+
+
+def _block_limit(state: SpecState, s: SpecSettings) -> jax.Array:
+    """[batch] drafted tokens that may still be emitted: the reference shortens the last block."""
+    remaining = s.max_new_tokens - state.count
+    return jnp.clip(remaining, 0, s.block_size - 1)
+
+
+# ----------------------------------------------------------------------------- stages
+
+def draft_stage(state: SpecState, target: ModelParams, dparams: Any, dcfg: Any, s: SpecSettings
+                ) -> tuple[Draft, jax.Array]:
+    """Steps 1-2: one drafter pass, then the chain (DFlash) or the best-`budget` tree (DDTree)."""
+    batch = state.root.shape[0]
+    bs = s.block_size
+    limit = _block_limit(state, s)
+    block = jnp.full((batch, bs), dcfg.mask_token_id, jnp.int32).at[:, 0].set(state.root)
+    hidden = dr.draft(dparams, dcfg, target, state.draft_cache, block, state.cache.lengths, limit + 1)
+    logits = dr.draft_logits(dparams, dcfg, target, hidden)  # [batch, bs-1, vocab]
+    key, k_draft = jax.random.split(state.key)
+    draft_probs = None
+    if s.method == "dflash":
+        if s.sampling.greedy:
+            drafted = jnp.argmax(logits, -1).astype(jnp.int32)
+        else:
+            draft_probs = sampling_probs(logits, s.sampling)
+            drafted = sample_from_probs(k_draft, draft_probs)
+        tree = chain_tree(jnp.concatenate([state.root[:, None], drafted], 1), s.width)
+    else:
+        if s.sampling.greedy:
+            log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
+        else:
+            probs = sampling_probs(logits, s.sampling)
+            log_probs = jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)), -jnp.inf)
+        tree = build_tree(log_probs, state.root, s.budget, s.width)
+    node_ok = tree.depths <= limit[:, None]
+    return Draft(tree=tree, draft_probs=draft_probs, node_ok=node_ok), key
+
+
+def verify_stage(state: SpecState, draft: Draft, target: ModelParams, cfg: ModelConfig, dcfg: Any,
+                 s: SpecSettings) -> tuple[jax.Array, jax.Array, KVCache]:
+    """Step 3: the target over all tree slots at positions L + depth, K/V to slots L..L+W-1."""
+    tree = draft.tree
+    positions = state.cache.lengths[:, None] + tree.depths
+    out = forward(target, cfg, tree.tokens, positions, state.cache, tree.visible,
+                  tap_layers=tuple(dcfg.target_layer_ids), attn_impl=s.attn_impl)
+    return out.logits, out.taps, out.cache
+
+
+def accept_stage(key: jax.Array, draft: Draft, logits: jax.Array, s: SpecSettings, limit: jax.Array
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Step 4 -> (path [batch, bs], m [batch], bonus [batch])."""
+    if s.sampling.greedy:
+        choice = jnp.argmax(logits, -1).astype(jnp.int32)
+        return follow_target(draft.tree, choice, s.block_size - 1, draft.node_ok)
+    if s.method == "dflash":
+        target_probs = sampling_probs(logits, s.sampling)
+        return chain_rejection(key, draft.tree.tokens, target_probs, draft.draft_probs, limit)
+    # DDTree at T > 0: an independent target sample at every node; descending when a child
+    # matches keeps each emitted token an exact target sample.
+    choice = sample(key, logits, s.sampling)
+    return follow_target(draft.tree, choice, s.block_size - 1, draft.node_ok)
+
+
+def commit_stage(state: SpecState, draft: Draft, path: jax.Array, m: jax.Array, bonus: jax.Array,
+                 taps: jax.Array, cache: KVCache, dparams: Any, dcfg: Any, s: SpecSettings,
+                 key: jax.Array) -> SpecState:
+    """Step 5: compact K/V of the accepted path, extend the drafter context, emit tokens."""
+    batch, bs = path.shape
+    active = ~state.done
+    start = state.cache.lengths
+    # Accepted nodes' K/V move from their tree slots to contiguous slots L..L+m.
+    slots = start[:, None] + path
+    ks = tuple(write_rows(k, gather_rows(k, slots), start) for k in cache.k)
+    vs = tuple(write_rows(v, gather_rows(v, slots), start) for v in cache.v)
+    new_len = start + jnp.where(active, m + 1, 0)
+    cache = KVCache(k=ks, v=vs, lengths=new_len)
+    # The drafter's context grows by the target features of the root and accepted nodes.
+    path_taps = gather_rows(taps, path)
+    positions = start[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
+    draft_cache = dr.append_context(dparams, dcfg, state.draft_cache, path_taps, positions,
+                                    jnp.where(active, m + 1, 0))
+    # Emitted this round: the accepted drafted tokens, then the bonus.
+    j = jnp.arange(bs, dtype=jnp.int32)[None]
+    nxt = jnp.take_along_axis(draft.tree.tokens, path, 1)
+    shifted = jnp.concatenate([nxt[:, 1:], nxt[:, -1:]], 1)  # token of the node at depth j + 1
+    emitted = jnp.where(j < m[:, None], shifted, jnp.where(j == m[:, None], bonus[:, None], PAD))
+    produced = jnp.minimum(m + 1, s.max_new_tokens - state.count)
+    stop_hit = is_stop(emitted, s.stop_tokens) & (j < produced[:, None])
+    first_stop = jnp.argmax(stop_hit, axis=1).astype(jnp.int32)
+    stopped = jnp.any(stop_hit, axis=1)
+    produced = jnp.where(stopped, first_stop + 1, produced)
+    produced = jnp.where(active, produced, 0)
+    cols = jnp.where(j < produced[:, None], state.count[:, None] + j, s.max_new_tokens)
+    out = state.out.at[jnp.arange(batch)[:, None], cols].set(emitted, mode="drop")
+    count = state.count + produced
+    accepted = state.accepted.at[jnp.arange(batch), jnp.where(active, state.rounds, s.max_new_tokens)].set(
+        produced, mode="drop")
+    done = state.done | stopped | (count >= s.max_new_tokens)
+    return SpecState(cache=cache, draft_cache=draft_cache, root=jnp.where(active, bonus, state.root),
+                     out=out, count=count, done=done, accepted=accepted,
+                     rounds=state.rounds + active.astype(jnp.int32), key=key)
+
+
+def spec_round(state: SpecState, target: ModelParams, cfg: ModelConfig, dparams: Any, dcfg: Any,
+               s: SpecSettings) -> SpecState:
+    """One fused round for the whole batch."""
+    limit = _block_limit(state, s)
+    draft, key = draft_stage(state, target, dparams, dcfg, s)
+    logits, taps, cache = verify_stage(state, draft, target, cfg, dcfg, s)
+    key, k_accept = jax.random.split(key)
+    path, m, bonus = accept_stage(k_accept, draft, logits, s, limit)
+    return commit_stage(state, draft, path, m, bonus, taps, cache, dparams, dcfg, s, key)
+
+
+# ----------------------------------------------------------------------------- generation
+
+def start_state(target: ModelParams, cfg: ModelConfig, dparams: Any, dcfg: Any, prompts: jax.Array,
+                prompt_lens: jax.Array, key: jax.Array, max_len: int, s: SpecSettings) -> SpecState:
+    """Prefill the target, seed the drafter context with the prompt's features, emit token 1."""
+    batch, width = prompts.shape
+    dtype = target.embed.dtype
+    cache = KVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, dtype)
+    logits, taps, cache = prefill(target, cfg, prompts, prompt_lens, cache,
+                                  tap_layers=tuple(dcfg.target_layer_ids), attn_impl=s.attn_impl)
+    key, sub = jax.random.split(key)
+    first = sample(sub, logits, s.sampling)
+    draft_cache = dr.DraftCache.create(dcfg, batch, max_len, dtype)
+    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
+    draft_cache = dr.append_context(dparams, dcfg, draft_cache, taps, positions, prompt_lens)
+    out = jnp.full((batch, s.max_new_tokens), PAD, jnp.int32).at[:, 0].set(first)
+    return SpecState(cache=cache, draft_cache=draft_cache, root=first, out=out,
+                     count=jnp.ones((batch,), jnp.int32),
+                     done=is_stop(first, s.stop_tokens) | (s.max_new_tokens <= 1),
+                     accepted=jnp.zeros((batch, s.max_new_tokens), jnp.int32),
+                     rounds=jnp.zeros((batch,), jnp.int32), key=key)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "settings", "max_len"))
+def generate_speculative(target: ModelParams, cfg: ModelConfig, dparams: Any, dcfg: Any,
+                         prompts: jax.Array, prompt_lens: jax.Array, key: jax.Array, *,
+                         settings: SpecSettings, max_len: int) -> Generation:
+    """DFlash or DDTree generation for right-padded prompts [batch, P], all on device."""
+    state = start_state(target, cfg, dparams, dcfg, prompts, prompt_lens, key, max_len, settings)
+    state = jax.lax.while_loop(lambda st: ~jnp.all(st.done),
+                               lambda st: spec_round(st, target, cfg, dparams, dcfg, settings), state)
+    return Generation(tokens=state.out, num_tokens=state.count, accepted=state.accepted,
+                      rounds=state.rounds)

@@ -1,0 +1,46 @@
+"""Tiny random transformers models (the PyTorch reference) and their conversion to our params."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from convert.hf_safetensors import load_hf
+
+TINY = {
+    # GQA with an odd number of heads, explicit head_dim != hidden / heads, untied.
+    "qwen3": dict(cls=(Qwen3Config, Qwen3ForCausalLM), vocab_size=131, hidden_size=40, intermediate_size=72,
+                  num_hidden_layers=4, num_attention_heads=5, num_key_value_heads=1, head_dim=16,
+                  tie_word_embeddings=False, rope_theta=10000.0),
+    # Tied embeddings, llama3 RoPE scaling, 3 q heads per kv head.
+    "llama": dict(cls=(LlamaConfig, LlamaForCausalLM), vocab_size=127, hidden_size=48, intermediate_size=64,
+                  num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True,
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+                  rope_theta=50000.0),
+    # YaRN, untied, multi-query.
+    "llama_yarn": dict(cls=(LlamaConfig, LlamaForCausalLM), vocab_size=101, hidden_size=32, intermediate_size=48,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False,
+                       rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+                       max_position_embeddings=64),
+}
+
+
+def tiny_hf_model(kind: str, seed: int = 0):
+    spec = dict(TINY[kind])
+    config_cls, model_cls = spec.pop("cls")
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**spec)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # HF initialises norms to 1; random values make them matter
+                p.add_(0.2 * torch.randn_like(p))
+            else:
+                p.mul_(3.0)  # larger weights give peakier, more informative distributions
+    return model
+
+
+def save_and_convert(model, directory: Path):
+    model.save_pretrained(directory)
+    return load_hf(directory)

@@ -1,0 +1,240 @@
+"""Tree attention: Pallas kernel (interpret mode) vs the jnp reference vs float64 numpy.
+
+Cache slots at or past L_b + W are poisoned with NaN (the kernel must never read them), and
+interpret-mode outputs start as NaN, so an unwritten or wrongly indexed row shows up.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import tree_attention as ta
+from pallas_kernels import (
+    default_block_sizes,
+    resolve_impl,
+    tree_attention,
+    tree_attention_pallas,
+    tree_attention_reference,
+)
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def random_tree_visibility(rng: np.random.Generator, batch: int, width: int,
+                           num_padding: int = 0) -> np.ndarray:
+    """[batch, width, width] ancestor-or-self masks of random trees (parent[i] < i).
+
+    The last num_padding nodes of sequence 0 are padding: they see nothing in the tree.
+    """
+    visible = np.zeros((batch, width, width), dtype=bool)
+    for b in range(batch):
+        parent = [-1] + [int(rng.integers(0, i)) for i in range(1, width)]
+        for t in range(width):
+            node = t
+            while node >= 0:
+                visible[b, t, node] = True
+                node = parent[node]
+    if num_padding:
+        visible[0, width - num_padding:, :] = False
+    return visible
+
+
+def make_case(seed: int, batch: int, width: int, kv_heads: int, group: int, head_dim: int,
+              max_len: int, lens: list[int], dtype, tree: bool, num_padding: int = 0):
+    """Random q/k/v (slots >= L+W are NaN), lens [batch] and visibility (None when causal)."""
+    assert len(lens) == batch and all(l + width <= max_len for l in lens)
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((batch, width, kv_heads * group, head_dim))
+    k = rng.standard_normal((batch, max_len, kv_heads, head_dim))
+    v = rng.standard_normal((batch, max_len, kv_heads, head_dim))
+    for b, l in enumerate(lens):
+        k[b, l + width:] = np.nan
+        v[b, l + width:] = np.nan
+    visible = random_tree_visibility(rng, batch, width, num_padding) if tree else None
+    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+            jnp.asarray(lens, jnp.int32), None if visible is None else jnp.asarray(visible))
+
+
+def rel_err(out: jax.Array, ref: jax.Array) -> float:
+    out32, ref32 = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.all(np.isfinite(out32)), "non-finite output (unwritten row or NaN leak)"
+    return float(np.max(np.abs(out32 - ref32)) / np.max(np.abs(ref32)))
+
+
+def tolerance(dtype) -> float:
+    return 1e-5 if dtype == jnp.float32 else 1.5e-2
+
+
+# (batch, width, kv_heads, group, head_dim, max_len, lens, dtype, tree, split_k, blocks)
+# blocks: explicit (block_q, block_k) or None for the defaults. Small blocks force several row
+# blocks, several key blocks and a prefix that ends mid-block.
+CASES = [
+    (2, 1, 2, 4, 64, 64, [0, 37], jnp.float32, False, 1, None),
+    (2, 1, 1, 8, 128, 128, [100, 5], jnp.bfloat16, False, 3, None),
+    (1, 1, 2, 1, 64, 96, [77], jnp.float32, False, 4, (16, 16)),
+    (2, 16, 2, 1, 64, 96, [0, 45], jnp.float32, True, 1, None),
+    (2, 16, 1, 4, 128, 96, [17, 80], jnp.float32, False, 2, (16, 32)),
+    (2, 16, 1, 8, 64, 80, [33, 3], jnp.bfloat16, True, 1, None),
+    (1, 48, 1, 4, 64, 128, [51], jnp.float32, True, 2, (64, 16)),
+    (2, 64, 1, 4, 64, 160, [0, 96], jnp.float32, True, 1, (64, 32)),
+    (1, 64, 2, 1, 128, 96, [29], jnp.bfloat16, False, 2, None),
+    (2, 256, 1, 1, 64, 288, [0, 19], jnp.float32, True, 1, None),
+    (1, 256, 1, 4, 64, 272, [13], jnp.bfloat16, False, 3, None),
+]
+
+
+@pytest.mark.parametrize(
+    "batch,width,kv_heads,group,head_dim,max_len,lens,dtype,tree,split_k,blocks", CASES)
+def test_interpret_kernel_matches_reference(batch, width, kv_heads, group, head_dim, max_len,
+                                            lens, dtype, tree, split_k, blocks):
+    q, k, v, prefix_lens, visible = make_case(
+        len(lens) + width + group + head_dim, batch, width, kv_heads, group, head_dim, max_len,
+        lens, dtype, tree)
+    block_q, block_k = blocks or (None, None)
+    out = tree_attention_pallas(q, k, v, prefix_lens, visible, split_k=split_k,
+                                block_q=block_q, block_k=block_k, interpret=True)
+    ref = tree_attention_reference(q, k, v, prefix_lens, visible)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert rel_err(out, ref) < tolerance(dtype)
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_rows_without_visible_keys_are_zero(split_k):
+    # Sequence 0 has an empty prefix and 3 padding nodes that see nothing: their rows must be
+    # exactly 0, not NaN, while every other row stays a proper attention output.
+    q, k, v, lens, visible = make_case(7, 2, 16, 1, 4, 64, 64, [0, 21], jnp.float32, True,
+                                       num_padding=3)
+    out = tree_attention_pallas(q, k, v, lens, visible, split_k=split_k, interpret=True)
+    ref = tree_attention_reference(q, k, v, lens, visible)
+    np.testing.assert_array_equal(np.asarray(out[0, -3:]), 0.0)
+    np.testing.assert_array_equal(np.asarray(ref[0, -3:]), 0.0)
+    assert np.all(np.abs(np.asarray(out[0, :-3])).sum(-1) > 0)
+    assert rel_err(out, ref) < 1e-5
+
+
+def numpy_tree_attention(q, k, v, lens, visible) -> np.ndarray:
+    """Float64 loop-per-row attention, written independently of the reference."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    batch, width, q_heads, head_dim = q.shape
+    group = q_heads // k.shape[2]
+    out = np.zeros_like(q)
+    for b in range(batch):
+        l = int(lens[b])
+        for t in range(width):
+            slots = list(range(l)) + [l + s for s in range(width)
+                                      if (s <= t if visible is None else visible[b, t, s])]
+            for h in range(q_heads):
+                if not slots:
+                    continue
+                keys = k[b, slots, h // group]
+                scores = keys @ q[b, t, h] / np.sqrt(head_dim)
+                w = np.exp(scores - scores.max())
+                out[b, t, h] = (w / w.sum()) @ v[b, slots, h // group]
+    return out
+
+
+@pytest.mark.parametrize("tree", [True, False])
+def test_reference_matches_float64_numpy(tree):
+    q, k, v, lens, visible = make_case(3, 2, 16, 2, 4, 64, 80, [0, 41], jnp.float32, tree)
+    ref = tree_attention_reference(q, k, v, lens, visible)
+    expected = numpy_tree_attention(q, k, v, np.asarray(lens),
+                                    None if visible is None else np.asarray(visible))
+    assert rel_err(ref, expected) < 1e-5
+
+
+# (batch, width, q_heads, kv_heads, head_dim, max_len, dtype, tree, split_k)
+LOWER_CASES = [
+    (1, 1, 32, 8, 128, 4096, jnp.bfloat16, False, None),     # AR decode, default split
+    (2, 1, 32, 8, 64, 1000, jnp.bfloat16, False, 1),
+    (1, 16, 32, 8, 128, 4096, jnp.bfloat16, True, None),
+    (1, 272, 32, 8, 128, 8192, jnp.bfloat16, True, None),    # width not a power of two
+    (2, 272, 16, 2, 64, 700, jnp.bfloat16, True, 1),
+    (1, 512, 32, 8, 128, 2048, jnp.bfloat16, False, 2),
+    (1, 48, 40, 8, 128, 512, jnp.float32, True, 1),           # group 5: not a power of two
+]
+
+
+@pytest.mark.parametrize("batch,width,q_heads,kv_heads,head_dim,max_len,dtype,tree,split_k",
+                         LOWER_CASES)
+def test_kernel_lowers_for_cuda(batch, width, q_heads, kv_heads, head_dim, max_len, dtype, tree,
+                                split_k):
+    q = jax.ShapeDtypeStruct((batch, width, q_heads, head_dim), dtype)
+    kv = jax.ShapeDtypeStruct((batch, max_len, kv_heads, head_dim), dtype)
+    lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    args = [q, kv, kv, lens]
+    if tree:
+        args.append(jax.ShapeDtypeStruct((batch, width, width), jnp.bool_))
+    fn = functools.partial(tree_attention_pallas, split_k=split_k)
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text
+
+
+def test_non_power_of_two_block_is_rejected():
+    q, k, v, lens, _ = make_case(0, 1, 16, 1, 4, 64, 64, [5], jnp.float32, False)
+    with pytest.raises(ValueError, match="power of two"):
+        tree_attention_pallas(q, k, v, lens, block_q=48, interpret=True)
+
+
+def test_default_block_sizes_are_valid():
+    for width in (1, 16, 48, 64, 256, 272, 512):
+        for group in (1, 4, 5, 8):
+            for max_len in (64, 1000, 4096, 40000):
+                bs = default_block_sizes(1, width, group, 8, 128, max_len)
+                for size in (bs.block_q, bs.block_k):
+                    assert size >= 16 and size & (size - 1) == 0
+                assert bs.split_k >= 1
+    # Decode at long context splits the keys; a big tree at short context does not.
+    assert default_block_sizes(1, 1, 4, 8, 128, 32768).split_k > 1
+    assert default_block_sizes(1, 512, 4, 8, 128, 1024).split_k == 1
+
+
+def test_dispatcher_uses_reference_on_cpu(monkeypatch):
+    if ON_GPU:
+        pytest.skip("CPU-only check")
+    assert resolve_impl("auto") == "reference"
+    q, k, v, lens, visible = make_case(5, 2, 16, 1, 4, 64, 64, [3, 30], jnp.float32, True)
+    ref = tree_attention_reference(q, k, v, lens, visible)
+    np.testing.assert_array_equal(np.asarray(tree_attention(q, k, v, lens, visible)),
+                                  np.asarray(ref))
+    monkeypatch.setattr(ta.jax, "default_backend", lambda: "gpu")
+    assert resolve_impl("auto") == "pallas"
+    assert resolve_impl("interpret") == "interpret"
+    with pytest.raises(ValueError):
+        resolve_impl("triton")
+
+
+def test_dispatcher_interpret_matches_reference():
+    q, k, v, lens, visible = make_case(11, 1, 16, 1, 4, 64, 64, [9], jnp.float32, True)
+    out = tree_attention(q, k, v, lens, visible, impl="interpret")
+    ref = tree_attention(q, k, v, lens, visible, impl="reference")
+    assert rel_err(out, ref) < 1e-5
+
+
+# (batch, width, kv_heads, group, head_dim, max_len, lens, dtype, tree, split_k)
+GPU_CASES = [
+    (1, 1, 8, 4, 128, 4100, [4000], jnp.bfloat16, False, None),
+    (3, 1, 8, 4, 128, 3000, [0, 1234, 2999], jnp.bfloat16, False, None),
+    (2, 16, 8, 4, 128, 2000, [0, 1777], jnp.float32, True, None),
+    (2, 272, 8, 4, 128, 5000, [4001, 77], jnp.bfloat16, True, None),
+    (2, 272, 8, 4, 128, 5000, [4001, 77], jnp.bfloat16, True, 1),
+    (1, 64, 2, 8, 64, 700, [300], jnp.float32, False, 3),
+    (2, 48, 8, 5, 128, 900, [500, 0], jnp.bfloat16, True, None),
+]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("batch,width,kv_heads,group,head_dim,max_len,lens,dtype,tree,split_k",
+                         GPU_CASES)
+def test_gpu_kernel_matches_reference(batch, width, kv_heads, group, head_dim, max_len, lens,
+                                      dtype, tree, split_k):
+    q, k, v, prefix_lens, visible = make_case(1, batch, width, kv_heads, group, head_dim,
+                                              max_len, lens, dtype, tree, num_padding=2)
+    out = jax.jit(functools.partial(tree_attention_pallas, split_k=split_k))(
+        q, k, v, prefix_lens, visible)
+    ref = tree_attention_reference(q, k, v, prefix_lens, visible)
+    assert rel_err(out, ref) < tolerance(dtype)
