@@ -63,6 +63,8 @@ def load_model(path_or_name: str | Path, dtype: Any = jnp.float32, *, shardings:
     tokenizer: False skips building the tokenizer (it takes seconds for a GGUF file).
     """
     kind, path = resolve_source(path_or_name)
+    if dtype is None and kind != "checkpoint":
+        dtype = jnp.float32  # None means "as saved", which only our checkpoints record
     if kind == "gguf":
         cfg, params = load_gguf(path, dtype=dtype, shardings=shardings)
         tok = gguf_tokenizer(path) if tokenizer else None
@@ -79,7 +81,8 @@ def convert_command(src: str | Path, dst: str | Path, *, dtype: Any = "float32",
                     overwrite: bool = False, tokenizer: bool = True) -> Path:
     """`dflash-jax convert SRC DST`: loads anything `load_model` accepts, saves an orbax checkpoint.
 
-    dtype: "float32" / "bfloat16" (or a dtype). Returns the checkpoint directory.
+    dtype: "float32" / "bfloat16" (or a dtype; None keeps a checkpoint's dtype). Returns the
+    checkpoint directory.
     """
-    cfg, params, tok = load_model(src, dtype=jnp.dtype(dtype), tokenizer=tokenizer)
+    cfg, params, tok = load_model(src, dtype=None if dtype is None else jnp.dtype(dtype), tokenizer=tokenizer)
     return save_checkpoint(dst, cfg, params, tok, overwrite=overwrite)

@@ -1,19 +1,18 @@
 """z-lab DFlash drafter checkpoints <-> (DraftConfig, DraftParams).
 
 A drafter directory holds `config.json` (a Qwen3Config with `dflash_config` extras) and
-`model.safetensors` (or a sharded `model.safetensors.index.json`) with PyTorch-layout weights:
-`fc.weight`, `hidden_norm.weight`, `norm.weight` and `layers.N.*` Qwen3 layers, optionally
-under a `model.` prefix. It has no embedding or LM head: the target's are used.
+`model.safetensors` (or sharded files with `model.safetensors.index.json`) in PyTorch layout:
+`fc.weight`, `hidden_norm.weight`, `norm.weight` and Qwen3 layers `layers.N.*`, optionally
+under a `model.` prefix. There is no embedding or LM head: the drafter uses the target's.
 
-Every tensor is mapped by one row of `tensor_table`, which also drives the export back to
-that layout (`export_drafter`), so loading and exporting cannot drift apart.
+One mapping table (`DRAFT_TABLE`, in `convert.layout`'s format) drives both the import and
+the export back to that layout (`export_drafter`), so the two cannot drift apart.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,162 +20,135 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from convert.layout import (HEADS_BIAS, HEADS_IN, HEADS_OUT, IDENTITY, TRANSPOSE, Assembler,
+                            ConversionError, Layout, MappingTable, Rule, ShardingsArg)
+from dflash_jax.config import ConfigError
 from dflash_jax.drafter import (DraftConfig, DraftParams, draft_config_to_dict, draft_specs,
                                 load_draft_config)
-from dflash_jax.params import path_str, tree_from_mapping
+from dflash_jax.params import path_str, spec_leaves_with_paths
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-_PREFIX = "model."
+_PREFIX = "model."  # some exports nest the drafter under `model.`
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # a buffer older exports saved; recomputed from config
 
+_L = "layers.{i}."
+DRAFT_TABLE = MappingTable([
+    Rule("fc.weight", "fc", TRANSPOSE),  # [embed, taps*embed] -> [taps*embed, embed]
+    Rule("hidden_norm.weight", "hidden_norm", IDENTITY),
+    Rule("norm.weight", "final_norm", IDENTITY),
+    Rule(_L + "input_layernorm.weight", "layers.{i}.attn_norm", IDENTITY),
+    Rule(_L + "post_attention_layernorm.weight", "layers.{i}.mlp_norm", IDENTITY),
+    Rule(_L + "self_attn.q_proj.weight", "layers.{i}.attn.q", HEADS_IN),
+    Rule(_L + "self_attn.k_proj.weight", "layers.{i}.attn.k", HEADS_IN),
+    Rule(_L + "self_attn.v_proj.weight", "layers.{i}.attn.v", HEADS_IN),
+    Rule(_L + "self_attn.o_proj.weight", "layers.{i}.attn.o", HEADS_OUT),
+    Rule(_L + "self_attn.q_norm.weight", "layers.{i}.attn.q_norm", IDENTITY),
+    Rule(_L + "self_attn.k_norm.weight", "layers.{i}.attn.k_norm", IDENTITY),
+    Rule(_L + "self_attn.q_proj.bias", "layers.{i}.attn.q_bias", HEADS_BIAS),  # attention_bias only
+    Rule(_L + "self_attn.k_proj.bias", "layers.{i}.attn.k_bias", HEADS_BIAS),
+    Rule(_L + "self_attn.v_proj.bias", "layers.{i}.attn.v_bias", HEADS_BIAS),
+    Rule(_L + "self_attn.o_proj.bias", "layers.{i}.attn.o_bias", IDENTITY),
+    Rule(_L + "mlp.gate_proj.weight", "layers.{i}.mlp.gate", TRANSPOSE),
+    Rule(_L + "mlp.up_proj.weight", "layers.{i}.mlp.up", TRANSPOSE),
+    Rule(_L + "mlp.down_proj.weight", "layers.{i}.mlp.down", TRANSPOSE),
+])
 
-@dataclasses.dataclass(frozen=True)
-class TensorRule:
-    """One checkpoint tensor: its name, its PyTorch shape, and where it lives in DraftParams."""
-
-    name: str  # checkpoint name, without the optional "model." prefix
-    path: str  # dotted path in DraftParams
-    hf_shape: tuple[int, ...]
-    to_ours: Callable[[np.ndarray], np.ndarray]
-    to_hf: Callable[[np.ndarray], np.ndarray]
-
-
-def _same(x: np.ndarray) -> np.ndarray:
-    return x
-
-
-def _transpose(x: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(x.T)
-
-
-def tensor_table(dcfg: DraftConfig) -> list[TensorRule]:
-    """The full mapping of a drafter checkpoint for `dcfg` (every row must be present)."""
-    e, m = dcfg.hidden_size, dcfg.intermediate_size
-    qh, kvh, hd = dcfg.num_heads, dcfg.num_kv_heads, dcfg.head_dim
-
-    def heads_in(h: int) -> tuple[Callable, Callable]:
-        # nn.Linear [h*d, e] -> our [e, h, d] (and back)
-        return (lambda x: np.ascontiguousarray(x.T.reshape(e, h, hd)),
-                lambda x: np.ascontiguousarray(x.reshape(e, h * hd).T))
-
-    def heads_bias(h: int) -> tuple[Callable, Callable]:
-        return lambda x: x.reshape(h, hd), lambda x: x.reshape(h * hd)
-
-    heads_out = (lambda x: np.ascontiguousarray(x.T.reshape(qh, hd, e)),
-                 lambda x: np.ascontiguousarray(x.reshape(qh * hd, e).T))
-
-    rows = [
-        TensorRule("fc.weight", "fc", (e, dcfg.num_taps * e), _transpose, _transpose),
-        TensorRule("hidden_norm.weight", "hidden_norm", (e,), _same, _same),
-        TensorRule("norm.weight", "final_norm", (e,), _same, _same),
-    ]
-    for i in range(dcfg.num_layers):
-        hf, ours = f"layers.{i}.", f"layers.{i}."
-        rows += [
-            TensorRule(hf + "input_layernorm.weight", ours + "attn_norm", (e,), _same, _same),
-            TensorRule(hf + "post_attention_layernorm.weight", ours + "mlp_norm", (e,), _same, _same),
-            TensorRule(hf + "self_attn.q_proj.weight", ours + "attn.q", (qh * hd, e), *heads_in(qh)),
-            TensorRule(hf + "self_attn.k_proj.weight", ours + "attn.k", (kvh * hd, e), *heads_in(kvh)),
-            TensorRule(hf + "self_attn.v_proj.weight", ours + "attn.v", (kvh * hd, e), *heads_in(kvh)),
-            TensorRule(hf + "self_attn.o_proj.weight", ours + "attn.o", (e, qh * hd), *heads_out),
-            TensorRule(hf + "self_attn.q_norm.weight", ours + "attn.q_norm", (hd,), _same, _same),
-            TensorRule(hf + "self_attn.k_norm.weight", ours + "attn.k_norm", (hd,), _same, _same),
-            TensorRule(hf + "mlp.gate_proj.weight", ours + "mlp.gate", (m, e), _transpose, _transpose),
-            TensorRule(hf + "mlp.up_proj.weight", ours + "mlp.up", (m, e), _transpose, _transpose),
-            TensorRule(hf + "mlp.down_proj.weight", ours + "mlp.down", (e, m), _transpose, _transpose),
-        ]
-        if dcfg.attention_bias:
-            rows += [
-                TensorRule(hf + "self_attn.q_proj.bias", ours + "attn.q_bias", (qh * hd,), *heads_bias(qh)),
-                TensorRule(hf + "self_attn.k_proj.bias", ours + "attn.k_bias", (kvh * hd,), *heads_bias(kvh)),
-                TensorRule(hf + "self_attn.v_proj.bias", ours + "attn.v_bias", (kvh * hd,), *heads_bias(kvh)),
-                TensorRule(hf + "self_attn.o_proj.bias", ours + "attn.o_bias", (e,), _same, _same),
-            ]
-    return rows
+# Layouts whose source is the transpose of ours (up to a reshape of the head axes).
+_TRANSPOSED_LAYOUTS = {TRANSPOSE.name, HEADS_IN.name, HEADS_OUT.name}
 
 
 # ----------------------------------------------------------------------------- reading
 
-def _weight_files(directory: Path) -> list[Path]:
+def _weight_files(directory: Path) -> tuple[list[Path], str]:
+    """-> (safetensors files, a name for the checkpoint in messages)."""
     single, index = directory / WEIGHTS_FILE, directory / INDEX_FILE
     if single.exists():
-        return [single]
+        return [single], str(single)
     if index.exists():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not weight_map:
-            raise ValueError(f"{index}: no 'weight_map'")
-        return [directory / f for f in sorted(set(weight_map.values()))]
-    raise ValueError(f"{directory}: neither {WEIGHTS_FILE} nor {INDEX_FILE} found")
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise ConversionError(f"{index}: not a safetensors index (no 'weight_map': {err})") from None
+        files = [directory / f for f in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.exists():
+                raise ConversionError(f"{index}: lists shard {f.name!r}, which does not exist")
+        return files, str(index)
+    raise ConversionError(f"{directory}: no {WEIGHTS_FILE} or {INDEX_FILE} (not a drafter directory?)")
 
 
-def read_tensors(directory: str | Path) -> dict[str, tuple[np.ndarray, str]]:
-    """{name without "model." prefix: (array, file it came from)} for every tensor in the checkpoint."""
-    out: dict[str, tuple[np.ndarray, str]] = {}
-    for file in _weight_files(Path(directory)):
-        if not file.exists():
-            raise ValueError(f"{file}: weight file listed in {INDEX_FILE} is missing")
-        with safe_open(str(file), framework="numpy") as f:
-            for raw in f.keys():
-                name = raw[len(_PREFIX):] if raw.startswith(_PREFIX) else raw
-                if name in out:
-                    raise ValueError(f"{file}: tensor {raw!r} duplicates {name!r} from {out[name][1]}")
-                out[name] = (f.get_tensor(raw), str(file))
-    return out
+def _open(file: Path):
+    try:
+        return safe_open(str(file), framework="numpy")
+    except Exception as err:  # SafetensorError has no more specific base
+        raise ConversionError(f"{file}: cannot read safetensors file: {err}") from None
 
 
-def params_from_tensors(dcfg: DraftConfig, tensors: Mapping[str, tuple[np.ndarray, str]],
-                        source: str, dtype: Any = None) -> DraftParams:
-    """Maps checkpoint tensors ({name: (array, file)}) to DraftParams, loudly.
+def load_drafter(path: str | Path, dtype: Any = jnp.float32, *, shardings: ShardingsArg = None
+                 ) -> tuple[DraftConfig, DraftParams]:
+    """Reads a z-lab drafter directory -> (DraftConfig, DraftParams).
 
-    Errors name the tensor and file: a missing tensor, an unexpected one (e.g. an embedding,
-    or DFlash2 convolutions), or one whose shape disagrees with config.json.
-    dtype: cast floating weights to it; None keeps the stored dtype.
+    dtype: floating dtype of the params (float32 default; bfloat16 for GPU).
+    shardings: as `convert.hf_safetensors.load_hf`, against `draft_specs(dcfg)`.
+    Errors (ConversionError, a ValueError) name the file and the tensor: missing, unexpected
+    (e.g. an embedding, or DFlash2's convolutions), duplicated, or mis-shaped for config.json.
     """
-    table = tensor_table(dcfg)
-    expected = {r.name for r in table}
-    unexpected = sorted(set(tensors) - expected)
-    if unexpected:
-        raise ValueError(f"{source}: unexpected tensors {unexpected} (not part of a DFlashDraftModel "
-                         f"for this config; embeddings and LM head come from the target)")
-    values = {}
-    for rule in table:
-        if rule.name not in tensors:
-            raise ValueError(f"{source}: tensor {rule.name!r} is missing "
-                             f"(expected shape {rule.hf_shape})")
-        array, file = tensors[rule.name]
-        if tuple(array.shape) != rule.hf_shape:
-            raise ValueError(f"{file}: tensor {rule.name!r} has shape {tuple(array.shape)}, "
-                             f"expected {rule.hf_shape} from config.json")
-        ours = rule.to_ours(np.asarray(array))
-        values[rule.path] = jnp.asarray(ours, dtype=dtype or ours.dtype)
-    return tree_from_mapping(draft_specs(dcfg), values, source)
-
-
-def load_drafter(path: str | Path, dtype: Any = None) -> tuple[DraftConfig, DraftParams]:
-    """Reads a z-lab drafter directory (config.json + safetensors) -> (DraftConfig, DraftParams)."""
     path = Path(path)
     if not path.is_dir():
-        raise ValueError(f"{path}: expected a drafter directory (config.json + {WEIGHTS_FILE})")
-    dcfg = load_draft_config(path)
-    return dcfg, params_from_tensors(dcfg, read_tensors(path), str(path), dtype)
+        raise ConversionError(f"{path}: expected a drafter directory (config.json + {WEIGHTS_FILE})")
+    try:
+        dcfg = load_draft_config(path)
+    except ConfigError as err:
+        raise ConversionError(str(err)) from err
+    files, source = _weight_files(path)
+    asm = Assembler(draft_specs(dcfg), DRAFT_TABLE, dtype, shardings)
+    for file in files:
+        with _open(file) as f:
+            for raw in f.keys():
+                origin = f"{file}: {raw!r}"
+                if raw.endswith(_IGNORED_SUFFIXES):
+                    continue
+                name = raw[len(_PREFIX):] if raw.startswith(_PREFIX) else raw
+                found = DRAFT_TABLE.lookup(name)
+                if found is None:
+                    raise ConversionError(f"{origin}: unexpected tensor (not part of a DFlashDraftModel; "
+                                          f"embeddings and LM head come from the target)")
+                rule, target = found
+                asm.claim(target, rule, tuple(f.get_slice(raw).get_shape()), origin)
+                asm.put(target, rule, f.get_tensor(raw))
+    return dcfg, asm.finish(source)
 
 
 # ----------------------------------------------------------------------------- writing
 
+def _to_source(layout: Layout, x: np.ndarray, source_shape: tuple[int, ...]) -> np.ndarray:
+    """Inverse of `layout.apply`: our array -> the PyTorch-layout array of `source_shape`."""
+    if layout.name in _TRANSPOSED_LAYOUTS:
+        return np.ascontiguousarray(x.reshape(source_shape[::-1]).T)
+    return np.ascontiguousarray(x.reshape(source_shape))
+
+
 def params_to_tensors(dcfg: DraftConfig, dparams: DraftParams) -> dict[str, np.ndarray]:
-    """DraftParams -> {checkpoint name: PyTorch-layout array} (no prefix)."""
-    flat = {path_str(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(dparams)[0]}
+    """DraftParams -> {checkpoint name (no prefix): PyTorch-layout array}."""
+    arrays = {path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(dparams)[0]}
     out = {}
-    for rule in tensor_table(dcfg):
-        if rule.path not in flat:
-            raise ValueError(f"DraftParams has no tensor {rule.path} (for {rule.name})")
-        out[rule.name] = np.ascontiguousarray(rule.to_hf(np.asarray(flat[rule.path])))
+    for path, spec in spec_leaves_with_paths(draft_specs(dcfg)):
+        if path not in arrays:
+            raise ConversionError(f"DraftParams has no tensor {path}")
+        x = np.asarray(arrays[path])
+        if tuple(x.shape) != spec.shape:
+            raise ConversionError(f"DraftParams tensor {path} has shape {tuple(x.shape)}, "
+                                  f"expected {spec.shape}")
+        name = DRAFT_TABLE.source_name(path)
+        rule, _ = DRAFT_TABLE.lookup(name)
+        out[name] = _to_source(rule.layout, x, tuple(rule.layout.source_shape(spec.shape)))
     return out
 
 
 def export_drafter(dcfg: DraftConfig, dparams: DraftParams, out_dir: str | Path) -> Path:
-    """Writes z-lab's layout (config.json + model.safetensors) that
-    `dflash.model.DFlashDraftModel.from_pretrained(out_dir)` loads. Returns out_dir."""
+    """Writes z-lab's layout (config.json + model.safetensors) for
+    `dflash.model.DFlashDraftModel.from_pretrained(out_dir)`. Returns out_dir."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = params_to_tensors(dcfg, dparams)

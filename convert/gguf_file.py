@@ -193,14 +193,16 @@ def config_from_gguf(reader: GGUFReader, path: str | Path) -> ModelConfig:
         raise ConversionError(str(err)) from err
 
 
-def load_gguf(path: str | Path, *, dtype: Any = jnp.float32, shardings: ShardingsArg = None
-              ) -> tuple[ModelConfig, ModelParams]:
+def load_gguf(path: str | Path, *, dtype: Any = jnp.float32, shardings: ShardingsArg = None,
+              reader: GGUFReader | None = None) -> tuple[ModelConfig, ModelParams]:
     """Loads a llama/qwen3 GGUF file; quantised tensors are dequantised to `dtype`.
 
     shardings: as for `convert.hf_safetensors.load_hf`.
+    reader: an already opened `open_gguf(path)` (parsing the metadata of a file with a large
+    vocabulary takes seconds, so callers that also inspect the file can share one).
     """
     path = Path(path)
-    reader = open_gguf(path)
+    reader = reader if reader is not None else open_gguf(path)
     cfg = config_from_gguf(reader, path)
     asm = Assembler(model_specs(cfg), GGUF_TABLE, dtype, shardings)
     # Only llama-arch files are permuted: llama.cpp uses NeoX-style (half-split) RoPE for qwen3.

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable
 
 import jax
 import ml_dtypes  # noqa: F401  registers bfloat16 with numpy (safetensors' numpy reader needs it)
@@ -84,26 +84,31 @@ class MappingTable:
 
     def lookup(self, name: str) -> tuple[Rule, str] | None:
         """source tensor name -> (rule, our dotted path), or None when no rule matches."""
-        match = _LAYER_INDEX.search(name)
-        if match:
-            # Replace only the first `.<digits>.`: that is the layer index in both formats.
-            template = name[:match.start()] + ".{i}." + name[match.end():]
-            rule = self._by_source.get(template)
-            if rule is not None:
-                return rule, rule.target.replace("{i}", match.group(1))
-        rule = self._by_source.get(name)
-        return (rule, rule.target) if rule is not None else None
+        template, layer = _template(name)
+        rule = self._by_source.get(template) or self._by_source.get(name)
+        if rule is None:
+            return None
+        return rule, (rule.target.replace("{i}", layer) if rule.source == template else rule.target)
 
     def source_name(self, path: str) -> str:
         """Our dotted path -> the source tensor name that provides it (for 'missing' errors)."""
-        match = re.search(r"\.(\d+)\.", path)
-        if match:
-            template = path[:match.start()] + ".{i}." + path[match.end():]
-            rule = self._by_target.get(template)
-            if rule is not None:
-                return rule.source.replace("{i}", match.group(1))
+        template, layer = _template(path)
+        rule = self._by_target.get(template)
+        if rule is not None:
+            return rule.source.replace("{i}", layer)
         rule = self._by_target.get(path)
         return rule.source if rule is not None else path
+
+
+def _template(name: str) -> tuple[str, str]:
+    """'model.layers.3.mlp.up_proj.weight' -> ('model.layers.{i}.mlp.up_proj.weight', '3').
+
+    Only the first `.<digits>.` is replaced: that is the layer index in both formats.
+    """
+    match = _LAYER_INDEX.search(name)
+    if match is None:
+        return name, ""
+    return name[:match.start()] + ".{i}." + name[match.end():], match.group(1)
 
 
 # ----------------------------------------------------------------------------- shardings
@@ -190,9 +195,3 @@ class Assembler:
                                       f"(needed for {path})")
             out.append(self._values[path])
         return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def require(mapping: Mapping[str, Any], key: str, source: str) -> Any:
-    if key not in mapping or mapping[key] is None:
-        raise ConversionError(f"{source}: required field {key!r} is missing")
-    return mapping[key]

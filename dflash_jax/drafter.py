@@ -370,6 +370,11 @@ def append_context(dparams: DraftParams, dcfg: DraftConfig, cache: DraftCache, t
     caller guarantees lengths + n <= max_len); rows past counts are scratch that later
     appends overwrite.
     """
+    if taps.shape[-1] != dcfg.num_taps * dcfg.hidden_size:
+        raise ValueError(f"taps last axis is {taps.shape[-1]}, expected {dcfg.num_taps} taps x "
+                         f"hidden {dcfg.hidden_size} = {dcfg.num_taps * dcfg.hidden_size}")
+    if taps.shape[1] > cache.max_len:
+        raise ValueError(f"{taps.shape[1]} context rows do not fit a cache of max_len {cache.max_len}")
     ks, vs = context_kv(dparams, dcfg, taps, positions)
     return DraftCache(k=tuple(write_rows(buf, k, cache.lengths) for buf, k in zip(cache.k, ks)),
                       v=tuple(write_rows(buf, v, cache.lengths) for buf, v in zip(cache.v, vs)),
@@ -465,6 +470,8 @@ def draft(dparams: DraftParams, dcfg: DraftConfig, target_params: ModelParams, c
     scratch copy of each context buffer at slots lengths .. lengths+bs-1.
     """
     batch, bs = block_tokens.shape
+    if bs > cache.max_len:
+        raise ValueError(f"block of {bs} tokens does not fit a draft cache of max_len {cache.max_len}")
     lcfg = dcfg.layer_config()
     x = embed_tokens(target_params, block_tokens)
     if dcfg.input_embedding_scale != 1.0:

@@ -90,6 +90,9 @@ def generate_ar(params: ModelParams, cfg: ModelConfig, prompts: jax.Array, promp
     Each sequence stops after a stop token (which is kept) or `max_new_tokens` tokens.
     """
     batch = prompts.shape[0]
+    if prompts.shape[1] + max_new_tokens > max_len:
+        raise ValueError(f"max_len {max_len} is too small: prompts of width {prompts.shape[1]} + "
+                         f"max_new_tokens {max_new_tokens} need {prompts.shape[1] + max_new_tokens}")
     dtype = params.embed.dtype
     cache = KVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, dtype)
     logits, _, cache = prefill(params, cfg, prompts, prompt_lens, cache, attn_impl=attn_impl)

@@ -58,7 +58,6 @@ def path_str(path: tuple) -> str:
 def init_from_specs(specs: Any, key: jax.Array, dtype: Any = jnp.float32, scale: float = 1.0) -> Any:
     """Draws random parameters for a spec tree (tests and benchmarks; real weights come from `convert`)."""
     leaves, treedef = jax.tree_util.tree_flatten(specs, is_leaf=is_spec)
-    keys = jax.random.split(key, len(leaves))
 
     def draw(spec: Spec, k: jax.Array) -> jax.Array:
         if spec.init == "ones":
@@ -68,7 +67,13 @@ def init_from_specs(specs: Any, key: jax.Array, dtype: Any = jnp.float32, scale:
         std = scale * (spec.fan_in or spec.shape[0]) ** -0.5
         return (std * jax.random.normal(k, spec.shape, jnp.float32)).astype(dtype)
 
-    return jax.tree_util.tree_unflatten(treedef, [draw(s, k) for s, k in zip(leaves, keys)])
+    @jax.jit
+    def draw_all(key: jax.Array) -> list[jax.Array]:
+        # One compiled program for the whole tree (eager per-leaf draws compile once per shape).
+        keys = jax.random.split(key, len(leaves))
+        return [draw(s, k) for s, k in zip(leaves, keys)]
+
+    return jax.tree_util.tree_unflatten(treedef, draw_all(key))
 
 
 def check_against_specs(params: Any, specs: Any, source: str = "params") -> None:

@@ -39,10 +39,9 @@ def encode_prompts(tokenizer: Any, prompts: Sequence[str], chat: bool = True) ->
 
 def stop_tokens_for(tokenizer: Any, cfg: ModelConfig) -> tuple[int, ...]:
     """End-of-turn and end-of-text ids known to the tokenizer and the config."""
+    # Not tokenizer.eos_token_id: transformers' GGUF tokenizer for SmolLM2 reports <|im_start|>.
     ids = set(cfg.eos_token_ids)
     if tokenizer is not None:
-        if tokenizer.eos_token_id is not None:
-            ids.add(int(tokenizer.eos_token_id))
         vocab = tokenizer.get_vocab()
         ids.update(int(vocab[t]) for t in _STOP_TOKEN_TEXTS if t in vocab)
     return tuple(sorted(ids))

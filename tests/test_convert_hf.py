@@ -240,7 +240,8 @@ def test_index_points_to_missing_shard(saved, tmp_path):
     path = _copy(saved, "qwen3_untied_sharded", tmp_path)
     shard = _shard_of(path, "model.layers.1.mlp.up_proj.weight")
     shard.unlink()
-    with pytest.raises(ConversionError, match=rf"model\.safetensors\.index\.json: shard '{shard.name}'.*does not exist"):
+    with pytest.raises(ConversionError,
+                       match=rf"model\.safetensors\.index\.json: shard '{shard.name}'.*does not exist"):
         load_hf(path)
 
 

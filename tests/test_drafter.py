@@ -18,11 +18,13 @@ from safetensors.numpy import load_file, save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from convert.dflash_drafter import export_drafter, load_drafter
-from dflash_jax.config import ConfigError, default_tap_layers, model_config_from_dict
-from dflash_jax.drafter import (DraftCache, append_context, draft, draft_logits,
-                                draft_config_from_dict, init_draft_params, load_draft_config,
-                                make_block, validate_pair)
-from dflash_jax.model import ModelParams
+from convert.hf_safetensors import load_hf
+from convert.layout import ConversionError
+from dflash_jax.config import ConfigError, default_tap_layers
+from dflash_jax.drafter import (DraftCache, append_context, draft, draft_config_from_dict,
+                                draft_logits, draft_specs, load_draft_config, make_block,
+                                validate_pair)
+from dflash_jax.params import Spec, cast_floating, is_spec
 
 dflash_model = pytest.importorskip("dflash.model")
 
@@ -59,20 +61,17 @@ def _randomise(module: torch.nn.Module, seed: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def target():
-    """A tiny random Qwen3 target: only its embedding and LM head are used by the drafter."""
+def target(tmp_path_factory):
+    """A tiny random Qwen3 target, converted by `convert`; the drafter uses its embedding and head."""
     cfg = Qwen3Config(hidden_size=HIDDEN, num_hidden_layers=TARGET_LAYERS, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, intermediate_size=96, vocab_size=VOCAB,
                       tie_word_embeddings=False)
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(cfg).eval()
     _randomise(model, seed=1)
-    tcfg = model_config_from_dict(cfg.to_dict(), source="target config")
-    embed = model.get_input_embeddings().weight.detach().numpy()
-    head = model.lm_head.weight.detach().numpy()
-    # Only the two tensors the drafter touches; layers are never run here.
-    tparams = ModelParams(embed=jnp.asarray(embed), layers=(), final_norm=jnp.ones((HIDDEN,)),
-                          lm_head=jnp.asarray(head.T))
+    directory = tmp_path_factory.mktemp("target")
+    model.save_pretrained(directory)
+    tcfg, tparams = load_hf(directory)
     return model, tcfg, tparams
 
 
@@ -99,9 +98,9 @@ class ReferenceDrafter:
         Returns (hidden [width, hidden], logits [width-1, vocab])."""
         width = block.shape[0]
         scale = float(dflash_model._draft_value(self.model.config, "input_embedding_scale", 1.0))
-        noise = dflash_model._raw_input_embeddings(self.target, torch.as_tensor(block)[None], scale)
+        noise = dflash_model._raw_input_embeddings(self.target, torch.tensor(block)[None], scale)
         positions = torch.arange(start - taps.shape[0], start + width)[None]
-        hidden = self.model(target_hidden=torch.as_tensor(taps)[None], noise_embedding=noise,
+        hidden = self.model(target_hidden=torch.tensor(taps)[None], noise_embedding=noise,
                             position_ids=positions, past_key_values=self.cache, use_cache=True)
         dflash_model._crop_to(self.cache, start)
         logits = self.model.compute_logits(hidden[:, 1:], dflash_model._output_head(self.target))
@@ -114,13 +113,15 @@ def _rel_err(ours, ref) -> float:
 
 
 _append = jax.jit(append_context, static_argnums=(1,))
-_draft = jax.jit(draft, static_argnums=(1,))
+_draft = jax.jit(draft, static_argnums=(1,), static_argnames=("attn_impl",))
 _logits = jax.jit(draft_logits, static_argnums=(1,))
 
 
-# (name, drafter config overrides); block sizes 8 > window 4 and 4 == window.
+# name -> drafter config overrides; block sizes 8 > window 4 and 4 == window.
 VARIANTS = {
     "default": dict(block_size=8),
+    # The same through the Pallas tree-attention kernel, interpreted on CPU.
+    "pallas_interpret": dict(block_size=8),
     "yarn": dict(block_size=4, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                                  "original_max_position_embeddings": 64}),
     # Causal full layers, biases, and every dflash_config scalar away from its default.
@@ -137,6 +138,7 @@ def test_matches_reference_over_rounds(tmp_path, target, variant):
     """Two sequences of different lengths, three rounds (the last with a shortened block)."""
     t_model, tcfg, tparams = target
     model, dcfg, dparams = _make_drafter(tmp_path, **VARIANTS[variant])
+    attn_impl = "interpret" if variant == "pallas_interpret" else "reference"
     validate_pair(dcfg, tcfg)
     bs = dcfg.block_size
     rng = np.random.default_rng(3)
@@ -149,7 +151,8 @@ def test_matches_reference_over_rounds(tmp_path, target, variant):
     lengths = np.zeros(2, np.int64)
     for rnd in range(3):
         counts = np.array([appended[b][rnd] for b in range(2)])
-        width = int(counts.max()) + 1  # one scratch row at least, filled with NaN below
+        # Scratch rows (NaN) past every count, reaching beyond the block's slots too.
+        width = int(counts.max()) + bs + 1
         taps = np.full((2, width, len(TAPS) * HIDDEN), np.nan, np.float32)
         seq_taps = [feat(int(c)) for c in counts]
         for b in range(2):
@@ -164,7 +167,8 @@ def test_matches_reference_over_rounds(tmp_path, target, variant):
         block = np.asarray(make_block(dcfg, jnp.asarray(roots, jnp.int32)))
         block_len = np.array([block_lens[b][rnd] for b in range(2)])
         hidden = _draft(dparams, dcfg, tparams, cache, jnp.asarray(block),
-                        jnp.asarray(lengths, jnp.int32), jnp.asarray(block_len, jnp.int32))
+                        jnp.asarray(lengths, jnp.int32), jnp.asarray(block_len, jnp.int32),
+                        attn_impl=attn_impl)
         logits = np.asarray(_logits(dparams, dcfg, tparams, hidden))
         hidden = np.asarray(hidden)
         assert hidden.shape == (2, bs, HIDDEN) and logits.shape == (2, bs - 1, VOCAB)
@@ -185,6 +189,24 @@ def test_block_len_none_equals_full_block(tmp_path, target):
     full = _draft(dparams, dcfg, tparams, cache, block, cache.lengths, jnp.array([dcfg.block_size]))
     plain = _draft(dparams, dcfg, tparams, cache, block, cache.lengths)
     np.testing.assert_allclose(np.asarray(plain), np.asarray(full), rtol=1e-6, atol=1e-6)
+
+
+def test_bfloat16_runs_close_to_float32(tmp_path, target):
+    """The GPU dtype: bf16 weights, context cache and activations; float32 softmax and logits."""
+    _, _, tparams = target
+    _make_drafter(tmp_path)
+    taps = np.random.default_rng(0).standard_normal((1, 9, len(TAPS) * HIDDEN)).astype(np.float32)
+    out = {}
+    for dtype in (jnp.float32, jnp.bfloat16):
+        dcfg, dparams = load_drafter(tmp_path, dtype=dtype)
+        tp = cast_floating(tparams, dtype)
+        cache = DraftCache.create(dcfg, batch=1, max_len=MAX_LEN, dtype=dtype)
+        cache = _append(dparams, dcfg, cache, jnp.asarray(taps, dtype), jnp.arange(9)[None], jnp.array([9]))
+        hidden = _draft(dparams, dcfg, tp, cache, make_block(dcfg, jnp.array([5])), cache.lengths)
+        assert hidden.dtype == dtype
+        out[dtype] = np.asarray(_logits(dparams, dcfg, tp, hidden))
+    assert out[jnp.bfloat16].dtype == np.float32 and np.isfinite(out[jnp.bfloat16]).all()
+    assert _rel_err(out[jnp.bfloat16], out[jnp.float32]) < 0.05
 
 
 # ----------------------------------------------------------------------------- config
@@ -236,36 +258,35 @@ def test_validate_pair_errors(tmp_path, target):
 # ----------------------------------------------------------------------------- converter
 
 
-def _rewrite(tmp_path, edit) -> None:
-    file = tmp_path / "model.safetensors"
-    tensors = load_file(str(file))
-    save_file(edit(dict(tensors)), str(file), metadata={"format": "pt"})
-
-
 def test_converter_errors(tmp_path):
     torch.manual_seed(0)
     dflash_model.DFlashDraftModel(_draft_hf_config()).save_pretrained(tmp_path)
     base = load_file(str(tmp_path / "model.safetensors"))
-
-    _rewrite(tmp_path, lambda t: {k: v for k, v in t.items() if k != "layers.1.self_attn.k_norm.weight"})
-    with pytest.raises(ValueError, match=r"'layers\.1\.self_attn\.k_norm\.weight' is missing"):
-        load_drafter(tmp_path)
-
-    _rewrite(tmp_path, lambda t: {**base, "fc.weight": np.zeros((HIDDEN, 3 * HIDDEN), np.float32)})
-    with pytest.raises(ValueError, match=r"model\.safetensors: tensor 'fc\.weight' has shape \(64, 192\), "
-                                         r"expected \(64, 128\)"):
-        load_drafter(tmp_path)
-
-    _rewrite(tmp_path, lambda t: {**base, "embed_tokens.weight": np.zeros((VOCAB, HIDDEN), np.float32)})
-    with pytest.raises(ValueError, match=r"unexpected tensors \['embed_tokens\.weight'\]"):
-        load_drafter(tmp_path)
+    cases = [
+        ({k: v for k, v in base.items() if k != "layers.1.self_attn.k_norm.weight"},
+         r"model\.safetensors: missing tensor 'layers\.1\.self_attn\.k_norm\.weight'"),
+        ({**base, "fc.weight": np.zeros((HIDDEN, 3 * HIDDEN), np.float32)},
+         r"model\.safetensors: 'fc\.weight': tensor has shape \(64, 192\), expected \(64, 128\)"),
+        ({**base, "embed_tokens.weight": np.zeros((VOCAB, HIDDEN), np.float32)},
+         r"'embed_tokens\.weight': unexpected tensor"),
+        # A bias the config (attention_bias false) does not declare.
+        ({**base, "layers.0.self_attn.q_proj.bias": np.zeros((64,), np.float32)},
+         r"'layers\.0\.self_attn\.q_proj\.bias': unexpected tensor"),
+        ({**base, "model.norm.weight": base["norm.weight"]},
+         r"'(model\.)?norm\.weight': duplicate tensor; final_norm was already loaded"),
+    ]
+    for tensors, message in cases:
+        save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(ConversionError, match=message):
+            load_drafter(tmp_path)
 
 
 def test_converter_accepts_model_prefix(tmp_path):
     torch.manual_seed(0)
     dflash_model.DFlashDraftModel(_draft_hf_config()).save_pretrained(tmp_path)
     _, plain = load_drafter(tmp_path)
-    _rewrite(tmp_path, lambda t: {"model." + k: v for k, v in t.items()})
+    file = str(tmp_path / "model.safetensors")
+    save_file({"model." + k: v for k, v in load_file(file).items()}, file, metadata={"format": "pt"})
     _, prefixed = load_drafter(tmp_path)
     for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(prefixed)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -279,11 +300,13 @@ def test_export_round_trip(tmp_path, target):
                          "original_max_position_embeddings": 32},
         dflash_config={"target_layer_ids": list(TAPS), "mask_token_id": MASK, "block_size": 8,
                        "output_multiplier": 0.5}).to_dict())
-    params = init_draft_params(dcfg, jax.random.key(7))
-    leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(8), len(leaves))
-    params = jax.tree.unflatten(treedef, [x + 0.2 * jax.random.normal(k, x.shape)
-                                          for x, k in zip(leaves, keys)])
+    rng = np.random.default_rng(8)  # numpy, not jax.random: drawing 36 tensors compiles slowly
+
+    def draw(spec: Spec) -> jax.Array:
+        noise = rng.standard_normal(spec.shape).astype(np.float32)
+        return jnp.asarray(1.0 + 0.3 * noise if spec.init == "ones" else noise * spec.fan_in ** -0.5)
+
+    params = jax.tree.map(draw, draft_specs(dcfg), is_leaf=is_spec)
     export_drafter(dcfg, params, tmp_path / "export")
     assert load_draft_config(tmp_path / "export") == dcfg
     model = dflash_model.DFlashDraftModel.from_pretrained(tmp_path / "export").float().eval()

@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import tree_attention as ta
 from pallas_kernels import (
     default_block_sizes,
     resolve_impl,
@@ -184,13 +183,18 @@ def test_default_block_sizes_are_valid():
     for width in (1, 16, 48, 64, 256, 272, 512):
         for group in (1, 4, 5, 8):
             for max_len in (64, 1000, 4096, 40000):
-                bs = default_block_sizes(1, width, group, 8, 128, max_len)
-                for size in (bs.block_q, bs.block_k):
-                    assert size >= 16 and size & (size - 1) == 0
-                assert bs.split_k >= 1
+                for itemsize in (2, 4):
+                    bs = default_block_sizes(1, width, group, 8, 128, max_len, itemsize)
+                    for size in (bs.block_q, bs.block_k):
+                        assert size >= 16 and size & (size - 1) == 0
+                    assert bs.split_k >= 1
+                    # K and V tiles of every pipeline stage fit in Hopper's shared memory.
+                    smem = (bs.num_stages * 2 * bs.block_k + bs.block_q) * 128 * itemsize
+                    assert smem <= 220 * 1024 and bs.num_stages >= 1
     # Decode at long context splits the keys; a big tree at short context does not.
     assert default_block_sizes(1, 1, 4, 8, 128, 32768).split_k > 1
     assert default_block_sizes(1, 512, 4, 8, 128, 1024).split_k == 1
+    assert default_block_sizes(1, 256, 4, 8, 128, 32768).split_k == 1
 
 
 def test_dispatcher_uses_reference_on_cpu(monkeypatch):
@@ -201,7 +205,7 @@ def test_dispatcher_uses_reference_on_cpu(monkeypatch):
     ref = tree_attention_reference(q, k, v, lens, visible)
     np.testing.assert_array_equal(np.asarray(tree_attention(q, k, v, lens, visible)),
                                   np.asarray(ref))
-    monkeypatch.setattr(ta.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert resolve_impl("auto") == "pallas"
     assert resolve_impl("interpret") == "interpret"
     with pytest.raises(ValueError):

@@ -131,6 +131,44 @@ def time_ms(attn: AttnFn, inputs, iters: int, reps: int) -> float:
     return statistics.median(samples)
 
 
+def device_kernel_us(attn: AttnFn, inputs, iters: int, log_dir: str) -> dict[str, float]:
+    """Per-call GPU kernel time by kernel name, from a jax.profiler trace of one timed program.
+
+    Wall time per call includes the host's launch cost, which dominates kernels of a few
+    microseconds; this is the time the GPU spent inside kernels.
+    """
+    import glob
+    import gzip
+    import os
+    import tempfile
+
+    q, ks, vs, lens, visible = inputs
+    run = timed_program(attn, iters, len(ks))
+    jax.block_until_ready(run(q, ks, vs, lens, visible))
+    trace_dir = tempfile.mkdtemp(dir=log_dir)
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        jax.block_until_ready(run(q, ks, vs, lens, visible))
+    paths = glob.glob(os.path.join(trace_dir, "**", "*perfetto*.json.gz"), recursive=True)
+    if not paths:
+        return {}
+    with gzip.open(paths[0], "rt") as f:
+        events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    thread_names = {(e.get("pid"), e.get("tid")): e.get("args", {}).get("name", "")
+                    for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    if not any(name.lower().startswith("stream") for name in thread_names.values()):
+        print(f"  (no GPU stream lines in the trace; threads: {sorted(set(thread_names.values()))[:12]})")
+    totals: dict[str, float] = {}
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        thread = thread_names.get((e.get("pid"), e.get("tid")), "")
+        if not thread.lower().startswith("stream"):  # kernels, not host or derived op lines
+            continue
+        totals[e["name"]] = totals.get(e["name"], 0.0) + float(e.get("dur", 0.0)) / iters
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
 def max_rel_err(out: jax.Array, ref: jax.Array) -> float:
     """max |out - ref| / max |ref| (NaN anywhere gives inf)."""
     out32, ref32 = np.asarray(out, np.float32), np.asarray(ref, np.float32)
@@ -141,8 +179,11 @@ def max_rel_err(out: jax.Array, ref: jax.Array) -> float:
 
 def bench_shape(shape: Shape, dtype, *, interpret: bool, iters: int, reps: int,
                 impls: tuple[str, ...] = ("pallas", "xla", "reference"), check: bool = True,
-                overrides: dict | None = None) -> dict:
-    """Checks and times one shape. overrides: explicit kernel block sizes."""
+                overrides: dict | None = None, profile_dir: str | None = None) -> dict:
+    """Checks and times one shape. overrides: explicit kernel block sizes.
+
+    profile_dir: also record per-call GPU kernel time (``<impl>_kernel_us``) from a trace.
+    """
     itemsize = jnp.dtype(dtype).itemsize
     copies = int(min(_MAX_COPIES, max(1, math.ceil(_ROTATE_BYTES / shape.kv_bytes(itemsize)))))
     copies = 1 if interpret else copies
@@ -159,7 +200,7 @@ def bench_shape(shape: Shape, dtype, *, interpret: bool, iters: int, reps: int,
 
     row = dataclasses.asdict(shape)
     blocks = default_block_sizes(shape.batch, shape.width, shape.q_heads // shape.kv_heads,
-                                 shape.kv_heads, shape.head_dim, shape.max_len)
+                                 shape.kv_heads, shape.head_dim, shape.max_len, itemsize)
     row.update(dataclasses.asdict(blocks))
     row.update(kernel_args)
     row.update(copies=copies, iters=iters)
@@ -177,6 +218,10 @@ def bench_shape(shape: Shape, dtype, *, interpret: bool, iters: int, reps: int,
         ms = time_ms(fns[name], inputs, iters, reps)
         row[f"{name}_ms"] = ms
         row[f"{name}_gbps"] = min_bytes / (ms * 1e-3) / 1e9
+        if profile_dir is not None and name != "reference":
+            kernels = device_kernel_us(fns[name], inputs, iters, profile_dir)
+            row[f"{name}_kernel_us"] = sum(kernels.values())
+            row[f"{name}_kernels"] = {k[:60]: round(v, 2) for k, v in list(kernels.items())[:6]}
     return row
 
 
@@ -184,7 +229,8 @@ def markdown_table(rows: list[dict]) -> str:
     cols = [("ctx", "ctx"), ("width", "W"), ("pallas_ms", "pallas ms"),
             ("pallas_gbps", "pallas GB/s"), ("xla_ms", "xla ms"), ("xla_gbps", "xla GB/s"),
             ("reference_ms", "ref ms"), ("speedup_vs_xla", "x vs xla"),
-            ("err_pallas", "pallas rel err"), ("split_k", "split_k")]
+            ("err_pallas", "pallas rel err"), ("split_k", "split_k"),
+            ("pallas_kernel_us", "pallas kernel us"), ("xla_kernel_us", "xla kernel us")]
     cols = [c for c in cols if any(c[0] in r for r in rows)]
     lines = ["| " + " | ".join(h for _, h in cols) + " |",
              "|" + "---|" * len(cols)]
@@ -216,22 +262,28 @@ def sweep_configs(width: int, default_split: int) -> list[dict]:
 
 def sweep(shapes: list[tuple[int, int]], heads, dtype, iters: int,
           budget_s: float) -> list[dict]:
-    """Times alternative tilings per (ctx, width) until budget_s; prints the best few."""
+    """Times alternative tilings per (ctx, width), budget_s in all; prints the best few.
+
+    Configs run in a shuffled order so that a budget cut drops a random subset.
+    """
     q_heads, kv_heads, head_dim = heads
     itemsize = jnp.dtype(dtype).itemsize
     started = time.perf_counter()
     rows = []
-    for ctx, width in shapes:
+    for shape_index, (ctx, width) in enumerate(shapes):
+        shape_deadline = started + budget_s * (shape_index + 1) / len(shapes)
         shape = Shape(1, ctx, width, q_heads, kv_heads, head_dim)
         copies = int(min(_MAX_COPIES, max(1, math.ceil(_ROTATE_BYTES / shape.kv_bytes(itemsize)))))
         n = max(copies, iters // copies * copies)
         inputs = make_inputs(shape, dtype, copies)
         default = default_block_sizes(1, width, q_heads // kv_heads, kv_heads, head_dim,
-                                      shape.max_len)
+                                      shape.max_len, itemsize)
         default_ms = time_ms(tree_attention_pallas, inputs, n, 3)
         trials = []
-        for cfg in sweep_configs(width, default.split_k):
-            if time.perf_counter() - started > budget_s:
+        configs = sweep_configs(width, default.split_k)
+        np.random.default_rng(0).shuffle(configs)
+        for cfg in configs:
+            if time.perf_counter() > shape_deadline:
                 break
             try:
                 ms = time_ms(functools.partial(tree_attention_pallas, **cfg), inputs, n, 3)
@@ -256,6 +308,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="run the kernel in Pallas interpret mode (CPU smoke test)")
     parser.add_argument("--sweep", action="store_true",
                         help="also time alternative tilings (for retuning default_block_sizes)")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="also measure GPU kernel time per call with jax.profiler (to DIR)")
     parser.add_argument("--sweep-budget", type=float, default=420.0, help="seconds")
     parser.add_argument("--iters", type=int, default=32)
     parser.add_argument("--reps", type=int, default=7)
@@ -274,20 +328,24 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     started = time.perf_counter()
     if args.sweep:
-        shapes = [(4096, 1), (32768, 1), (32768, 256), (4096, 256), (32768, 16), (4096, 512)]
+        shapes = [(32768, 256), (32768, 1), (16384, 512), (32768, 16), (4096, 256), (16384, 1)]
         rows = sweep(shapes, heads, dtype, args.iters, args.sweep_budget)
     else:
         for ctx in contexts:
             for width in widths:
                 shape = Shape(1, ctx, width, q_heads, kv_heads, head_dim)
                 row = bench_shape(shape, dtype, interpret=args.interpret, iters=args.iters,
-                                  reps=args.reps)
+                                  reps=args.reps, profile_dir=args.profile)
                 row["speedup_vs_xla"] = row["xla_ms"] / row["pallas_ms"]
                 rows.append(row)
                 print(f"ctx={ctx} W={width}: pallas {row['pallas_ms']:.4f} ms "
                       f"({row['pallas_gbps']:.0f} GB/s, err {row['err_pallas']:.2e}), "
                       f"xla {row['xla_ms']:.4f} ms (err {row['err_xla']:.2e}), "
                       f"ref {row['reference_ms']:.4f} ms", flush=True)
+                if args.profile:
+                    print(f"  kernel us: pallas {row['pallas_kernel_us']:.1f} "
+                          f"{row['pallas_kernels']}\n  xla {row['xla_kernel_us']:.1f} "
+                          f"{row['xla_kernels']}", flush=True)
 
     result = dict(
         device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),

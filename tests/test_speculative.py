@@ -1,0 +1,184 @@
+"""DFlash and DDTree decoding: lossless against AR, equal to dflash 0.1.0, exact sampling."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from dflash_jax import speculative
+from dflash_jax.generate import generate_ar
+from dflash_jax.kv_cache import KVCache
+from dflash_jax.model import forward
+from dflash_jax.pipeline import pad_prompts
+from dflash_jax.sampling import SamplingParams, sampling_probs
+from dflash_jax.speculative import SpecSettings, generate_speculative
+from tests.spec_models import convert_pair, drafter_model, target_model
+
+NEW = 40
+SMALL_VOCAB = 8  # a random drafter then lands on the target's choice often, so deep paths occur
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return convert_pair(target_model(vocab=SMALL_VOCAB), drafter_model(16, vocab=SMALL_VOCAB),
+                        tmp_path_factory.mktemp("pair"))
+
+
+def prompts_20(vocab: int) -> list[list[int]]:
+    rng = np.random.RandomState(7)
+    return [rng.randint(0, vocab, rng.randint(2, 20)).tolist() for _ in range(20)]
+
+
+def run_batches(fn, prompts, batch):
+    """Runs `fn(arr, lens)` over the prompts in batches of `batch` -> list of token lists."""
+    out = []
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i:i + batch]
+        chunk = chunk + [chunk[-1]] * (batch - len(chunk))  # keep one compiled shape
+        arr, lens = pad_prompts(chunk, multiple=32)
+        g = fn(jnp.asarray(arr), jnp.asarray(lens))
+        toks, n = np.asarray(g.tokens), np.asarray(g.num_tokens)
+        out += [toks[b, :n[b]].tolist() for b in range(len(prompts[i:i + batch]))]
+    return out
+
+
+@pytest.fixture(scope="module")
+def ar_tokens(pair):
+    cfg, params, _, _ = pair
+    prompts = prompts_20(SMALL_VOCAB)
+    return run_batches(lambda a, l: generate_ar(params, cfg, a, l, jax.random.key(0), max_new_tokens=NEW,
+                                                max_len=256), prompts, 20)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("method,size", [("dflash", 2), ("dflash", 4), ("dflash", 16),
+                                         ("ddtree", 1), ("ddtree", 4), ("ddtree", 16), ("ddtree", 64)])
+def test_greedy_speculative_equals_greedy_ar(pair, ar_tokens, method, size, batch):
+    cfg, params, dcfg, dparams = pair
+    s = (SpecSettings(method="dflash", block_size=size, max_new_tokens=NEW) if method == "dflash"
+         else SpecSettings(method="ddtree", block_size=16, budget=size, max_new_tokens=NEW))
+    rounds = []
+
+    def fn(a, l):
+        g = generate_speculative(params, cfg, dparams, dcfg, a, l, jax.random.key(0), settings=s, max_len=256)
+        rounds.append(np.asarray(g.accepted)[np.asarray(g.accepted) > 0])
+        return g
+
+    got = run_batches(fn, prompts_20(SMALL_VOCAB), batch)
+    assert got == ar_tokens
+    acc = np.concatenate(rounds)
+    # Drafted tokens really were accepted (and, for wide trees, paths of several nodes).
+    assert acc.max() >= (3 if method == "ddtree" and size >= 16 else 2)
+
+
+def test_greedy_dflash_matches_dflash_generate(tmp_path, monkeypatch):
+    """Same weights: our tokens and per-round acceptance lengths equal the PyTorch reference's."""
+    import dflash.model as ref
+    import time
+
+    monkeypatch.setattr(ref, "_cuda_time", time.perf_counter)  # its stats path assumes CUDA
+    vocab = SMALL_VOCAB
+    target, drafter = target_model(vocab=vocab), drafter_model(16, vocab=vocab)
+    cfg, params, dcfg, dparams = convert_pair(target, drafter, tmp_path)
+    s = SpecSettings(method="dflash", block_size=16, max_new_tokens=NEW, stop_tokens=(3,))
+    rng = np.random.RandomState(11)
+    for _ in range(10):
+        prompt = rng.randint(0, vocab, rng.randint(3, 15)).tolist()
+        r = ref.dflash_generate(drafter, target, torch.tensor([prompt]), NEW, [3], return_stats=True)
+        arr, lens = pad_prompts([prompt], multiple=32)
+        g = generate_speculative(params, cfg, dparams, dcfg, jnp.asarray(arr), jnp.asarray(lens),
+                                 jax.random.key(0), settings=s, max_len=256)
+        n, rounds = int(g.num_tokens[0]), int(g.rounds[0])
+        assert np.asarray(g.tokens[0, :n]).tolist() == r.output_ids[0, len(prompt):].tolist()
+        assert np.asarray(g.accepted[0, :rounds]).tolist() == list(r.acceptance_lengths)
+
+
+# ----------------------------------------------------------------------------- sampling
+
+def chi2_pvalue(stat: float, dof: int) -> float:
+    """Wilson-Hilferty approximation of the chi-square upper tail."""
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def exact_three_token_probs(cfg, params, prompt, sp: SamplingParams) -> np.ndarray:
+    """AR probability of every first-3-token sequence [V, V, V] under the sampling filters."""
+    v = cfg.vocab_size
+    t1, t2 = np.meshgrid(np.arange(v), np.arange(v), indexing="ij")
+    seqs = np.concatenate([np.tile(prompt, (v * v, 1)), t1.reshape(-1, 1), t2.reshape(-1, 1)], 1)
+    n = seqs.shape[1]
+    out = forward(params, cfg, jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(n), seqs.shape),
+                  KVCache.create(cfg.num_layers, v * v, n, cfg.num_kv_heads, cfg.head_dim))
+    probs = np.asarray(sampling_probs(out.logits[:, -3:], sp), np.float64)  # [V*V, 3, V]
+    p1 = probs[0, 0]
+    p2 = probs[::v, 1]  # rows with t2 = 0 share the prefix prompt + t1
+    p3 = probs[:, 2].reshape(v, v, v)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def sample_three(pair, s: SpecSettings, prompt, n: int, seed: int = 0) -> np.ndarray:
+    cfg, params, dcfg, dparams = pair
+    arr = np.tile(np.asarray(prompt, np.int32), (n, 1))
+    lens = np.full((n,), len(prompt), np.int32)
+    g = generate_speculative(params, cfg, dparams, dcfg, jnp.asarray(arr), jnp.asarray(lens),
+                             jax.random.key(seed), settings=s, max_len=64)
+    return np.asarray(g.tokens[:, :3])
+
+
+def chi2_against(expected_p: np.ndarray, draws: np.ndarray) -> float:
+    v = expected_p.shape[0]
+    idx = draws[:, 0] * v * v + draws[:, 1] * v + draws[:, 2]
+    counts = np.bincount(idx, minlength=v ** 3).astype(np.float64)
+    expected = expected_p.reshape(-1) * len(draws)
+    assert counts[expected == 0].sum() == 0, "a sequence the target can't produce was sampled"
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    stat = float((((obs[keep] - exp[keep]) ** 2) / exp[keep]).sum())
+    return chi2_pvalue(stat, int(keep.sum()) - 1)
+
+
+PROMPT = [1, 5, 2, 6, 0]
+N = 6000
+SAMPLERS = [SamplingParams(1.0), SamplingParams(1.0, top_k=4), SamplingParams(1.0, top_p=0.8)]
+
+
+@pytest.mark.parametrize("sp", SAMPLERS, ids=["t1", "topk4", "topp0.8"])
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_sampled_tokens_follow_the_target_distribution(pair, sp, method):
+    cfg, params, _, _ = pair
+    s = SpecSettings(method=method, block_size=4 if method == "dflash" else 16, budget=8, sampling=sp,
+                     max_new_tokens=3)
+    p = exact_three_token_probs(cfg, params, PROMPT, sp)
+    assert chi2_against(p, sample_three(pair, s, PROMPT, N)) > 1e-3
+
+
+def test_chi2_detects_a_wrong_acceptance_rule(pair, monkeypatch):
+    """Ratio test against the target's own probabilities (q := p): every drafted token is kept,
+    so the output follows the drafter. The same test must catch it."""
+    from dflash_jax.accept import chain_rejection
+
+    def wrong(key, chain_tokens, target_probs, draft_probs, limit):
+        return chain_rejection(key, chain_tokens, target_probs, target_probs[:, :-1], limit)
+
+    monkeypatch.setattr(speculative, "chain_rejection", wrong)
+    jax.clear_caches()
+    cfg, params, _, _ = pair
+    sp = SamplingParams(1.0)
+    s = SpecSettings(method="dflash", block_size=4, sampling=sp, max_new_tokens=3)
+    p = exact_three_token_probs(cfg, params, PROMPT, sp)
+    assert chi2_against(p, sample_three(pair, s, PROMPT, N)) < 1e-3
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
+def test_bad_settings():
+    with pytest.raises(ValueError, match="budget"):
+        SpecSettings(method="ddtree", budget=0)
+    with pytest.raises(ValueError, match="method"):
+        SpecSettings(method="medusa")
+    with pytest.raises(ValueError, match="block_size"):
+        SpecSettings(block_size=1)
