@@ -1,0 +1,40 @@
+"""Plots DDTree round latency (and its stages) against the node budget from spec_round's JSON.
+
+python -m dflash_jax.bench.plot_budget spec.json docs/ddtree_latency_vs_budget.png
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def plot(json_path: str, png_path: str) -> None:
+    record = json.load(open(json_path))
+    rows = sorted((r for r in record["rows"] if r["method"] == "ddtree"), key=lambda r: r["budget"])
+    budgets = [r["budget"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in [("round_ms", "fused round"), ("draft_ms", "drafter pass"), ("tree_ms", "tree build"),
+                       ("verify_ms", "verify (target + tree attention)"), ("accept_commit_ms", "accept + commit")]:
+        if all(key in r for r in rows):
+            ax.plot(budgets, [r[key] for r in rows], marker="o", label=label)
+    for r in record["rows"]:
+        if r["method"] == "dflash" and r["ctx"] == rows[0]["ctx"]:
+            ax.axhline(r["round_ms"], color="gray", ls="--", lw=1, label="DFlash round (block 16)")
+    env = record["env"]
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("DDTree budget (drafted nodes)")
+    ax.set_ylabel("ms")
+    ax.set_title(f"DDTree round, Qwen3-8B shape, ctx {rows[0]['ctx']}\n{env['device']}, jax {env['jax']}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+
+
+if __name__ == "__main__":
+    plot(sys.argv[1], sys.argv[2])

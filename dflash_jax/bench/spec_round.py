@@ -1,0 +1,149 @@
+"""Round latency of DFlash and DDTree (and the AR step beside them) for a Qwen3-8B-shaped target.
+
+python -m dflash_jax.bench.spec_round --ctx 512 4096 --budgets 16 64 256 512 --out spec.json
+
+Random bf16 weights: the target has Qwen3-8B's shape, the drafter 5 layers of the same width
+(z-lab's drafters for Qwen3-8B have this shape). Each number is the median wall time of a
+jitted, donated call after warm-up (compile excluded). The fused round is the fast path; the
+stages (drafter pass, tree build, verify, accept+commit) are timed as separately jitted
+programs to show where the time goes.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax import drafter as dr
+from dflash_jax.bench.ar_decode import random_cache
+from dflash_jax.bench.common import SHAPES, environment, time_fn, write_json
+from dflash_jax.config import default_tap_layers
+from dflash_jax.model import forward, init_params
+from dflash_jax.speculative import (SpecSettings, SpecState, accept_stage, commit_stage, draft_stage,
+                                    spec_round, verify_stage, _block_limit)
+from dflash_jax.tree import build_tree
+
+
+def drafter_config(cfg, layers: int = 5, block_size: int = 16) -> dr.DraftConfig:
+    return dr.DraftConfig(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                          num_layers=layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                          head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, mask_token_id=cfg.vocab_size - 1,
+                          target_layer_ids=default_tap_layers(cfg.num_layers, layers),
+                          num_target_layers=cfg.num_layers, block_size=block_size, rms_norm_eps=cfg.rms_norm_eps,
+                          rope=cfg.rope, max_position_embeddings=cfg.max_position_embeddings)
+
+
+def make_state(cfg, dcfg, ctx: int, max_len: int, max_new: int) -> SpecState:
+    cache = random_cache(cfg, 1, max_len, ctx, jnp.bfloat16)
+    shape = (1, max_len, dcfg.num_kv_heads, dcfg.head_dim)
+    ks = jax.random.split(jax.random.key(5), 2 * dcfg.num_layers)
+    dcache = dr.DraftCache(k=tuple(jax.random.normal(ks[i], shape, jnp.bfloat16) for i in range(dcfg.num_layers)),
+                           v=tuple(jax.random.normal(ks[dcfg.num_layers + i], shape, jnp.bfloat16)
+                                   for i in range(dcfg.num_layers)),
+                           lengths=jnp.full((1,), ctx, jnp.int32))
+    return SpecState(cache=cache, draft_cache=dcache, root=jnp.full((1,), 11, jnp.int32),
+                     out=jnp.zeros((1, max_new), jnp.int32), count=jnp.ones((1,), jnp.int32),
+                     done=jnp.zeros((1,), bool), accepted=jnp.zeros((1, max_new), jnp.int32),
+                     rounds=jnp.zeros((1,), jnp.int32), key=jax.random.key(0))
+
+
+def reset(state: SpecState, ctx: int) -> SpecState:
+    """Rounds with random weights commit ~1 token; put the lengths back so every call sees ctx."""
+    lengths = jnp.full_like(state.cache.lengths, ctx)
+    return dataclasses.replace(state, cache=dataclasses.replace(state.cache, lengths=lengths),
+                               draft_cache=dataclasses.replace(state.draft_cache, lengths=lengths),
+                               count=jnp.ones_like(state.count), rounds=jnp.zeros_like(state.rounds))
+
+
+def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_len: int, stages: bool) -> dict:
+    state = make_state(cfg, dcfg, ctx, max_len, s.max_new_tokens)
+    rnd = jax.jit(functools.partial(spec_round, cfg=cfg, dcfg=dcfg, s=s), donate_argnums=(0,))
+    rnd_reset = jax.jit(functools.partial(reset, ctx=ctx), donate_argnums=(0,))
+    box = {"state": state}
+
+    def call_round():
+        box["state"] = rnd(rnd_reset(box["state"]), target=target, dparams=dparams)
+        return box["state"].count
+    row = {"method": s.method, "budget": s.budget, "width": s.width, "ctx": ctx,
+           "round_ms": time_fn(call_round, warmup=3, iters=20)["median_ms"]}
+    if stages:
+        st = rnd_reset(box["state"])
+        limit = _block_limit(st, s)
+        hidden_fn = jax.jit(lambda st: dr.draft_logits(dparams, dcfg, target, dr.draft(
+            dparams, dcfg, target, st.draft_cache, dr.make_block(dcfg, st.root), st.cache.lengths,
+            limit + 1)))
+        logits = hidden_fn(st)
+        row["draft_ms"] = time_fn(lambda: hidden_fn(st))["median_ms"]
+        if s.method == "ddtree":
+            tree_fn = jax.jit(lambda lg: build_tree(jax.nn.log_softmax(lg, -1), st.root, s.budget, s.width))
+            row["tree_ms"] = time_fn(lambda: tree_fn(logits).tokens)["median_ms"]
+        draft, key = jax.jit(lambda st: draft_stage(st, target, dparams, dcfg, s))(st)
+        ver = jax.jit(lambda st, d: verify_stage(st, d, target, cfg, dcfg, s))
+        row["verify_ms"] = time_fn(lambda: ver(st, draft)[0])["median_ms"]
+        lg, taps, cache = ver(st, draft)
+
+        def acc_commit(st, d, lg, taps, cache):
+            path, m, bonus = accept_stage(key, d, lg, s, limit)
+            return commit_stage(st, d, path, m, bonus, taps, cache, dparams, dcfg, s, key)
+        ac = jax.jit(acc_commit)
+        row["accept_commit_ms"] = time_fn(lambda: ac(st, draft, lg, taps, cache).count)["median_ms"]
+    print(row, flush=True)
+    return row
+
+
+def bench_ar(target, cfg, ctx: int, max_len: int) -> float:
+    cache = random_cache(cfg, 1, max_len, ctx, jnp.bfloat16)
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def step(cache, tok):
+        out = forward(target, cfg, tok[:, None], cache.lengths[:, None], cache, None)
+        return out.cache, jnp.argmax(out.logits[:, 0], -1).astype(jnp.int32)
+    box = {"cache": cache}
+    tok = jnp.full((1,), 3, jnp.int32)
+
+    def call():
+        box["cache"], t = step(box["cache"], tok)
+        return t
+    return time_fn(call, warmup=3, iters=20)["median_ms"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--ctx", nargs="+", type=int, default=[512, 4096])
+    ap.add_argument("--budgets", nargs="*", type=int, default=[16, 64, 256, 512])
+    ap.add_argument("--ddtree-ctx", type=int, default=4096)
+    ap.add_argument("--no-stages", action="store_true")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    env = environment()
+    print(env, flush=True)
+    cfg = SHAPES[args.model]
+    target = init_params(cfg, jax.random.key(0), jnp.bfloat16)
+    dcfg = drafter_config(cfg)
+    dparams = dr.init_draft_params(dcfg, jax.random.key(1), jnp.bfloat16)
+    max_len = max(args.ctx + [args.ddtree_ctx]) + 1024
+    rows = []
+    for ctx in args.ctx:
+        rows.append({"method": "ar", "ctx": ctx, "round_ms": bench_ar(target, cfg, ctx, max_len)})
+        print(rows[-1], flush=True)
+        s = SpecSettings(method="dflash", block_size=16, max_new_tokens=512)
+        rows.append(bench_settings(target, cfg, dparams, dcfg, s, ctx, max_len, not args.no_stages))
+    for b in args.budgets:
+        s = SpecSettings(method="ddtree", block_size=16, budget=b, max_new_tokens=512)
+        rows.append(bench_settings(target, cfg, dparams, dcfg, s, args.ddtree_ctx, max_len, not args.no_stages))
+    write_json(args.out, {"env": env, "rows": rows})
+    print(f"\n{env['device']}, jax {env['jax']}, {args.model} target + 5-layer drafter, bf16, batch 1")
+    print("| method | budget | W | ctx | round ms | draft ms | tree ms | verify ms | accept+commit ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    f = lambda r, k: f"{r[k]:.2f}" if k in r else "-"  # noqa: E731
+    for r in rows:
+        print(f"| {r['method']} | {r.get('budget', '-')} | {r.get('width', 1)} | {r['ctx']} | {r['round_ms']:.2f} | "
+              f"{f(r, 'draft_ms')} | {f(r, 'tree_ms')} | {f(r, 'verify_ms')} | {f(r, 'accept_commit_ms')} |")
+
+
+if __name__ == "__main__":
+    main()
