@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Literal
 
 import jax
@@ -227,7 +226,8 @@ def _tree_attention_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, width: int, gro
     tree_end = prefix_len + width
 
     # Row r of this kv head is token r // group, q head kv_head * group + r % group, so the
-    # group's heads share every K/V tile. Padding rows reuse the last token; never stored.
+    # group's heads share every K/V tile. Padding rows (past width * group) repeat real
+    # (token, head) pairs so that every index stays in bounds.
     rows = row_block * block_q + jnp.arange(block_q, dtype=jnp.int32)
     row_ok = rows < width * group
     token = jnp.minimum(rows // group, width - 1)

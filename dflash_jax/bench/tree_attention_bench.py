@@ -36,9 +36,10 @@ from pallas_kernels.tree_attention import (
     tree_attention_reference,
 )
 
-# Rotate K/V copies until they span this many bytes: 3x an H200's 60 MB L2.
-_ROTATE_BYTES = 180e6
-_MAX_COPIES = 16
+# Rotate K/V copies until they span 2x an H200's 60 MB L2, but at most 2: each copy is one more
+# unrolled call to compile. Short contexts therefore read partly from L2; they are launch-bound.
+_ROTATE_BYTES = 120e6
+_MAX_COPIES = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,10 +206,9 @@ def bench_shape(shape: Shape, dtype, *, interpret: bool, iters: int, reps: int,
     row.update(kernel_args)
     row.update(copies=copies, iters=iters)
     if check:
-        # Kernel (and XLA) against the reference in float32 on the same inputs.
-        ref = jax.jit(tree_attention_reference)(
-            q.astype(jnp.float32), ks[0].astype(jnp.float32), vs[0].astype(jnp.float32), lens,
-            visible)
+        # Kernel (and XLA) against the reference on the same inputs; the reference computes in
+        # float32 internally, and reusing its bf16 signature saves a compile per shape.
+        ref = jax.jit(tree_attention_reference)(q, ks[0], vs[0], lens, visible)
         for name in impls:
             if name != "reference":
                 out = jax.jit(fns[name])(q, ks[0], vs[0], lens, visible)
@@ -300,6 +300,19 @@ def sweep(shapes: list[tuple[int, int]], heads, dtype, iters: int,
     return rows
 
 
+def write_json(path: str, rows: list[dict], skipped: list[dict], started: float,
+               args: argparse.Namespace, dtype) -> dict:
+    result = dict(
+        device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
+        jax_version=jax.__version__, python=platform.python_version(),
+        date=time.strftime("%Y-%m-%d"), dtype=jnp.dtype(dtype).name,
+        interpret=args.interpret, iters=args.iters, reps=args.reps,
+        seconds=time.perf_counter() - started, rows=rows, skipped=skipped)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="tree_attention_bench.json", help="JSON results path")
@@ -311,8 +324,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", default=None, metavar="DIR",
                         help="also measure GPU kernel time per call with jax.profiler (to DIR)")
     parser.add_argument("--sweep-budget", type=float, default=420.0, help="seconds")
-    parser.add_argument("--iters", type=int, default=32)
-    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--contexts", type=int, nargs="+", default=None,
+                        help="override the prefix lengths")
+    parser.add_argument("--widths", type=int, nargs="+", default=None,
+                        help="override the widths W")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--budget", type=float, default=210.0,
+                        help="seconds; shapes not started by then are skipped (and listed)")
     args = parser.parse_args(argv)
 
     if args.interpret:
@@ -323,38 +342,37 @@ def main(argv: list[str] | None = None) -> None:
         heads, dtype = (32, 8, 128), jnp.bfloat16
         contexts = (1024, 16384) if args.quick else (1024, 4096, 16384, 32768)
         widths = (1, 16, 256) if args.quick else (1, 16, 64, 256, 512)
+    contexts = tuple(args.contexts or contexts)
+    widths = tuple(args.widths or widths)
     q_heads, kv_heads, head_dim = heads
 
-    rows = []
+    rows, skipped = [], []
     started = time.perf_counter()
     if args.sweep:
         shapes = [(32768, 256), (32768, 1), (16384, 512), (32768, 16), (4096, 256), (16384, 1)]
         rows = sweep(shapes, heads, dtype, args.iters, args.sweep_budget)
     else:
-        for ctx in contexts:
-            for width in widths:
-                shape = Shape(1, ctx, width, q_heads, kv_heads, head_dim)
-                row = bench_shape(shape, dtype, interpret=args.interpret, iters=args.iters,
-                                  reps=args.reps, profile_dir=args.profile)
-                row["speedup_vs_xla"] = row["xla_ms"] / row["pallas_ms"]
-                rows.append(row)
-                print(f"ctx={ctx} W={width}: pallas {row['pallas_ms']:.4f} ms "
-                      f"({row['pallas_gbps']:.0f} GB/s, err {row['err_pallas']:.2e}), "
-                      f"xla {row['xla_ms']:.4f} ms (err {row['err_xla']:.2e}), "
-                      f"ref {row['reference_ms']:.4f} ms", flush=True)
-                if args.profile:
-                    print(f"  kernel us: pallas {row['pallas_kernel_us']:.1f} "
-                          f"{row['pallas_kernels']}\n  xla {row['xla_kernel_us']:.1f} "
-                          f"{row['xla_kernels']}", flush=True)
+        for ctx, width in [(c, w) for c in contexts for w in widths]:
+            if time.perf_counter() - started > args.budget:
+                skipped.append(dict(ctx=ctx, width=width))
+                print(f"ctx={ctx} W={width}: skipped (over --budget)", flush=True)
+                continue
+            shape = Shape(1, ctx, width, q_heads, kv_heads, head_dim)
+            row = bench_shape(shape, dtype, interpret=args.interpret, iters=args.iters,
+                              reps=args.reps, profile_dir=args.profile)
+            row["speedup_vs_xla"] = row["xla_ms"] / row["pallas_ms"]
+            rows.append(row)
+            print(f"ctx={ctx} W={width}: pallas {row['pallas_ms']:.4f} ms "
+                  f"({row['pallas_gbps']:.0f} GB/s, err {row['err_pallas']:.2e}), "
+                  f"xla {row['xla_ms']:.4f} ms (err {row['err_xla']:.2e}), "
+                  f"ref {row['reference_ms']:.4f} ms", flush=True)
+            if args.profile:
+                print(f"  kernel us: pallas {row['pallas_kernel_us']:.1f} "
+                      f"{row['pallas_kernels']}\n  xla {row['xla_kernel_us']:.1f} "
+                      f"{row['xla_kernels']}", flush=True)
+            write_json(args.out, rows, skipped, started, args, dtype)  # survives a kill
 
-    result = dict(
-        device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
-        jax_version=jax.__version__, python=platform.python_version(),
-        date=time.strftime("%Y-%m-%d"), dtype=jnp.dtype(dtype).name,
-        interpret=args.interpret, iters=args.iters, reps=args.reps,
-        seconds=time.perf_counter() - started, rows=rows)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    result = write_json(args.out, rows, skipped, started, args, dtype)
     print(f"\n{result['device']}, jax {jax.__version__}, {result['dtype']}, "
           f"heads {q_heads}/{kv_heads}x{head_dim}, batch 1, {result['seconds']:.0f} s\n")
     if not args.sweep:
