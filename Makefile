@@ -4,7 +4,6 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export PYTHONPATH :=
-DEMO_PROMPT ?= What is speculative decoding? Answer in two sentences.
 
 .PHONY: demo test clean
 
@@ -22,7 +21,8 @@ $(VENV)/.test: $(VENV)/.base
 	touch $@
 
 demo: $(VENV)/.base
-	$(PY) -m dflash_jax.cli generate --model smollm2 --max-new-tokens 96 "$(DEMO_PROMPT)"
+	$(PY) -m dflash_jax.cli generate --model smollm2 --max-new-tokens 96 \
+		"Give me three tips for a good night's sleep." "What is the capital of France?"
 
 test: $(VENV)/.test
 	$(PY) -m pytest -q tests
