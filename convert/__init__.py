@@ -55,13 +55,18 @@ def _hf_tokenizer(path: Path) -> Any:
 
 
 def load_model(path_or_name: str | Path, dtype: Any = jnp.float32, *, shardings: Any = None,
-               tokenizer: bool = True) -> tuple[Any, Any, Any]:
+               tokenizer: bool = True, mesh: Any = None) -> tuple[Any, Any, Any]:
     """-> (ModelConfig, ModelParams, tokenizer or None).
 
     dtype: floating dtype of the params (for an orbax checkpoint, None keeps the saved dtype).
     shardings: None, a tree of Shardings matching `model_specs(cfg)`, or (path, Spec) -> Sharding.
     tokenizer: False skips building the tokenizer (it takes seconds for a GGUF file).
+    mesh: a ("dp", "tp") mesh (`dflash_jax.sharding.make_mesh`); when given without `shardings`,
+        each tensor goes straight to its tensor-parallel shards (`dflash_jax.sharding.placement`).
     """
+    if mesh is not None and shardings is None:
+        from dflash_jax.sharding import placement
+        shardings = placement(mesh)
     kind, path = resolve_source(path_or_name)
     if dtype is None and kind != "checkpoint":
         dtype = jnp.float32  # None means "as saved", which only our checkpoints record

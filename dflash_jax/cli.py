@@ -1,4 +1,4 @@
-"""Command line: `dflash-jax generate | convert` (and `--help` on each)."""
+"""Command line: `dflash-jax generate | convert | make-data | train | bench` (and `--help` on each)."""
 from __future__ import annotations
 
 import argparse
@@ -27,6 +27,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="weight dtype (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--no-chat", action="store_true", help="do not wrap prompts in the chat template")
     p.add_argument("--json", action="store_true", help="print a JSON record instead of text")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (must divide the q heads)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel devices (the batch is split over them)")
 
 
 def _add_convert(sub: argparse._SubParsersAction) -> None:
@@ -43,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_convert(sub)
+    _add_make_data(sub)
+    _add_train(sub)
+    _add_bench(sub)
     return parser
 
 
@@ -56,33 +61,43 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from convert import load_model
     from dflash_jax import pipeline
+    from dflash_jax import sharding as sh
     from dflash_jax.sampling import SamplingParams
 
-    dtype = jnp.dtype(args.dtype or _default_dtype())
-    cfg, params, tokenizer = load_model(args.model, dtype=dtype)
-    if tokenizer is None:
-        raise SystemExit(f"--model {args.model}: no tokenizer found beside the weights")
+    if args.method != "ar" and not args.draft:
+        raise ValueError(f"--method {args.method} needs --draft PATH (a DFlash drafter directory)")
+    if args.budget < 1:
+        raise ValueError(f"--budget must be >= 1, got {args.budget}")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+    dtype = jnp.dtype(args.dtype or _default_dtype())
+    mesh = sh.make_mesh(args.dp, args.tp) if args.dp * args.tp > 1 else None
+    cfg, params, tokenizer = load_model(args.model, dtype=dtype, mesh=mesh)
+    if tokenizer is None:
+        raise ValueError(f"--model {args.model}: no tokenizer found beside the weights")
     token_lists = pipeline.encode_prompts(tokenizer, args.prompts, chat=not args.no_chat)
+    token_lists += [token_lists[-1]] * (-len(token_lists) % args.dp)  # dp splits the batch evenly
     prompts, lens = pipeline.pad_prompts(token_lists)
     stop = pipeline.stop_tokens_for(tokenizer, cfg)
-    if args.method == "ar":
-        run = pipeline.run_ar(params, cfg, prompts, lens, max_new_tokens=args.max_new_tokens,
-                              sampling=sampling, stop_tokens=stop, seed=args.seed)
-    else:
-        from convert.dflash_drafter import load_drafter
-        from dflash_jax.drafter import validate_pair
-        from dflash_jax.speculative import SpecSettings
+    with sh.use_mesh(mesh):  # traced and compiled sharded over the mesh (no-op without one)
+        if args.method == "ar":
+            run = pipeline.run_ar(params, cfg, prompts, lens, max_new_tokens=args.max_new_tokens,
+                                  sampling=sampling, stop_tokens=stop, seed=args.seed)
+        else:
+            from convert.dflash_drafter import load_drafter
+            from dflash_jax.drafter import validate_pair
+            from dflash_jax.speculative import SpecSettings
 
-        if not args.draft:
-            raise SystemExit(f"--method {args.method} needs --draft PATH (a DFlash drafter directory)")
-        dcfg, dparams = load_drafter(args.draft, dtype=dtype)
-        validate_pair(dcfg, cfg)
-        settings = SpecSettings(method=args.method, block_size=args.block_size or dcfg.block_size,
-                                budget=args.budget, sampling=sampling, max_new_tokens=args.max_new_tokens,
-                                stop_tokens=stop)
-        run = pipeline.run_speculative(params, cfg, dparams, dcfg, prompts, lens, settings, seed=args.seed)
-    texts = [tokenizer.decode(t, skip_special_tokens=True) for t in run.token_lists()]
+            dcfg, dparams = load_drafter(args.draft, dtype=dtype,
+                                         shardings=None if mesh is None else sh.placement(mesh))
+            validate_pair(dcfg, cfg)
+            settings = SpecSettings(method=args.method, block_size=args.block_size or dcfg.block_size,
+                                    budget=args.budget, sampling=sampling, max_new_tokens=args.max_new_tokens,
+                                    stop_tokens=stop)
+            run = pipeline.run_speculative(params, cfg, dparams, dcfg, prompts, lens, settings,
+                                           seed=args.seed)
+    texts = [tokenizer.decode(t, skip_special_tokens=True) for t in run.token_lists()[:len(args.prompts)]]
     record = {"method": args.method, "texts": texts, "tokens": run.total_tokens,
               "seconds": run.seconds, "compile_seconds": run.compile_seconds,
               "tokens_per_second": run.tokens_per_second, "acceptance": run.acceptance()}
@@ -107,10 +122,227 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- training and benchmarks
+# `make-data`, `train` and `bench` (issue 5); the work is done in dflash_jax.train_data,
+# dflash_jax.train and dflash_jax.evaluate.
+
+_DATA_DIR = "../shared/data"
+
+
+def _add_data_gen_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompts", nargs="+", metavar="JSONL", default=None,
+                   help=f"training prompt files (default: gsm8k train + alpaca_eval under --data-dir); "
+                        f"evaluation sets (spec_bench, test splits) are refused")
+    p.add_argument("--data-dir", default=_DATA_DIR, help="the shared prompt sets (default: %(default)s)")
+    p.add_argument("--limit", type=int, default=None, help="prompts read per file (default: all)")
+    p.add_argument("--gen-tokens", type=int, default=256, help="max new tokens per response")
+    p.add_argument("--max-prompt-tokens", type=int, default=256, help="skip longer templated prompts")
+    p.add_argument("--gen-batch", type=int, default=32, help="prompts decoded together")
+    p.add_argument("--sample-fraction", type=float, default=0.5,
+                   help="fraction of batches sampled at --gen-temperature (the rest greedy)")
+    p.add_argument("--gen-temperature", type=float, default=1.0)
+
+
+def _add_make_data(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("make-data", help="let the target answer training prompts; write a token file",
+                       description="Wrap training prompts in the target's chat template, generate the "
+                                   "target's responses (greedy / T=1 mix) and save prompt + response "
+                                   "tokens to OUT (.npz).")
+    p.add_argument("--target", default="smollm2", help="target model (as `generate --model`)")
+    p.add_argument("--out", required=True, help="token file to write (.npz)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
+    _add_data_gen_args(p)
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a DFlash drafter for a target",
+                       description="Train a DFlash block-diffusion drafter (DFlash recipe: random anchors, "
+                                   "packed blocks, decayed block loss, AdamW + cosine). Writes checkpoints, "
+                                   "log.jsonl, plots/ and the z-lab export drafter/ under OUT.")
+    p.add_argument("--target", default="smollm2", help="target model (as `generate --model`)")
+    p.add_argument("--out", required=True, help="run directory")
+    p.add_argument("--data", default=None, help="token file from make-data (default: OUT/train_tokens.npz)")
+    p.add_argument("--data-gen", action="store_true", help="generate the token file first if it is missing")
+    p.add_argument("--resume", action="store_true", help="continue the run in OUT from its last checkpoint")
+    # Training settings default to None: a fresh run fills in TrainConfig's defaults, --resume the
+    # saved run's values (a flag given explicitly must agree with them).
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--batch", type=int, default=None, help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per training row (prompt + response)")
+    p.add_argument("--blocks", type=int, default=None, help="anchors (blocks) per sequence")
+    p.add_argument("--gamma", type=float, default=None, help="loss decay (default 7 for block size 16)")
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--warmup", type=float, default=None, help="warm-up fraction of the steps")
+    p.add_argument("--weight-decay", type=float, default=None)
+    p.add_argument("--grad-clip", type=float, default=None)
+    p.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default=None,
+                   help="(default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--remat", action="store_true", default=None, help="recompute layers in the backward pass")
+    p.add_argument("--seed", type=int, default=None)
+    # Drafter shape (fresh runs only; --resume reads it from the run).
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--layers", type=int, default=3, help="drafter layers (one target tap per layer)")
+    p.add_argument("--mask-token-id", type=int, default=None, help="(default: a special token chat never uses)")
+    p.add_argument("--save-every", type=int, default=500)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--export-dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--no-progress", action="store_true")
+    _add_data_gen_args(p)
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="tau, tokens/s and speedup over AR on a prompt file",
+                       description="Benchmark AR, DFlash and DDTree on a JSONL prompt file (gsm8k test "
+                                   "`question`, spec_bench `turns[0]` by `category`). Prints a JSON report; "
+                                   "with --out also writes report.json and plots.")
+    p.add_argument("--model", "--target", dest="model", default="smollm2")
+    p.add_argument("--method", nargs="+", choices=("ar", "dflash", "ddtree"), default=["dflash"],
+                   help="methods to run (AR always runs as the baseline)")
+    p.add_argument("--prompts", required=True, help="JSONL prompt file")
+    p.add_argument("--draft", help="DFlash drafter directory")
+    p.add_argument("--budget", type=int, nargs="+", default=[64], help="DDTree budgets")
+    p.add_argument("--block-size", type=int, default=None, help="(default: the drafter's)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--limit", type=int, default=None, help="first N prompts")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--math-suffix", choices=("auto", "always", "never"), default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
+    p.add_argument("--out", default=None, help="directory for report.json and plots")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _make_token_file(args: argparse.Namespace, cfg, params, tokenizer, out) -> None:
+    from pathlib import Path
+
+    from dflash_jax.train_data import default_sources, make_token_data
+
+    if tokenizer is None:
+        raise ValueError(f"--target {args.target}: no tokenizer found beside the weights")
+    sources = args.prompts or default_sources(args.data_dir)
+    data = make_token_data(params, cfg, tokenizer, sources, max_new_tokens=args.gen_tokens,
+                           max_prompt_tokens=args.max_prompt_tokens, limit=args.limit,
+                           batch_size=args.gen_batch, sample_fraction=args.sample_fraction,
+                           temperature=args.gen_temperature, seed=args.seed or 0, target_name=str(args.target),
+                           progress=not getattr(args, "no_progress", False))
+    data.save(Path(out))
+    print(f"wrote {out}: {len(data)} sequences, {len(data.response_tokens)} response tokens "
+          f"({data.meta['skipped_long_prompts']} long prompts skipped)", file=sys.stderr)
+
+
+def cmd_make_data(args: argparse.Namespace) -> int:
+    import jax.numpy as jnp
+
+    from convert import load_model
+
+    cfg, params, tokenizer = load_model(args.target, dtype=jnp.dtype(args.dtype or _default_dtype()))
+    _make_token_file(args, cfg, params, tokenizer, args.out)
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import dataclasses
+    from pathlib import Path
+
+    import jax.numpy as jnp
+
+    from convert import load_model
+    from dflash_jax import train as tr
+    from dflash_jax.drafter import draft_config_from_dict
+    from dflash_jax.train_data import TokenData, build_sequences
+
+    out = Path(args.out)
+    run_file = out / tr.RUN_FILE
+    given = {"steps": args.steps, "batch_size": args.batch, "seq_len": args.seq_len, "num_blocks": args.blocks,
+             "gamma": args.gamma, "learning_rate": args.lr, "warmup_fraction": args.warmup,
+             "weight_decay": args.weight_decay, "grad_clip": args.grad_clip,
+             "compute_dtype": args.compute_dtype, "remat": args.remat, "seed": args.seed}
+    given = {k: v for k, v in given.items() if v is not None}
+    if args.resume:
+        if not run_file.is_file():
+            raise FileNotFoundError(f"{out}: nothing to resume ({tr.RUN_FILE} is missing)")
+        saved = json.loads(run_file.read_text())
+        tc = tr.TrainConfig(**{**saved["train_config"], **given})
+        dcfg = draft_config_from_dict(saved["drafter_config"], source=str(run_file))
+        args.data = args.data or saved.get("data")
+    else:
+        given.setdefault("compute_dtype", _default_dtype())
+        tc = dataclasses.replace(tr.TrainConfig(), **given)
+        dcfg = None
+    # Frozen target: loaded in float32 (master copy), cast to compute dtype inside `train`.
+    cfg, params, tokenizer = load_model(args.target, dtype=jnp.float32)
+    data_path = Path(args.data) if args.data else out / "train_tokens.npz"
+    if not data_path.is_file():
+        if not args.data_gen:
+            raise FileNotFoundError(f"{data_path}: no token file; run `dflash-jax make-data --out {data_path}` "
+                                    f"or pass --data-gen")
+        _make_token_file(args, cfg, params, tokenizer, data_path)
+    data = TokenData.load(data_path)
+    if dcfg is None:
+        mask = args.mask_token_id if args.mask_token_id is not None else tr.choose_mask_token(tokenizer, cfg.vocab_size)
+        dcfg = tr.drafter_config_for(cfg, num_layers=args.layers, block_size=args.block_size, mask_token_id=mask)
+    seqs = build_sequences(data, tc.seq_len)
+    print(f"training a {dcfg.num_layers}-layer block-{dcfg.block_size} drafter (taps {list(dcfg.target_layer_ids)}, "
+          f"mask token {dcfg.mask_token_id}) on {len(seqs)} sequences from {data_path}", file=sys.stderr)
+    result = tr.train(params, cfg, dcfg, seqs, tc, out, resume=args.resume, save_every=args.save_every,
+                      log_every=args.log_every, export_dtype=args.export_dtype, progress=not args.no_progress,
+                      extra_record={"target": str(args.target), "data": str(data_path)})
+    last = result.history[-1] if result.history else {}
+    print(json.dumps({"out": str(result.out_dir), "step": int(result.state.step),
+                      "export": str(result.export_dir) if result.export_dir else None,
+                      "loss": last.get("loss"), "tau_estimate": last.get("tau_estimate"),
+                      "acc_by_pos": last.get("acc_by_pos")}))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import jax.numpy as jnp
+
+    from convert import load_model
+    from dflash_jax import evaluate as ev
+    from dflash_jax.sampling import SamplingParams
+
+    spec_methods = [m for m in args.method if m != "ar"]
+    if spec_methods and not args.draft:
+        raise ValueError(f"--method {' '.join(spec_methods)} needs --draft DIR (a DFlash drafter directory)")
+    dtype = jnp.dtype(args.dtype or _default_dtype())
+    prompts = ev.load_bench_prompts(args.prompts, limit=args.limit, math_suffix=args.math_suffix)
+    cfg, params, tokenizer = load_model(args.model, dtype=dtype)
+    if tokenizer is None:
+        raise ValueError(f"--model {args.model}: no tokenizer found beside the weights")
+    dcfg = dparams = None
+    block_size = args.block_size or 16
+    if spec_methods:
+        from convert.dflash_drafter import load_drafter
+        from dflash_jax.drafter import validate_pair
+
+        dcfg, dparams = load_drafter(args.draft, dtype=dtype)
+        validate_pair(dcfg, cfg)
+        block_size = args.block_size or dcfg.block_size
+    specs = ev.method_specs(spec_methods, args.budget, block_size)
+    report = ev.run_bench(params, cfg, tokenizer, prompts, specs, dparams=dparams, dcfg=dcfg,
+                          max_new_tokens=args.max_new_tokens, batch_size=args.batch,
+                          sampling=SamplingParams(args.temperature), seed=args.seed,
+                          progress=not args.no_progress)
+    report.update(prompts_file=str(args.prompts), model=str(args.model), draft=args.draft)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        ev.plot_report(report, out)
+    print(json.dumps(report))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"generate": cmd_generate, "convert": cmd_convert}[args.command](args)
+        return {"generate": cmd_generate, "convert": cmd_convert, "make-data": cmd_make_data,
+                "train": cmd_train, "bench": cmd_bench}[args.command](args)
     except (ValueError, FileNotFoundError) as err:
         print(f"dflash-jax {args.command}: error: {err}", file=sys.stderr)
         return 2

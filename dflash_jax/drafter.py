@@ -30,6 +30,7 @@ from dflash_jax.model import (LayerParams, ModelParams, attention_specs, embed_t
                               rms_norm)
 from dflash_jax.params import EMBED, Spec, init_from_specs
 from dflash_jax.rope import apply_rope, rope_tables
+from dflash_jax.sharding import attention as sharded_attention, constrain_cache
 from pallas_kernels.tree_attention import tree_attention
 
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
@@ -323,8 +324,9 @@ class DraftCache:
     def create(cls, dcfg: DraftConfig, batch: int, max_len: int, dtype: Any = jnp.float32
                ) -> "DraftCache":
         shape = (batch, max_len, dcfg.num_kv_heads, dcfg.head_dim)
-        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(dcfg.num_layers)),
-                   v=tuple(jnp.zeros(shape, dtype) for _ in range(dcfg.num_layers)),
+        # Under a mesh: batch over dp, KV heads over tp (dflash_jax.sharding); else plain zeros.
+        return cls(k=tuple(constrain_cache(jnp.zeros(shape, dtype)) for _ in range(dcfg.num_layers)),
+                   v=tuple(constrain_cache(jnp.zeros(shape, dtype)) for _ in range(dcfg.num_layers)),
                    lengths=jnp.zeros((batch,), jnp.int32))
 
 
@@ -472,10 +474,7 @@ def draft(dparams: DraftParams, dcfg: DraftConfig, target_params: ModelParams, c
     batch, bs = block_tokens.shape
     if bs > cache.max_len:
         raise ValueError(f"block of {bs} tokens does not fit a draft cache of max_len {cache.max_len}")
-    lcfg = dcfg.layer_config()
-    x = embed_tokens(target_params, block_tokens)
-    if dcfg.input_embedding_scale != 1.0:
-        x = x * jnp.asarray(dcfg.input_embedding_scale, x.dtype)
+    x = embed_block(target_params, dcfg, block_tokens)
     positions = block_start[:, None].astype(jnp.int32) + jnp.arange(bs, dtype=jnp.int32)
     cos, sin = rope_tables(positions, dcfg.rope, dcfg.head_dim)
     lengths = cache.lengths
@@ -487,20 +486,42 @@ def draft(dparams: DraftParams, dcfg: DraftConfig, target_params: ModelParams, c
         return vis_cache[causal]
 
     for i, lp in enumerate(dparams.layers):
-        h = rms_norm(x, lp.attn_norm, dcfg.rms_norm_eps)
-        q, k, v = project_qkv(lp.attn, lcfg, h)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         causal, window = dcfg.layer_causal(i), dcfg.layer_window(i)
-        if window is None:
-            k_buf = write_rows(cache.k[i], k, lengths)
-            v_buf = write_rows(cache.v[i], v, lengths)
-            attn = tree_attention(q, k_buf, v_buf, lengths, visibility(causal), impl=attn_impl)
-        else:
-            attn = _sliding_layer_attention(q, k, v, cache.k[i], cache.v[i], lengths, positions,
+
+        def attend(q, k, v, i=i, causal=causal, window=window):
+            if window is None:
+                k_buf = write_rows(cache.k[i], k, lengths)
+                v_buf = write_rows(cache.v[i], v, lengths)
+                # shard_map over (dp, tp) under a mesh (dflash_jax.sharding).
+                return sharded_attention(q, k_buf, v_buf, lengths, visibility(causal), impl=attn_impl)
+            return _sliding_layer_attention(q, k, v, cache.k[i], cache.v[i], lengths, positions,
                                             visibility(causal), window, causal)
-        x = x + output_projection(lp.attn, attn)
-        x = x + mlp(lp.mlp, rms_norm(x, lp.mlp_norm, dcfg.rms_norm_eps))
+
+        x = layer_forward(lp, dcfg, x, cos, sin, attend)
     return rms_norm(x, dparams.final_norm, dcfg.rms_norm_eps)
+
+
+def embed_block(target_params: ModelParams, dcfg: DraftConfig, block_tokens: jax.Array) -> jax.Array:
+    """Block tokens [..., n] -> the drafter's input rows [..., n, embed] (target embedding x scale)."""
+    x = embed_tokens(target_params, block_tokens)
+    if dcfg.input_embedding_scale != 1.0:
+        x = x * jnp.asarray(dcfg.input_embedding_scale, x.dtype)
+    return x
+
+
+def layer_forward(lp: LayerParams, dcfg: DraftConfig, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                  attend: Any) -> jax.Array:
+    """One drafter layer over block rows x [batch, rows, embed] (cos/sin: the rows' RoPE tables).
+
+    `attend(q, k, v)` gets the rows' queries and keys (after q/k norm and RoPE) and values and
+    returns [batch, rows, q_heads, head_dim]; it supplies the context K/V and the mask. Shared
+    by inference (`draft`) and training (`dflash_jax.train`), so both run the same layer math.
+    """
+    h = rms_norm(x, lp.attn_norm, dcfg.rms_norm_eps)
+    q, k, v = project_qkv(lp.attn, dcfg.layer_config(), h)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    x = x + output_projection(lp.attn, attend(q, k, v))
+    return x + mlp(lp.mlp, rms_norm(x, lp.mlp_norm, dcfg.rms_norm_eps))
 
 
 def draft_logits(dparams: DraftParams, dcfg: DraftConfig, target_params: ModelParams,

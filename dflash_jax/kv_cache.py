@@ -7,6 +7,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.sharding import constrain_cache
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -36,8 +38,9 @@ class KVCache:
     def create(cls, num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
                dtype: Any = jnp.float32) -> "KVCache":
         shape = (batch, max_len, kv_heads, head_dim)
-        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-                   v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+        # Under a mesh: batch over dp, KV heads over tp (dflash_jax.sharding); else plain zeros.
+        return cls(k=tuple(constrain_cache(jnp.zeros(shape, dtype)) for _ in range(num_layers)),
+                   v=tuple(constrain_cache(jnp.zeros(shape, dtype)) for _ in range(num_layers)),
                    lengths=jnp.zeros((batch,), jnp.int32))
 
 

@@ -17,7 +17,7 @@ from dflash_jax.config import ModelConfig
 from dflash_jax.kv_cache import KVCache, write_rows
 from dflash_jax.params import EMBED, HEAD_DIM, KV_HEADS, MLP, Q_HEADS, VOCAB, Spec, init_from_specs
 from dflash_jax.rope import apply_rope, rope_tables
-from pallas_kernels.tree_attention import tree_attention
+from dflash_jax.sharding import BATCH, attention, constrain, constrain_cache, embed_lookup
 
 dataclass = dataclasses.dataclass
 
@@ -141,19 +141,24 @@ def project_qkv(p: AttentionParams, cfg: ModelConfig, x: jax.Array, kv_input: ja
     if p.q_norm is not None:
         q = rms_norm(q, p.q_norm, cfg.rms_norm_eps)
         k = rms_norm(k, p.k_norm, cfg.rms_norm_eps)
-    return q, k, v
+    # Tensor parallel: heads split over tp (no-ops without a mesh; see dflash_jax.sharding).
+    kv_axes = (BATCH, None, KV_HEADS, None)
+    return constrain(q, (BATCH, None, Q_HEADS, None)), constrain(k, kv_axes), constrain(v, kv_axes)
 
 
 def output_projection(p: AttentionParams, attn: jax.Array) -> jax.Array:
     """attn: [batch, seq, q_heads, head_dim] -> [batch, seq, embed]."""
-    out = _dot("bshd,hde->bse", attn, p.o)
+    out = _dot("bshd,hde->bse", attn, p.o)  # row-parallel under tp: one all-reduce
+    out = constrain(out, (BATCH, None, None))
     return out + p.o_bias.astype(out.dtype) if p.o_bias is not None else out
 
 
 def mlp(p: MLPParams, x: jax.Array) -> jax.Array:
     gate = jnp.einsum("bse,em->bsm", x, p.gate, preferred_element_type=jnp.float32)
     up = jnp.einsum("bse,em->bsm", x, p.up, preferred_element_type=jnp.float32)
-    return _dot("bsm,me->bse", (jax.nn.silu(gate) * up).astype(x.dtype), p.down)
+    act = constrain((jax.nn.silu(gate) * up).astype(x.dtype), (BATCH, None, MLP))
+    # Row-parallel under tp: one all-reduce.
+    return constrain(_dot("bsm,me->bse", act, p.down), (BATCH, None, None))
 
 
 def lm_head_weight(params: ModelParams) -> jax.Array:
@@ -163,12 +168,14 @@ def lm_head_weight(params: ModelParams) -> jax.Array:
 
 def logits_from_hidden(params: ModelParams, hidden: jax.Array) -> jax.Array:
     """hidden: [..., embed] (already final-normed) -> float32 logits [..., vocab]."""
-    return jnp.einsum("...e,ev->...v", hidden, lm_head_weight(params).astype(hidden.dtype),
-                      preferred_element_type=jnp.float32)
+    logits = jnp.einsum("...e,ev->...v", hidden, lm_head_weight(params).astype(hidden.dtype),
+                        preferred_element_type=jnp.float32)
+    # Vocab-parallel under tp: logits stay split over the vocabulary.
+    return constrain(logits, (BATCH,) * (logits.ndim > 1) + (None,) * max(logits.ndim - 2, 0) + (VOCAB,))
 
 
 def embed_tokens(params: ModelParams, tokens: jax.Array) -> jax.Array:
-    return jnp.take(params.embed, tokens, axis=0)
+    return embed_lookup(params.embed, tokens)  # vocab-parallel under tp
 
 
 # ----------------------------------------------------------------------------- forward
@@ -206,9 +213,9 @@ def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions:
         h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
         q, k, v = project_qkv(lp.attn, cfg, h)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_buf = write_rows(cache.k[i], k, starts)
-        v_buf = write_rows(cache.v[i], v, starts)
-        attn = tree_attention(q, k_buf, v_buf, starts, visible, impl=attn_impl)
+        k_buf = constrain_cache(write_rows(cache.k[i], k, starts))
+        v_buf = constrain_cache(write_rows(cache.v[i], v, starts))
+        attn = attention(q, k_buf, v_buf, starts, visible, impl=attn_impl)  # shard_map under a mesh
         x = x + output_projection(lp.attn, attn)
         x = x + mlp(lp.mlp, rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps))
         new_k.append(k_buf)
@@ -226,3 +233,7 @@ def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions:
     new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths)
     return ForwardOutput(logits=logits, taps=tap_out, cache=new_cache,
                          hidden=hidden if return_hidden else None)
+
+
+# `forward` as one compiled program (configs and flags static); the decoders jit whole loops instead.
+forward_jit = jax.jit(forward, static_argnames=("cfg", "tap_layers", "compute_logits", "return_hidden", "attn_impl"))

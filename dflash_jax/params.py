@@ -7,6 +7,7 @@ names to mesh axes (`ShardingRules`), never a change to model code.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Mapping
 
 import jax
@@ -55,9 +56,16 @@ def path_str(path: tuple) -> str:
     return ".".join(parts)
 
 
-def init_from_specs(specs: Any, key: jax.Array, dtype: Any = jnp.float32, scale: float = 1.0) -> Any:
-    """Draws random parameters for a spec tree (tests and benchmarks; real weights come from `convert`)."""
+def init_from_specs(specs: Any, key: jax.Array, dtype: Any = jnp.float32, scale: float = 1.0,
+                    shardings: Any = None) -> Any:
+    """Draws random parameters for a spec tree (tests and benchmarks; real weights come from `convert`).
+
+    shardings: optional tree of Shardings matching `specs`; each weight is then drawn straight
+    into its shards (the values do not depend on the sharding).
+    """
     leaves, treedef = jax.tree_util.tree_flatten(specs, is_leaf=is_spec)
+    out_shardings = None if shardings is None else jax.tree_util.tree_leaves(
+        shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
 
     def draw(spec: Spec, k: jax.Array) -> jax.Array:
         if spec.init == "ones":
@@ -67,7 +75,7 @@ def init_from_specs(specs: Any, key: jax.Array, dtype: Any = jnp.float32, scale:
         std = scale * (spec.fan_in or spec.shape[0]) ** -0.5
         return (std * jax.random.normal(k, spec.shape, jnp.float32)).astype(dtype)
 
-    @jax.jit
+    @functools.partial(jax.jit, out_shardings=out_shardings)
     def draw_all(key: jax.Array) -> list[jax.Array]:
         # One compiled program for the whole tree (eager per-leaf draws compile once per shape).
         keys = jax.random.split(key, len(leaves))

@@ -7,3 +7,25 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# 4 fake CPU devices for the tensor/data-parallel tests (tests/test_sharding.py); the other
+# tests run on device 0 as before.
+jax.config.update("jax_num_cpu_devices", 4)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """transformers' own load of the packaged SmolLM2 GGUF (float32): the PyTorch reference.
+
+    Session-scoped: several test files compare against it and loading takes ~20 s on 2 cores.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from convert.gguf_file import smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                dtype=torch.float32).eval()

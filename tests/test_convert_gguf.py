@@ -60,9 +60,8 @@ def smol(smol_reader):
 
 
 @pytest.fixture(scope="module")
-def reference():
-    path = smollm2_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+def reference(smollm2_hf):
+    model = smollm2_hf
     state = {k: v.numpy() for k, v in model.state_dict().items()}
     return model.config, state
 

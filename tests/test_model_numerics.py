@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dflash_jax.kv_cache import KVCache
-from dflash_jax.model import forward
+from dflash_jax.model import forward_jit as forward
 from tests.hf_models import TINY, save_and_convert, tiny_hf_model
 
 
@@ -64,13 +64,15 @@ def test_cached_step_equals_full_recompute(pair):
     vis[:, 0] = True
     tree = forward(params, cfg, step_tokens, jnp.asarray(lens)[:, None] + jnp.minimum(jnp.arange(w), 1)[None],
                    cache, jnp.asarray(np.broadcast_to(vis, (3, w, w))))
-    for b in range(3):
-        for node in range(1, w):
-            pair_tokens = jnp.stack([step_tokens[b, 0], step_tokens[b, node]])[None]
-            single = dataclasses.replace(cache, lengths=jnp.asarray(lens[b:b + 1], jnp.int32),
-                                         k=tuple(k[b:b + 1] for k in cache.k), v=tuple(v[b:b + 1] for v in cache.v))
-            ref = forward(params, cfg, pair_tokens, jnp.asarray([[lens[b], lens[b] + 1]]), single)
-            assert rel_err(tree.logits[b, node], ref.logits[0, 1]) <= 1e-5
+    # Reference: each (root, node) pair as its own 2-token causal step, batched over the pairs.
+    pairs = [(b, node) for b in range(3) for node in range(1, w)]
+    idx = np.array([b for b, _ in pairs])
+    pair_tokens = jnp.stack([jnp.stack([step_tokens[b, 0], step_tokens[b, n]]) for b, n in pairs])
+    pair_cache = dataclasses.replace(cache, lengths=jnp.asarray(lens[idx], jnp.int32),
+                                     k=tuple(k[idx] for k in cache.k), v=tuple(v[idx] for v in cache.v))
+    ref = forward(params, cfg, pair_tokens, jnp.asarray(lens[idx])[:, None] + jnp.arange(2)[None], pair_cache)
+    for i, (b, node) in enumerate(pairs):
+        assert rel_err(tree.logits[b, node], ref.logits[i, 1]) <= 1e-5
 
 
 def test_tap_layers_out_of_range_is_an_error(pair):

@@ -11,7 +11,7 @@ import torch
 from convert.gguf_file import gguf_tokenizer, load_gguf, smollm2_gguf_path
 from dflash_jax.generate import generate_ar
 from dflash_jax.kv_cache import KVCache
-from dflash_jax.model import forward
+from dflash_jax.model import forward_jit as forward
 from dflash_jax.pipeline import encode_prompts, pad_prompts, stop_tokens_for
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -26,14 +26,10 @@ def shared_prompts() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def smollm2():
+def smollm2(smollm2_hf):
     path = smollm2_gguf_path()
     cfg, params = load_gguf(path, dtype=jnp.float32)
-    tok = gguf_tokenizer(path)
-    from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                              dtype=torch.float32).eval()
-    return cfg, params, tok, hf
+    return cfg, params, gguf_tokenizer(path), smollm2_hf
 
 
 def test_float32_logits_match_transformers_on_the_same_gguf(smollm2):

@@ -10,7 +10,7 @@ import torch
 from dflash_jax import speculative
 from dflash_jax.generate import generate_ar
 from dflash_jax.kv_cache import KVCache
-from dflash_jax.model import forward
+from dflash_jax.model import forward_jit as forward
 from dflash_jax.pipeline import pad_prompts
 from dflash_jax.sampling import SamplingParams, sampling_probs
 from dflash_jax.speculative import SpecSettings, generate_speculative

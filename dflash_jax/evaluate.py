@@ -1,0 +1,291 @@
+"""Benchmarks of AR, DFlash and DDTree decoding on prompt files: tau, tokens/s, speedup over AR.
+
+Prompt files (JSONL, see ../shared/data/README.md):
+  gsm8k test   `question`; a math set, so it gets MATH_SUFFIX (the papers' convention);
+  spec_bench   `turns[0]` (the first turn), grouped by `category`;
+  otherwise    `instruction` / `prompt` / `question`.
+Prompts are wrapped in the target's chat template. Every method decodes the same prompts
+with the same settings; tokens/s excludes compilation (each program is compiled ahead of
+time, once per prompt-width bucket). With greedy decoding the speculative outputs are also
+checked against AR's, token for token (`matches_ar`).
+
+tau = tokens committed per target verification round (accepted drafted tokens + the bonus),
+summed over all rounds of all prompts, divided by the number of rounds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.sampling import SamplingParams
+
+MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+METHODS = ("ar", "dflash", "ddtree")
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchPrompt:
+    text: str
+    category: str
+
+
+def load_bench_prompts(path: str | Path, limit: int | None = None, math_suffix: str = "auto"
+                       ) -> list[BenchPrompt]:
+    """Prompts of a benchmark JSONL file (first `limit` rows).
+
+    math_suffix: "auto" adds MATH_SUFFIX to math sets (rows with `question` + `answer`, as
+    gsm8k), "always" / "never" force it.
+    """
+    if math_suffix not in ("auto", "always", "never"):
+        raise ValueError(f"math_suffix must be auto, always or never, got {math_suffix!r}")
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: prompt file not found")
+    default_category = path.parent.name or path.stem
+    out = []
+    with path.open() as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{line_no}: not valid JSON ({err})") from None
+            if isinstance(row.get("turns"), list) and row["turns"]:
+                text, is_math = row["turns"][0], False
+            elif isinstance(row.get("question"), str):
+                text, is_math = row["question"], "answer" in row
+            else:
+                key = next((k for k in ("instruction", "prompt") if isinstance(row.get(k), str)), None)
+                if key is None:
+                    raise ValueError(f"{path}:{line_no}: no prompt (expected turns, question, "
+                                     f"instruction or prompt)")
+                text, is_math = row[key], False
+            if math_suffix == "always" or (math_suffix == "auto" and is_math):
+                text = text + MATH_SUFFIX
+            out.append(BenchPrompt(text=text, category=str(row.get("category", default_category))))
+            if limit is not None and len(out) >= limit:
+                break
+    if not out:
+        raise ValueError(f"{path}: no prompts")
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodSpec:
+    """One decoder to benchmark: "ar", "dflash" (block_size) or "ddtree" (block_size, budget)."""
+
+    method: str
+    block_size: int = 16
+    budget: int = 0
+
+    @property
+    def name(self) -> str:
+        if self.method == "ar":
+            return "ar"
+        if self.method == "dflash":
+            return f"dflash(bs={self.block_size})"
+        return f"ddtree(bs={self.block_size},budget={self.budget})"
+
+
+def method_specs(methods: Sequence[str], budgets: Sequence[int], block_size: int) -> list[MethodSpec]:
+    """The AR baseline first, then each method (DDTree once per budget)."""
+    out = [MethodSpec("ar")]
+    for m in methods:
+        if m not in METHODS:
+            raise ValueError(f"unknown method {m!r}; expected one of {METHODS}")
+        if m == "dflash":
+            out.append(MethodSpec("dflash", block_size))
+        elif m == "ddtree":
+            if not budgets:
+                raise ValueError("--method ddtree needs at least one --budget")
+            out += [MethodSpec("ddtree", block_size, int(b)) for b in budgets]
+    return list(dict.fromkeys(out))  # de-duplicated, in order
+
+
+class _Compiled:
+    """Ahead-of-time compiled decoders, one per (method, shapes): timing excludes compilation."""
+
+    def __init__(self) -> None:
+        self.programs: dict[Any, Any] = {}
+        self.compile_seconds = 0.0
+
+    def run(self, key: Any, fn: Any, args: tuple, kwargs: dict) -> tuple[Any, float]:
+        if key not in self.programs:
+            t0 = time.perf_counter()
+            self.programs[key] = fn.lower(*args, **kwargs).compile()
+            self.compile_seconds += time.perf_counter() - t0
+        dynamic = [a for a in args if jax.tree.leaves(a) and all(
+            isinstance(x, (jax.Array, np.ndarray)) for x in jax.tree.leaves(a))]
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(self.programs[key](*dynamic))
+        return out, time.perf_counter() - t0
+
+
+def bench_tokens(params: Any, cfg: Any, token_lists: Sequence[Sequence[int]], categories: Sequence[str],
+                 specs: Sequence[MethodSpec], *, dparams: Any = None, dcfg: Any = None,
+                 max_new_tokens: int = 256, batch_size: int = 1, stop_tokens: tuple[int, ...] = (),
+                 sampling: SamplingParams = SamplingParams(), seed: int = 0, width_multiple: int = 64,
+                 progress: bool = True) -> dict[str, Any]:
+    """Runs every method over the token prompts; returns the JSON-ready report.
+
+    Prompts are decoded in their given order, `batch_size` at a time, right-padded to a width
+    rounded up to `width_multiple` (one compiled program per width bucket and method).
+    """
+    from tqdm.auto import tqdm
+
+    from dflash_jax.generate import generate_ar
+    from dflash_jax.pipeline import pad_prompts
+    from dflash_jax.speculative import SpecSettings, generate_speculative
+
+    if len(token_lists) != len(categories):
+        raise ValueError("token_lists and categories differ in length")
+    if any(s.method != "ar" for s in specs) and dparams is None:
+        raise ValueError("dflash / ddtree need a drafter (--draft DIR)")
+    n = len(token_lists)
+    batches = [list(range(i, min(i + batch_size, n))) for i in range(0, n, batch_size)]
+    compiled = _Compiled()
+    per_method: dict[str, dict[str, Any]] = {}
+    outputs: dict[str, list[list[int]]] = {}
+    for spec in specs:
+        settings = None
+        if spec.method != "ar":
+            settings = SpecSettings(method=spec.method, block_size=spec.block_size, budget=spec.budget,
+                                    sampling=sampling, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens)
+        slack = 1 if settings is None else settings.cache_slack()
+        seq_tokens = [0] * n
+        seq_seconds = [0.0] * n
+        seq_committed = [0] * n
+        seq_rounds = [0] * n
+        outs: list[list[int]] = [[] for _ in range(n)]
+        bar = tqdm(total=n, desc=spec.name, disable=not progress, unit="prompt")
+        for b, idx in enumerate(batches):
+            chunk = [list(token_lists[i]) for i in idx]
+            chunk += [chunk[-1]] * (batch_size - len(chunk))
+            arr, lens = pad_prompts(chunk, multiple=width_multiple)
+            max_len = int(-(-(arr.shape[1] + max_new_tokens + slack) // 64) * 64)
+            key = jax.random.key(seed + b)
+            if settings is None:
+                gen, secs = compiled.run(
+                    ("ar", arr.shape, max_len), generate_ar,
+                    (params, cfg, jnp.asarray(arr), jnp.asarray(lens), key),
+                    dict(max_new_tokens=max_new_tokens, max_len=max_len, sampling=sampling,
+                         stop_tokens=tuple(stop_tokens)))
+            else:
+                gen, secs = compiled.run(
+                    (spec, arr.shape, max_len), generate_speculative,
+                    (params, cfg, dparams, dcfg, jnp.asarray(arr), jnp.asarray(lens), key),
+                    dict(settings=settings, max_len=max_len))
+            toks, counts = np.asarray(gen.tokens), np.asarray(gen.num_tokens)
+            for row, i in enumerate(idx):
+                outs[i] = toks[row, :counts[row]].tolist()
+                seq_tokens[i] = int(counts[row])
+                seq_seconds[i] = secs / len(idx)  # a batch's time, shared by its real prompts
+                if gen.rounds is not None:
+                    r = int(np.asarray(gen.rounds)[row])
+                    seq_rounds[i] = r
+                    seq_committed[i] = int(np.asarray(gen.accepted)[row, :r].sum())
+            bar.update(len(idx))
+        bar.close()
+        outputs[spec.name] = outs
+        per_method[spec.name] = _summary(spec, seq_tokens, seq_seconds, seq_committed, seq_rounds, categories)
+    ar = per_method["ar"]
+    for name, rec in per_method.items():
+        rec["speedup_over_ar"] = rec["tokens_per_second"] / ar["tokens_per_second"]
+        for cat, c in rec["by_category"].items():
+            c["speedup_over_ar"] = c["tokens_per_second"] / ar["by_category"][cat]["tokens_per_second"]
+        if name != "ar" and sampling.greedy:
+            same = [o == a for o, a in zip(outputs[name], outputs["ar"])]
+            rec["matches_ar"] = sum(same) / len(same)
+    return {"methods": per_method, "num_prompts": n, "max_new_tokens": max_new_tokens,
+            "batch_size": batch_size, "temperature": sampling.temperature,
+            "compile_seconds": compiled.compile_seconds, "device": str(jax.devices()[0].device_kind),
+            "backend": jax.default_backend(), "jax_version": jax.__version__}
+
+
+def _summary(spec: MethodSpec, tokens: list[int], seconds: list[float], committed: list[int],
+             rounds: list[int], categories: Sequence[str]) -> dict[str, Any]:
+    def agg(ix: list[int]) -> dict[str, Any]:
+        t, s = sum(tokens[i] for i in ix), sum(seconds[i] for i in ix)
+        rec = {"prompts": len(ix), "tokens": t, "seconds": s, "tokens_per_second": t / max(s, 1e-12)}
+        if spec.method != "ar":
+            r = sum(rounds[i] for i in ix)
+            rec["rounds"] = r
+            rec["tau"] = sum(committed[i] for i in ix) / max(r, 1)
+        return rec
+
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, c in enumerate(categories):
+        groups[c].append(i)
+    out = {"method": spec.method, "block_size": spec.block_size if spec.method != "ar" else None,
+           "budget": spec.budget if spec.method == "ddtree" else None, **agg(list(range(len(tokens))))}
+    out["by_category"] = {c: agg(ix) for c, ix in groups.items()}
+    return out
+
+
+def run_bench(params: Any, cfg: Any, tokenizer: Any, prompts: Sequence[BenchPrompt], specs: Sequence[MethodSpec],
+              **kwargs: Any) -> dict[str, Any]:
+    """Text prompts -> chat template -> `bench_tokens`."""
+    from dflash_jax.pipeline import encode_prompts, stop_tokens_for
+
+    token_lists = encode_prompts(tokenizer, [p.text for p in prompts])
+    kwargs.setdefault("stop_tokens", stop_tokens_for(tokenizer, cfg))
+    return bench_tokens(params, cfg, token_lists, [p.category for p in prompts], specs, **kwargs)
+
+
+def plot_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    """tau_by_category.png (speculative methods) and speed.png (tokens/s and speedup per method)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    methods = report["methods"]
+    paths = []
+    spec_names = [m for m in methods if methods[m]["method"] != "ar"]
+    if spec_names:
+        cats = list(methods[spec_names[0]]["by_category"])
+        x = np.arange(len(cats) + 1)
+        width = 0.8 / len(spec_names)
+        fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(x) + 2), 4))
+        for j, name in enumerate(spec_names):
+            rec = methods[name]
+            vals = [rec["by_category"][c]["tau"] for c in cats] + [rec["tau"]]
+            ax.bar(x + (j - (len(spec_names) - 1) / 2) * width, vals, width, label=name)
+        ax.set_xticks(x)
+        ax.set_xticklabels(cats + ["all"], rotation=45, ha="right")
+        ax.set_ylabel("tau (tokens per round)")
+        ax.set_title("Acceptance length by category")
+        ax.legend()
+        fig.tight_layout()
+        p = out_dir / "tau_by_category.png"
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        paths.append(p)
+    names = list(methods)
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(names) + 2), 4))
+    tps = [methods[m]["tokens_per_second"] for m in names]
+    bars = ax.bar(np.arange(len(names)), tps)
+    for bar, m in zip(bars, names):
+        ax.annotate(f"{methods[m]['speedup_over_ar']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom")
+    ax.set_xticks(np.arange(len(names)))
+    ax.set_xticklabels(names, rotation=20, ha="right")
+    ax.set_ylabel("tokens / s")
+    ax.set_title(f"Decoding speed ({report['backend']}, batch {report['batch_size']})")
+    fig.tight_layout()
+    p = out_dir / "speed.png"
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    paths.append(p)
+    return paths

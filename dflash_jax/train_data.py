@@ -1,0 +1,338 @@
+"""Training data for DFlash drafters: prompts in, target-generated token files out.
+
+The drafter learns to predict what the TARGET would say, so its training responses are the
+target's own generations (not the datasets' reference answers):
+
+  1. prompts come from local JSONL files (gsm8k train `question`, alpaca_eval `instruction`);
+     evaluation sets (spec_bench, any `test` split) are refused;
+  2. each prompt is wrapped in the target's chat template (`pipeline.encode_prompts`);
+  3. the target answers with our own batched, jitted decoding (`generate.generate_ar`), a mix
+     of greedy and temperature-1 batches;
+  4. prompt and response tokens are stored in one `.npz` token file (flat arrays + offsets).
+
+Target tap features are NOT stored: the training step recomputes them on the fly with one
+causal target forward per batch (`dflash_jax.train.target_taps`, no logits, no backward).
+The trade-off, for SmolLM2-135M with a 3-layer drafter (3 taps):
+  * caching costs taps x hidden x 2 bytes = 3 x 576 x 2 = 3.4 KB per token in bf16, ~10 GB
+    for the ~8k gsm8k + alpaca responses (~3M tokens), written once and read every epoch;
+  * recomputing costs ~2 x 107M FLOPs per token (the target without embedding/LM head),
+    about as much as the drafter's own forward + backward per packed row (~1.8e8 FLOPs with
+    the frozen 49k-vocab head), so at most ~2x step time, and none of the I/O, storage or
+    staleness (taps must match the target weights and dtype exactly).
+On an H200 a 16 x 512-token step is a few TFLOPs, so on-the-fly is the simple default; for a
+large target (8B: 5 x 4096 x 2 = 40 KB per token, and a forward that dwarfs the drafter's)
+caching may win. `dflash_jax.train.time_step_parts` measures the split on the device at hand.
+
+At training time the token file becomes fixed-width rows (`SequenceSet`); the order of rows
+is a pure function of (seed, step) (`batch_indices`), so a resumed run sees exactly the
+batches an uninterrupted one would.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.sampling import SamplingParams
+
+FORMAT = "dflash-jax/train-tokens"
+VERSION = 1
+# Fields read from a JSONL row, in order of preference.
+PROMPT_FIELDS = ("question", "instruction", "prompt")
+
+
+class EvaluationDataError(ValueError):
+    """A training prompt file is an evaluation set (spec_bench, a test split)."""
+
+
+# ----------------------------------------------------------------------------- prompts
+
+def default_sources(data_dir: str | Path) -> list[Path]:
+    """The training prompt files of `../shared/data` (see its README)."""
+    data_dir = Path(data_dir)
+    return [data_dir / "gsm8k" / "train.jsonl", data_dir / "alpaca_eval" / "instructions.jsonl"]
+
+
+def check_training_source(path: str | Path) -> None:
+    """Raises EvaluationDataError when `path` names an evaluation set.
+
+    Refused: anything under a spec_bench / mt_bench folder and any file whose name starts
+    with `test` (e.g. gsm8k's test.jsonl). These sets measure the drafter; training on them
+    would inflate every reported acceptance length.
+    """
+    p = Path(path)
+    parts = [s.lower().replace("-", "_") for s in p.resolve().parts]
+    for bench in ("spec_bench", "mt_bench"):
+        if any(bench in s for s in parts):
+            raise EvaluationDataError(f"{path}: {bench} is an evaluation set; it may not be used for "
+                                      f"drafter training (use gsm8k/train.jsonl, alpaca_eval)")
+    if p.name.lower().startswith("test"):
+        raise EvaluationDataError(f"{path}: a test split is for evaluation; it may not be used for "
+                                  f"drafter training (use the train split)")
+
+
+def read_prompts(path: str | Path, limit: int | None = None, field: str | None = None) -> list[str]:
+    """Prompt texts from a JSONL training file (field `question`, `instruction` or `prompt`).
+
+    Refuses evaluation sets by path (`check_training_source`) and by content: rows with
+    spec_bench's multi-turn `turns` field.
+    """
+    check_training_source(path)
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: prompt file not found")
+    out: list[str] = []
+    with path.open() as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{line_no}: not valid JSON ({err})") from None
+            if "turns" in row:
+                raise EvaluationDataError(f"{path}:{line_no}: a row with 'turns' looks like spec_bench, "
+                                          f"an evaluation set; refusing to train on it")
+            key = field or next((k for k in PROMPT_FIELDS if k in row), None)
+            if key is None or not isinstance(row.get(key), str):
+                raise ValueError(f"{path}:{line_no}: no prompt field (expected one of {PROMPT_FIELDS})")
+            out.append(row[key])
+            if limit is not None and len(out) >= limit:
+                break
+    if not out:
+        raise ValueError(f"{path}: no prompts")
+    return out
+
+
+# ----------------------------------------------------------------------------- token files
+
+@dataclasses.dataclass
+class TokenData:
+    """Prompts and target responses, as flat int32 arrays with offsets (row i = [off[i], off[i+1]))."""
+
+    prompt_tokens: np.ndarray
+    prompt_offsets: np.ndarray
+    response_tokens: np.ndarray
+    response_offsets: np.ndarray
+    temperature: np.ndarray  # [n] float32, the sampling temperature of each response (0 = greedy)
+    source: np.ndarray  # [n] int32 index into meta["sources"]
+    meta: dict[str, Any]
+
+    def __len__(self) -> int:
+        return len(self.prompt_offsets) - 1
+
+    def prompt(self, i: int) -> np.ndarray:
+        return self.prompt_tokens[self.prompt_offsets[i]:self.prompt_offsets[i + 1]]
+
+    def response(self, i: int) -> np.ndarray:
+        return self.response_tokens[self.response_offsets[i]:self.response_offsets[i + 1]]
+
+    @classmethod
+    def from_lists(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                   temperature: Sequence[float], source: Sequence[int], meta: dict[str, Any]) -> "TokenData":
+        if not len(prompts) == len(responses) == len(temperature) == len(source):
+            raise ValueError("prompts, responses, temperature and source differ in length")
+
+        def flat(rows):
+            offsets = np.zeros(len(rows) + 1, np.int64)
+            offsets[1:] = np.cumsum([len(r) for r in rows])
+            tokens = np.concatenate([np.asarray(r, np.int32) for r in rows]) if rows else np.zeros(0, np.int32)
+            return tokens.astype(np.int32), offsets
+
+        pt, po = flat(prompts)
+        rt, ro = flat(responses)
+        return cls(pt, po, rt, ro, np.asarray(temperature, np.float32), np.asarray(source, np.int32), dict(meta))
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez(tmp, prompt_tokens=self.prompt_tokens, prompt_offsets=self.prompt_offsets,
+                 response_tokens=self.response_tokens, response_offsets=self.response_offsets,
+                 temperature=self.temperature, source=self.source,
+                 meta=np.array(json.dumps({"format": FORMAT, "version": VERSION, **self.meta})))
+        tmp.replace(path)  # never leave a half-written token file under the real name
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TokenData":
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: token file not found (make it with `dflash-jax make-data`)")
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(str(z["meta"]))
+            if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+                raise ValueError(f"{path}: format {meta.get('format')!r} version {meta.get('version')!r} "
+                                 f"is not {FORMAT!r} version {VERSION}")
+            return cls(z["prompt_tokens"], z["prompt_offsets"], z["response_tokens"], z["response_offsets"],
+                       z["temperature"], z["source"], meta)
+
+
+# ----------------------------------------------------------------------------- generation
+
+def generate_responses(params: Any, cfg: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                       batch_size: int = 32, sample_fraction: float = 0.5, temperature: float = 1.0,
+                       stop_tokens: tuple[int, ...] = (), seed: int = 0, progress: bool = True
+                       ) -> tuple[list[list[int]], list[float]]:
+    """Target responses for token prompts with our batched AR decoding -> (responses, temperatures).
+
+    Prompts are sorted by length and decoded `batch_size` at a time (one compiled program per
+    padded width). Each batch is greedy or sampled at `temperature` (a seeded draw with
+    probability `sample_fraction`), so the drafter sees both the target's argmax paths and its
+    sampled ones. A response ends with its stop token when one was produced.
+    """
+    from dflash_jax.generate import generate_ar
+    from dflash_jax.pipeline import pad_prompts
+
+    if not prompts:
+        raise ValueError("no prompts")
+    if not 0.0 <= sample_fraction <= 1.0:
+        raise ValueError(f"sample_fraction must be in [0, 1], got {sample_fraction}")
+    order = np.argsort([len(p) for p in prompts], kind="stable")
+    rng = np.random.default_rng(seed)
+    responses: list[list[int]] = [[] for _ in prompts]
+    temps = [0.0] * len(prompts)
+    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    bar = _progress(len(prompts), "generate", progress)
+    for b, idx in enumerate(batches):
+        chunk = [list(prompts[i]) for i in idx]
+        chunk += [chunk[-1]] * (batch_size - len(chunk))  # one compiled batch shape
+        arr, lens = pad_prompts(chunk, multiple=32)
+        max_len = int(-(-(arr.shape[1] + max_new_tokens + 1) // 64) * 64)
+        sampled = bool(rng.random() < sample_fraction)
+        sp = SamplingParams(temperature=temperature) if sampled else SamplingParams()
+        gen = generate_ar(params, cfg, jnp.asarray(arr), jnp.asarray(lens), jax.random.key(seed * 100003 + b),
+                          max_new_tokens=max_new_tokens, max_len=max_len, sampling=sp,
+                          stop_tokens=tuple(stop_tokens))
+        toks, n = np.asarray(gen.tokens), np.asarray(gen.num_tokens)
+        for row, i in enumerate(idx):
+            responses[i] = toks[row, :n[row]].tolist()
+            temps[i] = sp.temperature
+        bar.update(len(idx))
+    bar.close()
+    return responses, temps
+
+
+def make_token_data(params: Any, cfg: Any, tokenizer: Any, sources: Iterable[str | Path], *,
+                    max_new_tokens: int = 256, max_prompt_tokens: int = 256, limit: int | None = None,
+                    batch_size: int = 32, sample_fraction: float = 0.5, temperature: float = 1.0,
+                    seed: int = 0, target_name: str = "", progress: bool = True) -> TokenData:
+    """Reads prompts, wraps them in the chat template, lets the target answer -> TokenData.
+
+    Prompts longer than `max_prompt_tokens` after templating are skipped (counted in meta).
+    `limit` caps the prompts read per source file.
+    """
+    from dflash_jax.pipeline import encode_prompts, stop_tokens_for
+
+    sources = [Path(s) for s in sources]
+    for s in sources:
+        check_training_source(s)  # refuse before any generation work
+    prompts: list[list[int]] = []
+    source_of: list[int] = []
+    skipped = 0
+    for si, src in enumerate(sources):
+        for ids in encode_prompts(tokenizer, read_prompts(src, limit=limit)):
+            if len(ids) > max_prompt_tokens:
+                skipped += 1
+                continue
+            prompts.append(ids)
+            source_of.append(si)
+    if not prompts:
+        raise ValueError(f"every prompt is longer than max_prompt_tokens={max_prompt_tokens}")
+    stop = stop_tokens_for(tokenizer, cfg)
+    t0 = time.perf_counter()
+    responses, temps = generate_responses(params, cfg, prompts, max_new_tokens=max_new_tokens,
+                                          batch_size=batch_size, sample_fraction=sample_fraction,
+                                          temperature=temperature, stop_tokens=stop, seed=seed,
+                                          progress=progress)
+    meta = {"sources": [str(s) for s in sources], "target": target_name, "max_new_tokens": max_new_tokens,
+            "max_prompt_tokens": max_prompt_tokens, "skipped_long_prompts": skipped,
+            "sample_fraction": sample_fraction, "temperature": temperature, "seed": seed,
+            "stop_tokens": list(stop), "generate_seconds": time.perf_counter() - t0}
+    return TokenData.from_lists(prompts, responses, temps, source_of, meta)
+
+
+# ----------------------------------------------------------------------------- training rows
+
+@dataclasses.dataclass
+class SequenceSet:
+    """Fixed-width training rows: tokens [n, seq_len] = prompt + response (+ pad), and lengths.
+
+    Anchors are drawn in [prompt_lens, total_lens - 2] (see `train.sample_anchors`), so every
+    row has at least 2 response tokens.
+    """
+
+    tokens: np.ndarray  # [n, seq_len] int32
+    prompt_lens: np.ndarray  # [n] int32
+    total_lens: np.ndarray  # [n] int32, prompt + (truncated) response
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.tokens.shape[1]
+
+    def batch(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        return {"tokens": self.tokens[indices], "prompt_lens": self.prompt_lens[indices],
+                "total_lens": self.total_lens[indices]}
+
+
+def build_sequences(data: TokenData, seq_len: int, pad_id: int = 0, min_response: int = 2) -> SequenceSet:
+    """Prompt + response per row, responses cut at `seq_len`; rows with < min_response tokens dropped."""
+    if min_response < 2:
+        raise ValueError("min_response must be >= 2 (an anchor needs a next token)")
+    rows, plens, tlens = [], [], []
+    for i in range(len(data)):
+        p, r = data.prompt(i), data.response(i)
+        room = seq_len - len(p)
+        if room < min_response or len(r) < min_response:
+            continue
+        r = r[:room]
+        row = np.full(seq_len, pad_id, np.int32)
+        row[:len(p)] = p
+        row[len(p):len(p) + len(r)] = r
+        rows.append(row)
+        plens.append(len(p))
+        tlens.append(len(p) + len(r))
+    if not rows:
+        raise ValueError(f"no usable training rows: every prompt is longer than seq_len={seq_len} - "
+                         f"{min_response} or every response is shorter than {min_response} tokens")
+    return SequenceSet(np.stack(rows), np.asarray(plens, np.int32), np.asarray(tlens, np.int32))
+
+
+def batch_indices(num_rows: int, batch_size: int, step: int, seed: int) -> np.ndarray:
+    """Row indices of training step `step`: a fresh seeded permutation per epoch, read in order.
+
+    A pure function of (seed, step): resuming at step s reproduces the uninterrupted order.
+    """
+    start = step * batch_size
+    out = np.empty(batch_size, np.int64)
+    for j in range(batch_size):
+        epoch, pos = divmod(start + j, num_rows)
+        out[j] = _epoch_permutation(num_rows, seed, epoch)[pos]
+    return out
+
+
+_PERM_CACHE: dict[tuple[int, int, int], np.ndarray] = {}
+
+
+def _epoch_permutation(num_rows: int, seed: int, epoch: int) -> np.ndarray:
+    key = (num_rows, seed, epoch)
+    if key not in _PERM_CACHE:
+        if len(_PERM_CACHE) > 4:
+            _PERM_CACHE.clear()
+        _PERM_CACHE[key] = np.random.default_rng([seed, epoch]).permutation(num_rows)
+    return _PERM_CACHE[key]
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, unit="seq")

@@ -1,0 +1,251 @@
+"""Drafter training (dflash_jax.train): the packed pass, the loss going down, exact resume, export.
+
+CPU, float32, tiny shapes. One TrainConfig is shared by every run so `train_step` compiles once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from convert.dflash_drafter import load_drafter
+from convert.hf_safetensors import load_hf
+from dflash_jax import drafter as dr
+from dflash_jax import train as tr
+from dflash_jax.params import is_spec
+from dflash_jax.train_data import SequenceSet
+from tests.spec_models import target_model
+
+VOCAB, MASK, BS, SEQ = 32, 31, 8, 48
+TC = tr.TrainConfig(steps=12, batch_size=4, seq_len=SEQ, num_blocks=5, learning_rate=1e-2,
+                    warmup_fraction=0.05, compute_dtype="float32", seed=3)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """A tiny random Qwen3 target (transformers), converted; the torch model is the reference."""
+    model = target_model(seed=0, vocab=VOCAB)
+    directory = tmp_path_factory.mktemp("target")
+    model.save_pretrained(directory)
+    cfg, params = load_hf(directory)
+    return model, cfg, params
+
+
+def make_dcfg(cfg, **overrides):
+    fields = dict(num_layers=2, block_size=BS, mask_token_id=MASK, target_layer_ids=(1, 2),
+                  layer_types=("sliding_attention", "full_attention"), sliding_window=5)
+    fields.update(overrides)
+    return tr.drafter_config_for(cfg, **fields)
+
+
+def numpy_init(dcfg, seed=0):
+    """Drafter weights drawn with numpy (jax.random init compiles slowly on 2 CPU cores)."""
+    rng = np.random.default_rng(seed)
+
+    def draw(spec):
+        if spec.init == "ones":
+            return jnp.asarray(1.0 + 0.1 * rng.standard_normal(spec.shape), jnp.float32)
+        return jnp.asarray(rng.standard_normal(spec.shape) * spec.fan_in ** -0.5, jnp.float32)
+
+    return jax.tree.map(draw, dr.draft_specs(dcfg), is_leaf=is_spec)
+
+
+def toy_sequences(n=12, seed=0) -> SequenceSet:
+    """Prompts of random tokens, then responses following t -> (5t + 3) mod 30 (learnable)."""
+    rng = np.random.default_rng(seed)
+    tokens = np.zeros((n, SEQ), np.int32)
+    plens, tlens = np.zeros(n, np.int32), np.zeros(n, np.int32)
+    for i in range(n):
+        p, r = int(rng.integers(4, 12)), int(rng.integers(20, SEQ - 12))
+        tokens[i, :p] = rng.integers(0, 30, p)
+        t = int(rng.integers(0, 30))
+        for j in range(r):
+            tokens[i, p + j] = t
+            t = (5 * t + 3) % 30
+        plens[i], tlens[i] = p, p + r
+    return SequenceSet(tokens, plens, tlens)
+
+
+# ----------------------------------------------------------------------------- the packed mask
+
+def explicit_block_mask(anchors, seq_len, bs, causal, window):
+    """Per block, drafter.draft's rules written out: context slots < anchor, then its own keys."""
+    b_, n_ = anchors.shape
+    out = np.zeros((b_, n_ * bs, seq_len + bs), bool)
+    for b in range(b_):
+        for n in range(n_):
+            p = int(anchors[b, n])
+            for j in range(bs):
+                q = p + j
+                for t in range(seq_len):
+                    ok = t < p
+                    if window is not None:
+                        ok = ok and q - t < window and (t <= q if causal else t - q < window)
+                    out[b, n * bs + j, t] = ok
+                for i in range(bs):
+                    k = p + i
+                    ok = (i <= j) if causal else True
+                    if window is not None:
+                        ok = ok and q - k < window and k - q < window
+                    out[b, n * bs + j, seq_len + i] = ok
+    return out
+
+
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 3), (False, 3), (True, 11)])
+def test_packed_block_mask_equals_per_block_construction(causal, window):
+    anchors = np.array([[0, 3, 9], [5, 6, 17]], np.int32)
+    got = np.asarray(tr.packed_block_mask(jnp.asarray(anchors), 20, 4, causal=causal, window=window))
+    np.testing.assert_array_equal(got, explicit_block_mask(anchors, 20, 4, causal, window))
+
+
+def test_anchors_stay_inside_the_response():
+    prompt_lens = jnp.array([3, 10, 7, 30], jnp.int32)
+    total_lens = jnp.array([40, 14, 7 + 2, 40], jnp.int32)  # responses of 37, 4, 2, 10 tokens
+    sample = jax.jit(tr.sample_anchors, static_argnums=(3, 4))
+    for seed in range(5):
+        anchors, valid = map(np.asarray, sample(jax.random.key(seed), prompt_lens, total_lens, 40, 6))
+        for b in range(4):
+            a = anchors[b][valid[b]]
+            # p in [prompt_len, total_len - 2]: the root is a response token with a next token.
+            assert (a >= int(prompt_lens[b])).all() and (a <= int(total_lens[b]) - 2).all()
+            assert len(set(a.tolist())) == len(a) and (np.diff(a) > 0).all()
+            assert valid[b].sum() == min(6, int(total_lens[b] - prompt_lens[b]) - 1)
+            assert (anchors[b] >= 0).all() and (anchors[b] < 40).all()
+    targets, mask = tr.block_targets(jnp.arange(40)[None] * jnp.ones((4, 1), jnp.int32), jnp.asarray(anchors),
+                                     jnp.asarray(valid), total_lens, BS)
+    t, m = np.asarray(targets), np.asarray(mask)
+    # Targets are the tokens at anchor + k (here token == position); none past the response.
+    np.testing.assert_array_equal(t[m], (anchors[:, :, None] + np.arange(1, BS))[m])
+    assert ((anchors[:, :, None] + np.arange(1, BS) < np.asarray(total_lens)[:, None, None]) | ~m).all()
+
+
+# ----------------------------------------------------------------------------- the packed pass
+
+def test_packed_forward_equals_draft_on_every_block(target):
+    """The training pass over packed blocks == drafter.draft run block by block (inference).
+
+    A causal sliding layer (window 5 < block 8) and a bidirectional full layer; the other
+    mask rules are covered by the mask test above.
+    """
+    _, cfg, params = target
+    dcfg = make_dcfg(cfg, input_embedding_scale=1.5)
+    dparams = numpy_init(dcfg, seed=1)
+    seqs = toy_sequences(3, seed=1)
+    tokens = jnp.asarray(seqs.tokens)
+    p0, t0 = seqs.prompt_lens[:, None], seqs.total_lens[:, None]
+    # First and last possible anchors, overlapping blocks, blocks running past the response.
+    anchors = jnp.asarray(np.concatenate([p0, p0 + 1, p0 + 9, t0 - 2], axis=1), jnp.int32)
+
+    @jax.jit
+    def training(dparams, tokens, anchors):
+        taps = tr.target_taps(params, cfg, tokens, dcfg.target_layer_ids)
+        return tr.packed_forward(dparams, dcfg, params, taps, tokens, anchors), taps
+
+    packed, taps = training(dparams, tokens, anchors)
+
+    @jax.jit
+    def inference(dparams, taps, tokens, anchors):
+        """One sequence per block, its context = the target taps of positions < anchor."""
+        b, n = anchors.shape
+        flat = anchors.reshape(-1)
+        cache = dr.append_context(dparams, dcfg, dr.DraftCache.create(dcfg, batch=b * n, max_len=SEQ + BS),
+                                  jnp.repeat(taps, n, axis=0), jnp.broadcast_to(jnp.arange(SEQ), (b * n, SEQ)),
+                                  flat)
+        blocks = tr.block_tokens(tokens, anchors, dcfg).reshape(b * n, BS)
+        return dr.draft(dparams, dcfg, params, cache, blocks, flat)
+
+    ref = inference(dparams, taps, tokens, anchors)
+    b, n = anchors.shape
+    got, ref = np.asarray(packed).reshape(b * n, BS, -1), np.asarray(ref)
+    assert np.max(np.abs(got - ref)) <= 1e-5 * np.max(np.abs(ref))
+
+
+# ----------------------------------------------------------------------------- training runs
+
+@pytest.fixture(scope="module")
+def runs(target, tmp_path_factory):
+    """An uninterrupted run, and the same run stopped at step 5 then resumed."""
+    _, cfg, params = target
+    dcfg = make_dcfg(cfg)
+    init = numpy_init(dcfg)
+    data = toy_sequences()
+    kw = dict(init_params=init, log_every=1, save_every=4, progress=False)
+    full = tr.train(params, cfg, dcfg, data, TC, tmp_path_factory.mktemp("full"), **kw)
+    part_dir = tmp_path_factory.mktemp("resumed")
+    part = tr.train(params, cfg, dcfg, data, TC, part_dir, stop_at=5, plots=False, **kw)
+    resumed = tr.train(params, cfg, dcfg, data, TC, part_dir, resume=True, plots=False, **kw)
+    return dcfg, full, part, resumed
+
+
+def test_training_reduces_the_loss(runs):
+    _, full, _, _ = runs
+    losses = [r["loss"] for r in full.history]
+    assert len(losses) == TC.steps and all(np.isfinite(losses))
+    assert np.mean(losses[-3:]) < 0.7 * np.mean(losses[:3]), losses
+    last = full.history[-1]
+    assert len(last["acc_by_pos"]) == BS - 1 and last["tau_estimate"] >= 1.0
+    assert (full.out_dir / "plots" / "loss.png").stat().st_size > 0
+    assert (full.out_dir / "plots" / "accuracy_by_position.png").stat().st_size > 0
+
+
+def test_resumed_training_equals_uninterrupted(runs):
+    _, full, part, resumed = runs
+    assert int(part.state.step) == 5 and part.export_dir is None
+    assert int(resumed.state.step) == int(full.state.step) == TC.steps
+    for a, b in zip(jax.tree.leaves(resumed.state), jax.tree.leaves(full.state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # The log continues where the checkpoint stopped: same records as the uninterrupted run.
+    assert [r["loss"] for r in resumed.history] == [r["loss"] for r in full.history]
+    logged = [json.loads(l) for l in (resumed.out_dir / tr.LOG_FILE).read_text().splitlines()]
+    assert [r["step"] for r in logged] == list(range(1, TC.steps + 1))
+
+
+def test_resume_refuses_other_settings(runs, target):
+    _, cfg, params = target
+    dcfg, _, part, _ = runs
+    with pytest.raises(ValueError, match="different train_config.*learning_rate"):
+        tr.train(params, cfg, dcfg, toy_sequences(), dataclasses.replace(TC, learning_rate=1e-3), part.out_dir,
+                 resume=True, progress=False)
+    with pytest.raises(ValueError, match="--resume"):
+        tr.train(params, cfg, dcfg, toy_sequences(), TC, part.out_dir, progress=False)
+
+
+def test_export_loads_in_dflash_and_equals_our_forward(runs, target):
+    """The exported run: dflash 0.1.0 DFlashDraftModel.from_pretrained == our drafter (float32)."""
+    dflash_model = pytest.importorskip("dflash.model")
+    t_model, cfg, params = target
+    dcfg, full, _, _ = runs
+    assert full.export_dir is not None
+    dcfg2, loaded = load_drafter(full.export_dir)
+    assert dcfg2 == dcfg
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(full.state.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    model = dflash_model.DFlashDraftModel.from_pretrained(full.export_dir).float().eval()
+    seq = toy_sequences(1, seed=5)
+    tokens, p = seq.tokens[0], int(seq.prompt_lens[0]) + 6
+    block = np.asarray(tr.block_tokens(jnp.asarray(tokens)[None], jnp.array([[p]]), dcfg))[0, 0]
+    with torch.no_grad():
+        out = t_model(torch.tensor(tokens[None], dtype=torch.long), output_hidden_states=True)
+        feats = dflash_model.extract_context_feature(out.hidden_states, model.target_layer_ids)[:, :p]
+        noise = dflash_model._raw_input_embeddings(t_model, torch.tensor(block[None], dtype=torch.long))
+        cache = dflash_model._make_cache(model.config)
+        hidden = model(target_hidden=feats, noise_embedding=noise, position_ids=torch.arange(p + BS)[None],
+                       past_key_values=cache, use_cache=True)
+        ref_logits = model.compute_logits(hidden[:, 1:], dflash_model._output_head(t_model))[0].numpy()
+
+    # Ours, as inference runs it (prefill taps -> drafter context -> one draft pass).
+    def infer(dparams, tokens, p):
+        taps = tr.target_taps(params, cfg, tokens, dcfg.target_layer_ids)
+        cache = dr.append_context(dparams, dcfg, dr.DraftCache.create(dcfg, 1, SEQ + BS), taps,
+                                  jnp.arange(SEQ)[None], p)
+        hidden = dr.draft(dparams, dcfg, params, cache, tr.block_tokens(tokens, p[:, None], dcfg)[:, 0], p)
+        return dr.draft_logits(dparams, dcfg, params, hidden)
+
+    ours = np.asarray(jax.jit(infer)(loaded, jnp.asarray(tokens)[None], jnp.array([p])))[0]
+    assert np.max(np.abs(ours - ref_logits)) <= 1e-4 * np.max(np.abs(ref_logits))

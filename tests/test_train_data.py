@@ -1,0 +1,137 @@
+"""Training data (dflash_jax.train_data): evaluation sets refused, token files, rows, data order."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax.config import ModelConfig
+from dflash_jax.kv_cache import KVCache
+from dflash_jax.model import forward, model_specs
+from dflash_jax.params import is_spec
+from dflash_jax.train_data import (EvaluationDataError, TokenData, batch_indices, build_sequences,
+                                   check_training_source, default_sources, make_token_data, read_prompts)
+
+SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
+VOCAB = 40
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_refuses_evaluation_sets(tmp_path):
+    for bad in (tmp_path / "spec_bench" / "question.jsonl", tmp_path / "gsm8k" / "test.jsonl",
+                tmp_path / "Spec-Bench" / "q.jsonl", tmp_path / "mt_bench" / "train.jsonl"):
+        write_jsonl(bad, [{"question": "q"}])
+        with pytest.raises(EvaluationDataError, match="evaluation|test split"):
+            read_prompts(bad)
+    # spec_bench rows under another name are refused by content.
+    renamed = write_jsonl(tmp_path / "prompts.jsonl", [{"question_id": 1, "category": "writing", "turns": ["a", "b"]}])
+    with pytest.raises(EvaluationDataError, match="spec_bench"):
+        read_prompts(renamed)
+    # Refused before any model work (no params needed).
+    with pytest.raises(EvaluationDataError):
+        make_token_data(None, None, None, [tmp_path / "gsm8k" / "train.jsonl", tmp_path / "gsm8k" / "test.jsonl"])
+    if SHARED.is_dir():
+        for bad in (SHARED / "spec_bench" / "question.jsonl", SHARED / "gsm8k" / "test.jsonl"):
+            with pytest.raises(EvaluationDataError):
+                check_training_source(bad)
+
+
+@pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data is not present")
+def test_reads_the_training_prompt_sets():
+    gsm, alpaca = default_sources(SHARED)
+    questions, instructions = read_prompts(gsm, limit=3), read_prompts(alpaca, limit=2)
+    assert len(questions) == 3 and questions[0].startswith("Natalia sold clips")
+    assert len(instructions) == 2 and all(isinstance(t, str) and t for t in instructions)
+
+
+def test_token_file_round_trip_and_rows(tmp_path):
+    prompts = [[1, 2, 3], [4, 5], list(range(10, 30)), [6]]
+    responses = [[7, 8, 9, 2], [3], [5, 5, 5], list(range(1, 40))]
+    data = TokenData.from_lists(prompts, responses, [0.0, 1.0, 0.0, 1.0], [0, 1, 0, 1], {"sources": ["a", "b"]})
+    loaded = TokenData.load(data.save(tmp_path / "tokens.npz"))
+    assert len(loaded) == 4 and loaded.meta["sources"] == ["a", "b"]
+    for i in range(4):
+        assert loaded.prompt(i).tolist() == prompts[i] and loaded.response(i).tolist() == responses[i]
+    np.testing.assert_array_equal(loaded.temperature, [0, 1, 0, 1])
+
+    rows = build_sequences(loaded, seq_len=16, pad_id=0)
+    # Row 1 (1-token response) and row 2 (20-token prompt) are dropped; row 3 is cut at 16 tokens.
+    assert len(rows) == 2
+    np.testing.assert_array_equal(rows.prompt_lens, [3, 1])
+    np.testing.assert_array_equal(rows.total_lens, [7, 16])
+    assert rows.tokens[0, :7].tolist() == [1, 2, 3, 7, 8, 9, 2] and (rows.tokens[0, 7:] == 0).all()
+    assert rows.tokens[1].tolist() == [6] + list(range(1, 16))
+    with pytest.raises(FileNotFoundError, match="make-data"):
+        TokenData.load(tmp_path / "missing.npz")
+
+
+def test_batch_indices_are_a_pure_function_of_seed_and_step():
+    n, b = 10, 4
+    order = np.concatenate([batch_indices(n, b, s, seed=7) for s in range(5)])  # 20 rows = 2 epochs
+    for epoch in range(2):
+        assert sorted(order[epoch * n:(epoch + 1) * n].tolist()) == list(range(n))
+    assert order[:n].tolist() != order[n:].tolist()  # a fresh permutation per epoch
+    np.testing.assert_array_equal(batch_indices(n, b, 3, seed=7), order[12:16])  # no state carried
+    assert batch_indices(n, b, 0, seed=8).tolist() != batch_indices(n, b, 0, seed=7).tolist()
+
+
+class ToyTokenizer:
+    """Characters -> ids; a 'chat template' that brackets the prompt with ids 1 and 2."""
+
+    chat_template = "toy"
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        return [1] + [3 + ord(c) % (VOCAB - 3) for c in messages[0]["content"]] + [2]
+
+    def get_vocab(self):
+        return {"<|im_end|>": 0}
+
+
+def test_make_token_data_with_the_target(tmp_path):
+    """Prompts -> chat template -> target responses (greedy and T=1 batches) -> token file."""
+    cfg = ModelConfig(model_type="qwen3", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, max_position_embeddings=256)
+    rng = np.random.default_rng(0)
+
+    def draw(spec):
+        if spec.init == "ones":
+            return jnp.ones(spec.shape, jnp.float32)
+        return jnp.asarray(2.0 * rng.standard_normal(spec.shape) * spec.fan_in ** -0.5, jnp.float32)
+
+    params = jax.tree.map(draw, model_specs(cfg), is_leaf=is_spec)
+    gsm = write_jsonl(tmp_path / "gsm8k" / "train.jsonl", [{"question": f"q{i} " * (i + 1), "answer": "x"}
+                                                            for i in range(5)])
+    alpaca = write_jsonl(tmp_path / "alpaca" / "instructions.jsonl", [{"instruction": "say hi " * 3}] * 3
+                         + [{"instruction": "a much longer instruction " * 9}])
+    data = make_token_data(params, cfg, ToyTokenizer(), [gsm, alpaca], max_new_tokens=12, max_prompt_tokens=40,
+                           batch_size=2, sample_fraction=0.5, seed=1, progress=False)
+    assert len(data) == 8 and data.meta["skipped_long_prompts"] == 1
+    assert data.source.tolist() == [0] * 5 + [1] * 3
+    assert data.prompt(5).tolist() == ToyTokenizer().apply_chat_template([{"content": "say hi " * 3}])
+    assert set(data.temperature.tolist()) == {0.0, 1.0}  # both greedy and sampled batches
+    for i in range(len(data)):
+        r = data.response(i).tolist()
+        assert 1 <= len(r) <= 12 and (0 not in r[:-1])  # stops at the stop token (id 0), kept
+    # Greedy responses are the target's argmax continuations (teacher-forced check).
+    width = 64
+
+    @jax.jit
+    def argmax_next(tokens):
+        cache = KVCache.create(cfg.num_layers, 1, width, cfg.num_kv_heads, cfg.head_dim)
+        return jnp.argmax(forward(params, cfg, tokens, jnp.arange(width)[None], cache).logits[0], -1)
+
+    for i in [i for i in range(len(data)) if data.temperature[i] == 0.0]:
+        p, r = data.prompt(i), data.response(i)
+        seq = np.zeros((1, width), np.int32)
+        seq[0, :len(p) + len(r)] = np.concatenate([p, r])
+        nxt = np.asarray(argmax_next(jnp.asarray(seq)))
+        assert nxt[len(p) - 1:len(p) + len(r) - 1].tolist() == r.tolist()
