@@ -188,6 +188,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--export-dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--measure-taps", action="store_true",
+                   help="only time the taps forward against a whole step (JSON) and exit")
     _add_data_gen_args(p)
 
 
@@ -284,6 +286,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         mask = args.mask_token_id if args.mask_token_id is not None else tr.choose_mask_token(tokenizer, cfg.vocab_size)
         dcfg = tr.drafter_config_for(cfg, num_layers=args.layers, block_size=args.block_size, mask_token_id=mask)
     seqs = build_sequences(data, tc.seq_len)
+    if args.measure_taps:
+        print(json.dumps({**tr.time_step_parts(params, cfg, dcfg, seqs, tc), "train_config": tc.to_dict()}))
+        return 0
     print(f"training a {dcfg.num_layers}-layer block-{dcfg.block_size} drafter (taps {list(dcfg.target_layer_ids)}, "
           f"mask token {dcfg.mask_token_id}) on {len(seqs)} sequences from {data_path}", file=sys.stderr)
     result = tr.train(params, cfg, dcfg, seqs, tc, out, resume=args.resume, save_every=args.save_every,

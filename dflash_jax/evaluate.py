@@ -15,7 +15,6 @@ summed over all rounds of all prompts, divided by the number of rounds.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -25,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.jsonl import iter_jsonl
 from dflash_jax.sampling import SamplingParams
 
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -47,33 +47,24 @@ def load_bench_prompts(path: str | Path, limit: int | None = None, math_suffix: 
     if math_suffix not in ("auto", "always", "never"):
         raise ValueError(f"math_suffix must be auto, always or never, got {math_suffix!r}")
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: prompt file not found")
     default_category = path.parent.name or path.stem
     out = []
-    with path.open() as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{line_no}: not valid JSON ({err})") from None
-            if isinstance(row.get("turns"), list) and row["turns"]:
-                text, is_math = row["turns"][0], False
-            elif isinstance(row.get("question"), str):
-                text, is_math = row["question"], "answer" in row
-            else:
-                key = next((k for k in ("instruction", "prompt") if isinstance(row.get(k), str)), None)
-                if key is None:
-                    raise ValueError(f"{path}:{line_no}: no prompt (expected turns, question, "
-                                     f"instruction or prompt)")
-                text, is_math = row[key], False
-            if math_suffix == "always" or (math_suffix == "auto" and is_math):
-                text = text + MATH_SUFFIX
-            out.append(BenchPrompt(text=text, category=str(row.get("category", default_category))))
-            if limit is not None and len(out) >= limit:
-                break
+    for line_no, row in iter_jsonl(path):
+        if isinstance(row.get("turns"), list) and row["turns"]:
+            text, is_math = row["turns"][0], False
+        elif isinstance(row.get("question"), str):
+            text, is_math = row["question"], "answer" in row
+        else:
+            key = next((k for k in ("instruction", "prompt") if isinstance(row.get(k), str)), None)
+            if key is None:
+                raise ValueError(f"{path}:{line_no}: no prompt (expected turns, question, "
+                                 f"instruction or prompt)")
+            text, is_math = row[key], False
+        if math_suffix == "always" or (math_suffix == "auto" and is_math):
+            text = text + MATH_SUFFIX
+        out.append(BenchPrompt(text=text, category=str(row.get("category", default_category))))
+        if limit is not None and len(out) >= limit:
+            break
     if not out:
         raise ValueError(f"{path}: no prompts")
     return out

@@ -76,9 +76,15 @@ def use_mesh(mesh: Mesh | None) -> contextlib.AbstractContextManager:
     """Context in which model code is traced sharded over `mesh` (None: a no-op context).
 
     Jitted functions retrace per mesh (the mesh is part of jax's trace context), so the same
-    jitted decoder serves one device and many.
+    jitted decoder serves one device and many. The mesh's axes must be Auto (as `make_mesh`
+    makes them): the model relies on XLA propagating shardings between the constraints.
     """
-    return contextlib.nullcontext() if mesh is None else jax.sharding.set_mesh(mesh)
+    if mesh is None:
+        return contextlib.nullcontext()
+    if any(t != AxisType.Auto for t in getattr(mesh, "axis_types", ())):
+        raise ShardingError(f"use_mesh needs a mesh with Auto axes (dflash_jax.sharding.make_mesh); got "
+                            f"axis types {mesh.axis_types} (jax.make_mesh defaults to Explicit)")
+    return jax.sharding.set_mesh(mesh)
 
 
 def active_mesh() -> Any | None:
@@ -130,7 +136,10 @@ def _mesh_axis_for(logical: str | None, size: int, mesh_axis: str | None, n: int
     if mesh_axis is None or n == 1 or size % n == 0:
         return mesh_axis if n > 1 else None
     if logical == KV_HEADS:
-        kv_heads_sharded(size, n)  # raises unless tp is a multiple of the kv heads
+        try:
+            kv_heads_sharded(size, n)  # raises unless tp is a multiple of the kv heads
+        except ShardingError as err:
+            raise ShardingError(f"{what}: {err}") from None
         return None
     if logical in (VOCAB, BATCH):
         return None

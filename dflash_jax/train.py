@@ -30,11 +30,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
-import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -470,7 +468,7 @@ def train(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: Seq
         from tqdm.auto import tqdm
 
         bar = tqdm(total=tc.steps, initial=start, desc="train", disable=not progress, unit="step")
-        t_last, step = time.perf_counter(), start
+        t_last, step, logged = time.perf_counter(), start, start
         try:
             with log_path.open("a") as log:
                 for step in range(start, end):
@@ -481,8 +479,9 @@ def train(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: Seq
                     if done % log_every == 0 or done == end:
                         row = {"step": done, **_host_metrics(metrics)}
                         now = time.perf_counter()
-                        row["seconds"] = now - t_last
-                        t_last = now
+                        # Wall time per step since the last record (the first includes compilation).
+                        row["seconds_per_step"] = (now - t_last) / (done - logged)
+                        t_last, logged = now, done
                         log.write(json.dumps(row) + "\n")
                         log.flush()
                         history.append(row)
@@ -508,6 +507,31 @@ def train(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: Seq
 
         export_dir = export_drafter(dcfg, cast_floating(state.params, jnp.dtype(export_dtype)), out_dir / "drafter")
     return TrainResult(state=state, out_dir=out_dir, export_dir=export_dir, history=history)
+
+
+def time_step_parts(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: SequenceSet,
+                    tc: TrainConfig, dparams: dr.DraftParams | None = None, repeats: int = 10) -> dict[str, float]:
+    """Median seconds of the taps forward alone and of a whole train_step (compile excluded).
+
+    The measurement behind "taps on the fly or cached": caching would save at most `taps_s`
+    per step. Run it on the training device with the real shapes.
+    """
+    target = cast_floating(target, jnp.dtype(tc.compute_dtype))
+    state = init_state(dparams if dparams is not None else dr.init_draft_params(dcfg, jax.random.key(0)), tc)
+    batch = {k: jnp.asarray(v) for k, v in data.batch(batch_indices(len(data), tc.batch_size, 0, tc.seed)).items()}
+    taps_fn = jax.jit(target_taps, static_argnums=(1, 3, 4))
+    out: dict[str, float] = {}
+    for name, fn in (("taps_s", lambda: taps_fn(target, cfg, batch["tokens"], dcfg.target_layer_ids, tc.attn_impl)),
+                     ("step_s", lambda: train_step(state, target, batch, cfg=cfg, dcfg=dcfg, tc=tc))):
+        jax.block_until_ready(fn())  # compile
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times.append(time.perf_counter() - t0)
+        out[name] = float(np.median(times))
+    out["taps_share"] = out["taps_s"] / out["step_s"]
+    return out
 
 
 # ----------------------------------------------------------------------------- plots

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.jsonl import iter_jsonl
 from dflash_jax.sampling import SamplingParams
 
 FORMAT = "dflash-jax/train-tokens"
@@ -84,27 +85,17 @@ def read_prompts(path: str | Path, limit: int | None = None, field: str | None =
     spec_bench's multi-turn `turns` field.
     """
     check_training_source(path)
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: prompt file not found")
     out: list[str] = []
-    with path.open() as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{line_no}: not valid JSON ({err})") from None
-            if "turns" in row:
-                raise EvaluationDataError(f"{path}:{line_no}: a row with 'turns' looks like spec_bench, "
-                                          f"an evaluation set; refusing to train on it")
-            key = field or next((k for k in PROMPT_FIELDS if k in row), None)
-            if key is None or not isinstance(row.get(key), str):
-                raise ValueError(f"{path}:{line_no}: no prompt field (expected one of {PROMPT_FIELDS})")
-            out.append(row[key])
-            if limit is not None and len(out) >= limit:
-                break
+    for line_no, row in iter_jsonl(path):
+        if "turns" in row:
+            raise EvaluationDataError(f"{path}:{line_no}: a row with 'turns' looks like spec_bench, "
+                                      f"an evaluation set; refusing to train on it")
+        key = field or next((k for k in PROMPT_FIELDS if k in row), None)
+        if key is None or not isinstance(row.get(key), str):
+            raise ValueError(f"{path}:{line_no}: no prompt field (expected one of {PROMPT_FIELDS})")
+        out.append(row[key])
+        if limit is not None and len(out) >= limit:
+            break
     if not out:
         raise ValueError(f"{path}: no prompts")
     return out

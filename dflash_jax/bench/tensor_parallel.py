@@ -29,6 +29,7 @@ import gc
 import glob
 import gzip
 import json
+import math
 import os
 import re
 import subprocess
@@ -48,7 +49,7 @@ from dflash_jax.model import forward, model_specs
 from dflash_jax.params import param_bytes
 from dflash_jax.speculative import SpecSettings, spec_round
 
-TINY = ModelConfig(model_type="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+TINY = ModelConfig(model_type="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=6,
                    num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True, rope=RopeConfig(theta=1e6))
 GB = 1e9
 
@@ -120,26 +121,29 @@ def replay_collectives(ops: list[tuple[str, str, tuple[int, ...]]], mesh) -> flo
 
     all-reduce -> psum of the same shape; all-gather -> all_gather to the same result size;
     anything else -> psum of its result size (an overestimate). Each op's input depends on the
-    previous op's output, so XLA neither overlaps nor combines them.
+    previous op's output, so XLA neither overlaps nor combines them. The time of the same
+    program without the collectives is subtracted (one dispatch, the glue ops).
     """
     tp = sh.mesh_sizes(mesh)[1]
     if not ops or tp == 1:
         return None
     leaves = []
     for kind, dtype, shape in ops:
-        dt = jnp.float32 if _DTYPES[dtype] in (jnp.bool_,) else _DTYPES[dtype]
-        n = max(1, int(jnp.prod(jnp.asarray(shape))) if shape else 1)
+        dt = jnp.float32 if dtype == "pred" else _DTYPES[dtype]  # psum has no bool form
+        n = max(1, math.prod(shape))
         if kind == "all-gather":
             leaves.append(("g", jnp.zeros((tp, -(-n // tp)), dt)))
         else:
             leaves.append(("r", jnp.zeros((tp, n), dt)))
 
-    def body(*xs):
+    def body(*xs, communicate: bool):
         carry = jnp.zeros((), jnp.float32)
         outs = []
         for (kind, _), x in zip(leaves, xs):
             x = x + carry.astype(x.dtype)  # data dependency on the previous collective
-            if kind == "g":
+            if not communicate:
+                y = x
+            elif kind == "g":
                 y = jax.lax.all_gather(x, sh.TP, tiled=True)
             else:
                 y = jax.lax.psum(x, sh.TP)
@@ -148,9 +152,15 @@ def replay_collectives(ops: list[tuple[str, str, tuple[int, ...]]], mesh) -> flo
         return jnp.stack(outs)[None]
 
     arrays = [jax.device_put(x, NamedSharding(mesh, P(sh.TP))) for _, x in leaves]
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=tuple(P(sh.TP) for _ in arrays),
-                               out_specs=P(sh.TP), check_vma=False))
-    return time_fn(lambda: fn(*arrays), warmup=3, iters=20)["median_ms"]
+    times = []
+    # The same program without the collectives: its time (dispatch, the chain of tiny adds) is
+    # subtracted.
+    for communicate in (True, False):
+        fn = jax.jit(jax.shard_map(functools.partial(body, communicate=communicate), mesh=mesh,
+                                   in_specs=tuple(P(sh.TP) for _ in arrays), out_specs=P(sh.TP),
+                                   check_vma=False))
+        times.append(time_fn(lambda: fn(*arrays), warmup=3, iters=20)["median_ms"])
+    return max(0.0, times[0] - times[1])
 
 
 _TRACE_COLLECTIVE = re.compile(r"nccl|all-reduce|all_reduce|allreduce|all-gather|all_gather|allgather|"
@@ -275,7 +285,9 @@ def run_memory_subprocess(args, tp: int) -> dict:
     cmd = [sys.executable, "-m", "dflash_jax.bench.tensor_parallel", "--memory-only", "--tps", str(tp),
            "--memory-model", args.memory_model, "--memory-ctx", str(args.memory_ctx),
            "--budgets", str(max(args.budgets))] + (["--tiny"] if args.tiny else [])
-    res = subprocess.run(cmd, capture_output=True, text=True)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [l for l in res.stdout.splitlines() if l.startswith("MEMORY ")]
     if res.returncode or not lines:
         return {"error": (res.stderr or res.stdout)[-2000:], "returncode": res.returncode}
