@@ -124,7 +124,11 @@ TENSOR_PARALLEL = ShardingRules(((VOCAB, "tp"), (Q_HEADS, "tp"), (KV_HEADS, "tp"
 
 
 def shardings_for(specs: Any, mesh: jax.sharding.Mesh, rules: ShardingRules) -> Any:
-    """A tree of NamedShardings matching `specs`."""
+    """A tree of NamedShardings matching `specs`: the plain table lookup.
+
+    It does not check divisibility; `dflash_jax.sharding.specs_shardings` (and `param_shardings`,
+    `placement`) add the tensor-parallel rules for heads, KV heads and vocabulary.
+    """
     return jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, rules.mesh_axes(s.axes)),
                         specs, is_leaf=is_spec)
 

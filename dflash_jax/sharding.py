@@ -34,15 +34,14 @@ Divisibility rules (`partition_spec`), decided per tensor dimension from its siz
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from dflash_jax.params import (EMBED, KV_HEADS, MLP, Q_HEADS, TENSOR_PARALLEL, VOCAB, ShardingRules, Spec,
-                               is_spec)
+from dflash_jax.params import (KV_HEADS, TENSOR_PARALLEL, VOCAB, ShardingRules, Spec, is_spec, path_str)
 
 DP, TP = "dp", "tp"
 # Logical axis of activations' batch dimension (weights have none).
@@ -189,7 +188,6 @@ def placement(mesh: Mesh, rules: ShardingRules = TENSOR_PARALLEL):
 def specs_shardings(specs: Any, mesh: Mesh, rules: ShardingRules = TENSOR_PARALLEL) -> Any:
     """A tree of NamedShardings matching a Spec tree."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
-    from dflash_jax.params import path_str
     return jax.tree_util.tree_unflatten(treedef, [spec_sharding(s, mesh, rules, path_str(p)) for p, s in flat])
 
 

@@ -204,6 +204,24 @@ def test_no_mesh_is_a_no_op():
     assert cache.k[0].addressable_shards[0].data.shape == (2, 8, 1, 8)
 
 
+def test_random_init_and_decode_state_shardings():
+    """Benchmarks draw weights straight into shards (same values) and place decode state by rule."""
+    from dflash_jax.config import ModelConfig
+    from dflash_jax.model import init_params, model_specs
+    cfg = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                      num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True)
+    mesh = sh.make_mesh(2, 2)
+    sharded = sh.init_sharded(model_specs(cfg), jax.random.key(0), jnp.float32, mesh)
+    assert sharded.layers[0].mlp.down.addressable_shards[0].data.shape == (32, 32)
+    for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(init_params(cfg, jax.random.key(0)))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    state = {"cache": KVCache.create(1, 4, 8, 2, 8), "out": jnp.zeros((4, 5)), "key": jax.random.key(1)}
+    got = sh.state_shardings(state, mesh)
+    assert got["cache"].k[0].spec == sh.P(sh.DP, None, sh.TP, None)
+    assert got["cache"].lengths.spec == sh.P(sh.DP) and got["out"].spec == sh.P(sh.DP, None)
+    assert got["key"].spec == sh.P()
+
+
 # ----------------------------------------------------------------------------- kernels
 
 @pytest.mark.parametrize("kv_heads,impls", [(2, ("reference",)), (1, ("reference", "interpret"))],
