@@ -24,13 +24,13 @@ import jax.numpy as jnp
 
 from dflash_jax.config import (ConfigError, ModelConfig, RopeConfig, default_tap_layers, load_json,
                                rope_from_hf)
-from dflash_jax.kv_cache import write_rows
+from dflash_jax.kv_cache import KVCache, write_rows
 from dflash_jax.model import (LayerParams, ModelParams, attention_specs, embed_tokens,
                               logits_from_hidden, mlp, mlp_specs, output_projection, project_qkv,
                               rms_norm)
 from dflash_jax.params import EMBED, Spec, init_from_specs
 from dflash_jax.rope import apply_rope, rope_tables
-from dflash_jax.sharding import attention as sharded_attention, constrain_cache
+from dflash_jax.sharding import attention as sharded_attention
 from pallas_kernels.tree_attention import tree_attention
 
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
@@ -302,8 +302,8 @@ def init_draft_params(dcfg: DraftConfig, key: jax.Array, dtype: Any = jnp.float3
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class DraftCache:
-    """Per drafter layer, the context K/V of the committed prefix.
+class DraftCache(KVCache):
+    """Per drafter layer, the context K/V of the committed prefix (a KVCache over drafter layers).
 
     k, v: tuple over drafter layers of [batch, max_len, kv_heads, head_dim]; keys after
       k_norm and RoPE. Slot j holds absolute position j (sliding windows are measured on it).
@@ -312,22 +312,11 @@ class DraftCache:
     `draft` needs `block_size` scratch slots: lengths + block_size <= max_len.
     """
 
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
-    lengths: jax.Array
-
-    @property
-    def max_len(self) -> int:
-        return self.k[0].shape[1]
-
     @classmethod
     def create(cls, dcfg: DraftConfig, batch: int, max_len: int, dtype: Any = jnp.float32
                ) -> "DraftCache":
-        shape = (batch, max_len, dcfg.num_kv_heads, dcfg.head_dim)
-        # Under a mesh: batch over dp, KV heads over tp (dflash_jax.sharding); else plain zeros.
-        return cls(k=tuple(constrain_cache(jnp.zeros(shape, dtype)) for _ in range(dcfg.num_layers)),
-                   v=tuple(constrain_cache(jnp.zeros(shape, dtype)) for _ in range(dcfg.num_layers)),
-                   lengths=jnp.zeros((batch,), jnp.int32))
+        base = KVCache.create(dcfg.num_layers, batch, max_len, dcfg.num_kv_heads, dcfg.head_dim, dtype)
+        return cls(k=base.k, v=base.v, lengths=base.lengths)
 
 
 def _linear(x: jax.Array, w: jax.Array, eq: str) -> jax.Array:
