@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -44,3 +46,32 @@ def tiny_hf_model(kind: str, seed: int = 0):
 def save_and_convert(model, directory: Path):
     model.save_pretrained(directory)
     return load_hf(directory)
+
+
+def hf_state_from_params(cfg, params) -> dict[str, np.ndarray]:
+    """Our params -> HF names and layouts (the inverse transforms, written independently)."""
+    e, qh, kvh, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    a = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    out = {"model.embed_tokens.weight": a(params.embed), "model.norm.weight": a(params.final_norm)}
+    if params.lm_head is not None:
+        out["lm_head.weight"] = a(params.lm_head).T
+    for i, lp in enumerate(params.layers):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = a(lp.attn_norm)
+        out[p + "post_attention_layernorm.weight"] = a(lp.mlp_norm)
+        out[p + "self_attn.q_proj.weight"] = a(lp.attn.q).reshape(e, qh * hd).T
+        out[p + "self_attn.k_proj.weight"] = a(lp.attn.k).reshape(e, kvh * hd).T
+        out[p + "self_attn.v_proj.weight"] = a(lp.attn.v).reshape(e, kvh * hd).T
+        out[p + "self_attn.o_proj.weight"] = a(lp.attn.o).reshape(qh * hd, e).T
+        if lp.attn.q_norm is not None:
+            out[p + "self_attn.q_norm.weight"] = a(lp.attn.q_norm)
+            out[p + "self_attn.k_norm.weight"] = a(lp.attn.k_norm)
+        if lp.attn.q_bias is not None:
+            out[p + "self_attn.q_proj.bias"] = a(lp.attn.q_bias).reshape(qh * hd)
+            out[p + "self_attn.k_proj.bias"] = a(lp.attn.k_bias).reshape(kvh * hd)
+            out[p + "self_attn.v_proj.bias"] = a(lp.attn.v_bias).reshape(kvh * hd)
+            out[p + "self_attn.o_proj.bias"] = a(lp.attn.o_bias)
+        out[p + "mlp.gate_proj.weight"] = a(lp.mlp.gate).T
+        out[p + "mlp.up_proj.weight"] = a(lp.mlp.up).T
+        out[p + "mlp.down_proj.weight"] = a(lp.mlp.down).T
+    return out

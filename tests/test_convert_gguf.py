@@ -18,33 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qw
 import convert.gguf_file as gguf_file
 from convert import ConversionError, load_model, resolve_source
 from convert.gguf_file import gguf_tokenizer, load_gguf, open_gguf, smollm2_gguf_path, unpermute_rope_rows
-
-
-def hf_layout(cfg, params) -> dict[str, np.ndarray]:
-    """Our params -> HF names/layouts (inverse transforms written independently of convert/)."""
-    e, qh, kvh, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    a = lambda x: np.asarray(x, np.float32)  # noqa: E731
-    out = {"model.embed_tokens.weight": a(params.embed), "model.norm.weight": a(params.final_norm)}
-    if params.lm_head is not None:
-        out["lm_head.weight"] = a(params.lm_head).T
-    for i, lp in enumerate(params.layers):
-        p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = a(lp.attn_norm)
-        out[p + "post_attention_layernorm.weight"] = a(lp.mlp_norm)
-        for n, w, h in (("q", lp.attn.q, qh), ("k", lp.attn.k, kvh), ("v", lp.attn.v, kvh)):
-            out[p + f"self_attn.{n}_proj.weight"] = a(w).reshape(e, h * hd).T
-        out[p + "self_attn.o_proj.weight"] = a(lp.attn.o).reshape(qh * hd, e).T
-        if lp.attn.q_norm is not None:
-            out[p + "self_attn.q_norm.weight"] = a(lp.attn.q_norm)
-            out[p + "self_attn.k_norm.weight"] = a(lp.attn.k_norm)
-        if lp.attn.q_bias is not None:
-            for n, b in (("q", lp.attn.q_bias), ("k", lp.attn.k_bias), ("v", lp.attn.v_bias)):
-                out[p + f"self_attn.{n}_proj.bias"] = a(b).reshape(-1)
-            out[p + "self_attn.o_proj.bias"] = a(lp.attn.o_bias)
-        out[p + "mlp.gate_proj.weight"] = a(lp.mlp.gate).T
-        out[p + "mlp.up_proj.weight"] = a(lp.mlp.up).T
-        out[p + "mlp.down_proj.weight"] = a(lp.mlp.down).T
-    return out
+from tests.hf_models import hf_state_from_params
 
 
 # ----------------------------------------------------------------------------- the real SmolLM2 file
@@ -103,7 +77,7 @@ def test_smollm2_config_equals_transformers(smol, reference):
 def test_smollm2_every_tensor_equals_transformers(smol, reference):
     cfg, params = smol
     _, state = reference
-    ours = hf_layout(cfg, params)
+    ours = hf_state_from_params(cfg, params)
     state = {k: v for k, v in state.items() if k != "lm_head.weight"}  # tied
     assert sorted(ours) == sorted(state)
     for name, ref in state.items():
@@ -253,7 +227,7 @@ def test_tiny_roundtrip(tiny_files, name):
     assert cfg.attention_bias == (name == "llama") and cfg.qk_norm == (kind == "qwen3")
     assert cfg.rope.theta == hf_cfg.rope_parameters["rope_theta"]
     assert cfg.eos_token_ids == (2,) and cfg.bos_token_id == 1 and cfg.max_position_embeddings == 512
-    ours = hf_layout(cfg, params)
+    ours = hf_state_from_params(cfg, params)
     if cfg.tie_word_embeddings:
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
     assert sorted(ours) == sorted(state)

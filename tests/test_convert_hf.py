@@ -21,6 +21,7 @@ from convert import ConversionError, load_model
 from convert.hf_safetensors import load_hf
 from dflash_jax.model import model_specs
 from dflash_jax.params import REPLICATED, shardings_for
+from tests.hf_models import hf_state_from_params
 
 COMMON = dict(vocab_size=97, intermediate_size=56, num_hidden_layers=2, num_attention_heads=6,
               num_key_value_heads=2, bos_token_id=1, eos_token_id=2)
@@ -57,40 +58,11 @@ def saved(tmp_path_factory) -> dict[str, tuple[Path, dict[str, np.ndarray]]]:
     return {name: _build(root, name) for name in VARIANTS}
 
 
-def expected_hf_tensors(cfg, params) -> dict[str, np.ndarray]:
-    """Our params -> HF names and layouts (the inverse transforms, written independently)."""
-    e, qh, kvh, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    a = lambda x: np.asarray(x, np.float32)  # noqa: E731
-    out = {"model.embed_tokens.weight": a(params.embed), "model.norm.weight": a(params.final_norm)}
-    if params.lm_head is not None:
-        out["lm_head.weight"] = a(params.lm_head).T
-    for i, lp in enumerate(params.layers):
-        p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = a(lp.attn_norm)
-        out[p + "post_attention_layernorm.weight"] = a(lp.mlp_norm)
-        out[p + "self_attn.q_proj.weight"] = a(lp.attn.q).reshape(e, qh * hd).T
-        out[p + "self_attn.k_proj.weight"] = a(lp.attn.k).reshape(e, kvh * hd).T
-        out[p + "self_attn.v_proj.weight"] = a(lp.attn.v).reshape(e, kvh * hd).T
-        out[p + "self_attn.o_proj.weight"] = a(lp.attn.o).reshape(qh * hd, e).T
-        if lp.attn.q_norm is not None:
-            out[p + "self_attn.q_norm.weight"] = a(lp.attn.q_norm)
-            out[p + "self_attn.k_norm.weight"] = a(lp.attn.k_norm)
-        if lp.attn.q_bias is not None:
-            out[p + "self_attn.q_proj.bias"] = a(lp.attn.q_bias).reshape(qh * hd)
-            out[p + "self_attn.k_proj.bias"] = a(lp.attn.k_bias).reshape(kvh * hd)
-            out[p + "self_attn.v_proj.bias"] = a(lp.attn.v_bias).reshape(kvh * hd)
-            out[p + "self_attn.o_proj.bias"] = a(lp.attn.o_bias)
-        out[p + "mlp.gate_proj.weight"] = a(lp.mlp.gate).T
-        out[p + "mlp.up_proj.weight"] = a(lp.mlp.up).T
-        out[p + "mlp.down_proj.weight"] = a(lp.mlp.down).T
-    return out
-
-
 def assert_matches_torch(cfg, params, state: dict[str, np.ndarray]) -> None:
     state = dict(state)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # tied: the same tensor as the embedding
-    got = expected_hf_tensors(cfg, params)
+    got = hf_state_from_params(cfg, params)
     assert sorted(got) == sorted(state)
     for name, ref in state.items():
         np.testing.assert_array_equal(got[name], ref, err_msg=name)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -55,11 +56,16 @@ def reset(state: SpecState, ctx: int) -> SpecState:
     lengths = jnp.full_like(state.cache.lengths, ctx)
     return dataclasses.replace(state, cache=dataclasses.replace(state.cache, lengths=lengths),
                                draft_cache=dataclasses.replace(state.draft_cache, lengths=lengths),
-                               count=jnp.ones_like(state.count), rounds=jnp.zeros_like(state.rounds))
+                               count=jnp.ones_like(state.count), rounds=jnp.zeros_like(state.rounds),
+                               done=jnp.zeros_like(state.done))
 
 
-def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_len: int, stages: bool) -> dict:
-    state = make_state(cfg, dcfg, ctx, max_len, s.max_new_tokens)
+def timed_rounds(target, dparams, cfg, dcfg, s: SpecSettings, state: SpecState, ctx: int
+                 ) -> tuple[float, Any, SpecState]:
+    """Median ms of the fused, donated round, every call starting at `ctx` committed tokens.
+
+    Returns (ms, the jitted round, the last state) so callers can inspect the compiled program.
+    """
     rnd = jax.jit(functools.partial(spec_round, cfg=cfg, dcfg=dcfg, s=s), donate_argnums=(0,))
     rnd_reset = jax.jit(functools.partial(reset, ctx=ctx), donate_argnums=(0,))
     box = {"state": state}
@@ -67,10 +73,15 @@ def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_le
     def call_round():
         box["state"] = rnd(rnd_reset(box["state"]), target=target, dparams=dparams)
         return box["state"].count
-    row = {"method": s.method, "budget": s.budget, "width": s.width, "ctx": ctx,
-           "round_ms": time_fn(call_round, warmup=3, iters=20)["median_ms"]}
+    ms = time_fn(call_round, warmup=3, iters=20)["median_ms"]
+    return ms, rnd, reset(box["state"], ctx)
+
+
+def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_len: int, stages: bool) -> dict:
+    state = make_state(cfg, dcfg, ctx, max_len, s.max_new_tokens)
+    ms, _, st = timed_rounds(target, dparams, cfg, dcfg, s, state, ctx)
+    row = {"method": s.method, "budget": s.budget, "width": s.width, "ctx": ctx, "round_ms": ms}
     if stages:
-        st = rnd_reset(box["state"])
         limit = _block_limit(st, s)
         hidden_fn = jax.jit(lambda st: dr.draft_logits(dparams, dcfg, target, dr.draft(
             dparams, dcfg, target, st.draft_cache, dr.make_block(dcfg, st.root), st.cache.lengths,

@@ -47,6 +47,7 @@ from dflash_jax.bench.common import SHAPES, environment, time_fn, write_json
 from dflash_jax.config import ModelConfig, RopeConfig
 from dflash_jax.model import forward, model_specs
 from dflash_jax.params import param_bytes
+from dflash_jax.bench.spec_round import drafter_config, make_state, timed_rounds
 from dflash_jax.speculative import SpecSettings, spec_round
 
 TINY = ModelConfig(model_type="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=6,
@@ -55,11 +56,6 @@ GB = 1e9
 
 
 # ----------------------------------------------------------------------------- setup
-
-def drafter_config(cfg: ModelConfig, layers: int = 5) -> dr.DraftConfig:
-    from dflash_jax.bench.spec_round import drafter_config as same_width
-    return same_width(cfg, layers=layers)
-
 
 def sharded_jit_init(fn, mesh, *args):
     """Runs `fn(*args)` (which makes a pytree of arrays) straight into `sh.state_shardings`."""
@@ -75,19 +71,8 @@ def make_models(cfg: ModelConfig, dcfg: dr.DraftConfig, mesh, dtype) -> tuple[An
 
 def make_spec_state(cfg, dcfg, ctx: int, max_len: int, max_new: int, dtype, mesh):
     """A SpecState with `ctx` committed tokens (random K/V), created already sharded."""
-    from dflash_jax.bench.spec_round import make_state
-
     del dtype  # make_state uses bf16
     return sharded_jit_init(lambda: make_state(cfg, dcfg, ctx, max_len, max_new), mesh)
-
-
-def reset(state, ctx: int):
-    """Rounds commit a token or more; put the lengths back so every call sees ctx."""
-    lengths = jnp.full_like(state.cache.lengths, ctx)
-    return dataclasses.replace(state, cache=dataclasses.replace(state.cache, lengths=lengths),
-                               draft_cache=dataclasses.replace(state.draft_cache, lengths=lengths),
-                               count=jnp.ones_like(state.count), rounds=jnp.zeros_like(state.rounds),
-                               done=jnp.zeros_like(state.done))
 
 
 # ----------------------------------------------------------------------------- collectives
@@ -230,15 +215,8 @@ def bench_round(target, dparams, cfg, dcfg, mesh, budget: int, ctx: int, max_len
                 ) -> dict:
     s = SpecSettings(method="ddtree", block_size=dcfg.block_size, budget=budget, max_new_tokens=512)
     state = make_spec_state(cfg, dcfg, ctx, max_len, s.max_new_tokens, jnp.bfloat16, mesh)
-    rnd = jax.jit(functools.partial(spec_round, cfg=cfg, dcfg=dcfg, s=s), donate_argnums=(0,))
-    rnd_reset = jax.jit(functools.partial(reset, ctx=ctx), donate_argnums=(0,))
-    box = {"state": state}
-
-    def call():
-        box["state"] = rnd(rnd_reset(box["state"]), target=target, dparams=dparams)
-        return box["state"].count
-    ms = time_fn(call, warmup=3, iters=20)["median_ms"]
-    hlo = rnd.lower(box["state"], target=target, dparams=dparams).compile().as_text()
+    ms, rnd, last = timed_rounds(target, dparams, cfg, dcfg, s, state, ctx)
+    hlo = rnd.lower(last, target=target, dparams=dparams).compile().as_text()
     ops = hlo_collectives(hlo)
     comm = replay_collectives(ops, mesh)
     row = {"budget": budget, "width": s.width, "round_ms": ms, "collectives_per_round": len(ops),
