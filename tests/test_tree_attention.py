@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dflash_jax.bench.tree_attention_bench import random_tree_visibility as random_trees
 from pallas_kernels import (
     default_block_sizes,
     resolve_impl,
@@ -26,18 +27,9 @@ ON_GPU = jax.default_backend() == "gpu"
 
 def random_tree_visibility(rng: np.random.Generator, batch: int, width: int,
                            num_padding: int = 0) -> np.ndarray:
-    """[batch, width, width] ancestor-or-self masks of random trees (parent[i] < i).
-
-    The last num_padding nodes of sequence 0 are padding: they see nothing in the tree.
-    """
-    visible = np.zeros((batch, width, width), dtype=bool)
-    for b in range(batch):
-        parent = [-1] + [int(rng.integers(0, i)) for i in range(1, width)]
-        for t in range(width):
-            node = t
-            while node >= 0:
-                visible[b, t, node] = True
-                node = parent[node]
+    """Random trees (the benchmark's generator); the last num_padding nodes of sequence 0 are
+    padding: they see nothing in the tree."""
+    visible = random_trees(rng, batch, width)
     if num_padding:
         visible[0, width - num_padding:, :] = False
     return visible
