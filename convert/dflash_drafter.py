@@ -17,41 +17,25 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from convert.layout import (HEADS_BIAS, HEADS_IN, HEADS_OUT, IDENTITY, TRANSPOSE, Assembler,
-                            ConversionError, Layout, MappingTable, Rule, ShardingsArg)
+from convert.hf_safetensors import checkpoint_files, stream_tensors
+from convert.layout import (HEADS_IN, HEADS_OUT, IDENTITY, TRANSPOSE, Assembler, ConversionError, Layout,
+                            MappingTable, Rule, ShardingsArg, decoder_layer_rules)
 from dflash_jax.config import ConfigError
 from dflash_jax.drafter import (DraftConfig, DraftParams, draft_config_to_dict, draft_specs,
                                 load_draft_config)
 from dflash_jax.params import path_str, spec_leaves_with_paths
 
 WEIGHTS_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 _PREFIX = "model."  # some exports nest the drafter under `model.`
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # a buffer older exports saved; recomputed from config
 
-_L = "layers.{i}."
 DRAFT_TABLE = MappingTable([
     Rule("fc.weight", "fc", TRANSPOSE),  # [embed, taps*embed] -> [taps*embed, embed]
     Rule("hidden_norm.weight", "hidden_norm", IDENTITY),
     Rule("norm.weight", "final_norm", IDENTITY),
-    Rule(_L + "input_layernorm.weight", "layers.{i}.attn_norm", IDENTITY),
-    Rule(_L + "post_attention_layernorm.weight", "layers.{i}.mlp_norm", IDENTITY),
-    Rule(_L + "self_attn.q_proj.weight", "layers.{i}.attn.q", HEADS_IN),
-    Rule(_L + "self_attn.k_proj.weight", "layers.{i}.attn.k", HEADS_IN),
-    Rule(_L + "self_attn.v_proj.weight", "layers.{i}.attn.v", HEADS_IN),
-    Rule(_L + "self_attn.o_proj.weight", "layers.{i}.attn.o", HEADS_OUT),
-    Rule(_L + "self_attn.q_norm.weight", "layers.{i}.attn.q_norm", IDENTITY),
-    Rule(_L + "self_attn.k_norm.weight", "layers.{i}.attn.k_norm", IDENTITY),
-    Rule(_L + "self_attn.q_proj.bias", "layers.{i}.attn.q_bias", HEADS_BIAS),  # attention_bias only
-    Rule(_L + "self_attn.k_proj.bias", "layers.{i}.attn.k_bias", HEADS_BIAS),
-    Rule(_L + "self_attn.v_proj.bias", "layers.{i}.attn.v_bias", HEADS_BIAS),
-    Rule(_L + "self_attn.o_proj.bias", "layers.{i}.attn.o_bias", IDENTITY),
-    Rule(_L + "mlp.gate_proj.weight", "layers.{i}.mlp.gate", TRANSPOSE),
-    Rule(_L + "mlp.up_proj.weight", "layers.{i}.mlp.up", TRANSPOSE),
-    Rule(_L + "mlp.down_proj.weight", "layers.{i}.mlp.down", TRANSPOSE),
+    *decoder_layer_rules("layers.{i}."),  # attention biases only with attention_bias
 ])
 
 # Layouts whose source is the transpose of ours (up to a reshape of the head axes).
@@ -59,31 +43,6 @@ _TRANSPOSED_LAYOUTS = {TRANSPOSE.name, HEADS_IN.name, HEADS_OUT.name}
 
 
 # ----------------------------------------------------------------------------- reading
-
-def _weight_files(directory: Path) -> tuple[list[Path], str]:
-    """-> (safetensors files, a name for the checkpoint in messages)."""
-    single, index = directory / WEIGHTS_FILE, directory / INDEX_FILE
-    if single.exists():
-        return [single], str(single)
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise ConversionError(f"{index}: not a safetensors index (no 'weight_map': {err})") from None
-        files = [directory / f for f in sorted(set(weight_map.values()))]
-        for f in files:
-            if not f.exists():
-                raise ConversionError(f"{index}: lists shard {f.name!r}, which does not exist")
-        return files, str(index)
-    raise ConversionError(f"{directory}: no {WEIGHTS_FILE} or {INDEX_FILE} (not a drafter directory?)")
-
-
-def _open(file: Path):
-    try:
-        return safe_open(str(file), framework="numpy")
-    except Exception as err:  # SafetensorError has no more specific base
-        raise ConversionError(f"{file}: cannot read safetensors file: {err}") from None
-
 
 def load_drafter(path: str | Path, dtype: Any = jnp.float32, *, shardings: ShardingsArg = None
                  ) -> tuple[DraftConfig, DraftParams]:
@@ -101,22 +60,16 @@ def load_drafter(path: str | Path, dtype: Any = jnp.float32, *, shardings: Shard
         dcfg = load_draft_config(path)
     except ConfigError as err:
         raise ConversionError(str(err)) from err
-    files, source = _weight_files(path)
+    files, source = checkpoint_files(path)
+
+    def rename(stored: str) -> str | None:
+        if stored.endswith(_IGNORED_SUFFIXES):
+            return None
+        return stored[len(_PREFIX):] if stored.startswith(_PREFIX) else stored
+
     asm = Assembler(draft_specs(dcfg), DRAFT_TABLE, dtype, shardings)
-    for file in files:
-        with _open(file) as f:
-            for raw in f.keys():
-                origin = f"{file}: {raw!r}"
-                if raw.endswith(_IGNORED_SUFFIXES):
-                    continue
-                name = raw[len(_PREFIX):] if raw.startswith(_PREFIX) else raw
-                found = DRAFT_TABLE.lookup(name)
-                if found is None:
-                    raise ConversionError(f"{origin}: unexpected tensor (not part of a DFlashDraftModel; "
-                                          f"embeddings and LM head come from the target)")
-                rule, target = found
-                asm.claim(target, rule, tuple(f.get_slice(raw).get_shape()), origin)
-                asm.put(target, rule, f.get_tensor(raw))
+    stream_tensors(files, asm, DRAFT_TABLE, rename,
+                   "not part of a DFlashDraftModel; embeddings and LM head come from the target")
     return dcfg, asm.finish(source)
 
 

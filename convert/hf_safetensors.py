@@ -14,38 +14,22 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax.numpy as jnp
 from safetensors import safe_open
 
-from convert.layout import (HEADS_BIAS, HEADS_IN, HEADS_OUT, IDENTITY, TRANSPOSE, Assembler,
-                            ConversionError, MappingTable, Rule, ShardingsArg)
+from convert.layout import (IDENTITY, TRANSPOSE, Assembler, ConversionError, MappingTable, Rule,
+                            ShardingsArg, decoder_layer_rules)
 from dflash_jax.config import ConfigError, ModelConfig, load_json, model_config_from_dict
 from dflash_jax.model import ModelParams, model_specs
-
-_L = "model.layers.{i}."
 
 # HF name -> our path. Shapes: HF Linear weights are [out, in]; ours are [in, ...out] (see layout.py).
 HF_TABLE = MappingTable([
     Rule("model.embed_tokens.weight", "embed", IDENTITY),  # [vocab, embed]
     Rule("model.norm.weight", "final_norm", IDENTITY),  # [embed]
     Rule("lm_head.weight", "lm_head", TRANSPOSE),  # [vocab, embed] -> [embed, vocab]
-    Rule(_L + "input_layernorm.weight", "layers.{i}.attn_norm", IDENTITY),
-    Rule(_L + "post_attention_layernorm.weight", "layers.{i}.mlp_norm", IDENTITY),
-    Rule(_L + "self_attn.q_proj.weight", "layers.{i}.attn.q", HEADS_IN),  # [qh*hd, e] -> [e, qh, hd]
-    Rule(_L + "self_attn.k_proj.weight", "layers.{i}.attn.k", HEADS_IN),  # [kvh*hd, e] -> [e, kvh, hd]
-    Rule(_L + "self_attn.v_proj.weight", "layers.{i}.attn.v", HEADS_IN),
-    Rule(_L + "self_attn.o_proj.weight", "layers.{i}.attn.o", HEADS_OUT),  # [e, qh*hd] -> [qh, hd, e]
-    Rule(_L + "self_attn.q_norm.weight", "layers.{i}.attn.q_norm", IDENTITY),  # [hd] (qwen3)
-    Rule(_L + "self_attn.k_norm.weight", "layers.{i}.attn.k_norm", IDENTITY),
-    Rule(_L + "self_attn.q_proj.bias", "layers.{i}.attn.q_bias", HEADS_BIAS),  # [qh*hd] -> [qh, hd]
-    Rule(_L + "self_attn.k_proj.bias", "layers.{i}.attn.k_bias", HEADS_BIAS),
-    Rule(_L + "self_attn.v_proj.bias", "layers.{i}.attn.v_bias", HEADS_BIAS),
-    Rule(_L + "self_attn.o_proj.bias", "layers.{i}.attn.o_bias", IDENTITY),  # [e]
-    Rule(_L + "mlp.gate_proj.weight", "layers.{i}.mlp.gate", TRANSPOSE),  # [mlp, e] -> [e, mlp]
-    Rule(_L + "mlp.up_proj.weight", "layers.{i}.mlp.up", TRANSPOSE),
-    Rule(_L + "mlp.down_proj.weight", "layers.{i}.mlp.down", TRANSPOSE),  # [e, mlp] -> [mlp, e]
+    *decoder_layer_rules("model.layers.{i}."),
 ])
 
 # Older checkpoints store RoPE's inverse frequencies as a buffer; we recompute them from config.
@@ -93,7 +77,7 @@ def _read_index(index: Path) -> tuple[list[Path], dict[str, str], Path]:
     return files, weight_map, index
 
 
-def _open(file: Path):
+def open_safetensors(file: Path):
     try:
         return safe_open(str(file), framework="numpy")
     except Exception as err:  # SafetensorError does not subclass anything more specific
@@ -106,7 +90,7 @@ def _check_shard_keys(files: list[Path], weight_map: dict[str, str] | None, inde
     """Reads only headers: every tensor in exactly one shard, and where the index says."""
     where: dict[str, Path] = {}
     for file in files:
-        with _open(file) as f:
+        with open_safetensors(file) as f:
             for name in f.keys():
                 if name in where:
                     raise ConversionError(f"{file}: duplicate tensor {name!r}, also in {where[name]}")
@@ -150,27 +134,51 @@ def load_hf(path: str | Path, *, config: Any = None, dtype: Any = jnp.float32,
     callable (dotted path, Spec) -> Sharding; each tensor is placed as it streams in.
     """
     path = Path(path)
-    files, weight_map, index = _resolve_files(path)
+    files, source = checkpoint_files(path)
     cfg = _config(path, config)
-    _check_shard_keys(files, weight_map, index)
+
+    def rename(name: str) -> str | None:
+        if name.endswith(_IGNORED_SUFFIXES):
+            return None
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            return None  # some exporters write the tied copy too; the embedding is the weight
+        return name
+
     asm = Assembler(model_specs(cfg), HF_TABLE, dtype, shardings)
+    stream_tensors(files, asm, HF_TABLE, rename, "no mapping for this name")
+    return cfg, asm.finish(source)
+
+
+def checkpoint_files(path: Path) -> tuple[list[Path], str]:
+    """-> (safetensors files, a name for the checkpoint in messages), after checking that every
+    tensor is in exactly one shard and where the index says."""
+    files, weight_map, index = _resolve_files(path)
+    _check_shard_keys(files, weight_map, index)
+    return files, str(index or (files[0] if len(files) == 1 else path))
+
+
+def stream_tensors(files: list[Path], asm: Assembler, table: MappingTable,
+                   rename: Callable[[str], str | None], unexpected: str) -> None:
+    """Reads every tensor of `files` into `asm`, one at a time.
+
+    rename: stored name -> the table's name, or None to skip the tensor.
+    unexpected: why a name with no rule is an error (said in the message).
+    Each tensor's shape is checked from the header before its data is read.
+    """
     for file in files:
-        with _open(file) as f:
-            for name in f.keys():
-                origin = f"{file}: {name!r}"
-                if name.endswith(_IGNORED_SUFFIXES):
+        with open_safetensors(file) as f:
+            for stored in f.keys():
+                name = rename(stored)
+                if name is None:
                     continue
-                if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                    continue  # some exporters write the tied copy too; the embedding is the weight
-                found = HF_TABLE.lookup(name)
+                origin = f"{file}: {stored!r}"
+                found = table.lookup(name)
                 if found is None:
-                    raise ConversionError(f"{origin}: unexpected tensor (no mapping for this name)")
+                    raise ConversionError(f"{origin}: unexpected tensor ({unexpected})")
                 rule, target = found
-                shape = tuple(f.get_slice(name).get_shape())
-                asm.claim(target, rule, shape, origin)
+                asm.claim(target, rule, tuple(f.get_slice(stored).get_shape()), origin)
                 try:
-                    x = f.get_tensor(name)
+                    x = f.get_tensor(stored)
                 except Exception as err:
                     raise ConversionError(f"{origin}: cannot read tensor: {err}") from None
                 asm.put(target, rule, x)
-    return cfg, asm.finish(str(index or (files[0] if len(files) == 1 else path)))

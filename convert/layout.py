@@ -69,6 +69,31 @@ class Rule:
     tag: str | None = None  # format-specific extra step (GGUF: "rope_q" / "rope_k" un-permutation)
 
 
+def decoder_layer_rules(prefix: str) -> list[Rule]:
+    """The HF/PyTorch names of one Qwen3/Llama decoder layer (`prefix` ends in "layers.{i}.").
+
+    Targets and drafters share this layer, so their tables share these rows.
+    """
+    t = "layers.{i}."
+    return [
+        Rule(prefix + "input_layernorm.weight", t + "attn_norm", IDENTITY),
+        Rule(prefix + "post_attention_layernorm.weight", t + "mlp_norm", IDENTITY),
+        Rule(prefix + "self_attn.q_proj.weight", t + "attn.q", HEADS_IN),  # [qh*hd, e] -> [e, qh, hd]
+        Rule(prefix + "self_attn.k_proj.weight", t + "attn.k", HEADS_IN),  # [kvh*hd, e] -> [e, kvh, hd]
+        Rule(prefix + "self_attn.v_proj.weight", t + "attn.v", HEADS_IN),
+        Rule(prefix + "self_attn.o_proj.weight", t + "attn.o", HEADS_OUT),  # [e, qh*hd] -> [qh, hd, e]
+        Rule(prefix + "self_attn.q_norm.weight", t + "attn.q_norm", IDENTITY),  # [hd] (qwen3)
+        Rule(prefix + "self_attn.k_norm.weight", t + "attn.k_norm", IDENTITY),
+        Rule(prefix + "self_attn.q_proj.bias", t + "attn.q_bias", HEADS_BIAS),  # [qh*hd] -> [qh, hd]
+        Rule(prefix + "self_attn.k_proj.bias", t + "attn.k_bias", HEADS_BIAS),
+        Rule(prefix + "self_attn.v_proj.bias", t + "attn.v_bias", HEADS_BIAS),
+        Rule(prefix + "self_attn.o_proj.bias", t + "attn.o_bias", IDENTITY),  # [e]
+        Rule(prefix + "mlp.gate_proj.weight", t + "mlp.gate", TRANSPOSE),  # [mlp, e] -> [e, mlp]
+        Rule(prefix + "mlp.up_proj.weight", t + "mlp.up", TRANSPOSE),
+        Rule(prefix + "mlp.down_proj.weight", t + "mlp.down", TRANSPOSE),  # [e, mlp] -> [mlp, e]
+    ]
+
+
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 
