@@ -15,7 +15,6 @@ summed over all rounds of all prompts, divided by the number of rounds.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Sequence
@@ -102,25 +101,6 @@ def method_specs(methods: Sequence[str], budgets: Sequence[int], block_size: int
     return list(dict.fromkeys(out))  # de-duplicated, in order
 
 
-class _Compiled:
-    """Ahead-of-time compiled decoders, one per (method, shapes): timing excludes compilation."""
-
-    def __init__(self) -> None:
-        self.programs: dict[Any, Any] = {}
-        self.compile_seconds = 0.0
-
-    def run(self, key: Any, fn: Any, args: tuple, kwargs: dict) -> tuple[Any, float]:
-        if key not in self.programs:
-            t0 = time.perf_counter()
-            self.programs[key] = fn.lower(*args, **kwargs).compile()
-            self.compile_seconds += time.perf_counter() - t0
-        dynamic = [a for a in args if jax.tree.leaves(a) and all(
-            isinstance(x, (jax.Array, np.ndarray)) for x in jax.tree.leaves(a))]
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(self.programs[key](*dynamic))
-        return out, time.perf_counter() - t0
-
-
 def bench_tokens(params: Any, cfg: Any, token_lists: Sequence[Sequence[int]], categories: Sequence[str],
                  specs: Sequence[MethodSpec], *, dparams: Any = None, dcfg: Any = None,
                  max_new_tokens: int = 256, batch_size: int = 1, stop_tokens: tuple[int, ...] = (),
@@ -134,7 +114,7 @@ def bench_tokens(params: Any, cfg: Any, token_lists: Sequence[Sequence[int]], ca
     from tqdm.auto import tqdm
 
     from dflash_jax.generate import generate_ar
-    from dflash_jax.pipeline import pad_prompts
+    from dflash_jax.pipeline import Compiled, default_max_len, pad_prompts
     from dflash_jax.speculative import SpecSettings, generate_speculative
 
     if len(token_lists) != len(categories):
@@ -143,7 +123,7 @@ def bench_tokens(params: Any, cfg: Any, token_lists: Sequence[Sequence[int]], ca
         raise ValueError("dflash / ddtree need a drafter (--draft DIR)")
     n = len(token_lists)
     batches = [list(range(i, min(i + batch_size, n))) for i in range(0, n, batch_size)]
-    compiled = _Compiled()
+    compiled = Compiled()
     per_method: dict[str, dict[str, Any]] = {}
     outputs: dict[str, list[list[int]]] = {}
     for spec in specs:
@@ -162,7 +142,7 @@ def bench_tokens(params: Any, cfg: Any, token_lists: Sequence[Sequence[int]], ca
             chunk = [list(token_lists[i]) for i in idx]
             chunk += [chunk[-1]] * (batch_size - len(chunk))
             arr, lens = pad_prompts(chunk, multiple=width_multiple)
-            max_len = int(-(-(arr.shape[1] + max_new_tokens + slack) // 64) * 64)
+            max_len = default_max_len(arr.shape[1], max_new_tokens, slack)
             key = jax.random.key(seed + b)
             if settings is None:
                 gen, secs = compiled.run(

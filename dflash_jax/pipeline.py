@@ -93,19 +93,34 @@ class TimedGeneration:
                 "accepted_per_round": per_seq}
 
 
-def timed_call(fn: Any, *args: Any, **kwargs: Any) -> TimedGeneration:
-    """Compiles `fn` for these arguments, then times one run of the compiled program.
+class Compiled:
+    """Ahead-of-time compiled programs, one per caller-chosen key, so timings exclude compiling.
 
-    Positional arguments that hold no arrays (configs) are static; the compiled program
-    takes the rest, in order.
+    Positional arguments that hold no arrays (configs) are static; a compiled program takes
+    the rest, in order.
     """
-    t0 = time.perf_counter()
-    compiled = fn.lower(*args, **kwargs).compile()
-    t1 = time.perf_counter()
-    dynamic = [a for a in args if _is_array_tree(a)]
-    result = jax.block_until_ready(compiled(*dynamic))
-    t2 = time.perf_counter()
-    return TimedGeneration(result, t2 - t1, t1 - t0)
+
+    def __init__(self) -> None:
+        self.programs: dict[Any, Any] = {}
+        self.compile_seconds = 0.0
+
+    def run(self, key: Any, fn: Any, args: tuple, kwargs: dict) -> tuple[Any, float]:
+        """-> (fn(*args, **kwargs), seconds of the compiled run)."""
+        if key not in self.programs:
+            t0 = time.perf_counter()
+            self.programs[key] = fn.lower(*args, **kwargs).compile()
+            self.compile_seconds += time.perf_counter() - t0
+        dynamic = [a for a in args if _is_array_tree(a)]
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(self.programs[key](*dynamic))
+        return out, time.perf_counter() - t0
+
+
+def timed_call(fn: Any, *args: Any, **kwargs: Any) -> TimedGeneration:
+    """Compiles `fn` for these arguments, then times one run of the compiled program."""
+    compiled = Compiled()
+    result, seconds = compiled.run(None, fn, args, kwargs)
+    return TimedGeneration(result, seconds, compiled.compile_seconds)
 
 
 def _is_array_tree(x: Any) -> bool:
@@ -113,19 +128,20 @@ def _is_array_tree(x: Any) -> bool:
     return bool(leaves) and all(isinstance(l, (jax.Array, np.ndarray)) for l in leaves)
 
 
+def default_max_len(prompt_width: int, max_new_tokens: int, slack: int) -> int:
+    """Cache slots for prompts of this width: rounded up to 64 so nearby sizes share a program."""
+    need = prompt_width + max_new_tokens + slack
+    return int(-(-need // 64) * 64)
+
+
 def run_ar(params: Any, cfg: ModelConfig, prompts: np.ndarray, lens: np.ndarray, *, max_new_tokens: int,
            sampling: SamplingParams, stop_tokens: tuple[int, ...], seed: int = 0, max_len: int | None = None,
            attn_impl: str = "auto") -> TimedGeneration:
-    max_len = max_len or _default_max_len(prompts, max_new_tokens, 1)
+    max_len = max_len or default_max_len(prompts.shape[1], max_new_tokens, 1)
     check_prompts(lens, prompts.shape[1], max_new_tokens, max_len)
     return timed_call(generate_ar, params, cfg, jnp.asarray(prompts), jnp.asarray(lens), jax.random.key(seed),
                       max_new_tokens=max_new_tokens, max_len=max_len, sampling=sampling,
                       stop_tokens=stop_tokens, attn_impl=attn_impl)
-
-
-def _default_max_len(prompts: np.ndarray, max_new_tokens: int, slack: int) -> int:
-    need = prompts.shape[1] + max_new_tokens + slack
-    return int(-(-need // 64) * 64)
 
 
 def run_speculative(params: Any, cfg: ModelConfig, dparams: Any, dcfg: Any, prompts: np.ndarray,
@@ -134,7 +150,7 @@ def run_speculative(params: Any, cfg: ModelConfig, dparams: Any, dcfg: Any, prom
     from dflash_jax.speculative import generate_speculative
 
     slack = settings.cache_slack()
-    max_len = max_len or _default_max_len(prompts, settings.max_new_tokens, slack)
+    max_len = max_len or default_max_len(prompts.shape[1], settings.max_new_tokens, slack)
     check_prompts(lens, prompts.shape[1], settings.max_new_tokens, max_len, slack=slack)
     return timed_call(generate_speculative, params, cfg, dparams, dcfg, jnp.asarray(prompts), jnp.asarray(lens),
                       jax.random.key(seed), settings=settings, max_len=max_len)
