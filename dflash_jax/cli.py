@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -56,10 +56,29 @@ def _default_dtype() -> str:
     return "bfloat16" if jax.default_backend() == "gpu" else "float32"
 
 
+def _load_target(name: str, dtype: Any, flag: str = "--model", **kwargs: Any) -> tuple[Any, Any, Any]:
+    """(cfg, params, tokenizer) of a target; every command that decodes text needs the tokenizer."""
+    from convert import load_model
+
+    cfg, params, tokenizer = load_model(name, dtype=dtype, **kwargs)
+    if tokenizer is None:
+        raise ValueError(f"{flag} {name}: no tokenizer found beside the weights")
+    return cfg, params, tokenizer
+
+
+def _load_drafter_for(path: str, cfg: Any, dtype: Any, shardings: Any = None) -> tuple[Any, Any]:
+    """(dcfg, dparams) of a drafter, checked against the target's config."""
+    from convert.dflash_drafter import load_drafter
+    from dflash_jax.drafter import validate_pair
+
+    dcfg, dparams = load_drafter(path, dtype=dtype, shardings=shardings)
+    validate_pair(dcfg, cfg)
+    return dcfg, dparams
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
-    from convert import load_model
     from dflash_jax import pipeline
     from dflash_jax import sharding as sh
     from dflash_jax.sampling import SamplingParams
@@ -73,9 +92,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     dtype = jnp.dtype(args.dtype or _default_dtype())
     mesh = sh.make_mesh(args.dp, args.tp) if args.dp * args.tp > 1 else None
-    cfg, params, tokenizer = load_model(args.model, dtype=dtype, mesh=mesh)
-    if tokenizer is None:
-        raise ValueError(f"--model {args.model}: no tokenizer found beside the weights")
+    cfg, params, tokenizer = _load_target(args.model, dtype, mesh=mesh)
     token_lists = pipeline.encode_prompts(tokenizer, args.prompts, chat=not args.no_chat)
     token_lists += [token_lists[-1]] * (-len(token_lists) % args.dp)  # dp splits the batch evenly
     prompts, lens = pipeline.pad_prompts(token_lists)
@@ -85,13 +102,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             run = pipeline.run_ar(params, cfg, prompts, lens, max_new_tokens=args.max_new_tokens,
                                   sampling=sampling, stop_tokens=stop, seed=args.seed)
         else:
-            from convert.dflash_drafter import load_drafter
-            from dflash_jax.drafter import validate_pair
             from dflash_jax.speculative import SpecSettings
 
-            dcfg, dparams = load_drafter(args.draft, dtype=dtype,
-                                         shardings=None if mesh is None else sh.placement(mesh))
-            validate_pair(dcfg, cfg)
+            dcfg, dparams = _load_drafter_for(args.draft, cfg, dtype,
+                                              None if mesh is None else sh.placement(mesh))
             settings = SpecSettings(method=args.method, block_size=args.block_size or dcfg.block_size,
                                     budget=args.budget, sampling=sampling, max_new_tokens=args.max_new_tokens,
                                     stop_tokens=stop)
@@ -237,9 +251,7 @@ def _make_token_file(args: argparse.Namespace, cfg, params, tokenizer, out) -> N
 def cmd_make_data(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
-    from convert import load_model
-
-    cfg, params, tokenizer = load_model(args.target, dtype=jnp.dtype(args.dtype or _default_dtype()))
+    cfg, params, tokenizer = _load_target(args.target, jnp.dtype(args.dtype or _default_dtype()), "--target")
     _make_token_file(args, cfg, params, tokenizer, args.out)
     return 0
 
@@ -307,7 +319,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     import jax.numpy as jnp
 
-    from convert import load_model
     from dflash_jax import evaluate as ev
     from dflash_jax.sampling import SamplingParams
 
@@ -316,17 +327,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError(f"--method {' '.join(spec_methods)} needs --draft DIR (a DFlash drafter directory)")
     dtype = jnp.dtype(args.dtype or _default_dtype())
     prompts = ev.load_bench_prompts(args.prompts, limit=args.limit, math_suffix=args.math_suffix)
-    cfg, params, tokenizer = load_model(args.model, dtype=dtype)
-    if tokenizer is None:
-        raise ValueError(f"--model {args.model}: no tokenizer found beside the weights")
+    cfg, params, tokenizer = _load_target(args.model, dtype)
     dcfg = dparams = None
     block_size = args.block_size or 16
     if spec_methods:
-        from convert.dflash_drafter import load_drafter
-        from dflash_jax.drafter import validate_pair
-
-        dcfg, dparams = load_drafter(args.draft, dtype=dtype)
-        validate_pair(dcfg, cfg)
+        dcfg, dparams = _load_drafter_for(args.draft, cfg, dtype)
         block_size = args.block_size or dcfg.block_size
     specs = ev.method_specs(spec_methods, args.budget, block_size)
     report = ev.run_bench(params, cfg, tokenizer, prompts, specs, dparams=dparams, dcfg=dcfg,
