@@ -81,7 +81,12 @@ class SpecState:
 class Draft:
     tree: Tree
     draft_probs: Any  # [batch, bs-1, vocab] for DFlash at T > 0, else None
-    node_ok: jax.Array  # [batch, W] nodes that may still be accepted (max_new_tokens bound)
+    limit: jax.Array  # [batch] drafted tokens that may still be accepted (max_new_tokens bound)
+
+    @property
+    def node_ok(self) -> jax.Array:
+        """[batch, W] nodes that may still be accepted."""
+        return self.tree.depths <= self.limit[:, None]
 
 
 def _block_limit(state: SpecState, s: SpecSettings) -> jax.Array:
@@ -117,8 +122,7 @@ def draft_stage(state: SpecState, target: ModelParams, dparams: Any, dcfg: Any, 
             probs = sampling_probs(logits, s.sampling)
             log_probs = jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)), -jnp.inf)
         tree = build_tree(log_probs, state.root, s.budget, s.width)
-    node_ok = tree.depths <= limit[:, None]
-    return Draft(tree=tree, draft_probs=draft_probs, node_ok=node_ok), key
+    return Draft(tree=tree, draft_probs=draft_probs, limit=limit), key
 
 
 def verify_stage(state: SpecState, draft: Draft, target: ModelParams, cfg: ModelConfig, dcfg: Any,
@@ -131,7 +135,7 @@ def verify_stage(state: SpecState, draft: Draft, target: ModelParams, cfg: Model
     return out.logits, out.taps, out.cache
 
 
-def accept_stage(key: jax.Array, draft: Draft, logits: jax.Array, s: SpecSettings, limit: jax.Array
+def accept_stage(key: jax.Array, draft: Draft, logits: jax.Array, s: SpecSettings
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Step 4 -> (path [batch, bs], m [batch], bonus [batch])."""
     if s.sampling.greedy:
@@ -139,7 +143,7 @@ def accept_stage(key: jax.Array, draft: Draft, logits: jax.Array, s: SpecSetting
         return follow_target(draft.tree, choice, s.block_size - 1, draft.node_ok)
     if s.method == "dflash":
         target_probs = sampling_probs(logits, s.sampling)
-        return chain_rejection(key, draft.tree.tokens, target_probs, draft.draft_probs, limit)
+        return chain_rejection(key, draft.tree.tokens, target_probs, draft.draft_probs, draft.limit)
     # DDTree at T > 0: an independent target sample at every node; descending when a child
     # matches keeps each emitted token an exact target sample.
     choice = sample(key, logits, s.sampling)
@@ -189,11 +193,10 @@ def commit_stage(state: SpecState, draft: Draft, path: jax.Array, m: jax.Array, 
 def spec_round(state: SpecState, target: ModelParams, cfg: ModelConfig, dparams: Any, dcfg: Any,
                s: SpecSettings) -> SpecState:
     """One fused round for the whole batch."""
-    limit = _block_limit(state, s)
     draft, key = draft_stage(state, target, dparams, dcfg, s)
     logits, taps, cache = verify_stage(state, draft, target, cfg, dcfg, s)
     key, k_accept = jax.random.split(key)
-    path, m, bonus = accept_stage(k_accept, draft, logits, s, limit)
+    path, m, bonus = accept_stage(k_accept, draft, logits, s)
     return commit_stage(state, draft, path, m, bonus, taps, cache, dparams, dcfg, s, key)
 
 

@@ -97,7 +97,7 @@ def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_le
         lg, taps, cache = ver(st, draft)
 
         def acc_commit(st, d, lg, taps, cache):
-            path, m, bonus = accept_stage(key, d, lg, s, limit)
+            path, m, bonus = accept_stage(key, d, lg, s)
             return commit_stage(st, d, path, m, bonus, taps, cache, dparams, dcfg, s, key)
         ac = jax.jit(acc_commit)
         row["accept_commit_ms"] = time_fn(lambda: ac(st, draft, lg, taps, cache).count)["median_ms"]
