@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import ModelConfig
-from dflash_jax.kv_cache import KVCache, write_rows
+from dflash_jax.kv_cache import KVCache, gather_rows, write_rows
 from dflash_jax.params import EMBED, HEAD_DIM, KV_HEADS, MLP, Q_HEADS, VOCAB, Spec, init_from_specs
 from dflash_jax.rope import apply_rope, rope_tables
 from dflash_jax.sharding import BATCH, attention, constrain, constrain_cache, embed_lookup
@@ -228,7 +228,7 @@ def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions:
     tap_out = jnp.concatenate([taps[t] for t in tap_layers], -1) if tap_layers else None
     logits = None
     if compute_logits:
-        rows = hidden if logit_rows is None else jax.vmap(lambda h, r: h[r])(hidden, logit_rows)
+        rows = hidden if logit_rows is None else gather_rows(hidden, logit_rows)
         logits = logits_from_hidden(params, rows)
     new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths)
     return ForwardOutput(logits=logits, taps=tap_out, cache=new_cache,
