@@ -43,7 +43,8 @@ def make_decoder(cfg, steps: int, attn_impl: str):
     return run
 
 
-def bench_model(name: str, contexts: list[int], steps: int, impls: list[str], bandwidth: float) -> list[dict]:
+def bench_model(name: str, contexts: list[int], steps: int, impls: list[str], bandwidth: float,
+                on_row=lambda rows: None) -> list[dict]:
     cfg = SHAPES[name]
     params = init_params(cfg, jax.random.key(0), jnp.bfloat16)
     wbytes = param_bytes(params)
@@ -72,6 +73,7 @@ def bench_model(name: str, contexts: list[int], steps: int, impls: list[str], ba
                          "pct_of_weight_roofline": 100 * floor_w / ms,
                          "pct_of_weight_kv_roofline": 100 * floor_wkv / ms})
             print(rows[-1], flush=True)
+            on_row(rows)
             del cache, state
     return rows
 
@@ -90,7 +92,11 @@ def main() -> None:
     print(env, bw, flush=True)
     rows = []
     for m in args.models:
-        rows += bench_model(m, args.contexts, args.steps, args.impls, bw["tb_per_s"] * 1e12)
+        # Written after every row, so a run stopped at its time limit still reports what it measured.
+        done = list(rows)
+        rows += bench_model(m, args.contexts, args.steps, args.impls, bw["tb_per_s"] * 1e12,
+                            on_row=lambda new: write_json(args.out, {"env": env, "copy_bandwidth": bw,
+                                                                     "rows": done + new}))
     write_json(args.out, {"env": env, "copy_bandwidth": bw, "rows": rows})
     print(f"\ncopy bandwidth {bw['tb_per_s']:.2f} TB/s ({env['device']}, jax {env['jax']})")
     print("| model | ctx | attention | ms/token | weights GB | roofline (w) ms | % of (w) | roofline (w+kv) ms | % of (w+kv) |")

@@ -23,6 +23,10 @@ SHAPES: dict[str, ModelConfig] = {
     "qwen3-32b": ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=5120, intermediate_size=25600,
                              num_layers=64, num_heads=64, num_kv_heads=8, head_dim=128, qk_norm=True,
                              rope=RopeConfig(theta=1000000.0), max_position_embeddings=40960),
+    # A smoke-test shape, so every benchmark can be dry-run on CPU before it spends GPU time.
+    "tiny": ModelConfig(model_type="qwen3", vocab_size=512, hidden_size=128, intermediate_size=256,
+                        num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True,
+                        rope=RopeConfig(theta=10000.0), max_position_embeddings=8192),
 }
 
 
