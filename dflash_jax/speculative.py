@@ -121,7 +121,8 @@ def draft_stage(state: SpecState, target: ModelParams, dparams: Any, dcfg: Any, 
         else:
             probs = sampling_probs(logits, s.sampling)
             log_probs = jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)), -jnp.inf)
-        tree = build_tree(log_probs, state.root, s.budget, s.width)
+        with jax.named_scope("tree"):  # a scope of its own, so profiles can split it from the drafter pass
+            tree = build_tree(log_probs, state.root, s.budget, s.width)
     return Draft(tree=tree, draft_probs=draft_probs, limit=limit), key
 
 
@@ -192,12 +193,20 @@ def commit_stage(state: SpecState, draft: Draft, path: jax.Array, m: jax.Array, 
 
 def spec_round(state: SpecState, target: ModelParams, cfg: ModelConfig, dparams: Any, dcfg: Any,
                s: SpecSettings) -> SpecState:
-    """One fused round for the whole batch."""
-    draft, key = draft_stage(state, target, dparams, dcfg, s)
-    logits, taps, cache = verify_stage(state, draft, target, cfg, dcfg, s)
-    key, k_accept = jax.random.split(key)
-    path, m, bonus = accept_stage(k_accept, draft, logits, s)
-    return commit_stage(state, draft, path, m, bonus, taps, cache, dparams, dcfg, s, key)
+    """One fused round for the whole batch.
+
+    Each stage runs under a named scope ("draft", "tree", "verify", "accept", "commit") so that a
+    profile of the fused program can attribute device time to stages (`bench.profile`).
+    """
+    with jax.named_scope("draft"):
+        draft, key = draft_stage(state, target, dparams, dcfg, s)
+    with jax.named_scope("verify"):
+        logits, taps, cache = verify_stage(state, draft, target, cfg, dcfg, s)
+    with jax.named_scope("accept"):
+        key, k_accept = jax.random.split(key)
+        path, m, bonus = accept_stage(k_accept, draft, logits, s)
+    with jax.named_scope("commit"):
+        return commit_stage(state, draft, path, m, bonus, taps, cache, dparams, dcfg, s, key)
 
 
 # ----------------------------------------------------------------------------- generation

@@ -12,11 +12,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
 
 from dflash_jax.bench.common import SHAPES, copy_bandwidth, environment, time_fn, write_json
+from dflash_jax.bench.profile import profile_program
 from dflash_jax.kv_cache import KVCache
 from dflash_jax.model import forward, init_params
 from dflash_jax.params import param_bytes
@@ -44,7 +46,7 @@ def make_decoder(cfg, steps: int, attn_impl: str):
 
 
 def bench_model(name: str, contexts: list[int], steps: int, impls: list[str], bandwidth: float,
-                on_row=lambda rows: None) -> list[dict]:
+                on_row=lambda rows: None, profile: bool = False) -> list[dict]:
     cfg = SHAPES[name]
     params = init_params(cfg, jax.random.key(0), jnp.bfloat16)
     wbytes = param_bytes(params)
@@ -52,12 +54,17 @@ def bench_model(name: str, contexts: list[int], steps: int, impls: list[str], ba
     # One max_len for every context: the context is a runtime length, so one compile per impl.
     max_len = max(contexts) + steps + 64
     runs = {impl: make_decoder(cfg, steps, impl) for impl in impls}
+    compile_s: dict[str, float] = {}
     for ctx in contexts:
         kv_bytes = 2 * cfg.num_layers * (ctx + steps // 2) * cfg.num_kv_heads * cfg.head_dim * 2
         for impl in impls:
             cache = random_cache(cfg, 1, max_len, ctx, jnp.bfloat16)
-            run = runs[impl]
             tok = jnp.zeros((1,), jnp.int32) + 7
+            if not hasattr(runs[impl], "as_text"):  # compile once, ahead of time, for every context
+                t0 = time.perf_counter()
+                runs[impl] = runs[impl].lower(params, cache, tok).compile()
+                compile_s[impl] = time.perf_counter() - t0
+            run = runs[impl]
             state = {"cache": cache}
 
             def call():
@@ -65,13 +72,21 @@ def bench_model(name: str, contexts: list[int], steps: int, impls: list[str], ba
                 return t
             t = time_fn(call, warmup=2, iters=10)
             ms = t["median_ms"] / steps
+            where = None
+            if profile:
+                where = profile_program(call, run.as_text(), calls=3)
+                if "error" not in where:  # per token, like ms_per_token
+                    where = {k: ({n: v / steps for n, v in d.items()} if isinstance(d, dict) else
+                                 [(n, v / steps) for n, v in d] if isinstance(d, list) else d / steps)
+                             for k, d in where.items()}
             floor_w = wbytes / bandwidth * 1e3
             floor_wkv = (wbytes + kv_bytes) / bandwidth * 1e3
             rows.append({"model": name, "ctx": ctx, "attn": impl, "ms_per_token": ms,
                          "weight_gb": wbytes / 1e9, "kv_gb_read": kv_bytes / 1e9,
                          "roofline_weights_ms": floor_w, "roofline_weights_kv_ms": floor_wkv,
                          "pct_of_weight_roofline": 100 * floor_w / ms,
-                         "pct_of_weight_kv_roofline": 100 * floor_wkv / ms})
+                         "pct_of_weight_kv_roofline": 100 * floor_wkv / ms,
+                         "compile_s": compile_s[impl], "profile_per_token": where})
             print(rows[-1], flush=True)
             on_row(rows)
             del cache, state
@@ -85,6 +100,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--impls", nargs="+", default=["pallas", "reference"])
     ap.add_argument("--copy-gb", type=float, default=4.0)
+    ap.add_argument("--profile", action="store_true", help="split each step's device time by kind of work")
     ap.add_argument("--out")
     args = ap.parse_args()
     env = environment()
@@ -96,7 +112,8 @@ def main() -> None:
         done = list(rows)
         rows += bench_model(m, args.contexts, args.steps, args.impls, bw["tb_per_s"] * 1e12,
                             on_row=lambda new: write_json(args.out, {"env": env, "copy_bandwidth": bw,
-                                                                     "rows": done + new}))
+                                                                     "rows": done + new}),
+                            profile=args.profile)
     write_json(args.out, {"env": env, "copy_bandwidth": bw, "rows": rows})
     print(f"\ncopy bandwidth {bw['tb_per_s']:.2f} TB/s ({env['device']}, jax {env['jax']})")
     print("| model | ctx | attention | ms/token | weights GB | roofline (w) ms | % of (w) | roofline (w+kv) ms | % of (w+kv) |")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import time
 from typing import Any
 
 import jax
@@ -21,11 +22,14 @@ import jax.numpy as jnp
 from dflash_jax import drafter as dr
 from dflash_jax.bench.ar_decode import random_cache
 from dflash_jax.bench.common import SHAPES, environment, time_fn, write_json
+from dflash_jax.bench.profile import profile_program
 from dflash_jax.config import default_tap_layers
 from dflash_jax.model import forward, init_params
 from dflash_jax.speculative import (SpecSettings, SpecState, accept_stage, commit_stage, draft_stage,
                                     spec_round, verify_stage, _block_limit)
 from dflash_jax.tree import build_tree
+
+T0 = time.perf_counter()
 
 
 def drafter_config(cfg, layers: int = 5, block_size: int = 16) -> dr.DraftConfig:
@@ -60,65 +64,101 @@ def reset(state: SpecState, ctx: int) -> SpecState:
                                done=jnp.zeros_like(state.done))
 
 
+STAGES = ("draft", "tree", "verify", "accept", "commit")  # spec_round's named scopes
+
+
+@functools.lru_cache(maxsize=None)
+def round_program(cfg, dcfg, s: SpecSettings, ctx: int):
+    """(jitted donated round, jitted reset to `ctx`), one compile per settings however often used."""
+    rnd = jax.jit(functools.partial(spec_round, cfg=cfg, dcfg=dcfg, s=s), donate_argnums=(0,))
+    return rnd, jax.jit(functools.partial(reset, ctx=ctx), donate_argnums=(0,))
+
+
 def timed_rounds(target, dparams, cfg, dcfg, s: SpecSettings, state: SpecState, ctx: int
                  ) -> tuple[float, Any, SpecState]:
     """Median ms of the fused, donated round, every call starting at `ctx` committed tokens.
 
     Returns (ms, the jitted round, the last state) so callers can inspect the compiled program.
     """
-    rnd = jax.jit(functools.partial(spec_round, cfg=cfg, dcfg=dcfg, s=s), donate_argnums=(0,))
-    rnd_reset = jax.jit(functools.partial(reset, ctx=ctx), donate_argnums=(0,))
+    ms, rnd, last, _ = _timed_rounds(target, dparams, cfg, dcfg, s, state, ctx, profile=False)
+    return ms, rnd, last
+
+
+def _timed_rounds(target, dparams, cfg, dcfg, s, state, ctx, profile: bool):
+    rnd, rnd_reset = round_program(cfg, dcfg, s, ctx)
     box = {"state": state}
 
     def call_round():
         box["state"] = rnd(rnd_reset(box["state"]), target=target, dparams=dparams)
         return box["state"].count
-    ms = time_fn(call_round, warmup=3, iters=20)["median_ms"]
-    return ms, rnd, reset(box["state"], ctx)
+    t = time_fn(call_round, warmup=3, iters=20)
+    where = None
+    if profile:
+        hlo = rnd.lower(box["state"], target=target, dparams=dparams).compile().as_text()
+        where = profile_program(call_round, hlo, calls=5, scopes=STAGES)
+    return t["median_ms"], rnd, reset(box["state"], ctx), {"first_call_s": t["first_ms"] / 1e3, "profile": where}
 
 
-def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_len: int, stages: bool) -> dict:
-    state = make_state(cfg, dcfg, ctx, max_len, s.max_new_tokens)
-    ms, _, st = timed_rounds(target, dparams, cfg, dcfg, s, state, ctx)
-    row = {"method": s.method, "budget": s.budget, "width": s.width, "ctx": ctx, "round_ms": ms}
-    if stages:
-        limit = _block_limit(st, s)
-        hidden_fn = jax.jit(lambda st: dr.draft_logits(dparams, dcfg, target, dr.draft(
-            dparams, dcfg, target, st.draft_cache, dr.make_block(dcfg, st.root), st.cache.lengths,
-            limit + 1)))
-        logits = hidden_fn(st)
-        row["draft_ms"] = time_fn(lambda: hidden_fn(st))["median_ms"]
-        if s.method == "ddtree":
-            tree_fn = jax.jit(lambda lg: build_tree(jax.nn.log_softmax(lg, -1), st.root, s.budget, s.width))
-            row["tree_ms"] = time_fn(lambda: tree_fn(logits).tokens)["median_ms"]
-        draft, key = jax.jit(lambda st: draft_stage(st, target, dparams, dcfg, s))(st)
-        ver = jax.jit(lambda st, d: verify_stage(st, d, target, cfg, dcfg, s))
-        row["verify_ms"] = time_fn(lambda: ver(st, draft)[0])["median_ms"]
-        lg, taps, cache = ver(st, draft)
+def separate_stage_times(target, dparams, cfg, dcfg, s: SpecSettings, st: SpecState) -> dict[str, float]:
+    """Each stage as its own jitted program (more compiles; the profile split is the default)."""
+    row = {}
+    limit = _block_limit(st, s)
+    hidden_fn = jax.jit(lambda st, target, dparams: dr.draft_logits(dparams, dcfg, target, dr.draft(
+        dparams, dcfg, target, st.draft_cache, dr.make_block(dcfg, st.root), st.cache.lengths, limit + 1)))
+    logits = hidden_fn(st, target, dparams)
+    row["draft_ms"] = time_fn(lambda: hidden_fn(st, target, dparams))["median_ms"]
+    if s.method == "ddtree":
+        tree_fn = jax.jit(lambda lg: build_tree(jax.nn.log_softmax(lg, -1), st.root, s.budget, s.width))
+        row["tree_ms"] = time_fn(lambda: tree_fn(logits).tokens)["median_ms"]
+    draft, key = jax.jit(lambda st, target, dparams: draft_stage(st, target, dparams, dcfg, s))(st, target, dparams)
+    ver = jax.jit(lambda st, d, target: verify_stage(st, d, target, cfg, dcfg, s))
+    row["verify_ms"] = time_fn(lambda: ver(st, draft, target)[0])["median_ms"]
+    lg, taps, cache = ver(st, draft, target)
 
-        def acc_commit(st, d, lg, taps, cache):
-            path, m, bonus = accept_stage(key, d, lg, s)
-            return commit_stage(st, d, path, m, bonus, taps, cache, dparams, dcfg, s, key)
-        ac = jax.jit(acc_commit)
-        row["accept_commit_ms"] = time_fn(lambda: ac(st, draft, lg, taps, cache).count)["median_ms"]
-    print(row, flush=True)
+    def acc_commit(st, d, lg, taps, cache, dparams):
+        path, m, bonus = accept_stage(key, d, lg, s)
+        return commit_stage(st, d, path, m, bonus, taps, cache, dparams, dcfg, s, key)
+    ac = jax.jit(acc_commit)
+    row["accept_commit_ms"] = time_fn(lambda: ac(st, draft, lg, taps, cache, dparams).count)["median_ms"]
     return row
 
 
-def bench_ar(target, cfg, ctx: int, max_len: int) -> float:
-    cache = random_cache(cfg, 1, max_len, ctx, jnp.bfloat16)
+def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_len: int, profile: bool,
+                   separate: bool = False) -> dict:
+    state = make_state(cfg, dcfg, ctx, max_len, s.max_new_tokens)
+    ms, _, st, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, ctx, profile)
+    row = {"method": s.method, "budget": s.budget, "width": s.width, "ctx": ctx, "round_ms": ms, **extra}
+    if separate:
+        row.update(separate_stage_times(target, dparams, cfg, dcfg, s, st))
+    print(f"[{time.perf_counter() - T0:.0f}s]", row, flush=True)
+    return row
 
-    @functools.partial(jax.jit, donate_argnums=(0,))
-    def step(cache, tok):
-        out = forward(target, cfg, tok[:, None], cache.lengths[:, None], cache, None)
-        return out.cache, jnp.argmax(out.logits[:, 0], -1).astype(jnp.int32)
+
+def bench_ar(target, cfg, ctx: int, max_len: int, profile: bool) -> dict:
+    """One AR decode step (the W=1 forward) from `ctx` tokens, side by side with the rounds."""
+    cache = random_cache(cfg, 1, max_len, ctx, jnp.bfloat16)
+    step = _ar_step(cfg)
     box = {"cache": cache}
     tok = jnp.full((1,), 3, jnp.int32)
 
     def call():
-        box["cache"], t = step(box["cache"], tok)
+        box["cache"], t = step(target, box["cache"], tok)
         return t
-    return time_fn(call, warmup=3, iters=20)["median_ms"]
+    t = time_fn(call, warmup=3, iters=20)
+    row = {"method": "ar", "ctx": ctx, "round_ms": t["median_ms"], "first_call_s": t["first_ms"] / 1e3}
+    if profile:
+        row["profile"] = profile_program(call, step.lower(target, box["cache"], tok).compile().as_text(), calls=5)
+    print(f"[{time.perf_counter() - T0:.0f}s]", row, flush=True)
+    return row
+
+
+@functools.lru_cache(maxsize=None)
+def _ar_step(cfg):
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def step(target, cache, tok):  # the weights are an argument: closing over them makes them constants
+        out = forward(target, cfg, tok[:, None], cache.lengths[:, None], cache, None)
+        return out.cache, jnp.argmax(out.logits[:, 0], -1).astype(jnp.int32)
+    return step
 
 
 def main() -> None:
@@ -127,8 +167,9 @@ def main() -> None:
     ap.add_argument("--ctx", nargs="+", type=int, default=[512, 4096])
     ap.add_argument("--budgets", nargs="*", type=int, default=[16, 64, 256, 512])
     ap.add_argument("--ddtree-ctx", type=int, default=4096)
-    ap.add_argument("--no-stages", action="store_true", help="no per-stage times for DDTree")
-    ap.add_argument("--dflash-stages", action="store_true", help="per-stage times for DFlash too (more compiles)")
+    ap.add_argument("--no-profile", action="store_true", help="no per-stage split (from a profiler trace)")
+    ap.add_argument("--separate-stages", action="store_true",
+                    help="also time each stage as its own jitted program (many more compiles)")
     ap.add_argument("--out")
     args = ap.parse_args()
     env = environment()
@@ -138,24 +179,28 @@ def main() -> None:
     dcfg = drafter_config(cfg)
     dparams = dr.init_draft_params(dcfg, jax.random.key(1), jnp.bfloat16)
     max_len = max(args.ctx + [args.ddtree_ctx]) + 1024
+    profile = not args.no_profile
     rows = []
     for ctx in args.ctx:
-        rows.append({"method": "ar", "ctx": ctx, "round_ms": bench_ar(target, cfg, ctx, max_len)})
-        print(rows[-1], flush=True)
+        rows.append(bench_ar(target, cfg, ctx, max_len, profile))
         s = SpecSettings(method="dflash", block_size=16, max_new_tokens=512)
-        rows.append(bench_settings(target, cfg, dparams, dcfg, s, ctx, max_len, args.dflash_stages))
+        rows.append(bench_settings(target, cfg, dparams, dcfg, s, ctx, max_len, profile, args.separate_stages))
         write_json(args.out, {"env": env, "rows": rows})
     for b in args.budgets:
         s = SpecSettings(method="ddtree", block_size=16, budget=b, max_new_tokens=512)
-        rows.append(bench_settings(target, cfg, dparams, dcfg, s, args.ddtree_ctx, max_len, not args.no_stages))
+        rows.append(bench_settings(target, cfg, dparams, dcfg, s, args.ddtree_ctx, max_len, profile,
+                                   args.separate_stages))
         write_json(args.out, {"env": env, "rows": rows})
     print(f"\n{env['device']}, jax {env['jax']}, {args.model} target + 5-layer drafter, bf16, batch 1")
-    print("| method | budget | W | ctx | round ms | draft ms | tree ms | verify ms | accept+commit ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    f = lambda r, k: f"{r[k]:.2f}" if k in r else "-"  # noqa: E731
+    print("| method | budget | W | ctx | round ms | device ms | draft | tree | verify | accept | commit | other |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        prof = r.get("profile") or {}
+        split = prof.get("by_scope", {})
+        cells = [f"{split[k]:.2f}" if k in split else "-" for k in STAGES + ("other",)]
+        dev = f"{prof['device_ms']:.2f}" if "device_ms" in prof else "-"
         print(f"| {r['method']} | {r.get('budget', '-')} | {r.get('width', 1)} | {r['ctx']} | {r['round_ms']:.2f} | "
-              f"{f(r, 'draft_ms')} | {f(r, 'tree_ms')} | {f(r, 'verify_ms')} | {f(r, 'accept_commit_ms')} |")
+              f"{dev} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,117 @@
+"""Where the device time of one compiled program goes, read from a `jax.profiler` trace.
+
+Each GPU kernel event in the trace names the HLO instruction it runs (`hlo_op`); the compiled
+HLO text maps that instruction to the `op_name` metadata JAX wrote at trace time, which holds
+the `jax.named_scope` path (e.g. "jit(spec_round)/verify/dot_general"). So one trace of the
+fused program splits its time by stage and by kind of work, with no extra compile: the numbers
+are those of the program that actually runs, not of separately compiled pieces.
+"""
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import os
+import re
+import tempfile
+from typing import Any, Callable, Sequence
+
+import jax
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*op_name=\"([^\"]*)\"")
+
+
+def hlo_op_names(hlo_text: str) -> dict[str, str]:
+    """{HLO instruction name: op_name metadata} for every instruction that carries one."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if m:
+            out[m.group(1)] = m.group(2)
+    return out
+
+
+def kernel_events(trace_dir: str) -> list[dict[str, Any]]:
+    """Kernel events (GPU stream lines) of the newest perfetto trace under `trace_dir`."""
+    paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*perfetto*.json.gz"), recursive=True),
+                   key=os.path.getmtime)
+    if not paths:
+        return []
+    with gzip.open(paths[-1], "rt") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    threads = {(e.get("pid"), e.get("tid")): str(e.get("args", {}).get("name", ""))
+               for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    gpu = [e for e in events if e.get("ph") == "X"
+           and threads.get((e.get("pid"), e.get("tid")), "").lower().startswith("stream")]
+    # No GPU streams (a CPU run): the CPU runtime's per-instruction events stand in for kernels.
+    return gpu or [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {})]
+
+
+def classify(kernel: str, op_name: str) -> str:
+    """A coarse kind of work for one kernel: what a decode step's time is spent on."""
+    prim = op_name.rsplit("/", 1)[-1] if op_name else ""
+    low = kernel.lower()
+    if "tree_attention" in low or prim == "pallas_call":
+        return "attention kernel"
+    if prim in ("dot_general", "dot") or low.startswith("dot") or any(
+            s in low for s in ("gemm", "gemv", "xmma", "cublas", "cutlass", "matmul")):
+        return "matmul"
+    if any(s in low for s in ("nccl", "all_reduce", "all-reduce", "allreduce", "all_gather")):
+        return "collective"
+    if "dynamic_update_slice" in prim or "dynamic-update-slice" in low or "scatter" in prim:
+        return "cache write"
+    if any(s in prim for s in ("reduce_max", "argmax", "sort", "top_k", "cumsum", "reduce_sum")):
+        return "reductions"
+    return "elementwise / other"
+
+
+def scope_of(op_name: str, scopes: Sequence[str]) -> str:
+    """The innermost of `scopes` named on the op's path, else "other"."""
+    parts = op_name.split("/")
+    for part in reversed(parts):
+        if part in scopes:
+            return part
+    return "other"
+
+
+def profile_program(fn: Callable[[], Any], hlo_text: str, calls: int = 5,
+                    scopes: Sequence[str] = (), log_dir: str | None = None) -> dict[str, Any]:
+    """Device time per call of `fn()` (already compiled and warm), split by scope and by kind.
+
+    Returns {"device_ms": kernel time per call, "by_scope": {scope: ms}, "by_kind": {kind: ms},
+    "top_kernels": [(name, ms)], "unmapped_ms": kernel time whose instruction was not found}.
+    Never raises: a benchmark aid must not stop the run (errors come back as {"error": ...}).
+    """
+    try:
+        names = hlo_op_names(hlo_text)
+        jax.block_until_ready(fn())
+        trace_dir = tempfile.mkdtemp(dir=log_dir)
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for _ in range(calls):
+                jax.block_until_ready(fn())
+        events = kernel_events(trace_dir)
+        if not events:
+            return {"error": "no kernel events in the trace"}
+        by_scope: dict[str, float] = {}
+        by_kind: dict[str, float] = {}
+        by_kernel: dict[str, float] = {}
+        unmapped = total = 0.0
+        for e in events:
+            ms = float(e.get("dur", 0.0)) / 1e3 / calls
+            args = e.get("args", {})
+            op = names.get(str(args.get("hlo_op", "")), "")
+            if not op:
+                unmapped += ms
+            total += ms
+            name = str(e.get("name", ""))
+            by_scope[scope_of(op, scopes)] = by_scope.get(scope_of(op, scopes), 0.0) + ms
+            kind = classify(name, op)
+            by_kind[kind] = by_kind.get(kind, 0.0) + ms
+            by_kernel[name] = by_kernel.get(name, 0.0) + ms
+        top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:8]
+        rnd = lambda d: {k: round(v, 4) for k, v in sorted(d.items(), key=lambda kv: -kv[1])}  # noqa: E731
+        return {"device_ms": round(total, 4), "by_scope": rnd(by_scope), "by_kind": rnd(by_kind),
+                "top_kernels": [(k[:80], round(v, 4)) for k, v in top], "unmapped_ms": round(unmapped, 4)}
+    except Exception as err:  # noqa: BLE001
+        return {"error": repr(err)[:300]}
