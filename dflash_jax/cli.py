@@ -198,6 +198,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--layers", type=int, default=3, help="drafter layers (one target tap per layer)")
     p.add_argument("--mask-token-id", type=int, default=None, help="(default: a special token chat never uses)")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="seconds; stop (save, export) at the first step past it; --resume finishes later")
     p.add_argument("--save-every", type=int, default=500)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--export-dtype", choices=("float32", "bfloat16"), default="float32")
@@ -304,7 +306,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"training a {dcfg.num_layers}-layer block-{dcfg.block_size} drafter (taps {list(dcfg.target_layer_ids)}, "
           f"mask token {dcfg.mask_token_id}) on {len(seqs)} sequences from {data_path}", file=sys.stderr)
     result = tr.train(params, cfg, dcfg, seqs, tc, out, resume=args.resume, save_every=args.save_every,
-                      log_every=args.log_every, export_dtype=args.export_dtype, progress=not args.no_progress,
+                      log_every=args.log_every, time_limit=args.time_limit, export_dtype=args.export_dtype, progress=not args.no_progress,
                       extra_record={"target": str(args.target), "data": str(data_path)})
     last = result.history[-1] if result.history else {}
     print(json.dumps({"out": str(result.out_dir), "step": int(result.state.step),

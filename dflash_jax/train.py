@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -402,7 +403,7 @@ def _host_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
 def train(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: SequenceSet, tc: TrainConfig,
           out_dir: str | Path, *, init_params: dr.DraftParams | None = None, resume: bool = False,
           save_every: int = 500, keep: int = 3, log_every: int = 10, stop_at: int | None = None,
-          export: bool = True, export_dtype: str = "float32", plots: bool = True, progress: bool = True,
+          time_limit: float | None = None, export: bool = True, export_dtype: str = "float32", plots: bool = True, progress: bool = True,
           extra_record: dict[str, Any] | None = None) -> TrainResult:
     """Trains a drafter; checkpoints, logs, plots and the z-lab export go under `out_dir`.
 
@@ -414,6 +415,8 @@ def train(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: Seq
     `resume` continues from the latest checkpoint with the same data order and anchors, so the
     result equals an uninterrupted run. `stop_at` ends the run early at that step (as an
     interruption would), saving a checkpoint. Ctrl-C also saves before exiting.
+    `time_limit` (seconds of this call) ends the run at the first step past it, saves, and still
+    exports: a time-boxed run's drafter is its product, and `resume` can finish the schedule later.
     """
     import orbax.checkpoint as ocp
 
@@ -469,6 +472,7 @@ def train(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: Seq
 
         bar = tqdm(total=tc.steps, initial=start, desc="train", disable=not progress, unit="step")
         t_last, step, logged = time.perf_counter(), start, start
+        t_start, timed_out = t_last, False
         try:
             with log_path.open("a") as log:
                 for step in range(start, end):
@@ -476,6 +480,10 @@ def train(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: Seq
                     batch = {k: jnp.asarray(v) for k, v in data.batch(idx).items()}
                     state, metrics = train_step(state, target, batch, cfg=cfg, dcfg=dcfg, tc=tc)
                     done = step + 1
+                    if done < end and time_limit is not None and time.perf_counter() - t_start > time_limit:
+                        end, timed_out = done, True
+                        print(f"train: time limit {time_limit:.0f} s reached at step {done} of {tc.steps}",
+                              file=sys.stderr)
                     if done % log_every == 0 or done == end:
                         row = {"step": done, **_host_metrics(metrics)}
                         now = time.perf_counter()
@@ -487,6 +495,8 @@ def train(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: Seq
                         history.append(row)
                         bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['tau_estimate']:.2f}")
                     bar.update(1)
+                    if timed_out:
+                        break
                     if done < end:
                         save(done)  # the manager saves only every save_every steps
                 step = end
@@ -502,7 +512,7 @@ def train(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: Seq
     if plots:
         plot_history(history, out_dir / "plots", block_size=dcfg.block_size)
     export_dir = None
-    if export and end == tc.steps:
+    if export and (end == tc.steps or timed_out):
         from convert.dflash_drafter import export_drafter
 
         export_dir = export_drafter(dcfg, cast_floating(state.params, jnp.dtype(export_dtype)), out_dir / "drafter")

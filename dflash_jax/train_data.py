@@ -173,8 +173,8 @@ def generate_responses(params: Any, cfg: Any, prompts: Sequence[Sequence[int]], 
                        ) -> tuple[list[list[int]], list[float]]:
     """Target responses for token prompts with our batched AR decoding -> (responses, temperatures).
 
-    Prompts are sorted by length and decoded `batch_size` at a time (one compiled program per
-    padded width). Each batch is greedy or sampled at `temperature` (a seeded draw with
+    Prompts are sorted by length and decoded `batch_size` at a time (one compiled program: every
+    batch is padded to the longest prompt). Each batch is greedy or sampled at `temperature` (a seeded draw with
     probability `sample_fraction`), so the drafter sees both the target's argmax paths and its
     sampled ones. A response ends with its stop token when one was produced.
     """
@@ -190,11 +190,14 @@ def generate_responses(params: Any, cfg: Any, prompts: Sequence[Sequence[int]], 
     responses: list[list[int]] = [[] for _ in prompts]
     temps = [0.0] * len(prompts)
     batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    # Every batch padded to the longest prompt: one compiled program for the whole run (on a GPU
+    # a compile costs far more than the padded prefill rows).
+    width = int(-(-max(len(p) for p in prompts) // 32) * 32)
     bar = _progress(len(prompts), "generate", progress)
     for b, idx in enumerate(batches):
         chunk = [list(prompts[i]) for i in idx]
         chunk += [chunk[-1]] * (batch_size - len(chunk))  # one compiled batch shape
-        arr, lens = pad_prompts(chunk, multiple=32)
+        arr, lens = pad_prompts(chunk, multiple=width)
         max_len = int(-(-(arr.shape[1] + max_new_tokens + 1) // 64) * 64)
         sampled = bool(rng.random() < sample_fraction)
         sp = SamplingParams(temperature=temperature) if sampled else SamplingParams()
