@@ -44,16 +44,31 @@ _TRANSPOSED_LAYOUTS = {TRANSPOSE.name, HEADS_IN.name, HEADS_OUT.name}
 
 # ----------------------------------------------------------------------------- reading
 
+# Drafters trained by this project and shipped inside the package, by short name.
+SHIPPED_DRAFTERS = {"smollm2": "smollm2-135m-instruct-b16"}
+
+
+def shipped_drafter_path(name: str) -> Path:
+    """The directory of a drafter shipped with dflash-jax (`SHIPPED_DRAFTERS`)."""
+    import dflash_jax
+
+    if name not in SHIPPED_DRAFTERS:
+        raise ConversionError(f"no shipped drafter named {name!r}; known: {sorted(SHIPPED_DRAFTERS)}")
+    return Path(dflash_jax.__file__).parent / "drafters" / SHIPPED_DRAFTERS[name]
+
+
 def load_drafter(path: str | Path, dtype: Any = jnp.float32, *, shardings: ShardingsArg = None
                  ) -> tuple[DraftConfig, DraftParams]:
     """Reads a z-lab drafter directory -> (DraftConfig, DraftParams).
+
+    path: the directory, or the short name of a shipped drafter ("smollm2").
 
     dtype: floating dtype of the params (float32 default; bfloat16 for GPU).
     shardings: as `convert.hf_safetensors.load_hf`, against `draft_specs(dcfg)`.
     Errors (ConversionError, a ValueError) name the file and the tensor: missing, unexpected
     (e.g. an embedding, or DFlash2's convolutions), duplicated, or mis-shaped for config.json.
     """
-    path = Path(path)
+    path = shipped_drafter_path(str(path)) if str(path) in SHIPPED_DRAFTERS else Path(path)
     if not path.is_dir():
         raise ConversionError(f"{path}: expected a drafter directory (config.json + {WEIGHTS_FILE})")
     try:

@@ -15,7 +15,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="'smollm2' (the packaged SmolLM2-135M-Instruct GGUF), a .gguf file, an HF "
                         "safetensors directory or a converted checkpoint directory")
     p.add_argument("--method", choices=("ar", "dflash", "ddtree"), default="ar")
-    p.add_argument("--draft", help="DFlash drafter directory (config.json + model.safetensors)")
+    p.add_argument("--draft", help="DFlash drafter directory (config.json + model.safetensors), "
+                                   "or 'smollm2' for the drafter shipped with dflash-jax")
+    p.add_argument("--compare-ar", action="store_true",
+                   help="also decode with plain AR: print the speedup and whether the tokens agree")
     p.add_argument("--block-size", type=int, default=None, help="drafter block size (default: drafter's)")
     p.add_argument("--budget", type=int, default=64, help="DDTree node budget")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -111,10 +114,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                     stop_tokens=stop)
             run = pipeline.run_speculative(params, cfg, dparams, dcfg, prompts, lens, settings,
                                            seed=args.seed)
+        ar = None
+        if args.compare_ar and args.method != "ar":
+            ar = pipeline.run_ar(params, cfg, prompts, lens, max_new_tokens=args.max_new_tokens,
+                                 sampling=sampling, stop_tokens=stop, seed=args.seed)
     texts = [tokenizer.decode(t, skip_special_tokens=True) for t in run.token_lists()[:len(args.prompts)]]
     record = {"method": args.method, "texts": texts, "tokens": run.total_tokens,
               "seconds": run.seconds, "compile_seconds": run.compile_seconds,
               "tokens_per_second": run.tokens_per_second, "acceptance": run.acceptance()}
+    if ar is not None:
+        record["ar"] = {"tokens": ar.total_tokens, "seconds": ar.seconds, "tokens_per_second": ar.tokens_per_second,
+                        "speedup": run.tokens_per_second / ar.tokens_per_second,
+                        "same_tokens": run.token_lists() == ar.token_lists()}
     if args.json:
         print(json.dumps(record))
         return 0
@@ -124,6 +135,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tau = f", tau {acc['tau']:.2f}" if acc else ""
     print(f"[{args.method}] {run.total_tokens} tokens in {run.seconds:.2f} s: "
           f"{run.tokens_per_second:.1f} tokens/s (compile {run.compile_seconds:.1f} s excluded{tau})")
+    if ar is not None:
+        a = record["ar"]
+        same = "identical tokens" if a["same_tokens"] else "tokens DIFFER from AR"
+        print(f"[ar] {a['tokens']} tokens in {a['seconds']:.2f} s: {a['tokens_per_second']:.1f} tokens/s; "
+              f"{args.method} speedup over AR {a['speedup']:.2f}x ({same})")
     return 0
 
 

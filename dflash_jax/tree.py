@@ -202,7 +202,11 @@ def _per_depth_best(log_probs: jax.Array, budget: int
     batch, depth, vocab = log_probs.shape
     n_tokens = min(budget, vocab)
     # Stable top_k: equal log-probs rank by lower token id, the tie-break the tests assume.
-    token_lp, token_ids = jax.lax.top_k(log_probs, n_tokens)  # [batch, depth, n_tokens]
+    # On rows ([batch * depth, vocab]): XLA lowers a rank-2 top_k to its TopK kernel, but a
+    # rank-3 one to a full sort of the vocabulary (measured: 220 of a 340 ms CPU round).
+    token_lp, token_ids = jax.lax.top_k(log_probs.reshape(batch * depth, vocab), n_tokens)
+    token_lp = token_lp.reshape(batch, depth, n_tokens)
+    token_ids = token_ids.reshape(batch, depth, n_tokens)
 
     scores = [token_lp[:, 0]]
     tokens = [token_ids[:, 0].astype(jnp.int32)]
