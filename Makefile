@@ -20,9 +20,12 @@ $(VENV)/.test: $(VENV)/.base
 	$(PIP) install -q --no-deps dflash==0.1.0
 	touch $@
 
+# DDTree with the drafter shipped for SmolLM2 (dflash_jax/drafters/), then plain AR on the same
+# prompts: prints the answers, tau, tokens/s of both, the speedup and whether the tokens agree.
 demo: $(VENV)/.base
-	$(PY) -m dflash_jax.cli generate --model smollm2 --max-new-tokens 96 \
-		"Give me three tips for a good night's sleep." "What is the capital of France?"
+	$(PY) -m dflash_jax.cli generate --model smollm2 --method ddtree --draft smollm2 --budget 16 \
+		--compare-ar --max-new-tokens 96 "Give me three tips for a good night's sleep." \
+		"Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
 
 test: $(VENV)/.test
 	$(PY) -m pytest -q tests

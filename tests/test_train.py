@@ -249,3 +249,14 @@ def test_export_loads_in_dflash_and_equals_our_forward(runs, target):
 
     ours = np.asarray(jax.jit(infer)(loaded, jnp.asarray(tokens)[None], jnp.array([p])))[0]
     assert np.max(np.abs(ours - ref_logits)) <= 1e-4 * np.max(np.abs(ref_logits))
+
+
+def test_time_limit_stops_saves_and_exports(target, tmp_path):
+    """A time-boxed run ends at the first step past the limit, logs it, and still exports."""
+    _, cfg, params = target
+    dcfg = make_dcfg(cfg)
+    out = tr.train(params, cfg, dcfg, toy_sequences(), TC, tmp_path, init_params=numpy_init(dcfg),
+                   log_every=100, time_limit=0.0, plots=False, progress=False)
+    assert int(out.state.step) == 1 < TC.steps
+    assert [r["step"] for r in out.history] == [1]  # the last step is logged even off log_every
+    assert out.export_dir is not None and (out.export_dir / "model.safetensors").is_file()

@@ -17,7 +17,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.bench.common import SHAPES, copy_bandwidth, environment, time_fn, write_json
+from dflash_jax.bench.common import SHAPES, copy_bandwidth, environment, log, time_fn, write_json
 from dflash_jax.bench.profile import profile_program
 from dflash_jax.kv_cache import KVCache
 from dflash_jax.model import forward, init_params
@@ -48,7 +48,8 @@ def make_decoder(cfg, steps: int, attn_impl: str):
 def bench_model(name: str, contexts: list[int], steps: int, impls: list[str], bandwidth: float,
                 on_row=lambda rows: None, profile: bool = False) -> list[dict]:
     cfg = SHAPES[name]
-    params = init_params(cfg, jax.random.key(0), jnp.bfloat16)
+    params = jax.block_until_ready(init_params(cfg, jax.random.key(0), jnp.bfloat16))
+    log(f"{name}: weights drawn")
     wbytes = param_bytes(params)
     rows = []
     # One max_len for every context: the context is a runtime length, so one compile per impl.
@@ -64,6 +65,7 @@ def bench_model(name: str, contexts: list[int], steps: int, impls: list[str], ba
                 t0 = time.perf_counter()
                 runs[impl] = runs[impl].lower(params, cache, tok).compile()
                 compile_s[impl] = time.perf_counter() - t0
+                log(f"{name} {impl}: compiled in {compile_s[impl]:.1f} s")
             run = runs[impl]
             state = {"cache": cache}
 
@@ -87,7 +89,7 @@ def bench_model(name: str, contexts: list[int], steps: int, impls: list[str], ba
                          "pct_of_weight_roofline": 100 * floor_w / ms,
                          "pct_of_weight_kv_roofline": 100 * floor_wkv / ms,
                          "compile_s": compile_s[impl], "profile_per_token": where})
-            print(rows[-1], flush=True)
+            log(rows[-1])
             on_row(rows)
             del cache, state
     return rows
@@ -105,7 +107,7 @@ def main() -> None:
     args = ap.parse_args()
     env = environment()
     bw = copy_bandwidth(int(args.copy_gb * (1 << 30)))
-    print(env, bw, flush=True)
+    log(env, bw)
     rows = []
     for m in args.models:
         # Written after every row, so a run stopped at its time limit still reports what it measured.

@@ -30,6 +30,14 @@ SHAPES: dict[str, ModelConfig] = {
 }
 
 
+_T0 = time.perf_counter()
+
+
+def log(*parts: Any) -> None:
+    """Print with the seconds since the process started: shows where a run's time goes."""
+    print(f"[{time.perf_counter() - _T0:6.1f}s]", *parts, flush=True)
+
+
 def time_fn(fn: Callable[[], Any], warmup: int = 3, iters: int = 10) -> dict[str, float]:
     """Median / min wall time in ms of `fn()` (which must return device arrays), after warm-up.
 

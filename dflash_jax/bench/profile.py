@@ -22,13 +22,27 @@ _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*op_name
 
 
 def hlo_op_names(hlo_text: str) -> dict[str, str]:
-    """{HLO instruction name: op_name metadata} for every instruction that carries one."""
+    """{HLO instruction name: op_name metadata} for every instruction that carries one.
+
+    Each name is also entered in its kernel-name spelling ('.' and '-' as '_'), which is how
+    GPU kernels launched for a fusion are named when the trace gives no `hlo_op`.
+    """
     out = {}
     for line in hlo_text.splitlines():
         m = _INSTR.match(line)
         if m:
             out[m.group(1)] = m.group(2)
+            out.setdefault(re.sub(r"[.\-]", "_", m.group(1)), m.group(2))
     return out
+
+
+def _diagnose(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the trace holds, for when kernels cannot be mapped to HLO instructions."""
+    return {"hint": "XLA command buffers (CUDA graphs) hide per-instruction attribution; for a split, "
+                    "run again with XLA_FLAGS=--xla_gpu_enable_command_buffer=",
+            "sample_events": [{"name": str(e.get("name", ""))[:60],
+                               "args": {k: str(v)[:80] for k, v in e.get("args", {}).items()}}
+                              for e in events[:3]]}
 
 
 def kernel_events(trace_dir: str) -> list[dict[str, Any]]:
@@ -100,7 +114,7 @@ def profile_program(fn: Callable[[], Any], hlo_text: str, calls: int = 5,
         for e in events:
             ms = float(e.get("dur", 0.0)) / 1e3 / calls
             args = e.get("args", {})
-            op = names.get(str(args.get("hlo_op", "")), "")
+            op = names.get(str(args.get("hlo_op", "")), "") or names.get(str(e.get("name", "")), "")
             if not op:
                 unmapped += ms
             total += ms
@@ -111,7 +125,11 @@ def profile_program(fn: Callable[[], Any], hlo_text: str, calls: int = 5,
             by_kernel[name] = by_kernel.get(name, 0.0) + ms
         top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:8]
         rnd = lambda d: {k: round(v, 4) for k, v in sorted(d.items(), key=lambda kv: -kv[1])}  # noqa: E731
-        return {"device_ms": round(total, 4), "by_scope": rnd(by_scope), "by_kind": rnd(by_kind),
-                "top_kernels": [(k[:80], round(v, 4)) for k, v in top], "unmapped_ms": round(unmapped, 4)}
+        out = {"device_ms": round(total, 4), "by_scope": rnd(by_scope), "by_kind": rnd(by_kind),
+               "top_kernels": [(k[:80], round(v, 4)) for k, v in top], "unmapped_ms": round(unmapped, 4),
+               "kernels_per_call": len(events) / calls}
+        if unmapped > 0.5 * total:
+            out["diagnostic"] = _diagnose(events)
+        return out
     except Exception as err:  # noqa: BLE001
         return {"error": repr(err)[:300]}

@@ -21,15 +21,13 @@ import jax.numpy as jnp
 
 from dflash_jax import drafter as dr
 from dflash_jax.bench.ar_decode import random_cache
-from dflash_jax.bench.common import SHAPES, environment, time_fn, write_json
+from dflash_jax.bench.common import SHAPES, environment, log, time_fn, write_json
 from dflash_jax.bench.profile import profile_program
 from dflash_jax.config import default_tap_layers
 from dflash_jax.model import forward, init_params
 from dflash_jax.speculative import (SpecSettings, SpecState, accept_stage, commit_stage, draft_stage,
                                     spec_round, verify_stage, _block_limit)
 from dflash_jax.tree import build_tree
-
-T0 = time.perf_counter()
 
 
 def drafter_config(cfg, layers: int = 5, block_size: int = 16) -> dr.DraftConfig:
@@ -130,7 +128,7 @@ def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_le
     row = {"method": s.method, "budget": s.budget, "width": s.width, "ctx": ctx, "round_ms": ms, **extra}
     if separate:
         row.update(separate_stage_times(target, dparams, cfg, dcfg, s, st))
-    print(f"[{time.perf_counter() - T0:.0f}s]", row, flush=True)
+    log(row)
     return row
 
 
@@ -148,7 +146,7 @@ def bench_ar(target, cfg, ctx: int, max_len: int, profile: bool) -> dict:
     row = {"method": "ar", "ctx": ctx, "round_ms": t["median_ms"], "first_call_s": t["first_ms"] / 1e3}
     if profile:
         row["profile"] = profile_program(call, step.lower(target, box["cache"], tok).compile().as_text(), calls=5)
-    print(f"[{time.perf_counter() - T0:.0f}s]", row, flush=True)
+    log(row)
     return row
 
 
@@ -175,9 +173,11 @@ def main() -> None:
     env = environment()
     print(env, flush=True)
     cfg = SHAPES[args.model]
-    target = init_params(cfg, jax.random.key(0), jnp.bfloat16)
+    target = jax.block_until_ready(init_params(cfg, jax.random.key(0), jnp.bfloat16))
+    log("target weights drawn")
     dcfg = drafter_config(cfg)
-    dparams = dr.init_draft_params(dcfg, jax.random.key(1), jnp.bfloat16)
+    dparams = jax.block_until_ready(dr.init_draft_params(dcfg, jax.random.key(1), jnp.bfloat16))
+    log("drafter weights drawn")
     max_len = max(args.ctx + [args.ddtree_ctx]) + 1024
     profile = not args.no_profile
     rows = []

@@ -1,0 +1,49 @@
+"""The profile splitter behind the GPU breakdowns: attribution by named scope and by kind of work.
+
+On CPU the trace's per-instruction events stand in for GPU kernels, so the same code path
+(trace -> HLO instruction -> op_name metadata -> scope) is exercised.
+"""
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.bench.profile import classify, hlo_op_names, profile_program, scope_of
+
+
+def test_hlo_op_names_reads_metadata_and_kernel_spelling():
+    text = ('  %gemm_fusion.dot-3 = f32[2]{0} fusion(%p), kind=kCustom, '
+            'metadata={op_name="jit(f)/verify/dot_general" stack_frame_id=1}\n'
+            '  ROOT %add.7 = f32[2]{0} add(%a, %b)\n')
+    names = hlo_op_names(text)
+    assert names["gemm_fusion.dot-3"] == "jit(f)/verify/dot_general"
+    assert names["gemm_fusion_dot_3"] == "jit(f)/verify/dot_general"  # how GPU kernels are named
+    assert "add.7" not in names  # no metadata, nothing to attribute
+
+
+def test_scope_and_kind_rules():
+    assert scope_of("jit(r)/draft/tree/jit(_b)/top_k", ("draft", "tree")) == "tree"  # innermost
+    assert scope_of("jit(r)/verify/dot_general", ("draft", "tree")) == "other"
+    assert classify("gemm_fusion_dot_12", "") == "matmul"
+    assert classify("tree_attention", "") == "attention kernel"
+    assert classify("loop_add_fusion", "jit(f)/add") == "elementwise / other"
+
+
+def test_profile_splits_time_by_named_scope():
+    def f(x, small):
+        with jax.named_scope("heavy"):
+            for _ in range(4):
+                x = jnp.tanh(x @ x)
+        with jax.named_scope("light"):
+            small = small + 1.0
+        return x, small
+
+    jitted = jax.jit(f)
+    x, small = jnp.ones((384, 384)) / 384, jnp.ones((8,))
+    compiled = jitted.lower(x, small).compile()
+    out = profile_program(lambda: compiled(x, small), compiled.as_text(), calls=3, scopes=("heavy", "light"))
+    assert "error" not in out, out
+    split = out["by_scope"]
+    assert split.get("heavy", 0.0) > 0.0
+    # Four 384^3 matmuls against one 8-element add: the split must rank them by a wide margin.
+    assert split["heavy"] > 10 * split.get("light", 0.0), split
+    assert out["by_kind"].get("matmul", 0.0) > 0.0
+    assert out["device_ms"] >= split["heavy"]
