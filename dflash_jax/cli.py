@@ -161,8 +161,8 @@ _DATA_DIR = "../shared/data"
 
 def _add_data_gen_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", nargs="+", metavar="JSONL", default=None,
-                   help=f"training prompt files (default: gsm8k train + alpaca_eval under --data-dir); "
-                        f"evaluation sets (spec_bench, test splits) are refused")
+                   help="training prompt files (default: gsm8k train + alpaca_eval under --data-dir); "
+                        "evaluation sets (spec_bench, test splits) are refused")
     p.add_argument("--data-dir", default=_DATA_DIR, help="the shared prompt sets (default: %(default)s)")
     p.add_argument("--limit", type=int, default=None, help="prompts read per file (default: all)")
     p.add_argument("--gen-tokens", type=int, default=256, help="max new tokens per response")

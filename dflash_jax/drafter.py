@@ -31,7 +31,6 @@ from dflash_jax.model import (LayerParams, ModelParams, attention_specs, embed_t
 from dflash_jax.params import EMBED, Spec, init_from_specs
 from dflash_jax.rope import apply_rope, rope_tables
 from dflash_jax.sharding import attention as sharded_attention
-from pallas_kernels.tree_attention import tree_attention
 
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 # Logical axis of fc's input (the concatenated tap features); unsharded by the default rules.

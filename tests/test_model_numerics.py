@@ -1,7 +1,6 @@
 """The JAX target forward against transformers (float32), and the cached step against recompute."""
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -3,17 +3,18 @@
 python -m dflash_jax.bench.spec_round --ctx 512 4096 --budgets 16 64 256 512 --out spec.json
 
 Random bf16 weights: the target has Qwen3-8B's shape, the drafter 5 layers of the same width
-(z-lab's drafters for Qwen3-8B have this shape). Each number is the median wall time of a
-jitted, donated call after warm-up (compile excluded). The fused round is the fast path; the
-stages (drafter pass, tree build, verify, accept+commit) are timed as separately jitted
-programs to show where the time goes.
+(z-lab's drafters for Qwen3-8B have this shape). Each number is the median wall time per round
+of a jitted, donated call that runs 8 rounds (or AR steps) in an on-device loop, as decoding
+does, after warm-up (compile excluded). The split by stage (draft, tree, verify, accept,
+commit: named scopes in `spec_round`) comes from a profiler trace of that same program; on GPU
+it needs XLA command buffers off (XLA_FLAGS=--xla_gpu_enable_command_buffer=), which hide
+per-instruction attribution. `--separate-stages` also times each stage as its own program.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import functools
-import time
 from typing import Any
 
 import jax
@@ -65,36 +66,59 @@ def reset(state: SpecState, ctx: int) -> SpecState:
 STAGES = ("draft", "tree", "verify", "accept", "commit")  # spec_round's named scopes
 
 
+ROUNDS_PER_CALL = 8
+
+
 @functools.lru_cache(maxsize=None)
-def round_program(cfg, dcfg, s: SpecSettings, ctx: int):
-    """(jitted donated round, jitted reset to `ctx`), one compile per settings however often used."""
-    rnd = jax.jit(functools.partial(spec_round, cfg=cfg, dcfg=dcfg, s=s), donate_argnums=(0,))
-    return rnd, jax.jit(functools.partial(reset, ctx=ctx), donate_argnums=(0,))
+def round_program(cfg, dcfg, s: SpecSettings, ctx: int, rounds: int = ROUNDS_PER_CALL):
+    """`rounds` fused rounds in one jitted, donated `fori_loop`, each starting at `ctx` tokens.
+
+    Decoding runs its rounds inside one on-device loop (`generate_speculative`), so this is the
+    latency a round has there: no per-round host dispatch. One compile per settings.
+    """
+    def run(state: SpecState, target, dparams) -> SpecState:
+        body = lambda _, st: spec_round(reset(st, ctx), target, cfg, dparams, dcfg, s)  # noqa: E731
+        return jax.lax.fori_loop(0, rounds, body, state)
+    return jax.jit(run, donate_argnums=(0,))
 
 
 def timed_rounds(target, dparams, cfg, dcfg, s: SpecSettings, state: SpecState, ctx: int
                  ) -> tuple[float, Any, SpecState]:
-    """Median ms of the fused, donated round, every call starting at `ctx` committed tokens.
+    """Median ms per round of the fused, donated round, every round starting at `ctx` tokens.
 
-    Returns (ms, the jitted round, the last state) so callers can inspect the compiled program.
+    Returns (ms, the jitted program, the last state) so callers can inspect the compiled program.
     """
     ms, rnd, last, _ = _timed_rounds(target, dparams, cfg, dcfg, s, state, ctx, profile=False)
     return ms, rnd, last
 
 
 def _timed_rounds(target, dparams, cfg, dcfg, s, state, ctx, profile: bool):
-    rnd, rnd_reset = round_program(cfg, dcfg, s, ctx)
+    rnd = round_program(cfg, dcfg, s, ctx)
     box = {"state": state}
 
-    def call_round():
-        box["state"] = rnd(rnd_reset(box["state"]), target=target, dparams=dparams)
+    def call_rounds():
+        box["state"] = rnd(box["state"], target=target, dparams=dparams)
         return box["state"].count
-    t = time_fn(call_round, warmup=3, iters=20)
+    t = time_fn(call_rounds, warmup=2, iters=10)
     where = None
     if profile:
         hlo = rnd.lower(box["state"], target=target, dparams=dparams).compile().as_text()
-        where = profile_program(call_round, hlo, calls=5, scopes=STAGES)
-    return t["median_ms"], rnd, reset(box["state"], ctx), {"first_call_s": t["first_ms"] / 1e3, "profile": where}
+        where = per_round(profile_program(call_rounds, hlo, calls=3, scopes=STAGES), ROUNDS_PER_CALL)
+    extra = {"first_call_s": t["first_ms"] / 1e3, "rounds_per_call": ROUNDS_PER_CALL, "profile": where}
+    return t["median_ms"] / ROUNDS_PER_CALL, rnd, box["state"], extra
+
+
+def per_round(profile: dict, n: int) -> dict:
+    """A profile of a call that ran `n` rounds (or steps), scaled to one."""
+    if "error" in profile:
+        return profile
+    scaled = dict(profile)
+    for key in ("device_ms", "unmapped_ms", "kernels_per_call"):
+        scaled[key] = profile[key] / n
+    for key in ("by_scope", "by_kind"):
+        scaled[key] = {k: v / n for k, v in profile[key].items()}
+    scaled["top_kernels"] = [(k, v / n) for k, v in profile["top_kernels"]]
+    return scaled
 
 
 def separate_stage_times(target, dparams, cfg, dcfg, s: SpecSettings, st: SpecState) -> dict[str, float]:
@@ -133,30 +157,35 @@ def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_le
 
 
 def bench_ar(target, cfg, ctx: int, max_len: int, profile: bool) -> dict:
-    """One AR decode step (the W=1 forward) from `ctx` tokens, side by side with the rounds."""
+    """AR decode steps (the W=1 forward) from `ctx` tokens in one on-device loop, as decoding runs."""
     cache = random_cache(cfg, 1, max_len, ctx, jnp.bfloat16)
-    step = _ar_step(cfg)
+    steps = _ar_steps(cfg, ROUNDS_PER_CALL)
     box = {"cache": cache}
     tok = jnp.full((1,), 3, jnp.int32)
 
     def call():
-        box["cache"], t = step(target, box["cache"], tok)
+        box["cache"], t = steps(target, box["cache"], tok)
         return t
-    t = time_fn(call, warmup=3, iters=20)
-    row = {"method": "ar", "ctx": ctx, "round_ms": t["median_ms"], "first_call_s": t["first_ms"] / 1e3}
+    t = time_fn(call, warmup=2, iters=10)
+    row = {"method": "ar", "ctx": ctx, "round_ms": t["median_ms"] / ROUNDS_PER_CALL,
+           "first_call_s": t["first_ms"] / 1e3, "rounds_per_call": ROUNDS_PER_CALL}
     if profile:
-        row["profile"] = profile_program(call, step.lower(target, box["cache"], tok).compile().as_text(), calls=5)
+        hlo = steps.lower(target, box["cache"], tok).compile().as_text()
+        row["profile"] = per_round(profile_program(call, hlo, calls=3), ROUNDS_PER_CALL)
     log(row)
     return row
 
 
 @functools.lru_cache(maxsize=None)
-def _ar_step(cfg):
+def _ar_steps(cfg, n: int):
     @functools.partial(jax.jit, donate_argnums=(1,))
-    def step(target, cache, tok):  # the weights are an argument: closing over them makes them constants
-        out = forward(target, cfg, tok[:, None], cache.lengths[:, None], cache, None)
-        return out.cache, jnp.argmax(out.logits[:, 0], -1).astype(jnp.int32)
-    return step
+    def steps(target, cache, tok):  # the weights are an argument: closing over them makes them constants
+        def body(_, carry):
+            cache, tok = carry
+            out = forward(target, cfg, tok[:, None], cache.lengths[:, None], cache, None)
+            return out.cache, jnp.argmax(out.logits[:, 0], -1).astype(jnp.int32)
+        return jax.lax.fori_loop(0, n, body, (cache, tok))
+    return steps
 
 
 def main() -> None:

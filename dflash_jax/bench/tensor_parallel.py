@@ -23,11 +23,8 @@ largest budget, at the largest tp (from `device.memory_stats()`; absent on CPU).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import gc
-import glob
-import gzip
 import json
 import math
 import os
@@ -47,7 +44,8 @@ from dflash_jax.bench.common import SHAPES, environment, time_fn, write_json
 from dflash_jax.config import ModelConfig, RopeConfig
 from dflash_jax.model import forward, model_specs
 from dflash_jax.params import param_bytes
-from dflash_jax.bench.spec_round import drafter_config, make_state, timed_rounds
+from dflash_jax.bench.profile import profile_program
+from dflash_jax.bench.spec_round import ROUNDS_PER_CALL, drafter_config, make_state, per_round, timed_rounds
 from dflash_jax.speculative import SpecSettings, spec_round
 
 TINY = ModelConfig(model_type="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=6,
@@ -148,46 +146,6 @@ def replay_collectives(ops: list[tuple[str, str, tuple[int, ...]]], mesh) -> flo
     return max(0.0, times[0] - times[1])
 
 
-_TRACE_COLLECTIVE = re.compile(r"nccl|all-reduce|all_reduce|allreduce|all-gather|all_gather|allgather|"
-                               r"reduce-scatter|reducescatter|all-to-all|collective-permute", re.I)
-
-
-def profile_share(fn, logdir: str, calls: int = 5) -> dict | None:
-    """Collective share of device time from a profiler trace (best effort; None if unreadable).
-
-    Sums the durations of complete events on device (non-host) tracks: those named like a
-    collective over all of them.
-    """
-    try:
-        jax.block_until_ready(fn())
-        with jax.profiler.trace(logdir, create_perfetto_trace=True):
-            for _ in range(calls):
-                jax.block_until_ready(fn())
-        files = sorted(glob.glob(os.path.join(logdir, "**", "perfetto_trace.json.gz"), recursive=True))
-        if not files:
-            return None
-        with gzip.open(files[-1], "rt") as f:
-            trace = json.load(f)
-        events = trace["traceEvents"] if isinstance(trace, dict) else trace
-        names = {}
-        for e in events:
-            if e.get("ph") == "M" and e.get("name") == "process_name":
-                names[e.get("pid")] = str(e.get("args", {}).get("name", ""))
-        device_pids = {p for p, n in names.items() if re.search(r"/device:(GPU|TPU)|GPU|gpu", n)}
-        if not device_pids:
-            return None
-        total = coll = 0.0
-        for e in events:
-            if e.get("ph") == "X" and e.get("pid") in device_pids:
-                total += float(e.get("dur", 0))
-                if _TRACE_COLLECTIVE.search(str(e.get("name", ""))):
-                    coll += float(e.get("dur", 0))
-        return {"device_us": total / calls, "collective_us": coll / calls,
-                "share": coll / total if total else None}
-    except Exception as err:  # a benchmark aid: never let the trace parser stop the run
-        return {"error": repr(err)[:200]}
-
-
 # ----------------------------------------------------------------------------- measurements
 
 def bench_ar(target, cfg, mesh, ctx: int, steps: int, max_len: int) -> dict:
@@ -222,7 +180,15 @@ def bench_round(target, dparams, cfg, dcfg, mesh, budget: int, ctx: int, max_len
     row = {"budget": budget, "width": s.width, "round_ms": ms, "collectives_per_round": len(ops),
            "collective_ms": comm, "collective_share": None if comm is None else comm / ms}
     if profile_dir:
-        row["profile"] = profile_share(call, os.path.join(profile_dir, f"tp{sh.mesh_sizes(mesh)[1]}_b{budget}"))
+        box = {"state": last}
+
+        def call():
+            box["state"] = rnd(box["state"], target=target, dparams=dparams)
+            return box["state"].count
+        prof = per_round(profile_program(call, hlo, calls=3, log_dir=profile_dir), ROUNDS_PER_CALL)
+        if "error" not in prof:  # the trace's own view: collective kernels over all device time
+            prof["collective_share"] = prof["by_kind"].get("collective", 0.0) / prof["device_ms"]
+        row["profile"] = prof
     return row
 
 
