@@ -1,6 +1,6 @@
 """Plots DDTree round latency (and its stages) against the node budget from spec_round's JSON.
 
-python -m dflash_jax.bench.plot_budget spec.json docs/ddtree_latency_vs_budget.png
+python -m dflash_jax.bench.plot_budget spec.json ddtree_latency_vs_budget.png
 """
 from __future__ import annotations
 
@@ -18,10 +18,23 @@ def plot(json_path: str, png_path: str) -> None:
     rows = sorted((r for r in record["rows"] if r["method"] == "ddtree"), key=lambda r: r["budget"])
     budgets = [r["budget"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in [("round_ms", "fused round"), ("draft_ms", "drafter pass"), ("tree_ms", "tree build"),
-                       ("verify_ms", "verify (target + tree attention)"), ("accept_commit_ms", "accept + commit")]:
-        if all(key in r for r in rows):
-            ax.plot(budgets, [r[key] for r in rows], marker="o", label=label)
+    def value(r: dict, key: str) -> float | None:
+        """A stage time: from the separately timed stages, else the profile's split of the round."""
+        if key in r:
+            return r[key]
+        prof = r.get("profile") or {}
+        if key == "device_ms":
+            return prof.get("device_ms")
+        split = prof.get("by_scope") or {}
+        return split.get(key[:-3]) if key[:-3] in split else None
+
+    for key, label in [("round_ms", "fused round (wall)"), ("device_ms", "device time (profile)"),
+                       ("draft_ms", "drafter pass"), ("tree_ms", "tree build"),
+                       ("verify_ms", "verify (target + tree attention)"), ("accept_ms", "accept"),
+                       ("commit_ms", "commit"), ("accept_commit_ms", "accept + commit")]:
+        vals = [value(r, key) for r in rows]
+        if all(v is not None for v in vals):
+            ax.plot(budgets, vals, marker="o", label=label)
     for r in record["rows"]:
         if r["method"] == "dflash" and r["ctx"] == rows[0]["ctx"]:
             ax.axhline(r["round_ms"], color="gray", ls="--", lw=1, label="DFlash round (block 16)")

@@ -69,7 +69,7 @@ def classify(kernel: str, op_name: str) -> str:
     if "tree_attention" in low or prim == "pallas_call":
         return "attention kernel"
     if prim in ("dot_general", "dot") or low.startswith("dot") or any(
-            s in low for s in ("gemm", "gemv", "xmma", "cublas", "cutlass", "matmul")):
+            s in low for s in ("gemm", "gemv", "xmma", "nvjet", "cublas", "cutlass", "matmul")):
         return "matmul"
     if any(s in low for s in ("nccl", "all_reduce", "all-reduce", "allreduce", "all_gather")):
         return "collective"

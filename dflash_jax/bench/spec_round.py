@@ -24,6 +24,7 @@ from dflash_jax import drafter as dr
 from dflash_jax.bench.ar_decode import random_cache
 from dflash_jax.bench.common import SHAPES, environment, log, time_fn, write_json
 from dflash_jax.bench.profile import profile_program
+from convert.dflash_drafter import load_drafter
 from dflash_jax.config import default_tap_layers
 from dflash_jax.model import forward, init_params
 from dflash_jax.speculative import (SpecSettings, SpecState, accept_stage, commit_stage, draft_stage,
@@ -40,12 +41,12 @@ def drafter_config(cfg, layers: int = 5, block_size: int = 16) -> dr.DraftConfig
                           rope=cfg.rope, max_position_embeddings=cfg.max_position_embeddings)
 
 
-def make_state(cfg, dcfg, ctx: int, max_len: int, max_new: int) -> SpecState:
-    cache = random_cache(cfg, 1, max_len, ctx, jnp.bfloat16)
+def make_state(cfg, dcfg, ctx: int, max_len: int, max_new: int, dtype=jnp.bfloat16) -> SpecState:
+    cache = random_cache(cfg, 1, max_len, ctx, dtype)
     shape = (1, max_len, dcfg.num_kv_heads, dcfg.head_dim)
     ks = jax.random.split(jax.random.key(5), 2 * dcfg.num_layers)
-    dcache = dr.DraftCache(k=tuple(jax.random.normal(ks[i], shape, jnp.bfloat16) for i in range(dcfg.num_layers)),
-                           v=tuple(jax.random.normal(ks[dcfg.num_layers + i], shape, jnp.bfloat16)
+    dcache = dr.DraftCache(k=tuple(jax.random.normal(ks[i], shape, dtype) for i in range(dcfg.num_layers)),
+                           v=tuple(jax.random.normal(ks[dcfg.num_layers + i], shape, dtype)
                                    for i in range(dcfg.num_layers)),
                            lengths=jnp.full((1,), ctx, jnp.int32))
     return SpecState(cache=cache, draft_cache=dcache, root=jnp.full((1,), 11, jnp.int32),
@@ -147,7 +148,7 @@ def separate_stage_times(target, dparams, cfg, dcfg, s: SpecSettings, st: SpecSt
 
 def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_len: int, profile: bool,
                    separate: bool = False) -> dict:
-    state = make_state(cfg, dcfg, ctx, max_len, s.max_new_tokens)
+    state = make_state(cfg, dcfg, ctx, max_len, s.max_new_tokens, target.embed.dtype)
     ms, _, st, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, ctx, profile)
     row = {"method": s.method, "budget": s.budget, "width": s.width, "ctx": ctx, "round_ms": ms, **extra}
     if separate:
@@ -158,7 +159,7 @@ def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_le
 
 def bench_ar(target, cfg, ctx: int, max_len: int, profile: bool) -> dict:
     """AR decode steps (the W=1 forward) from `ctx` tokens in one on-device loop, as decoding runs."""
-    cache = random_cache(cfg, 1, max_len, ctx, jnp.bfloat16)
+    cache = random_cache(cfg, 1, max_len, ctx, target.embed.dtype)
     steps = _ar_steps(cfg, ROUNDS_PER_CALL)
     box = {"cache": cache}
     tok = jnp.full((1,), 3, jnp.int32)
@@ -194,6 +195,8 @@ def main() -> None:
     ap.add_argument("--ctx", nargs="+", type=int, default=[512, 4096])
     ap.add_argument("--budgets", nargs="*", type=int, default=[16, 64, 256, 512])
     ap.add_argument("--ddtree-ctx", type=int, default=4096)
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    ap.add_argument("--draft", help="a drafter directory or shipped name instead of a random 5-layer one")
     ap.add_argument("--no-profile", action="store_true", help="no per-stage split (from a profiler trace)")
     ap.add_argument("--separate-stages", action="store_true",
                     help="also time each stage as its own jitted program (many more compiles)")
@@ -202,25 +205,31 @@ def main() -> None:
     env = environment()
     print(env, flush=True)
     cfg = SHAPES[args.model]
-    target = jax.block_until_ready(init_params(cfg, jax.random.key(0), jnp.bfloat16))
+    dtype = jnp.dtype(args.dtype)
+    target = jax.block_until_ready(init_params(cfg, jax.random.key(0), dtype))
     log("target weights drawn")
-    dcfg = drafter_config(cfg)
-    dparams = jax.block_until_ready(dr.init_draft_params(dcfg, jax.random.key(1), jnp.bfloat16))
-    log("drafter weights drawn")
+    if args.draft:  # a real drafter's shape and weights (the target stays random: timing only)
+        dcfg, dparams = load_drafter(args.draft, dtype)
+        dr.validate_pair(dcfg, cfg)
+    else:
+        dcfg = drafter_config(cfg)
+        dparams = jax.block_until_ready(dr.init_draft_params(dcfg, jax.random.key(1), dtype))
+    log("drafter weights ready")
     max_len = max(args.ctx + [args.ddtree_ctx]) + 1024
     profile = not args.no_profile
     rows = []
     for ctx in args.ctx:
         rows.append(bench_ar(target, cfg, ctx, max_len, profile))
-        s = SpecSettings(method="dflash", block_size=16, max_new_tokens=512)
+        s = SpecSettings(method="dflash", block_size=dcfg.block_size, max_new_tokens=512)
         rows.append(bench_settings(target, cfg, dparams, dcfg, s, ctx, max_len, profile, args.separate_stages))
         write_json(args.out, {"env": env, "rows": rows})
     for b in args.budgets:
-        s = SpecSettings(method="ddtree", block_size=16, budget=b, max_new_tokens=512)
+        s = SpecSettings(method="ddtree", block_size=dcfg.block_size, budget=b, max_new_tokens=512)
         rows.append(bench_settings(target, cfg, dparams, dcfg, s, args.ddtree_ctx, max_len, profile,
                                    args.separate_stages))
         write_json(args.out, {"env": env, "rows": rows})
-    print(f"\n{env['device']}, jax {env['jax']}, {args.model} target + 5-layer drafter, bf16, batch 1")
+    print(f"\n{env['device']}, jax {env['jax']}, {args.model} target + {dcfg.num_layers}-layer drafter, "
+          f"{dtype.name}, batch 1")
     print("| method | budget | W | ctx | round ms | device ms | draft | tree | verify | accept | commit | other |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
