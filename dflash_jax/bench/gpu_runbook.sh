@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# The GPU measurements behind BENCHMARKS.md, one phase per device call (each fits in 10 minutes).
+#
+#   bash dflash_jax/bench/gpu_runbook.sh PHASE [OUT_DIR]        (OUT_DIR defaults to $OUT)
+#
+# Phases, in the order the open issues need them:
+#   ar            AR decode vs the roofline: Qwen3-8B shape and SmolLM2, ctx 1K/8K, with profiles
+#   rounds        DFlash / DDTree round latency, 8 rounds per call (the decoding fast path)
+#   rounds-split  the same with XLA command buffers off, for the per-stage split of each round
+#   kernel        tree attention vs XLA at ctx 4K and 32K
+#   drafter       SmolLM2 drafter: make-data, train, export (GGUF=path, DATA=dir, STEPS, TRAIN_S)
+#   eval          tau on gsm8k (128) + spec_bench (480); batch-1 speed beside the PyTorch reference
+#   tp            tensor parallelism, tp=1 vs tp=2 (on a 2-GPU machine)
+# DRY=1 runs a phase on tiny shapes on the CPU: a check of this script, not a measurement.
+# Each step has its own time limit and writes its log and JSON under OUT_DIR as it goes, so a
+# step cut short still leaves what it measured; output is unbuffered (no filter in the pipe).
+set -uo pipefail
+
+phase=${1:?usage: gpu_runbook.sh PHASE [OUT_DIR]}
+out=${2:-${OUT:-/tmp/runbook}}
+mkdir -p "$out"
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+dry=${DRY:-0}
+data=${DATA:-.data}
+gguf=${GGUF:-smollm2}
+run_dir=${RUN_DIR:-/root/run}
+[ "$dry" = 1 ] && run_dir=$out/run
+
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUT_DIR/NAME.log
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name ($limit s): $*"
+    timeout "$limit" "$@" 2>&1 | tee "$out/$name.log"
+}
+
+spec_args() {  # the round benchmark's shapes
+    if [ "$dry" = 1 ]; then echo --model tiny --ctx 64 --budgets 16 --ddtree-ctx 128
+    else echo --ctx 512 4096 --budgets 16 64 256 512; fi
+}
+
+case $phase in
+ar)
+    if [ "$dry" = 1 ]; then set -- --models tiny --contexts 64 256 --steps 8 --copy-gb 0.05 --impls reference
+    else set -- --models smollm2-135m qwen3-8b --contexts 1024 8192 --impls pallas; fi
+    step ar 560 python -m dflash_jax.bench.ar_decode "$@" --profile --out "$out/ar.json" ;;
+rounds)
+    # shellcheck disable=SC2046
+    step rounds 560 python -m dflash_jax.bench.spec_round $(spec_args) --no-profile --out "$out/rounds.json" ;;
+rounds-split)
+    export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="
+    # shellcheck disable=SC2046
+    step rounds_split 560 python -m dflash_jax.bench.spec_round $(spec_args) --out "$out/rounds_split.json" ;;
+kernel)
+    if [ "$dry" = 1 ]; then set -- --interpret
+    else set -- --contexts 32768 4096 --widths 16 64 256 512 --reps 3 --budget 400; fi
+    step kernel 560 python -m dflash_jax.bench.tree_attention_bench "$@" --out "$out/kernel.json" ;;
+drafter)
+    if [ "$dry" = 1 ]; then
+        gen=(--limit 4 --gen-tokens 16 --gen-batch 4)
+        trn=(--steps 4 --batch 2 --seq-len 128 --blocks 4 --log-every 2)
+    else
+        gen=(--gen-batch 512)
+        trn=(--steps "${STEPS:-10000}" --batch 32 --log-every 50)
+    fi
+    step make_data 150 python -m dflash_jax.cli make-data --target "$gguf" --data-dir "$data" "${gen[@]}" \
+        --out "$run_dir/tokens.npz" || exit 1
+    step train "$(( ${TRAIN_S:-330} + 60 ))" python -m dflash_jax.cli train --target "$gguf" \
+        --data "$run_dir/tokens.npz" --out "$run_dir/run" --layers 3 --time-limit "${TRAIN_S:-330}" \
+        --export-dtype bfloat16 --no-progress "${trn[@]}" || exit 1
+    # The transfer back takes files of at most 16 MiB: the weights come in parts.
+    split -b 15M "$run_dir/run/drafter/model.safetensors" "$out/drafter.safetensors.part_"
+    tar czf "$out/drafter_run.tgz" -C "$run_dir/run" train_run.json log.jsonl plots drafter/config.json ;;
+eval)
+    draft=${DRAFT:-$run_dir/run/drafter}
+    if [ "$dry" = 1 ]; then n_gsm8k=2 lim=(--limit 2 --max-new-tokens 16) budgets=(16) fast=(--limit 2 --max-new-tokens 16)
+    else n_gsm8k=128 lim=(--max-new-tokens 256) budgets=(16 64 256) fast=(--limit 16 --max-new-tokens 256); fi
+    # tau over whole prompt sets, batched (tau does not depend on the batch)
+    step tau_gsm8k 200 python -m dflash_jax.cli bench --target "$gguf" --draft "$draft" --method dflash ddtree \
+        --budget "${budgets[@]}" --prompts "$data/gsm8k/test.jsonl" --batch 64 --no-progress "${lim[@]}" \
+        --limit "$n_gsm8k" --out "$out/tau_gsm8k"
+    step tau_spec_bench 240 python -m dflash_jax.cli bench --target "$gguf" --draft "$draft" --method dflash ddtree \
+        --budget "${budgets[@]}" --prompts "$data/spec_bench/question.jsonl" --batch 64 --no-progress "${lim[@]}" \
+        --out "$out/tau_spec_bench"
+    # speed: batch 1, ours then the PyTorch reference on the same prompts
+    step speed_jax 150 python -m dflash_jax.cli bench --target "$gguf" --draft "$draft" --method ar dflash ddtree \
+        --budget 64 --prompts "$data/gsm8k/test.jsonl" --batch 1 --no-progress "${fast[@]}" --out "$out/speed_jax"
+    ref_gguf=$gguf
+    [ "$gguf" = smollm2 ] && ref_gguf=$(python -c "from convert.gguf_file import smollm2_gguf_path as p; print(p())")
+    step speed_torch 150 python -m dflash_jax.bench.torch_reference --gguf "$ref_gguf" --draft "$draft" \
+        --prompts "$data/gsm8k/test.jsonl" "${fast[@]}" --out "$out/speed_torch.json" ;;
+tp)
+    if [ "$dry" = 1 ]; then set -- --tiny; else set --; fi
+    step tp 560 python -m dflash_jax.bench.tensor_parallel "$@" --out "$out/tp.json" ;;
+*)
+    echo "unknown phase: $phase (ar, rounds, rounds-split, kernel, drafter, eval, tp)" >&2
+    exit 2 ;;
+esac
