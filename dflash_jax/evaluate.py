@@ -108,8 +108,9 @@ def bench_tokens(params: Any, cfg: Any, token_lists: Sequence[Sequence[int]], ca
                  progress: bool = True) -> dict[str, Any]:
     """Runs every method over the token prompts; returns the JSON-ready report.
 
-    Prompts are decoded in their given order, `batch_size` at a time, right-padded to a width
-    rounded up to `width_multiple` (one compiled program per width bucket and method).
+    Prompts are decoded in their given order, `batch_size` at a time, every batch right-padded
+    to the longest prompt rounded up to `width_multiple`: one compiled program per method (on a
+    GPU a compile costs more than the padded prefill rows).
     """
     from tqdm.auto import tqdm
 
@@ -117,12 +118,15 @@ def bench_tokens(params: Any, cfg: Any, token_lists: Sequence[Sequence[int]], ca
     from dflash_jax.pipeline import Compiled, default_max_len, pad_prompts
     from dflash_jax.speculative import SpecSettings, generate_speculative
 
+    if not token_lists:
+        raise ValueError("no prompts to benchmark")
     if len(token_lists) != len(categories):
         raise ValueError("token_lists and categories differ in length")
     if any(s.method != "ar" for s in specs) and dparams is None:
         raise ValueError("dflash / ddtree need a drafter (--draft DIR)")
     n = len(token_lists)
     batches = [list(range(i, min(i + batch_size, n))) for i in range(0, n, batch_size)]
+    width = -(-max(len(t) for t in token_lists) // width_multiple) * width_multiple
     compiled = Compiled()
     per_method: dict[str, dict[str, Any]] = {}
     outputs: dict[str, list[list[int]]] = {}
@@ -141,7 +145,7 @@ def bench_tokens(params: Any, cfg: Any, token_lists: Sequence[Sequence[int]], ca
         for b, idx in enumerate(batches):
             chunk = [list(token_lists[i]) for i in idx]
             chunk += [chunk[-1]] * (batch_size - len(chunk))
-            arr, lens = pad_prompts(chunk, multiple=width_multiple)
+            arr, lens = pad_prompts(chunk, multiple=width)
             max_len = default_max_len(arr.shape[1], max_new_tokens, slack)
             key = jax.random.key(seed + b)
             if settings is None:
