@@ -73,7 +73,7 @@ drafter)
 eval)
     draft=${DRAFT:-$run_dir/run/drafter}
     if [ "$dry" = 1 ]; then n_gsm8k=2 lim=(--limit 2 --max-new-tokens 16) budgets=(16) fast=(--limit 2 --max-new-tokens 16)
-    else n_gsm8k=128 lim=(--max-new-tokens 256) budgets=(16 64 256) fast=(--limit 16 --max-new-tokens 256); fi
+    else n_gsm8k=128 lim=(--max-new-tokens 256) budgets=(16 64 256) fast=(--limit 10 --max-new-tokens 256); fi
     # tau over whole prompt sets, batched (tau does not depend on the batch)
     step tau_gsm8k 200 python -m dflash_jax.cli bench --target "$gguf" --draft "$draft" --method dflash ddtree \
         --budget "${budgets[@]}" --prompts "$data/gsm8k/test.jsonl" --batch 64 --no-progress "${lim[@]}" \
@@ -86,7 +86,7 @@ eval)
         --budget 64 --prompts "$data/gsm8k/test.jsonl" --batch 1 --no-progress "${fast[@]}" --out "$out/speed_jax"
     ref_gguf=$gguf
     [ "$gguf" = smollm2 ] && ref_gguf=$(python -c "from convert.gguf_file import smollm2_gguf_path as p; print(p())")
-    step speed_torch 150 python -m dflash_jax.bench.torch_reference --gguf "$ref_gguf" --draft "$draft" \
+    step speed_torch 240 python -m dflash_jax.bench.torch_reference --gguf "$ref_gguf" --draft "$draft" \
         --prompts "$data/gsm8k/test.jsonl" "${fast[@]}" --out "$out/speed_torch.json" ;;
 tp)
     if [ "$dry" = 1 ]; then set -- --tiny; else set --; fi
