@@ -9,7 +9,9 @@
 #   rounds-split  the same with XLA command buffers off, for the per-stage split of each round
 #   kernel        tree attention vs XLA at ctx 4K and 32K
 #   drafter       SmolLM2 drafter: make-data, train, export (GGUF=path, DATA=dir, STEPS, TRAIN_S)
-#   eval          tau on gsm8k (128) + spec_bench (480); batch-1 speed beside the PyTorch reference
+#   eval          tau on gsm8k (128) + spec_bench (480) for DFlash and DDTree 16/64/256 (DRAFT=dir)
+#   speed         batch-1 tokens/s of AR, DFlash, DDTree beside the PyTorch reference (needs the
+#                 gguf and dflash wheels on the path)
 #   tp            tensor parallelism, tp=1 vs tp=2 (on a 2-GPU machine)
 # DRY=1 runs a phase on tiny shapes on the CPU: a check of this script, not a measurement.
 # Each step has its own time limit and writes its log and JSON under OUT_DIR as it goes, so a
@@ -70,28 +72,32 @@ drafter)
     # The transfer back takes files of at most 16 MiB: the weights come in parts.
     split -b 15M "$run_dir/run/drafter/model.safetensors" "$out/drafter.safetensors.part_"
     tar czf "$out/drafter_run.tgz" -C "$run_dir/run" train_run.json log.jsonl plots drafter/config.json ;;
-eval)
+eval | speed)
     draft=${DRAFT:-$run_dir/run/drafter}
     if [ "$dry" = 1 ]; then n_gsm8k=2 lim=(--limit 2 --max-new-tokens 16) budgets=(16) fast=(--limit 2 --max-new-tokens 16)
     else n_gsm8k=128 lim=(--max-new-tokens 256) budgets=(16 64 256) fast=(--limit 10 --max-new-tokens 256); fi
-    # tau over whole prompt sets, batched (tau does not depend on the batch)
-    step tau_gsm8k 200 python -m dflash_jax.cli bench --target "$gguf" --draft "$draft" --method dflash ddtree \
-        --budget "${budgets[@]}" --prompts "$data/gsm8k/test.jsonl" --batch 64 --no-progress "${lim[@]}" \
-        --limit "$n_gsm8k" --out "$out/tau_gsm8k"
-    step tau_spec_bench 240 python -m dflash_jax.cli bench --target "$gguf" --draft "$draft" --method dflash ddtree \
-        --budget "${budgets[@]}" --prompts "$data/spec_bench/question.jsonl" --batch 64 --no-progress "${lim[@]}" \
-        --out "$out/tau_spec_bench"
-    # speed: batch 1, ours then the PyTorch reference on the same prompts
-    step speed_jax 150 python -m dflash_jax.cli bench --target "$gguf" --draft "$draft" --method ar dflash ddtree \
-        --budget 64 --prompts "$data/gsm8k/test.jsonl" --batch 1 --no-progress "${fast[@]}" --out "$out/speed_jax"
-    ref_gguf=$gguf
-    [ "$gguf" = smollm2 ] && ref_gguf=$(python -c "from convert.gguf_file import smollm2_gguf_path as p; print(p())")
-    step speed_torch 240 python -m dflash_jax.bench.torch_reference --gguf "$ref_gguf" --draft "$draft" \
-        --prompts "$data/gsm8k/test.jsonl" "${fast[@]}" --out "$out/speed_torch.json" ;;
+    if [ "$phase" = eval ]; then
+        # tau over whole prompt sets, batched (tau does not depend on the batch)
+        step tau_gsm8k 240 python -m dflash_jax.cli bench --target "$gguf" --draft "$draft" --method dflash ddtree \
+            --budget "${budgets[@]}" --prompts "$data/gsm8k/test.jsonl" --batch 64 --no-progress "${lim[@]}" \
+            --limit "$n_gsm8k" --out "$out/tau_gsm8k"
+        step tau_spec_bench 300 python -m dflash_jax.cli bench --target "$gguf" --draft "$draft" \
+            --method dflash ddtree --budget "${budgets[@]}" --prompts "$data/spec_bench/question.jsonl" \
+            --batch 64 --no-progress "${lim[@]}" --out "$out/tau_spec_bench"
+    else
+        # speed: batch 1, ours then the PyTorch reference on the same prompts
+        step speed_jax 240 python -m dflash_jax.cli bench --target "$gguf" --draft "$draft" \
+            --method ar dflash ddtree --budget 64 --prompts "$data/gsm8k/test.jsonl" --batch 1 --no-progress \
+            "${fast[@]}" --out "$out/speed_jax"
+        ref_gguf=$gguf
+        [ "$gguf" = smollm2 ] && ref_gguf=$(python -c "from convert.gguf_file import smollm2_gguf_path as p; print(p())")
+        step speed_torch 300 python -m dflash_jax.bench.torch_reference --gguf "$ref_gguf" --draft "$draft" \
+            --prompts "$data/gsm8k/test.jsonl" "${fast[@]}" --out "$out/speed_torch.json"
+    fi ;;
 tp)
     if [ "$dry" = 1 ]; then set -- --tiny; else set --; fi
     step tp 560 python -m dflash_jax.bench.tensor_parallel "$@" --out "$out/tp.json" ;;
 *)
-    echo "unknown phase: $phase (ar, rounds, rounds-split, kernel, drafter, eval, tp)" >&2
+    echo "unknown phase: $phase (ar, rounds, rounds-split, kernel, drafter, eval, speed, tp)" >&2
     exit 2 ;;
 esac
