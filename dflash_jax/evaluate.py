@@ -115,7 +115,7 @@ def bench_tokens(params: Any, cfg: Any, token_lists: Sequence[Sequence[int]], ca
     from tqdm.auto import tqdm
 
     from dflash_jax.generate import generate_ar
-    from dflash_jax.pipeline import Compiled, default_max_len, pad_prompts
+    from dflash_jax.pipeline import Compiled, default_max_len, pad_prompts, padded_width
     from dflash_jax.speculative import SpecSettings, generate_speculative
 
     if not token_lists:
@@ -126,7 +126,7 @@ def bench_tokens(params: Any, cfg: Any, token_lists: Sequence[Sequence[int]], ca
         raise ValueError("dflash / ddtree need a drafter (--draft DIR)")
     n = len(token_lists)
     batches = [list(range(i, min(i + batch_size, n))) for i in range(0, n, batch_size)]
-    width = -(-max(len(t) for t in token_lists) // width_multiple) * width_multiple
+    width = padded_width(token_lists, width_multiple)
     compiled = Compiled()
     per_method: dict[str, dict[str, Any]] = {}
     outputs: dict[str, list[list[int]]] = {}
@@ -145,7 +145,7 @@ def bench_tokens(params: Any, cfg: Any, token_lists: Sequence[Sequence[int]], ca
         for b, idx in enumerate(batches):
             chunk = [list(token_lists[i]) for i in idx]
             chunk += [chunk[-1]] * (batch_size - len(chunk))
-            arr, lens = pad_prompts(chunk, multiple=width)
+            arr, lens = pad_prompts(chunk, width=width)
             max_len = default_max_len(arr.shape[1], max_new_tokens, slack)
             key = jax.random.key(seed + b)
             if settings is None:

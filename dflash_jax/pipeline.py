@@ -47,13 +47,21 @@ def stop_tokens_for(tokenizer: Any, cfg: ModelConfig) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def pad_prompts(token_lists: Sequence[Sequence[int]], multiple: int = 32, pad_id: int = 0
-                ) -> tuple[np.ndarray, np.ndarray]:
-    """Right-pads to a width rounded up to `multiple` (fewer recompilations) -> ([B, P], [B])."""
+def padded_width(token_lists: Sequence[Sequence[int]], multiple: int = 32) -> int:
+    """The longest list's length rounded up to `multiple`."""
+    return int(-(-max(len(t) for t in token_lists) // multiple) * multiple)
+
+
+def pad_prompts(token_lists: Sequence[Sequence[int]], multiple: int = 32, pad_id: int = 0,
+                width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pads to `width`, by default the longest prompt rounded up to `multiple` (fewer
+    recompilations) -> ([B, P], [B]). A fixed `width` gives every batch of a run one shape."""
     lens = np.array([len(t) for t in token_lists], np.int32)
     if (lens == 0).any():
         raise ValueError(f"prompt {int(np.argmin(lens))} is empty after tokenization")
-    width = int(-(-lens.max() // multiple) * multiple)
+    width = padded_width(token_lists, multiple) if width is None else width
+    if lens.max() > width:
+        raise ValueError(f"a prompt of {int(lens.max())} tokens does not fit width {width}")
     arr = np.full((len(token_lists), width), pad_id, np.int32)
     for i, t in enumerate(token_lists):
         arr[i, :len(t)] = t

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.bench.common import SHAPES, copy_bandwidth, environment, log, time_fn, write_json
-from dflash_jax.bench.profile import profile_program
+from dflash_jax.bench.profile import profile_program, scale_profile
 from dflash_jax.kv_cache import KVCache
 from dflash_jax.model import forward, init_params
 from dflash_jax.params import param_bytes
@@ -76,11 +76,7 @@ def bench_model(name: str, contexts: list[int], steps: int, impls: list[str], ba
             ms = t["median_ms"] / steps
             where = None
             if profile:
-                where = profile_program(call, run.as_text(), calls=3)
-                if "error" not in where:  # per token, like ms_per_token
-                    where = {k: ({n: v / steps for n, v in d.items()} if isinstance(d, dict) else
-                                 [(n, v / steps) for n, v in d] if isinstance(d, list) else d / steps)
-                             for k, d in where.items()}
+                where = scale_profile(profile_program(call, run.as_text(), calls=3), steps)  # per token
             floor_w = wbytes / bandwidth * 1e3
             floor_wkv = (wbytes + kv_bytes) / bandwidth * 1e3
             rows.append({"model": name, "ctx": ctx, "attn": impl, "ms_per_token": ms,

@@ -119,7 +119,8 @@ def profile_program(fn: Callable[[], Any], hlo_text: str, calls: int = 5,
                 unmapped += ms
             total += ms
             name = str(e.get("name", ""))
-            by_scope[scope_of(op, scopes)] = by_scope.get(scope_of(op, scopes), 0.0) + ms
+            scope = scope_of(op, scopes)
+            by_scope[scope] = by_scope.get(scope, 0.0) + ms
             kind = classify(name, op)
             by_kind[kind] = by_kind.get(kind, 0.0) + ms
             by_kernel[name] = by_kernel.get(name, 0.0) + ms
@@ -133,3 +134,16 @@ def profile_program(fn: Callable[[], Any], hlo_text: str, calls: int = 5,
         return out
     except Exception as err:  # noqa: BLE001
         return {"error": repr(err)[:300]}
+
+
+def scale_profile(profile: dict[str, Any], n: int) -> dict[str, Any]:
+    """A profile of a call that ran `n` rounds (or decode steps), scaled to one of them."""
+    if "error" in profile:
+        return profile
+    scaled = dict(profile)
+    for key in ("device_ms", "unmapped_ms", "kernels_per_call"):
+        scaled[key] = profile[key] / n
+    for key in ("by_scope", "by_kind"):
+        scaled[key] = {k: v / n for k, v in profile[key].items()}
+    scaled["top_kernels"] = [(k, v / n) for k, v in profile["top_kernels"]]
+    return scaled

@@ -22,12 +22,12 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax import drafter as dr
-from dflash_jax.bench.ar_decode import random_cache
+from dflash_jax.bench.ar_decode import make_decoder, random_cache
 from dflash_jax.bench.common import SHAPES, environment, log, time_fn, write_json
-from dflash_jax.bench.profile import profile_program
+from dflash_jax.bench.profile import profile_program, scale_profile
 from convert.dflash_drafter import load_drafter
 from dflash_jax.config import default_tap_layers
-from dflash_jax.model import forward, init_params
+from dflash_jax.model import init_params
 from dflash_jax.speculative import (SpecSettings, SpecState, accept_stage, commit_stage, draft_stage,
                                     spec_round, verify_stage, _block_limit)
 from dflash_jax.tree import build_tree
@@ -56,8 +56,11 @@ def make_state(cfg, dcfg, ctx: int, max_len: int, max_new: int, dtype=jnp.bfloat
                      rounds=jnp.zeros((1,), jnp.int32), key=jax.random.key(0))
 
 
-def reset(state: SpecState, ctx: int) -> SpecState:
-    """Rounds with random weights commit ~1 token; put the lengths back so every call sees ctx."""
+def reset(state: SpecState, ctx: Any) -> SpecState:
+    """Rounds with random weights commit ~1 token; put the lengths back so every round sees ctx.
+
+    ctx: an int, or the [batch] lengths to restore.
+    """
     lengths = jnp.full_like(state.cache.lengths, ctx)
     return dataclasses.replace(state, cache=dataclasses.replace(state.cache, lengths=lengths),
                                draft_cache=dataclasses.replace(state.draft_cache, lengths=lengths),
@@ -72,32 +75,34 @@ ROUNDS_PER_CALL = 8
 
 
 @functools.lru_cache(maxsize=None)
-def round_program(cfg, dcfg, s: SpecSettings, ctx: int, rounds: int = ROUNDS_PER_CALL):
-    """`rounds` fused rounds in one jitted, donated `fori_loop`, each starting at `ctx` tokens.
+def round_program(cfg, dcfg, s: SpecSettings, rounds: int = ROUNDS_PER_CALL):
+    """`rounds` fused rounds in one jitted, donated `fori_loop`, each from the lengths it was given.
 
     Decoding runs its rounds inside one on-device loop (`generate_speculative`), so this is the
-    latency a round has there: no per-round host dispatch. One compile per settings.
+    latency a round has there: no per-round host dispatch. The context is data, so one compile
+    serves every context of a settings.
     """
     def run(state: SpecState, target, dparams) -> SpecState:
-        body = lambda _, st: spec_round(reset(st, ctx), target, cfg, dparams, dcfg, s)  # noqa: E731
-        return jax.lax.fori_loop(0, rounds, body, state)
+        start = state.cache.lengths
+        body = lambda _, st: spec_round(reset(st, start), target, cfg, dparams, dcfg, s)  # noqa: E731
+        return reset(jax.lax.fori_loop(0, rounds, body, state), start)
     return jax.jit(run, donate_argnums=(0,))
 
 
-def timed_rounds(target, dparams, cfg, dcfg, s: SpecSettings, state: SpecState, ctx: int
+def timed_rounds(target, dparams, cfg, dcfg, s: SpecSettings, state: SpecState
                  ) -> tuple[float, Any, SpecState]:
-    """Median ms per round of the fused, donated round, every round starting at `ctx` tokens.
+    """Median ms per round of the fused, donated round, every round starting at `state`'s lengths.
 
     Returns (ms, the compiled program, the last state) so callers can read its HLO (`.as_text()`).
     """
-    ms, rnd, last, _ = _timed_rounds(target, dparams, cfg, dcfg, s, state, ctx, profile=False)
+    ms, rnd, last, _ = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile=False)
     return ms, rnd, last
 
 
-def _timed_rounds(target, dparams, cfg, dcfg, s, state, ctx, profile: bool):
+def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool):
     # Compiled ahead of time: the same executable is timed and profiled, and its HLO is at hand.
     t0 = time.perf_counter()
-    rnd = round_program(cfg, dcfg, s, ctx).lower(state, target=target, dparams=dparams).compile()
+    rnd = round_program(cfg, dcfg, s).lower(state, target=target, dparams=dparams).compile()
     compile_s = time.perf_counter() - t0
     box = {"state": state}
 
@@ -107,22 +112,10 @@ def _timed_rounds(target, dparams, cfg, dcfg, s, state, ctx, profile: bool):
     t = time_fn(call_rounds, warmup=2, iters=10)
     where = None
     if profile:
-        where = per_round(profile_program(call_rounds, rnd.as_text(), calls=3, scopes=STAGES), ROUNDS_PER_CALL)
+        where = scale_profile(profile_program(call_rounds, rnd.as_text(), calls=3, scopes=STAGES),
+                              ROUNDS_PER_CALL)
     extra = {"compile_s": compile_s, "rounds_per_call": ROUNDS_PER_CALL, "profile": where}
-    return t["median_ms"] / ROUNDS_PER_CALL, rnd, reset(box["state"], ctx), extra
-
-
-def per_round(profile: dict, n: int) -> dict:
-    """A profile of a call that ran `n` rounds (or steps), scaled to one."""
-    if "error" in profile:
-        return profile
-    scaled = dict(profile)
-    for key in ("device_ms", "unmapped_ms", "kernels_per_call"):
-        scaled[key] = profile[key] / n
-    for key in ("by_scope", "by_kind"):
-        scaled[key] = {k: v / n for k, v in profile[key].items()}
-    scaled["top_kernels"] = [(k, v / n) for k, v in profile["top_kernels"]]
-    return scaled
+    return t["median_ms"] / ROUNDS_PER_CALL, rnd, box["state"], extra
 
 
 def separate_stage_times(target, dparams, cfg, dcfg, s: SpecSettings, st: SpecState) -> dict[str, float]:
@@ -152,7 +145,7 @@ def separate_stage_times(target, dparams, cfg, dcfg, s: SpecSettings, st: SpecSt
 def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_len: int, profile: bool,
                    separate: bool = False) -> dict:
     state = make_state(cfg, dcfg, ctx, max_len, s.max_new_tokens, target.embed.dtype)
-    ms, _, st, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, ctx, profile)
+    ms, _, st, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile)
     row = {"method": s.method, "budget": s.budget, "width": s.width, "ctx": ctx, "round_ms": ms, **extra}
     if separate:
         row.update(separate_stage_times(target, dparams, cfg, dcfg, s, st))
@@ -165,7 +158,7 @@ def bench_ar(target, cfg, ctx: int, max_len: int, profile: bool) -> dict:
     cache = random_cache(cfg, 1, max_len, ctx, target.embed.dtype)
     tok = jnp.full((1,), 3, jnp.int32)
     t0 = time.perf_counter()
-    steps = _ar_steps(cfg, ROUNDS_PER_CALL).lower(target, cache, tok).compile()
+    steps = _ar_decoder(cfg).lower(target, cache, tok).compile()
     compile_s = time.perf_counter() - t0
     box = {"cache": cache}
 
@@ -176,21 +169,15 @@ def bench_ar(target, cfg, ctx: int, max_len: int, profile: bool) -> dict:
     row = {"method": "ar", "ctx": ctx, "round_ms": t["median_ms"] / ROUNDS_PER_CALL,
            "compile_s": compile_s, "rounds_per_call": ROUNDS_PER_CALL}
     if profile:
-        row["profile"] = per_round(profile_program(call, steps.as_text(), calls=3), ROUNDS_PER_CALL)
+        row["profile"] = scale_profile(profile_program(call, steps.as_text(), calls=3), ROUNDS_PER_CALL)
     log(row)
     return row
 
 
 @functools.lru_cache(maxsize=None)
-def _ar_steps(cfg, n: int):
-    @functools.partial(jax.jit, donate_argnums=(1,))
-    def steps(target, cache, tok):  # the weights are an argument: closing over them makes them constants
-        def body(_, carry):
-            cache, tok = carry
-            out = forward(target, cfg, tok[:, None], cache.lengths[:, None], cache, None)
-            return out.cache, jnp.argmax(out.logits[:, 0], -1).astype(jnp.int32)
-        return jax.lax.fori_loop(0, n, body, (cache, tok))
-    return steps
+def _ar_decoder(cfg):
+    """ar_decode's greedy step loop, ROUNDS_PER_CALL steps; one compile serves every context."""
+    return make_decoder(cfg, ROUNDS_PER_CALL, "auto")
 
 
 def main() -> None:

@@ -44,8 +44,8 @@ from dflash_jax.bench.common import SHAPES, environment, time_fn, write_json
 from dflash_jax.config import ModelConfig, RopeConfig
 from dflash_jax.model import forward, model_specs
 from dflash_jax.params import param_bytes
-from dflash_jax.bench.profile import profile_program
-from dflash_jax.bench.spec_round import ROUNDS_PER_CALL, drafter_config, make_state, per_round, timed_rounds
+from dflash_jax.bench.profile import profile_program, scale_profile
+from dflash_jax.bench.spec_round import ROUNDS_PER_CALL, drafter_config, make_state, timed_rounds
 from dflash_jax.speculative import SpecSettings, spec_round
 
 TINY = ModelConfig(model_type="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=6,
@@ -173,7 +173,7 @@ def bench_round(target, dparams, cfg, dcfg, mesh, budget: int, ctx: int, max_len
                 ) -> dict:
     s = SpecSettings(method="ddtree", block_size=dcfg.block_size, budget=budget, max_new_tokens=512)
     state = make_spec_state(cfg, dcfg, ctx, max_len, s.max_new_tokens, jnp.bfloat16, mesh)
-    ms, rnd, last = timed_rounds(target, dparams, cfg, dcfg, s, state, ctx)
+    ms, rnd, last = timed_rounds(target, dparams, cfg, dcfg, s, state)
     hlo = rnd.as_text()
     ops = hlo_collectives(hlo)
     comm = replay_collectives(ops, mesh)
@@ -185,7 +185,7 @@ def bench_round(target, dparams, cfg, dcfg, mesh, budget: int, ctx: int, max_len
         def call():
             box["state"] = rnd(box["state"], target=target, dparams=dparams)
             return box["state"].count
-        prof = per_round(profile_program(call, hlo, calls=3, log_dir=profile_dir), ROUNDS_PER_CALL)
+        prof = scale_profile(profile_program(call, hlo, calls=3, log_dir=profile_dir), ROUNDS_PER_CALL)
         if "error" not in prof:  # the trace's own view: collective kernels over all device time
             prof["collective_share"] = prof["by_kind"].get("collective", 0.0) / prof["device_ms"]
         row["profile"] = prof

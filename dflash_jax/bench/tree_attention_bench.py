@@ -138,10 +138,9 @@ def device_kernel_us(attn: AttnFn, inputs, iters: int, log_dir: str) -> dict[str
     Wall time per call includes the host's launch cost, which dominates kernels of a few
     microseconds; this is the time the GPU spent inside kernels.
     """
-    import glob
-    import gzip
-    import os
     import tempfile
+
+    from dflash_jax.bench.profile import kernel_events
 
     q, ks, vs, lens, visible = inputs
     run = timed_program(attn, iters, len(ks))
@@ -149,23 +148,8 @@ def device_kernel_us(attn: AttnFn, inputs, iters: int, log_dir: str) -> dict[str
     trace_dir = tempfile.mkdtemp(dir=log_dir)
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         jax.block_until_ready(run(q, ks, vs, lens, visible))
-    paths = glob.glob(os.path.join(trace_dir, "**", "*perfetto*.json.gz"), recursive=True)
-    if not paths:
-        return {}
-    with gzip.open(paths[0], "rt") as f:
-        events = json.load(f)
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    thread_names = {(e.get("pid"), e.get("tid")): e.get("args", {}).get("name", "")
-                    for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    if not any(name.lower().startswith("stream") for name in thread_names.values()):
-        print(f"  (no GPU stream lines in the trace; threads: {sorted(set(thread_names.values()))[:12]})")
     totals: dict[str, float] = {}
-    for e in events:
-        if e.get("ph") != "X":
-            continue
-        thread = thread_names.get((e.get("pid"), e.get("tid")), "")
-        if not thread.lower().startswith("stream"):  # kernels, not host or derived op lines
-            continue
+    for e in kernel_events(trace_dir):
         totals[e["name"]] = totals.get(e["name"], 0.0) + float(e.get("dur", 0.0)) / iters
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
