@@ -17,7 +17,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.bench.common import SHAPES, copy_bandwidth, environment, log, time_fn, write_json
+from dflash_jax.bench.common import SHAPES, copy_bandwidth, dump_hlo, environment, log, time_fn, write_json
 from dflash_jax.bench.profile import profile_program, scale_profile
 from dflash_jax.kv_cache import KVCache
 from dflash_jax.model import forward, init_params
@@ -46,7 +46,7 @@ def make_decoder(cfg, steps: int, attn_impl: str):
 
 
 def bench_model(name: str, contexts: list[int], steps: int, impls: list[str], bandwidth: float,
-                on_row=lambda rows: None, profile: bool = False) -> list[dict]:
+                on_row=lambda rows: None, profile: bool = False, hlo_dir: str | None = None) -> list[dict]:
     cfg = SHAPES[name]
     params = jax.block_until_ready(init_params(cfg, jax.random.key(0), jnp.bfloat16))
     log(f"{name}: weights drawn")
@@ -66,6 +66,7 @@ def bench_model(name: str, contexts: list[int], steps: int, impls: list[str], ba
                 runs[impl] = runs[impl].lower(params, cache, tok).compile()
                 compile_s[impl] = time.perf_counter() - t0
                 log(f"{name} {impl}: compiled in {compile_s[impl]:.1f} s")
+                dump_hlo(hlo_dir, f"ar_{name}_{impl}", runs[impl].as_text())
             run = runs[impl]
             state = {"cache": cache}
 
@@ -99,6 +100,7 @@ def main() -> None:
     ap.add_argument("--impls", nargs="+", default=["pallas", "reference"])
     ap.add_argument("--copy-gb", type=float, default=4.0)
     ap.add_argument("--profile", action="store_true", help="split each step's device time by kind of work")
+    ap.add_argument("--dump-hlo", metavar="DIR", help="write each compiled decoder's HLO here (gzip)")
     ap.add_argument("--out")
     args = ap.parse_args()
     env = environment()
@@ -111,7 +113,7 @@ def main() -> None:
         rows += bench_model(m, args.contexts, args.steps, args.impls, bw["tb_per_s"] * 1e12,
                             on_row=lambda new: write_json(args.out, {"env": env, "copy_bandwidth": bw,
                                                                      "rows": done + new}),
-                            profile=args.profile)
+                            profile=args.profile, hlo_dir=args.dump_hlo)
     write_json(args.out, {"env": env, "copy_bandwidth": bw, "rows": rows})
     print(f"\ncopy bandwidth {bw['tb_per_s']:.2f} TB/s ({env['device']}, jax {env['jax']})")
     print("| model | ctx | attention | ms/token | weights GB | roofline (w) ms | % of (w) | roofline (w+kv) ms | % of (w+kv) |")

@@ -1,7 +1,9 @@
 """Shared pieces of the GPU benchmarks: model shapes, timing, bandwidth and environment."""
 from __future__ import annotations
 
+import gzip
 import json
+import os
 import platform
 import statistics
 import time
@@ -89,3 +91,11 @@ def write_json(path: str | None, record: dict[str, Any]) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(record, f, indent=2)
+
+
+def dump_hlo(directory: str | None, name: str, text: str) -> None:
+    """Writes a compiled program's HLO to DIRECTORY/NAME.hlo.txt.gz (for reading a profile offline)."""
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+        with gzip.open(os.path.join(directory, f"{name}.hlo.txt.gz"), "wt") as f:
+            f.write(text)

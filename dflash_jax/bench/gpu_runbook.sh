@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md, one phase per device call (each fits in 10 minutes).
 #
-#   bash dflash_jax/bench/gpu_runbook.sh PHASE [OUT_DIR]        (OUT_DIR defaults to $OUT)
+#   bash dflash_jax/bench/gpu_runbook.sh PHASE[,PHASE...] [OUT_DIR]   (OUT_DIR defaults to $OUT)
+#
+# Several phases joined by commas run one after another in the same call. LIMIT=seconds caps
+# each benchmark step of the ar / rounds / rounds-split / kernel / tp phases (default 560).
 #
 # Phases, in the order the open issues need them:
 #   ar            AR decode vs the roofline: Qwen3-8B shape and SmolLM2, ctx 1K/8K, with profiles
@@ -18,8 +21,14 @@
 # step cut short still leaves what it measured; output is unbuffered (no filter in the pipe).
 set -uo pipefail
 
-phase=${1:?usage: gpu_runbook.sh PHASE [OUT_DIR]}
+phases=${1:?usage: gpu_runbook.sh PHASE[,PHASE...] [OUT_DIR]}
 out=${2:-${OUT:-/tmp/runbook}}
+if [[ $phases == *,* ]]; then
+    for p in ${phases//,/ }; do bash "$0" "$p" "$out"; done
+    exit 0
+fi
+phase=$phases
+limit=${LIMIT:-560}
 mkdir -p "$out"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 dry=${DRY:-0}
@@ -44,18 +53,19 @@ case $phase in
 ar)
     if [ "$dry" = 1 ]; then set -- --models tiny --contexts 64 256 --steps 8 --copy-gb 0.05 --impls reference
     else set -- --models smollm2-135m qwen3-8b --contexts 1024 8192 --impls pallas; fi
-    step ar 560 python -m dflash_jax.bench.ar_decode "$@" --profile --out "$out/ar.json" ;;
+    step ar "$limit" python -m dflash_jax.bench.ar_decode "$@" --profile --dump-hlo "$out/hlo" --out "$out/ar.json" ;;
 rounds)
     # shellcheck disable=SC2046
-    step rounds 560 python -m dflash_jax.bench.spec_round $(spec_args) --no-profile --out "$out/rounds.json" ;;
+    step rounds "$limit" python -m dflash_jax.bench.spec_round $(spec_args) --no-profile --out "$out/rounds.json" ;;
 rounds-split)
     export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="
     # shellcheck disable=SC2046
-    step rounds_split 560 python -m dflash_jax.bench.spec_round $(spec_args) --out "$out/rounds_split.json" ;;
+    step rounds_split "$limit" python -m dflash_jax.bench.spec_round $(spec_args) --dump-hlo "$out/hlo" \
+        --out "$out/rounds_split.json" ;;
 kernel)
     if [ "$dry" = 1 ]; then set -- --interpret
     else set -- --contexts 32768 4096 --widths 16 64 256 512 --reps 3 --budget 400; fi
-    step kernel 560 python -m dflash_jax.bench.tree_attention_bench "$@" --out "$out/kernel.json" ;;
+    step kernel "$limit" python -m dflash_jax.bench.tree_attention_bench "$@" --out "$out/kernel.json" ;;
 drafter)
     if [ "$dry" = 1 ]; then
         gen=(--limit 4 --gen-tokens 16 --gen-batch 4)
@@ -96,7 +106,7 @@ eval | speed)
     fi ;;
 tp)
     if [ "$dry" = 1 ]; then set -- --tiny; else set --; fi
-    step tp 560 python -m dflash_jax.bench.tensor_parallel "$@" --out "$out/tp.json" ;;
+    step tp "$limit" python -m dflash_jax.bench.tensor_parallel "$@" --out "$out/tp.json" ;;
 *)
     echo "unknown phase: $phase (ar, rounds, rounds-split, kernel, drafter, eval, speed, tp)" >&2
     exit 2 ;;

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from dflash_jax import drafter as dr
 from dflash_jax.bench.ar_decode import make_decoder, random_cache
-from dflash_jax.bench.common import SHAPES, environment, log, time_fn, write_json
+from dflash_jax.bench.common import SHAPES, dump_hlo, environment, log, time_fn, write_json
 from dflash_jax.bench.profile import profile_program, scale_profile
 from convert.dflash_drafter import load_drafter
 from dflash_jax.config import default_tap_layers
@@ -143,9 +143,10 @@ def separate_stage_times(target, dparams, cfg, dcfg, s: SpecSettings, st: SpecSt
 
 
 def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_len: int, profile: bool,
-                   separate: bool = False) -> dict:
+                   separate: bool = False, hlo_dir: str | None = None) -> dict:
     state = make_state(cfg, dcfg, ctx, max_len, s.max_new_tokens, target.embed.dtype)
-    ms, _, st, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile)
+    ms, rnd, st, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile)
+    dump_hlo(hlo_dir, f"round_{s.method}_b{s.budget}_ctx{ctx}", rnd.as_text())
     row = {"method": s.method, "budget": s.budget, "width": s.width, "ctx": ctx, "round_ms": ms, **extra}
     if separate:
         row.update(separate_stage_times(target, dparams, cfg, dcfg, s, st))
@@ -191,6 +192,7 @@ def main() -> None:
     ap.add_argument("--no-profile", action="store_true", help="no per-stage split (from a profiler trace)")
     ap.add_argument("--separate-stages", action="store_true",
                     help="also time each stage as its own jitted program (many more compiles)")
+    ap.add_argument("--dump-hlo", metavar="DIR", help="write each compiled round's HLO here (gzip)")
     ap.add_argument("--out")
     args = ap.parse_args()
     env = environment()
@@ -212,12 +214,13 @@ def main() -> None:
     for ctx in args.ctx:
         rows.append(bench_ar(target, cfg, ctx, max_len, profile))
         s = SpecSettings(method="dflash", block_size=dcfg.block_size, max_new_tokens=512)
-        rows.append(bench_settings(target, cfg, dparams, dcfg, s, ctx, max_len, profile, args.separate_stages))
+        rows.append(bench_settings(target, cfg, dparams, dcfg, s, ctx, max_len, profile, args.separate_stages,
+                                   args.dump_hlo))
         write_json(args.out, {"env": env, "rows": rows})
     for b in args.budgets:
         s = SpecSettings(method="ddtree", block_size=dcfg.block_size, budget=b, max_new_tokens=512)
         rows.append(bench_settings(target, cfg, dparams, dcfg, s, args.ddtree_ctx, max_len, profile,
-                                   args.separate_stages))
+                                   args.separate_stages, args.dump_hlo))
         write_json(args.out, {"env": env, "rows": rows})
     print(f"\n{env['device']}, jax {env['jax']}, {args.model} target + {dcfg.num_layers}-layer drafter, "
           f"{dtype.name}, batch 1")
