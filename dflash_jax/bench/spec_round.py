@@ -99,10 +99,10 @@ def timed_rounds(target, dparams, cfg, dcfg, s: SpecSettings, state: SpecState
     return ms, rnd, last
 
 
-def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool):
+def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool, rounds: int = ROUNDS_PER_CALL):
     # Compiled ahead of time: the same executable is timed and profiled, and its HLO is at hand.
     t0 = time.perf_counter()
-    rnd = round_program(cfg, dcfg, s).lower(state, target=target, dparams=dparams).compile()
+    rnd = round_program(cfg, dcfg, s, rounds).lower(state, target=target, dparams=dparams).compile()
     compile_s = time.perf_counter() - t0
     box = {"state": state}
 
@@ -112,10 +112,12 @@ def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool):
     t = time_fn(call_rounds, warmup=2, iters=10)
     where = None
     if profile:
-        where = scale_profile(profile_program(call_rounds, rnd.as_text(), calls=3, scopes=STAGES),
-                              ROUNDS_PER_CALL)
-    extra = {"compile_s": compile_s, "rounds_per_call": ROUNDS_PER_CALL, "profile": where}
-    return t["median_ms"] / ROUNDS_PER_CALL, rnd, box["state"], extra
+        where = scale_profile(profile_program(call_rounds, rnd.as_text(), calls=3, scopes=STAGES), rounds)
+    # Random weights can overflow to inf/NaN; say so, since such values would void the timing's realism.
+    finite = all(bool(jnp.isfinite(x.astype(jnp.float32)).all()) for x in (box["state"].cache.k[-1],
+                                                                            box["state"].cache.v[-1]))
+    extra = {"compile_s": compile_s, "rounds_per_call": rounds, "profile": where, "kv_finite": finite}
+    return t["median_ms"] / rounds, rnd, box["state"], extra
 
 
 def separate_stage_times(target, dparams, cfg, dcfg, s: SpecSettings, st: SpecState) -> dict[str, float]:
@@ -143,10 +145,11 @@ def separate_stage_times(target, dparams, cfg, dcfg, s: SpecSettings, st: SpecSt
 
 
 def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_len: int, profile: bool,
-                   separate: bool = False, hlo_dir: str | None = None) -> dict:
+                   separate: bool = False, hlo_dir: str | None = None,
+                   rounds: int = ROUNDS_PER_CALL) -> dict:
     state = make_state(cfg, dcfg, ctx, max_len, s.max_new_tokens, target.embed.dtype)
-    ms, rnd, st, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile)
-    dump_hlo(hlo_dir, f"round_{s.method}_b{s.budget}_ctx{ctx}", rnd.as_text())
+    ms, rnd, st, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile, rounds)
+    dump_hlo(hlo_dir, f"round_{s.method}_b{s.budget}_ctx{ctx}_r{rounds}", rnd.as_text())
     row = {"method": s.method, "budget": s.budget, "width": s.width, "ctx": ctx, "round_ms": ms, **extra}
     if separate:
         row.update(separate_stage_times(target, dparams, cfg, dcfg, s, st))
@@ -193,6 +196,8 @@ def main() -> None:
     ap.add_argument("--separate-stages", action="store_true",
                     help="also time each stage as its own jitted program (many more compiles)")
     ap.add_argument("--dump-hlo", metavar="DIR", help="write each compiled round's HLO here (gzip)")
+    ap.add_argument("--rounds-per-call", nargs="+", type=int, default=[ROUNDS_PER_CALL],
+                    help="rounds per jitted call (several: each is timed, side by side)")
     ap.add_argument("--out")
     args = ap.parse_args()
     env = environment()
@@ -214,24 +219,28 @@ def main() -> None:
     for ctx in args.ctx:
         rows.append(bench_ar(target, cfg, ctx, max_len, profile))
         s = SpecSettings(method="dflash", block_size=dcfg.block_size, max_new_tokens=512)
-        rows.append(bench_settings(target, cfg, dparams, dcfg, s, ctx, max_len, profile, args.separate_stages,
-                                   args.dump_hlo))
+        for r in args.rounds_per_call:
+            rows.append(bench_settings(target, cfg, dparams, dcfg, s, ctx, max_len, profile,
+                                       args.separate_stages, args.dump_hlo, r))
         write_json(args.out, {"env": env, "rows": rows})
     for b in args.budgets:
         s = SpecSettings(method="ddtree", block_size=dcfg.block_size, budget=b, max_new_tokens=512)
-        rows.append(bench_settings(target, cfg, dparams, dcfg, s, args.ddtree_ctx, max_len, profile,
-                                   args.separate_stages, args.dump_hlo))
+        for r in args.rounds_per_call:
+            rows.append(bench_settings(target, cfg, dparams, dcfg, s, args.ddtree_ctx, max_len, profile,
+                                       args.separate_stages, args.dump_hlo, r))
         write_json(args.out, {"env": env, "rows": rows})
     print(f"\n{env['device']}, jax {env['jax']}, {args.model} target + {dcfg.num_layers}-layer drafter, "
           f"{dtype.name}, batch 1")
-    print("| method | budget | W | ctx | round ms | device ms | draft | tree | verify | accept | commit | other |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| method | budget | W | ctx | rounds/call | round ms | device ms | draft | tree | verify | accept | commit "
+          "| other |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         prof = r.get("profile") or {}
         split = prof.get("by_scope", {})
         cells = [f"{split[k]:.2f}" if k in split else "-" for k in STAGES + ("other",)]
         dev = f"{prof['device_ms']:.2f}" if "device_ms" in prof else "-"
-        print(f"| {r['method']} | {r.get('budget', '-')} | {r.get('width', 1)} | {r['ctx']} | {r['round_ms']:.2f} | "
+        print(f"| {r['method']} | {r.get('budget', '-')} | {r.get('width', 1)} | {r['ctx']} | "
+              f"{r['rounds_per_call']} | {r['round_ms']:.2f} | "
               f"{dev} | " + " | ".join(cells) + " |")
 
 
