@@ -22,10 +22,9 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax import drafter as dr
-from dflash_jax.bench.ar_decode import make_decoder, random_cache
+from dflash_jax.bench.ar_decode import layer_buffers, make_decoder, random_cache
 from dflash_jax.bench.common import SHAPES, dump_hlo, environment, log, time_fn, write_json
 from dflash_jax.bench.profile import profile_program, scale_profile
-from convert.dflash_drafter import load_drafter
 from dflash_jax.config import default_tap_layers
 from dflash_jax.model import init_params
 from dflash_jax.speculative import (SpecSettings, SpecState, accept_stage, commit_stage, draft_stage,
@@ -44,12 +43,8 @@ def drafter_config(cfg, layers: int = 5, block_size: int = 16) -> dr.DraftConfig
 
 def make_state(cfg, dcfg, ctx: int, max_len: int, max_new: int, dtype=jnp.bfloat16) -> SpecState:
     cache = random_cache(cfg, 1, max_len, ctx, dtype)
-    shape = (1, max_len, dcfg.num_kv_heads, dcfg.head_dim)
-    ks = jax.random.split(jax.random.key(5), 2 * dcfg.num_layers)
-    dcache = dr.DraftCache(k=tuple(jax.random.normal(ks[i], shape, dtype) for i in range(dcfg.num_layers)),
-                           v=tuple(jax.random.normal(ks[dcfg.num_layers + i], shape, dtype)
-                                   for i in range(dcfg.num_layers)),
-                           lengths=jnp.full((1,), ctx, jnp.int32))
+    dk, dv = layer_buffers(jax.random.key(5), (1, max_len, dcfg.num_kv_heads, dcfg.head_dim), dcfg.num_layers, dtype)
+    dcache = dr.DraftCache(k=dk, v=dv, lengths=jnp.full((1,), ctx, jnp.int32))
     return SpecState(cache=cache, draft_cache=dcache, root=jnp.full((1,), 11, jnp.int32),
                      out=jnp.zeros((1, max_new), jnp.int32), count=jnp.ones((1,), jnp.int32),
                      done=jnp.zeros((1,), bool), accepted=jnp.zeros((1, max_new), jnp.int32),
@@ -82,10 +77,11 @@ def round_program(cfg, dcfg, s: SpecSettings, rounds: int = ROUNDS_PER_CALL):
     latency a round has there: no per-round host dispatch. The context is data, so one compile
     serves every context of a settings.
     """
-    def run(state: SpecState, target, dparams) -> SpecState:
-        start = state.cache.lengths
+    def run(state: SpecState, start: jax.Array, target, dparams) -> SpecState:
         body = lambda _, st: spec_round(reset(st, start), target, cfg, dparams, dcfg, s)  # noqa: E731
         return reset(jax.lax.fori_loop(0, rounds, body, state), start)
+    # `start` is its own argument, not read from the donated state: on GPU (jax 0.11.2), reading
+    # the donated state's lengths and writing them back after the loop returned garbage lengths.
     return jax.jit(run, donate_argnums=(0,))
 
 
@@ -102,12 +98,13 @@ def timed_rounds(target, dparams, cfg, dcfg, s: SpecSettings, state: SpecState
 def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool, rounds: int = ROUNDS_PER_CALL):
     # Compiled ahead of time: the same executable is timed and profiled, and its HLO is at hand.
     t0 = time.perf_counter()
-    rnd = round_program(cfg, dcfg, s, rounds).lower(state, target=target, dparams=dparams).compile()
+    start = jnp.array(state.cache.lengths)  # a copy: the state is donated
+    rnd = round_program(cfg, dcfg, s, rounds).lower(state, start, target=target, dparams=dparams).compile()
     compile_s = time.perf_counter() - t0
     box = {"state": state}
 
     def call_rounds():
-        box["state"] = rnd(box["state"], target=target, dparams=dparams)
+        box["state"] = rnd(box["state"], start, target=target, dparams=dparams)
         return box["state"].count
     t = time_fn(call_rounds, warmup=2, iters=10)
     where = None
@@ -207,6 +204,7 @@ def main() -> None:
     target = jax.block_until_ready(init_params(cfg, jax.random.key(0), dtype))
     log("target weights drawn")
     if args.draft:  # a real drafter's shape and weights (the target stays random: timing only)
+        from convert.dflash_drafter import load_drafter  # imports gguf; only this option needs it
         dcfg, dparams = load_drafter(args.draft, dtype)
         dr.validate_pair(dcfg, cfg)
     else:
