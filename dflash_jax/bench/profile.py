@@ -100,6 +100,8 @@ def profile_program(fn: Callable[[], Any], hlo_text: str, calls: int = 5,
     try:
         names = hlo_op_names(hlo_text)
         jax.block_until_ready(fn())
+        if log_dir:
+            os.makedirs(log_dir, exist_ok=True)
         trace_dir = tempfile.mkdtemp(dir=log_dir)
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             for _ in range(calls):
