@@ -17,6 +17,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--method", choices=("ar", "dflash", "ddtree"), default="ar")
     p.add_argument("--draft", help="DFlash drafter directory (config.json + model.safetensors), "
                                    "or 'smollm2' for the drafter shipped with dflash-jax")
+    p.add_argument("--stage-times", action="store_true",
+                   help="dflash/ddtree: also run the rounds stage by stage (each stage its own jitted "
+                        "program) and print the median ms per stage")
     p.add_argument("--compare-ar", action="store_true",
                    help="also decode with plain AR: print the speedup and whether the tokens agree")
     p.add_argument("--block-size", type=int, default=None, help="drafter block size (default: drafter's)")
@@ -88,6 +91,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.method != "ar" and not args.draft:
         raise ValueError(f"--method {args.method} needs --draft PATH (a DFlash drafter directory)")
+    if args.stage_times and args.method == "ar":
+        raise ValueError("--stage-times times the stages of a speculative round: use it with --method dflash or ddtree")
+    stages = None
     if args.budget < 1:
         raise ValueError(f"--budget must be >= 1, got {args.budget}")
     if args.max_new_tokens < 1:
@@ -114,6 +120,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                     stop_tokens=stop)
             run = pipeline.run_speculative(params, cfg, dparams, dcfg, prompts, lens, settings,
                                            seed=args.seed)
+            if args.stage_times:
+                import jax
+
+                from dflash_jax.stage_times import time_stages
+                stages = time_stages(params, cfg, dparams, dcfg, jnp.asarray(prompts), jnp.asarray(lens),
+                                     jax.random.key(args.seed), settings=settings,
+                                     max_len=pipeline.default_max_len(prompts.shape[1], args.max_new_tokens,
+                                                                      settings.cache_slack()))
         ar = None
         if args.compare_ar and args.method != "ar":
             ar = pipeline.run_ar(params, cfg, prompts, lens, max_new_tokens=args.max_new_tokens,
@@ -126,6 +140,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         record["ar"] = {"tokens": ar.total_tokens, "seconds": ar.seconds, "tokens_per_second": ar.tokens_per_second,
                         "speedup": run.tokens_per_second / ar.tokens_per_second,
                         "same_tokens": run.token_lists() == ar.token_lists()}
+    if stages is not None:
+        record["stage_ms"] = {**stages.ms, "rounds_timed": stages.rounds}
     if args.json:
         print(json.dumps(record))
         return 0
@@ -135,6 +151,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tau = f", tau {acc['tau']:.2f}" if acc else ""
     print(f"[{args.method}] {run.total_tokens} tokens in {run.seconds:.2f} s: "
           f"{run.tokens_per_second:.1f} tokens/s (compile {run.compile_seconds:.1f} s excluded{tau})")
+    if stages is not None and stages.rounds:
+        split = ", ".join(f"{k} {v:.2f}" for k, v in stages.ms.items())
+        print(f"[stages] median ms over {stages.rounds} rounds, each stage its own program: {split} "
+              f"(sum {stages.round_ms:.2f}; the fused round pays no per-stage launch)")
     if ar is not None:
         a = record["ar"]
         same = "identical tokens" if a["same_tokens"] else "tokens DIFFER from AR"

@@ -97,15 +97,19 @@ def _block_limit(state: SpecState, s: SpecSettings) -> jax.Array:
 
 # ----------------------------------------------------------------------------- stages
 
-def draft_stage(state: SpecState, target: ModelParams, dparams: Any, dcfg: Any, s: SpecSettings
-                ) -> tuple[Draft, jax.Array]:
-    """Steps 1-2: one drafter pass, then the chain (DFlash) or the best-`budget` tree (DDTree)."""
+def drafter_pass(state: SpecState, target: ModelParams, dparams: Any, dcfg: Any, s: SpecSettings
+                 ) -> jax.Array:
+    """Step 1: one drafter pass over [root, MASK x (bs-1)] -> logits [batch, bs-1, vocab]."""
     batch = state.root.shape[0]
-    bs = s.block_size
-    limit = _block_limit(state, s)
-    block = jnp.full((batch, bs), dcfg.mask_token_id, jnp.int32).at[:, 0].set(state.root)
-    hidden = dr.draft(dparams, dcfg, target, state.draft_cache, block, state.cache.lengths, limit + 1)
-    logits = dr.draft_logits(dparams, dcfg, target, hidden)  # [batch, bs-1, vocab]
+    block = jnp.full((batch, s.block_size), dcfg.mask_token_id, jnp.int32).at[:, 0].set(state.root)
+    hidden = dr.draft(dparams, dcfg, target, state.draft_cache, block, state.cache.lengths,
+                      _block_limit(state, s) + 1)
+    return dr.draft_logits(dparams, dcfg, target, hidden)
+
+
+def propose(state: SpecState, logits: jax.Array, s: SpecSettings) -> tuple[Draft, jax.Array]:
+    """Step 2: the drafted chain (DFlash) or the best-`budget` tree (DDTree) from the drafter's
+    logits [batch, bs-1, vocab]. Returns (draft, the round's remaining PRNG key)."""
     key, k_draft = jax.random.split(state.key)
     draft_probs = None
     if s.method == "dflash":
@@ -123,7 +127,13 @@ def draft_stage(state: SpecState, target: ModelParams, dparams: Any, dcfg: Any, 
             log_probs = jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)), -jnp.inf)
         with jax.named_scope("tree"):  # a scope of its own, so profiles can split it from the drafter pass
             tree = build_tree(log_probs, state.root, s.budget, s.width)
-    return Draft(tree=tree, draft_probs=draft_probs, limit=limit), key
+    return Draft(tree=tree, draft_probs=draft_probs, limit=_block_limit(state, s)), key
+
+
+def draft_stage(state: SpecState, target: ModelParams, dparams: Any, dcfg: Any, s: SpecSettings
+                ) -> tuple[Draft, jax.Array]:
+    """Steps 1-2: one drafter pass, then the chain (DFlash) or the best-`budget` tree (DDTree)."""
+    return propose(state, drafter_pass(state, target, dparams, dcfg, s), s)
 
 
 def verify_stage(state: SpecState, draft: Draft, target: ModelParams, cfg: ModelConfig, dcfg: Any,

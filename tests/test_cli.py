@@ -22,6 +22,7 @@ def test_help(argv, capsys):
     (["generate", "--method", "ddtree", "hi"], "--draft"),
     (["generate", "--method", "ddtree", "--draft", "x", "--budget", "0", "hi"], "--budget"),
     (["generate", "--max-new-tokens", "0", "hi"], "--max-new-tokens"),
+    (["generate", "--stage-times", "hi"], "--stage-times"),
     (["generate", "--temperature", "-1", "hi"], "temperature"),
     (["generate", "--model", "/nonexistent/model.gguf", "hi"], "/nonexistent/model.gguf"),
 ])

@@ -182,3 +182,39 @@ def test_bad_settings():
         SpecSettings(method="medusa")
     with pytest.raises(ValueError, match="block_size"):
         SpecSettings(block_size=1)
+
+
+@pytest.mark.parametrize("method,temperature", [("ddtree", 0.0), ("dflash", 1.0)])
+def test_stage_times_run_the_same_rounds_as_the_fused_generation(pair, method, temperature):
+    """Stage by stage (each stage its own program), the tokens and per-round acceptance equal the
+    fused `generate_speculative`'s, sampled runs included (same PRNG keys), and every stage is timed."""
+    from dflash_jax.stage_times import STAGES, time_stages
+
+    cfg, params, dcfg, dparams = pair
+    s = SpecSettings(method=method, block_size=16, budget=8, max_new_tokens=24,
+                     sampling=SamplingParams(temperature=temperature))
+    arr, lens = pad_prompts(prompts_20(SMALL_VOCAB)[:3], multiple=32)
+    arr, lens = jnp.asarray(arr), jnp.asarray(lens)
+    fused = generate_speculative(params, cfg, dparams, dcfg, arr, lens, jax.random.key(3), settings=s, max_len=128)
+    staged = time_stages(params, cfg, dparams, dcfg, arr, lens, jax.random.key(3), settings=s, max_len=128,
+                         rounds=64, warmup=1)
+    assert bool(staged.state.done.all())
+    np.testing.assert_array_equal(np.asarray(staged.state.out), np.asarray(fused.tokens))
+    np.testing.assert_array_equal(np.asarray(staged.state.accepted), np.asarray(fused.accepted))
+    assert staged.rounds == int(np.asarray(fused.rounds).max()) - 1  # the warm-up round is not timed
+    assert set(staged.ms) == set(STAGES) and all(v > 0 for v in staged.ms.values())
+    assert staged.round_ms == pytest.approx(sum(staged.ms.values()))
+
+
+def test_stage_times_bad_arguments(pair):
+    from dflash_jax.stage_times import time_stages
+
+    cfg, params, dcfg, dparams = pair
+    s = SpecSettings(method="dflash", block_size=4, max_new_tokens=8)
+    arr, lens = pad_prompts([[1, 2, 3]], multiple=32)
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        time_stages(params, cfg, dparams, dcfg, jnp.asarray(arr), jnp.asarray(lens), jax.random.key(0),
+                    settings=s, max_len=128, rounds=0)
+    with pytest.raises(ValueError, match="max_len 16 is too small"):
+        time_stages(params, cfg, dparams, dcfg, jnp.asarray(arr), jnp.asarray(lens), jax.random.key(0),
+                    settings=s, max_len=16)

@@ -8,7 +8,8 @@ of a jitted, donated call that runs 8 rounds (or AR steps) in an on-device loop,
 does, after warm-up (compile excluded). The split by stage (draft, tree, verify, accept,
 commit: named scopes in `spec_round`) comes from a profiler trace of that same program; on GPU
 it needs XLA command buffers off (XLA_FLAGS=--xla_gpu_enable_command_buffer=), which hide
-per-instruction attribution. `--separate-stages` also times each stage as its own program.
+per-instruction attribution. For each stage as its own program on real prompts, see
+`dflash_jax.stage_times` (`dflash-jax generate --stage-times`).
 """
 from __future__ import annotations
 
@@ -27,9 +28,7 @@ from dflash_jax.bench.common import SHAPES, dump_hlo, environment, log, time_fn,
 from dflash_jax.bench.profile import profile_program, scale_profile
 from dflash_jax.config import default_tap_layers
 from dflash_jax.model import init_params
-from dflash_jax.speculative import (SpecSettings, SpecState, accept_stage, commit_stage, draft_stage,
-                                    spec_round, verify_stage, _block_limit)
-from dflash_jax.tree import build_tree
+from dflash_jax.speculative import SpecSettings, SpecState, spec_round
 
 
 def drafter_config(cfg, layers: int = 5, block_size: int = 16) -> dr.DraftConfig:
@@ -117,39 +116,12 @@ def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool, rounds: i
     return t["median_ms"] / rounds, rnd, box["state"], extra
 
 
-def separate_stage_times(target, dparams, cfg, dcfg, s: SpecSettings, st: SpecState) -> dict[str, float]:
-    """Each stage as its own jitted program (more compiles; the profile split is the default)."""
-    row = {}
-    limit = _block_limit(st, s)
-    hidden_fn = jax.jit(lambda st, target, dparams: dr.draft_logits(dparams, dcfg, target, dr.draft(
-        dparams, dcfg, target, st.draft_cache, dr.make_block(dcfg, st.root), st.cache.lengths, limit + 1)))
-    logits = hidden_fn(st, target, dparams)
-    row["draft_ms"] = time_fn(lambda: hidden_fn(st, target, dparams))["median_ms"]
-    if s.method == "ddtree":
-        tree_fn = jax.jit(lambda lg: build_tree(jax.nn.log_softmax(lg, -1), st.root, s.budget, s.width))
-        row["tree_ms"] = time_fn(lambda: tree_fn(logits).tokens)["median_ms"]
-    draft, key = jax.jit(lambda st, target, dparams: draft_stage(st, target, dparams, dcfg, s))(st, target, dparams)
-    ver = jax.jit(lambda st, d, target: verify_stage(st, d, target, cfg, dcfg, s))
-    row["verify_ms"] = time_fn(lambda: ver(st, draft, target)[0])["median_ms"]
-    lg, taps, cache = ver(st, draft, target)
-
-    def acc_commit(st, d, lg, taps, cache, dparams):
-        path, m, bonus = accept_stage(key, d, lg, s)
-        return commit_stage(st, d, path, m, bonus, taps, cache, dparams, dcfg, s, key)
-    ac = jax.jit(acc_commit)
-    row["accept_commit_ms"] = time_fn(lambda: ac(st, draft, lg, taps, cache, dparams).count)["median_ms"]
-    return row
-
-
 def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_len: int, profile: bool,
-                   separate: bool = False, hlo_dir: str | None = None,
-                   rounds: int = ROUNDS_PER_CALL) -> dict:
+                   hlo_dir: str | None = None, rounds: int = ROUNDS_PER_CALL) -> dict:
     state = make_state(cfg, dcfg, ctx, max_len, s.max_new_tokens, target.embed.dtype)
-    ms, rnd, st, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile, rounds)
+    ms, rnd, _, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile, rounds)
     dump_hlo(hlo_dir, f"round_{s.method}_b{s.budget}_ctx{ctx}_r{rounds}", rnd.as_text())
     row = {"method": s.method, "budget": s.budget, "width": s.width, "ctx": ctx, "round_ms": ms, **extra}
-    if separate:
-        row.update(separate_stage_times(target, dparams, cfg, dcfg, s, st))
     log(row)
     return row
 
@@ -190,8 +162,6 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--draft", help="a drafter directory or shipped name instead of a random 5-layer one")
     ap.add_argument("--no-profile", action="store_true", help="no per-stage split (from a profiler trace)")
-    ap.add_argument("--separate-stages", action="store_true",
-                    help="also time each stage as its own jitted program (many more compiles)")
     ap.add_argument("--dump-hlo", metavar="DIR", help="write each compiled round's HLO here (gzip)")
     ap.add_argument("--rounds-per-call", nargs="+", type=int, default=[ROUNDS_PER_CALL],
                     help="rounds per jitted call (several: each is timed, side by side)")
@@ -219,13 +189,13 @@ def main() -> None:
         s = SpecSettings(method="dflash", block_size=dcfg.block_size, max_new_tokens=512)
         for r in args.rounds_per_call:
             rows.append(bench_settings(target, cfg, dparams, dcfg, s, ctx, max_len, profile,
-                                       args.separate_stages, args.dump_hlo, r))
+                                       args.dump_hlo, r))
         write_json(args.out, {"env": env, "rows": rows})
     for b in args.budgets:
         s = SpecSettings(method="ddtree", block_size=dcfg.block_size, budget=b, max_new_tokens=512)
         for r in args.rounds_per_call:
             rows.append(bench_settings(target, cfg, dparams, dcfg, s, args.ddtree_ctx, max_len, profile,
-                                       args.separate_stages, args.dump_hlo, r))
+                                       args.dump_hlo, r))
         write_json(args.out, {"env": env, "rows": rows})
     print(f"\n{env['device']}, jax {env['jax']}, {args.model} target + {dcfg.num_layers}-layer drafter, "
           f"{dtype.name}, batch 1")

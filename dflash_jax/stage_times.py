@@ -1,0 +1,95 @@
+"""Per-stage device time of speculative rounds, each stage run as its own jitted program.
+
+The fused round (`speculative.spec_round`, looped on device by `generate_speculative`) is the fast
+path and stays untouched. This is its diagnostic twin: it prefills real prompts, then runs real
+rounds stage by stage, waiting for each stage, and reports the median milliseconds per stage
+with compile excluded. A stage launched on its own pays dispatch and launch costs that the fused
+loop does not pay, so the stages add up to more than one fused round. For the split of the fused
+program itself, profile it (`dflash_jax/bench/profile.py`).
+
+Stages (DESIGN.md, "The round"):
+- draft: the drafter pass;
+- tree: the chain or the best-`budget` tree;
+- verify: the target over the tree;
+- accept: the walk or the rejection sampling;
+- commit: K/V compaction, drafter context, emitted tokens.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+
+from dflash_jax.config import ModelConfig
+from dflash_jax.model import ModelParams
+from dflash_jax.speculative import (SpecSettings, SpecState, accept_stage, commit_stage, drafter_pass,
+                                    propose, start_state, verify_stage)
+
+STAGES = ("draft", "tree", "verify", "accept", "commit")
+
+
+@dataclasses.dataclass
+class StageTimes:
+    ms: dict[str, float]  # median ms per stage over the timed rounds
+    rounds: int  # rounds timed (warm-up excluded)
+    state: SpecState  # the state after the last round (its `out` holds the tokens so far)
+
+    @property
+    def round_ms(self) -> float:
+        """The stages' sum: one round run stage by stage."""
+        return sum(self.ms.values())
+
+
+def _timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    return out, (time.perf_counter() - t0) * 1e3
+
+
+def time_stages(target: ModelParams, cfg: ModelConfig, dparams: Any, dcfg: Any, prompts: jax.Array,
+                prompt_lens: jax.Array, key: jax.Array, *, settings: SpecSettings, max_len: int,
+                rounds: int = 8, warmup: int = 2) -> StageTimes:
+    """Runs `warmup + rounds` real rounds stage by stage from right-padded prompts [batch, P].
+
+    The first `warmup` rounds compile and are not timed. Rounds stop early once every sequence is
+    done. The stages, and the PRNG keys they use, are those of `spec_round`, so the tokens equal
+    the fused generation's.
+    """
+    if rounds < 1 or warmup < 0:
+        raise ValueError(f"rounds must be >= 1 and warmup >= 0, got rounds={rounds}, warmup={warmup}")
+    s = settings
+    need = prompts.shape[1] + s.max_new_tokens + s.cache_slack()
+    if need > max_len:
+        raise ValueError(f"max_len {max_len} is too small: prompts of width {prompts.shape[1]} + "
+                         f"max_new_tokens {s.max_new_tokens} + {s.cache_slack()} scratch slots need {need}")
+    start = jax.jit(functools.partial(start_state, cfg=cfg, dcfg=dcfg, max_len=max_len, s=s))
+    state = start(target, dparams=dparams, prompts=prompts, prompt_lens=prompt_lens, key=key)
+    f_draft = jax.jit(lambda st, t, d: drafter_pass(st, t, d, dcfg, s))
+    f_tree = jax.jit(lambda st, logits: propose(st, logits, s))
+    f_verify = jax.jit(lambda st, draft, t: verify_stage(st, draft, t, cfg, dcfg, s))
+
+    def accept(draft, logits, key):
+        key, k_accept = jax.random.split(key)
+        return accept_stage(k_accept, draft, logits, s), key
+    f_accept = jax.jit(accept)
+    f_commit = jax.jit(lambda st, draft, acc, taps, cache, d, key:
+                       commit_stage(st, draft, *acc, taps, cache, d, dcfg, s, key))
+    samples: dict[str, list[float]] = {name: [] for name in STAGES}
+    for i in range(warmup + rounds):
+        if bool(jax.device_get(state.done).all()):
+            break
+        logits, t_draft = _timed(f_draft, state, target, dparams)
+        (draft, key), t_tree = _timed(f_tree, state, logits)
+        (vlogits, taps, cache), t_verify = _timed(f_verify, state, draft, target)
+        (acc, key), t_accept = _timed(f_accept, draft, vlogits, key)
+        state, t_commit = _timed(f_commit, state, draft, acc, taps, cache, dparams, key)
+        if i >= warmup:
+            for name, t in zip(STAGES, (t_draft, t_tree, t_verify, t_accept, t_commit)):
+                samples[name].append(t)
+    timed = len(samples["draft"])
+    ms = {name: statistics.median(v) for name, v in samples.items()} if timed else {}
+    return StageTimes(ms=ms, rounds=timed, state=state)
