@@ -15,7 +15,10 @@
 #   eval          tau on gsm8k (128) + spec_bench (480) for DFlash and DDTree 16/64/256 (DRAFT=dir)
 #   speed         batch-1 tokens/s of AR, DFlash, DDTree beside the PyTorch reference (needs the
 #                 gguf and dflash wheels on the path)
-#   tp            tensor parallelism, tp=1 vs tp=2 (on a 2-GPU machine)
+#   tp            tensor parallelism, tp=1 vs tp=2 (on a 2-GPU machine). TP_MODELS picks the shapes
+#                 (default "qwen3-8b qwen3-32b"); TP_MEMORY=0 skips the peak-memory subprocess. One
+#                 call per model fits the 10-minute limit: TP_MODELS=qwen3-8b TP_MEMORY=0, then
+#                 TP_MODELS=qwen3-32b (which also measures the memory).
 # DRY=1 runs a phase on tiny shapes on the CPU: a check of this script, not a measurement.
 # Each step has its own time limit and writes its log and JSON under OUT_DIR as it goes, so a
 # step cut short still leaves what it measured; output is unbuffered (no filter in the pipe).
@@ -105,8 +108,10 @@ eval | speed)
             --prompts "$data/gsm8k/test.jsonl" "${fast[@]}" --out "$out/speed_torch.json"
     fi ;;
 tp)
-    if [ "$dry" = 1 ]; then set -- --tiny; else set --; fi
-    step tp "$limit" python -m dflash_jax.bench.tensor_parallel "$@" --out "$out/tp.json" ;;
+    if [ "$dry" = 1 ]; then set -- --tiny; else set -- --models ${TP_MODELS:-qwen3-8b qwen3-32b}; fi
+    [ "${TP_MEMORY:-1}" = 0 ] && set -- "$@" --no-memory
+    tag=$(echo "${TP_MODELS:-all}" | tr ' ' '_')
+    step "tp_$tag" "$limit" python -m dflash_jax.bench.tensor_parallel "$@" --out "$out/tp_$tag.json" ;;
 *)
     echo "unknown phase: $phase (ar, rounds, rounds-split, kernel, drafter, eval, speed, tp)" >&2
     exit 2 ;;
