@@ -68,7 +68,10 @@ rounds-split)
 kernel)
     if [ "$dry" = 1 ]; then set -- --interpret
     else set -- --contexts 32768 4096 --widths 16 64 256 512 --reps 3 --budget 400; fi
-    step kernel "$limit" python -m dflash_jax.bench.tree_attention_bench "$@" --out "$out/kernel.json" ;;
+    step kernel "$limit" python -m dflash_jax.bench.tree_attention_bench "$@" --out "$out/kernel.json"
+    # The tilings at W = 272 (budget 256), where 136 programs overflow one wave of 132 SMs.
+    [ "$dry" = 1 ] || step kernel_sweep "${SWEEP_S:-150}" python -m dflash_jax.bench.tree_attention_bench \
+        --sweep --contexts 4096 --widths 272 --sweep-budget "$(( ${SWEEP_S:-150} - 30 ))" --out "$out/kernel_sweep.json" ;;
 drafter)
     if [ "$dry" = 1 ]; then
         gen=(--limit 4 --gen-tokens 16 --gen-batch 4)

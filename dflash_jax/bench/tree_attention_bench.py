@@ -236,8 +236,10 @@ def sweep_configs(width: int, default_split: int) -> list[dict]:
         for block_k in ((64, 128, 256) if width == 1 else (32, 64, 128)):
             for num_warps in (4, 8):
                 for num_stages in (2, 3):
+                    # 4x too: a grid just over one wave (W = 272: 136 programs on 132 SMs)
+                    # may gain from splitting the keys although its default is 1.
                     for split_k in sorted({1, max(1, default_split // 2), default_split,
-                                           2 * default_split}):
+                                           2 * default_split, 4 * default_split}):
                         configs.append(dict(block_q=block_q, block_k=block_k,
                                             num_warps=num_warps, num_stages=num_stages,
                                             split_k=split_k))
@@ -245,7 +247,7 @@ def sweep_configs(width: int, default_split: int) -> list[dict]:
 
 
 def sweep(shapes: list[tuple[int, int]], heads, dtype, iters: int,
-          budget_s: float) -> list[dict]:
+          budget_s: float, interpret: bool = False) -> list[dict]:
     """Times alternative tilings per (ctx, width), budget_s in all; prints the best few.
 
     Configs run in a shuffled order so that a budget cut drops a random subset.
@@ -262,7 +264,8 @@ def sweep(shapes: list[tuple[int, int]], heads, dtype, iters: int,
         inputs = make_inputs(shape, dtype, copies)
         default = default_block_sizes(1, width, q_heads // kv_heads, kv_heads, head_dim,
                                       shape.max_len, itemsize)
-        default_ms = time_ms(tree_attention_pallas, inputs, n, 3)
+        kernel = functools.partial(tree_attention_pallas, interpret=interpret)
+        default_ms = time_ms(kernel, inputs, n, 3)
         trials = []
         configs = sweep_configs(width, default.split_k)
         np.random.default_rng(0).shuffle(configs)
@@ -270,7 +273,7 @@ def sweep(shapes: list[tuple[int, int]], heads, dtype, iters: int,
             if time.perf_counter() > shape_deadline:
                 break
             try:
-                ms = time_ms(functools.partial(tree_attention_pallas, **cfg), inputs, n, 3)
+                ms = time_ms(functools.partial(kernel, **cfg), inputs, n, 3)
             except Exception as exc:  # a tiling Triton rejects (e.g. shared memory)
                 print(f"  {cfg}: failed {str(exc)[:100]}")
                 continue
@@ -334,7 +337,9 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     if args.sweep:
         shapes = [(32768, 256), (32768, 1), (16384, 512), (32768, 16), (4096, 256), (16384, 1)]
-        rows = sweep(shapes, heads, dtype, args.iters, args.sweep_budget)
+        if args.contexts or args.widths:  # the shapes asked for instead of the default set
+            shapes = [(c, w) for c in contexts for w in widths]
+        rows = sweep(shapes, heads, dtype, args.iters, args.sweep_budget, args.interpret)
     else:
         for ctx, width in [(c, w) for c in contexts for w in widths]:
             if time.perf_counter() - started > args.budget:
