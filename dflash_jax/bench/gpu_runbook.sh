@@ -59,7 +59,9 @@ ar)
     step ar "$limit" python -m dflash_jax.bench.ar_decode "$@" --profile --dump-hlo "$out/hlo" --out "$out/ar.json" ;;
 rounds)
     # shellcheck disable=SC2046
-    step rounds "$limit" python -m dflash_jax.bench.spec_round $(spec_args) --no-profile --out "$out/rounds.json" ;;
+    # XLA's dot merger as is and off, side by side (it copies q/k/v weights every round at wide trees)
+    step rounds "$limit" python -m dflash_jax.bench.spec_round $(spec_args) --dot-merger default off --no-profile \
+        --out "$out/rounds.json" ;;
 rounds-split)
     export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="
     # shellcheck disable=SC2046

@@ -94,11 +94,19 @@ def timed_rounds(target, dparams, cfg, dcfg, s: SpecSettings, state: SpecState
     return ms, rnd, last
 
 
-def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool, rounds: int = ROUNDS_PER_CALL):
+# XLA's DotMerger joins dots that share an input by concatenating their weights, and at wide
+# trees it does so for q/k/v inside the round loop: a 48 MB copy per layer every round (Qwen3-8B).
+# Threshold 0 turns the pass off; `--dot-merger default off` times both in one process.
+DOT_MERGER = {"default": None, "off": {"xla_gpu_dot_merger_threshold_mb": 0}}
+
+
+def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool, rounds: int = ROUNDS_PER_CALL,
+                  dot_merger: str = "default"):
     # Compiled ahead of time: the same executable is timed and profiled, and its HLO is at hand.
     t0 = time.perf_counter()
     start = jnp.array(state.cache.lengths)  # a copy: the state is donated
-    rnd = round_program(cfg, dcfg, s, rounds).lower(state, start, target=target, dparams=dparams).compile()
+    rnd = round_program(cfg, dcfg, s, rounds).lower(state, start, target=target, dparams=dparams).compile(
+        compiler_options=DOT_MERGER[dot_merger])
     compile_s = time.perf_counter() - t0
     box = {"state": state}
 
@@ -112,15 +120,16 @@ def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool, rounds: i
     # Random weights can overflow to inf/NaN; say so, since such values would void the timing's realism.
     finite = all(bool(jnp.isfinite(x.astype(jnp.float32)).all()) for x in (box["state"].cache.k[-1],
                                                                             box["state"].cache.v[-1]))
-    extra = {"compile_s": compile_s, "rounds_per_call": rounds, "profile": where, "kv_finite": finite}
+    extra = {"compile_s": compile_s, "rounds_per_call": rounds, "profile": where, "kv_finite": finite,
+             "dot_merger": dot_merger}
     return t["median_ms"] / rounds, rnd, box["state"], extra
 
 
 def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_len: int, profile: bool,
-                   hlo_dir: str | None = None, rounds: int = ROUNDS_PER_CALL) -> dict:
+                   hlo_dir: str | None = None, rounds: int = ROUNDS_PER_CALL, dot_merger: str = "default") -> dict:
     state = make_state(cfg, dcfg, ctx, max_len, s.max_new_tokens, target.embed.dtype)
-    ms, rnd, _, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile, rounds)
-    dump_hlo(hlo_dir, f"round_{s.method}_b{s.budget}_ctx{ctx}_r{rounds}", rnd.as_text())
+    ms, rnd, _, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile, rounds, dot_merger)
+    dump_hlo(hlo_dir, f"round_{s.method}_b{s.budget}_ctx{ctx}_r{rounds}_dm-{dot_merger}", rnd.as_text())
     row = {"method": s.method, "budget": s.budget, "width": s.width, "ctx": ctx, "round_ms": ms, **extra}
     log(row)
     return row
@@ -163,6 +172,8 @@ def main() -> None:
     ap.add_argument("--draft", help="a drafter directory or shipped name instead of a random 5-layer one")
     ap.add_argument("--no-profile", action="store_true", help="no per-stage split (from a profiler trace)")
     ap.add_argument("--dump-hlo", metavar="DIR", help="write each compiled round's HLO here (gzip)")
+    ap.add_argument("--dot-merger", nargs="+", choices=sorted(DOT_MERGER), default=["default"],
+                    help="XLA's dot merger as is, or off (several: each is timed, side by side)")
     ap.add_argument("--rounds-per-call", nargs="+", type=int, default=[ROUNDS_PER_CALL],
                     help="rounds per jitted call (several: each is timed, side by side)")
     ap.add_argument("--out")
@@ -188,27 +199,29 @@ def main() -> None:
         rows.append(bench_ar(target, cfg, ctx, max_len, profile))
         s = SpecSettings(method="dflash", block_size=dcfg.block_size, max_new_tokens=512)
         for r in args.rounds_per_call:
-            rows.append(bench_settings(target, cfg, dparams, dcfg, s, ctx, max_len, profile,
-                                       args.dump_hlo, r))
+            for dm in args.dot_merger:
+                rows.append(bench_settings(target, cfg, dparams, dcfg, s, ctx, max_len, profile,
+                                           args.dump_hlo, r, dm))
         write_json(args.out, {"env": env, "rows": rows})
     for b in args.budgets:
         s = SpecSettings(method="ddtree", block_size=dcfg.block_size, budget=b, max_new_tokens=512)
         for r in args.rounds_per_call:
-            rows.append(bench_settings(target, cfg, dparams, dcfg, s, args.ddtree_ctx, max_len, profile,
-                                       args.dump_hlo, r))
+            for dm in args.dot_merger:
+                rows.append(bench_settings(target, cfg, dparams, dcfg, s, args.ddtree_ctx, max_len, profile,
+                                           args.dump_hlo, r, dm))
         write_json(args.out, {"env": env, "rows": rows})
     print(f"\n{env['device']}, jax {env['jax']}, {args.model} target + {dcfg.num_layers}-layer drafter, "
           f"{dtype.name}, batch 1")
-    print("| method | budget | W | ctx | rounds/call | round ms | device ms | draft | tree | verify | accept | commit "
-          "| other |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| method | budget | W | ctx | rounds/call | dot merger | round ms | device ms | draft | tree | verify "
+          "| accept | commit | other |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         prof = r.get("profile") or {}
         split = prof.get("by_scope", {})
         cells = [f"{split[k]:.2f}" if k in split else "-" for k in STAGES + ("other",)]
         dev = f"{prof['device_ms']:.2f}" if "device_ms" in prof else "-"
         print(f"| {r['method']} | {r.get('budget', '-')} | {r.get('width', 1)} | {r['ctx']} | "
-              f"{r['rounds_per_call']} | {r['round_ms']:.2f} | "
+              f"{r['rounds_per_call']} | {r.get('dot_merger', '-')} | {r['round_ms']:.2f} | "
               f"{dev} | " + " | ".join(cells) + " |")
 
 
