@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import functools
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -57,8 +58,14 @@ def make_decoder(cfg, steps: int, attn_impl: str):
     return run
 
 
+# XLA compiler options to compare. M = 1 GEMMs go to XLA's Triton GEMM fusions by default (the
+# gate/up GEMVs stream at 2.4 TB/s on the H200); "cublas" sends them to cuBLAS instead.
+GEMM_OPTIONS = {"default": None, "cublas": {"xla_gpu_enable_triton_gemm": False}}
+
+
 def bench_model(name: str, contexts: list[int], steps: int, impls: list[str], bandwidth: float,
-                on_row=lambda rows: None, profile: bool = False, hlo_dir: str | None = None) -> list[dict]:
+                on_row=lambda rows: None, profile: bool = False, hlo_dir: str | None = None,
+                gemms: tuple[str, ...] = ("default",)) -> list[dict]:
     cfg = SHAPES[name]
     params = jax.block_until_ready(init_params(cfg, jax.random.key(0), jnp.bfloat16))
     log(f"{name}: weights drawn")
@@ -66,20 +73,22 @@ def bench_model(name: str, contexts: list[int], steps: int, impls: list[str], ba
     rows = []
     # One max_len for every context: the context is a runtime length, so one compile per impl.
     max_len = max(contexts) + steps + 64
-    runs = {impl: make_decoder(cfg, steps, impl) for impl in impls}
-    compile_s: dict[str, float] = {}
+    variants = [(impl, gemm) for impl in impls for gemm in gemms]
+    runs: dict[tuple[str, str], Any] = {}
+    compile_s: dict[tuple[str, str], float] = {}
     for ctx in contexts:
         kv_bytes = 2 * cfg.num_layers * (ctx + steps // 2) * cfg.num_kv_heads * cfg.head_dim * 2
-        for impl in impls:
+        for impl, gemm in variants:
             cache = random_cache(cfg, 1, max_len, ctx, jnp.bfloat16)
             tok = jnp.zeros((1,), jnp.int32) + 7
-            if not hasattr(runs[impl], "as_text"):  # compile once, ahead of time, for every context
+            if (impl, gemm) not in runs:  # compile once, ahead of time, for every context
                 t0 = time.perf_counter()
-                runs[impl] = runs[impl].lower(params, cache, tok).compile()
-                compile_s[impl] = time.perf_counter() - t0
-                log(f"{name} {impl}: compiled in {compile_s[impl]:.1f} s")
-                dump_hlo(hlo_dir, f"ar_{name}_{impl}", runs[impl].as_text())
-            run = runs[impl]
+                runs[impl, gemm] = make_decoder(cfg, steps, impl).lower(params, cache, tok).compile(
+                    compiler_options=GEMM_OPTIONS[gemm])
+                compile_s[impl, gemm] = time.perf_counter() - t0
+                log(f"{name} {impl} gemm={gemm}: compiled in {compile_s[impl, gemm]:.1f} s")
+                dump_hlo(hlo_dir, f"ar_{name}_{impl}_{gemm}", runs[impl, gemm].as_text())
+            run = runs[impl, gemm]
             state = {"cache": cache}
 
             def call():
@@ -92,12 +101,12 @@ def bench_model(name: str, contexts: list[int], steps: int, impls: list[str], ba
                 where = scale_profile(profile_program(call, run.as_text(), calls=3), steps)  # per token
             floor_w = wbytes / bandwidth * 1e3
             floor_wkv = (wbytes + kv_bytes) / bandwidth * 1e3
-            rows.append({"model": name, "ctx": ctx, "attn": impl, "ms_per_token": ms,
+            rows.append({"model": name, "ctx": ctx, "attn": impl, "gemm": gemm, "ms_per_token": ms,
                          "weight_gb": wbytes / 1e9, "kv_gb_read": kv_bytes / 1e9,
                          "roofline_weights_ms": floor_w, "roofline_weights_kv_ms": floor_wkv,
                          "pct_of_weight_roofline": 100 * floor_w / ms,
                          "pct_of_weight_kv_roofline": 100 * floor_wkv / ms,
-                         "compile_s": compile_s[impl], "profile_per_token": where})
+                         "compile_s": compile_s[impl, gemm], "profile_per_token": where})
             log(rows[-1])
             on_row(rows)
             del cache, state
@@ -110,6 +119,8 @@ def main() -> None:
     ap.add_argument("--contexts", nargs="+", type=int, default=[1024, 8192])
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--impls", nargs="+", default=["pallas", "reference"])
+    ap.add_argument("--gemm", nargs="+", choices=sorted(GEMM_OPTIONS), default=["default"],
+                    help="XLA GEMM backend options to compare side by side")
     ap.add_argument("--copy-gb", type=float, default=4.0)
     ap.add_argument("--profile", action="store_true", help="split each step's device time by kind of work")
     ap.add_argument("--dump-hlo", metavar="DIR", help="write each compiled decoder's HLO here (gzip)")
@@ -125,13 +136,14 @@ def main() -> None:
         rows += bench_model(m, args.contexts, args.steps, args.impls, bw["tb_per_s"] * 1e12,
                             on_row=lambda new: write_json(args.out, {"env": env, "copy_bandwidth": bw,
                                                                      "rows": done + new}),
-                            profile=args.profile, hlo_dir=args.dump_hlo)
+                            profile=args.profile, hlo_dir=args.dump_hlo, gemms=tuple(args.gemm))
     write_json(args.out, {"env": env, "copy_bandwidth": bw, "rows": rows})
     print(f"\ncopy bandwidth {bw['tb_per_s']:.2f} TB/s ({env['device']}, jax {env['jax']})")
-    print("| model | ctx | attention | ms/token | weights GB | roofline (w) ms | % of (w) | roofline (w+kv) ms | % of (w+kv) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| model | ctx | attention | gemm | ms/token | weights GB | roofline (w) ms | % of (w) | roofline (w+kv) ms "
+          "| % of (w+kv) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['ctx']} | {r['attn']} | {r['ms_per_token']:.3f} | {r['weight_gb']:.2f} | "
+        print(f"| {r['model']} | {r['ctx']} | {r['attn']} | {r['gemm']} | {r['ms_per_token']:.3f} | {r['weight_gb']:.2f} | "
               f"{r['roofline_weights_ms']:.3f} | {r['pct_of_weight_roofline']:.0f}% | "
               f"{r['roofline_weights_kv_ms']:.3f} | {r['pct_of_weight_kv_roofline']:.0f}% |")
 

@@ -55,7 +55,7 @@ spec_args() {  # the round benchmark's shapes
 case $phase in
 ar)
     if [ "$dry" = 1 ]; then set -- --models tiny --contexts 64 256 --steps 8 --copy-gb 0.05 --impls reference
-    else set -- --models smollm2-135m qwen3-8b --contexts 1024 8192 --impls pallas; fi
+    else set -- --models smollm2-135m qwen3-8b --contexts 1024 8192 --impls pallas --gemm default cublas; fi
     step ar "$limit" python -m dflash_jax.bench.ar_decode "$@" --profile --dump-hlo "$out/hlo" --out "$out/ar.json" ;;
 rounds)
     # shellcheck disable=SC2046
