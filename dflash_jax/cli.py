@@ -92,8 +92,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.method != "ar" and not args.draft:
         raise ValueError(f"--method {args.method} needs --draft PATH (a DFlash drafter directory)")
     if args.stage_times and args.method == "ar":
-        raise ValueError("--stage-times times the stages of a speculative round: use it with --method dflash or ddtree")
-    stages = None
+        raise ValueError("--stage-times times the stages of a speculative round: "
+                         "use it with --method dflash or ddtree")
     if args.budget < 1:
         raise ValueError(f"--budget must be >= 1, got {args.budget}")
     if args.max_new_tokens < 1:
@@ -106,6 +106,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     token_lists += [token_lists[-1]] * (-len(token_lists) % args.dp)  # dp splits the batch evenly
     prompts, lens = pipeline.pad_prompts(token_lists)
     stop = pipeline.stop_tokens_for(tokenizer, cfg)
+    stages = None
     with sh.use_mesh(mesh):  # traced and compiled sharded over the mesh (no-op without one)
         if args.method == "ar":
             run = pipeline.run_ar(params, cfg, prompts, lens, max_new_tokens=args.max_new_tokens,
@@ -342,7 +343,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"training a {dcfg.num_layers}-layer block-{dcfg.block_size} drafter (taps {list(dcfg.target_layer_ids)}, "
           f"mask token {dcfg.mask_token_id}) on {len(seqs)} sequences from {data_path}", file=sys.stderr)
     result = tr.train(params, cfg, dcfg, seqs, tc, out, resume=args.resume, save_every=args.save_every,
-                      log_every=args.log_every, time_limit=args.time_limit, export_dtype=args.export_dtype, progress=not args.no_progress,
+                      log_every=args.log_every, time_limit=args.time_limit, export_dtype=args.export_dtype,
+                      progress=not args.no_progress,
                       extra_record={"target": str(args.target), "data": str(data_path)})
     last = result.history[-1] if result.history else {}
     print(json.dumps({"out": str(result.out_dir), "step": int(result.state.step),

@@ -225,6 +225,10 @@ def start_state(target: ModelParams, cfg: ModelConfig, dparams: Any, dcfg: Any, 
                 prompt_lens: jax.Array, key: jax.Array, max_len: int, s: SpecSettings) -> SpecState:
     """Prefill the target, seed the drafter context with the prompt's features, emit token 1."""
     batch, width = prompts.shape
+    need = width + s.max_new_tokens + s.cache_slack()
+    if need > max_len:
+        raise ValueError(f"max_len {max_len} is too small: prompts of width {width} + max_new_tokens "
+                         f"{s.max_new_tokens} + {s.cache_slack()} scratch slots need {need}")
     dtype = target.embed.dtype
     cache = KVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, dtype)
     logits, taps, cache = prefill(target, cfg, prompts, prompt_lens, cache,
@@ -247,10 +251,6 @@ def generate_speculative(target: ModelParams, cfg: ModelConfig, dparams: Any, dc
                          prompts: jax.Array, prompt_lens: jax.Array, key: jax.Array, *,
                          settings: SpecSettings, max_len: int) -> Generation:
     """DFlash or DDTree generation for right-padded prompts [batch, P], all on device."""
-    need = prompts.shape[1] + settings.max_new_tokens + settings.cache_slack()
-    if need > max_len:
-        raise ValueError(f"max_len {max_len} is too small: prompts of width {prompts.shape[1]} + max_new_tokens "
-                         f"{settings.max_new_tokens} + {settings.cache_slack()} scratch slots need {need}")
     state = start_state(target, cfg, dparams, dcfg, prompts, prompt_lens, key, max_len, settings)
     state = jax.lax.while_loop(lambda st: ~jnp.all(st.done),
                                lambda st: spec_round(st, target, cfg, dparams, dcfg, settings), state)

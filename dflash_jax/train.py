@@ -403,7 +403,8 @@ def _host_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
 def train(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: SequenceSet, tc: TrainConfig,
           out_dir: str | Path, *, init_params: dr.DraftParams | None = None, resume: bool = False,
           save_every: int = 500, keep: int = 3, log_every: int = 10, stop_at: int | None = None,
-          time_limit: float | None = None, export: bool = True, export_dtype: str = "float32", plots: bool = True, progress: bool = True,
+          time_limit: float | None = None, export: bool = True, export_dtype: str = "float32",
+          plots: bool = True, progress: bool = True,
           extra_record: dict[str, Any] | None = None) -> TrainResult:
     """Trains a drafter; checkpoints, logs, plots and the z-lab export go under `out_dir`.
 

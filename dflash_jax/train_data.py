@@ -179,7 +179,7 @@ def generate_responses(params: Any, cfg: Any, prompts: Sequence[Sequence[int]], 
     sampled ones. A response ends with its stop token when one was produced.
     """
     from dflash_jax.generate import generate_ar
-    from dflash_jax.pipeline import pad_prompts, padded_width
+    from dflash_jax.pipeline import default_max_len, pad_prompts, padded_width
 
     if not prompts:
         raise ValueError("no prompts")
@@ -193,12 +193,12 @@ def generate_responses(params: Any, cfg: Any, prompts: Sequence[Sequence[int]], 
     # Every batch padded to the longest prompt: one compiled program for the whole run (on a GPU
     # a compile costs far more than the padded prefill rows).
     width = padded_width(prompts, 32)
+    max_len = default_max_len(width, max_new_tokens, 1)
     bar = _progress(len(prompts), "generate", progress)
     for b, idx in enumerate(batches):
         chunk = [list(prompts[i]) for i in idx]
         chunk += [chunk[-1]] * (batch_size - len(chunk))  # one compiled batch shape
         arr, lens = pad_prompts(chunk, width=width)
-        max_len = int(-(-(arr.shape[1] + max_new_tokens + 1) // 64) * 64)
         sampled = bool(rng.random() < sample_fraction)
         sp = SamplingParams(temperature=temperature) if sampled else SamplingParams()
         gen = generate_ar(params, cfg, jnp.asarray(arr), jnp.asarray(lens), jax.random.key(seed * 100003 + b),

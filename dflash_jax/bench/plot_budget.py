@@ -19,19 +19,18 @@ def plot(json_path: str, png_path: str) -> None:
     budgets = [r["budget"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
     def value(r: dict, key: str) -> float | None:
-        """A stage time: from the separately timed stages, else the profile's split of the round."""
-        if key in r:
-            return r[key]
+        """The round's wall time, or its device time / a stage's from the round's profile."""
+        if key == "round_ms":
+            return r["round_ms"]
         prof = r.get("profile") or {}
         if key == "device_ms":
             return prof.get("device_ms")
-        split = prof.get("by_scope") or {}
-        return split.get(key[:-3]) if key[:-3] in split else None
+        return (prof.get("by_scope") or {}).get(key)
 
     for key, label in [("round_ms", "fused round (wall)"), ("device_ms", "device time (profile)"),
-                       ("draft_ms", "drafter pass"), ("tree_ms", "tree build"),
-                       ("verify_ms", "verify (target + tree attention)"), ("accept_ms", "accept"),
-                       ("commit_ms", "commit"), ("accept_commit_ms", "accept + commit")]:
+                       ("draft", "drafter pass"), ("tree", "tree build"),
+                       ("verify", "verify (target + tree attention)"), ("accept", "accept"),
+                       ("commit", "commit")]:
         vals = [value(r, key) for r in rows]
         if all(v is not None for v in vals):
             ax.plot(budgets, vals, marker="o", label=label)

@@ -173,19 +173,13 @@ def bench_round(target, dparams, cfg, dcfg, mesh, budget: int, ctx: int, max_len
                 ) -> dict:
     s = SpecSettings(method="ddtree", block_size=dcfg.block_size, budget=budget, max_new_tokens=512)
     state = make_spec_state(cfg, dcfg, ctx, max_len, s.max_new_tokens, jnp.bfloat16, mesh)
-    start = jnp.array(state.cache.lengths)  # the round program takes the context apart from the donated state
-    ms, rnd, last = timed_rounds(target, dparams, cfg, dcfg, s, state)
+    ms, rnd, call = timed_rounds(target, dparams, cfg, dcfg, s, state)
     hlo = rnd.as_text()
     ops = hlo_collectives(hlo)
     comm = replay_collectives(ops, mesh)
     row = {"budget": budget, "width": s.width, "round_ms": ms, "collectives_per_round": len(ops),
            "collective_ms": comm, "collective_share": None if comm is None else comm / ms}
     if profile_dir:
-        box = {"state": last}
-
-        def call():
-            box["state"] = rnd(box["state"], start, target=target, dparams=dparams)
-            return box["state"].count
         prof = scale_profile(profile_program(call, hlo, calls=3, log_dir=profile_dir), ROUNDS_PER_CALL)
         if "error" not in prof:  # the trace's own view: collective kernels over all device time
             prof["collective_share"] = prof["by_kind"].get("collective", 0.0) / prof["device_ms"]
