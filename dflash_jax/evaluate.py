@@ -116,7 +116,7 @@ def bench_tokens(params: Any, cfg: Any, token_lists: Sequence[Sequence[int]], ca
 
     from dflash_jax.generate import generate_ar
     from dflash_jax.pipeline import Compiled, default_max_len, pad_prompts, padded_width
-    from dflash_jax.speculative import SpecSettings, generate_speculative
+    from dflash_jax.speculative import SpecSettings, speculative_program
 
     if not token_lists:
         raise ValueError("no prompts to benchmark")
@@ -156,7 +156,7 @@ def bench_tokens(params: Any, cfg: Any, token_lists: Sequence[Sequence[int]], ca
                          stop_tokens=tuple(stop_tokens)))
             else:
                 gen, secs = compiled.run(
-                    (spec, arr.shape, max_len), generate_speculative,
+                    (spec, arr.shape, max_len), speculative_program(settings),
                     (params, cfg, dparams, dcfg, jnp.asarray(arr), jnp.asarray(lens), key),
                     dict(settings=settings, max_len=max_len))
             toks, counts = np.asarray(gen.tokens), np.asarray(gen.num_tokens)

@@ -155,10 +155,10 @@ def run_ar(params: Any, cfg: ModelConfig, prompts: np.ndarray, lens: np.ndarray,
 def run_speculative(params: Any, cfg: ModelConfig, dparams: Any, dcfg: Any, prompts: np.ndarray,
                     lens: np.ndarray, settings: Any, *, seed: int = 0, max_len: int | None = None
                     ) -> TimedGeneration:
-    from dflash_jax.speculative import generate_speculative
+    from dflash_jax.speculative import speculative_program
 
     slack = settings.cache_slack()
     max_len = max_len or default_max_len(prompts.shape[1], settings.max_new_tokens, slack)
     check_prompts(lens, prompts.shape[1], settings.max_new_tokens, max_len, slack=slack)
-    return timed_call(generate_speculative, params, cfg, dparams, dcfg, jnp.asarray(prompts), jnp.asarray(lens),
-                      jax.random.key(seed), settings=settings, max_len=max_len)
+    return timed_call(speculative_program(settings), params, cfg, dparams, dcfg, jnp.asarray(prompts),
+                      jnp.asarray(lens), jax.random.key(seed), settings=settings, max_len=max_len)

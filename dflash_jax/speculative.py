@@ -246,13 +246,32 @@ def start_state(target: ModelParams, cfg: ModelConfig, dparams: Any, dcfg: Any, 
                      rounds=jnp.zeros((batch,), jnp.int32), key=key)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "settings", "max_len"))
-def generate_speculative(target: ModelParams, cfg: ModelConfig, dparams: Any, dcfg: Any,
-                         prompts: jax.Array, prompt_lens: jax.Array, key: jax.Array, *,
-                         settings: SpecSettings, max_len: int) -> Generation:
-    """DFlash or DDTree generation for right-padded prompts [batch, P], all on device."""
+def _generate(target: ModelParams, cfg: ModelConfig, dparams: Any, dcfg: Any, prompts: jax.Array,
+              prompt_lens: jax.Array, key: jax.Array, *, settings: SpecSettings, max_len: int) -> Generation:
     state = start_state(target, cfg, dparams, dcfg, prompts, prompt_lens, key, max_len, settings)
     state = jax.lax.while_loop(lambda st: ~jnp.all(st.done),
                                lambda st: spec_round(st, target, cfg, dparams, dcfg, settings), state)
     return Generation(tokens=state.out, num_tokens=state.count, accepted=state.accepted,
                       rounds=state.rounds)
+
+
+_STATIC = ("cfg", "dcfg", "settings", "max_len")
+_generate_dflash = jax.jit(_generate, static_argnames=_STATIC)
+# XLA's DotMerger concatenates each layer's q/k/v weights inside the round loop once the tree is
+# wide (a 48 MB copy per layer per round at Qwen3-8B, budget 256). With the pass off, a DDTree(256)
+# round took 15.66 ms instead of 16.20 (H200, BENCHMARKS.md); DFlash rounds showed no gain.
+_generate_ddtree = jax.jit(_generate, static_argnames=_STATIC,
+                           compiler_options={"xla_gpu_dot_merger_threshold_mb": 0})
+
+
+def speculative_program(settings: SpecSettings) -> Any:
+    """The jitted generation for these settings (same signature as `generate_speculative`)."""
+    return _generate_ddtree if settings.method == "ddtree" else _generate_dflash
+
+
+def generate_speculative(target: ModelParams, cfg: ModelConfig, dparams: Any, dcfg: Any,
+                         prompts: jax.Array, prompt_lens: jax.Array, key: jax.Array, *,
+                         settings: SpecSettings, max_len: int) -> Generation:
+    """DFlash or DDTree generation for right-padded prompts [batch, P], all on device (one jit)."""
+    return speculative_program(settings)(target, cfg, dparams, dcfg, prompts, prompt_lens, key,
+                                         settings=settings, max_len=max_len)
