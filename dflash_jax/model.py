@@ -125,6 +125,16 @@ def _dot(eq: str, x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
+def _row_parallel_dot(eq: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """einsum whose result is in the activation dtype from the start.
+
+    Under tp the contracted axis is split, and XLA all-reduces the dot's own result: asking for
+    float32 there (as `_dot` does) would all-reduce float32 partial sums, twice the bytes of bf16.
+    The GPU GEMMs still accumulate in float32; only the partial sums are rounded before the sum.
+    """
+    return jnp.einsum(eq, x, w, preferred_element_type=x.dtype)
+
+
 def project_qkv(p: AttentionParams, cfg: ModelConfig, x: jax.Array, kv_input: jax.Array | None = None
                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x: [batch, seq, embed] -> q [batch, seq, q_heads, head_dim], k/v [batch, kv_seq, kv_heads, head_dim].
@@ -148,7 +158,7 @@ def project_qkv(p: AttentionParams, cfg: ModelConfig, x: jax.Array, kv_input: ja
 
 def output_projection(p: AttentionParams, attn: jax.Array) -> jax.Array:
     """attn: [batch, seq, q_heads, head_dim] -> [batch, seq, embed]."""
-    out = _dot("bshd,hde->bse", attn, p.o)  # row-parallel under tp: one all-reduce
+    out = _row_parallel_dot("bshd,hde->bse", attn, p.o)  # row-parallel under tp: one all-reduce
     out = constrain(out, (BATCH, None, None))
     return out + p.o_bias.astype(out.dtype) if p.o_bias is not None else out
 
@@ -158,7 +168,7 @@ def mlp(p: MLPParams, x: jax.Array) -> jax.Array:
     up = jnp.einsum("bse,em->bsm", x, p.up, preferred_element_type=jnp.float32)
     act = constrain((jax.nn.silu(gate) * up).astype(x.dtype), (BATCH, None, MLP))
     # Row-parallel under tp: one all-reduce.
-    return constrain(_dot("bsm,me->bse", act, p.down), (BATCH, None, None))
+    return constrain(_row_parallel_dot("bsm,me->bse", act, p.down), (BATCH, None, None))
 
 
 def lm_head_weight(params: ModelParams) -> jax.Array:

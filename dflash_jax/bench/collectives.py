@@ -1,0 +1,125 @@
+"""The all-reduce behind tensor parallelism, alone: device time per op by rows, width and dtype.
+
+    python -m dflash_jax.bench.collectives --rows 1 80 272 --hidden 4096 5120 \\
+        --dtypes float32 bfloat16 --nccl-proto default LL LL128 Simple --out collectives.json
+    python -m dflash_jax.bench.collectives --tiny      (CPU smoke test with 2 fake devices)
+
+Under tp each transformer layer all-reduces two [rows, hidden] activations (after o_proj and
+down_proj), so a round's collective time is about 2 x layers x the time of one such op. Here
+`--chain` all-reduces run back to back inside one jitted shard_map program, each input depending
+on the previous output so XLA neither overlaps nor combines them; the same program without the
+psums is timed too and subtracted. Each `--nccl-proto` value runs in its own subprocess (NCCL
+reads its environment once); NVLink multicast stays off (NCCL_NVLS_ENABLE=0) in all of them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from dflash_jax.bench.common import environment, time_fn, write_json
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def chain_ms(mesh, rows: int, hidden: int, dtype, chain: int, communicate: bool) -> float:
+    """Median ms of `chain` dependent all-reduces of a [rows, hidden] array on every device."""
+    tp = mesh.devices.size
+
+    def body(x):
+        for _ in range(chain):
+            y = jax.lax.psum(x, "tp") if communicate else x * 2
+            x = y * jnp.asarray(0.5, dtype)  # keeps values finite and makes the next op depend on this one
+        return x
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False))
+    x = jax.device_put(jnp.ones((tp * rows, hidden), dtype), NamedSharding(mesh, P("tp")))
+    return time_fn(lambda: fn(x), warmup=3, iters=20)["median_ms"]
+
+
+def measure(rows: list[int], hidden: list[int], dtypes: list[str], chain: int) -> list[dict]:
+    mesh = jax.make_mesh((len(jax.devices()),), ("tp",))
+    out = []
+    for h in hidden:
+        for r in rows:
+            for name in dtypes:
+                dt = DTYPES[name]
+                with_ops = chain_ms(mesh, r, h, dt, chain, True)
+                without = chain_ms(mesh, r, h, dt, chain, False)
+                us = max(0.0, with_ops - without) / chain * 1e3
+                nbytes = r * h * jnp.dtype(dt).itemsize
+                row = {"rows": r, "hidden": h, "dtype": name, "bytes": nbytes, "us_per_allreduce": us,
+                       "algo_gb_s": nbytes / (us * 1e-6) / 1e9 if us > 0 else None}
+                print(row, flush=True)
+                out.append(row)
+    return out
+
+
+def run_proto(args, proto: str) -> dict:
+    """`measure` in a subprocess with NCCL_PROTO set (or unset for 'default')."""
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0")
+    env.pop("NCCL_PROTO", None)
+    if proto != "default":
+        env["NCCL_PROTO"] = proto
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "dflash_jax.bench.collectives", "--child", "--chain", str(args.chain),
+           "--rows", *map(str, args.rows), "--hidden", *map(str, args.hidden), "--dtypes", *args.dtypes]
+    if args.tiny:
+        cmd.append("--tiny")
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.proto_timeout)
+    lines = [l for l in res.stdout.splitlines() if l.startswith("ROWS ")]
+    if res.returncode or not lines:
+        return {"proto": proto, "error": (res.stderr or res.stdout)[-2000:]}
+    return {"proto": proto, "rows": json.loads(lines[-1][len("ROWS "):])}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 80, 272])
+    ap.add_argument("--hidden", nargs="+", type=int, default=[4096, 5120])
+    ap.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["float32", "bfloat16"])
+    ap.add_argument("--chain", type=int, default=64, help="dependent all-reduces per timed program")
+    ap.add_argument("--nccl-proto", nargs="+", default=["default"],
+                    help="NCCL_PROTO values, one subprocess each ('default' leaves it unset)")
+    ap.add_argument("--proto-timeout", type=float, default=300)
+    ap.add_argument("--tiny", action="store_true", help="2 fake CPU devices, small shapes")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    # The parent and each child hold the GPUs at once: neither may grab most of their memory.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    if args.tiny:
+        jax.config.update("jax_num_cpu_devices", 2)
+        args.rows, args.hidden, args.chain = [1, 4], [64], 4
+    if args.child:
+        print("ROWS " + json.dumps(measure(args.rows, args.hidden, args.dtypes, args.chain)), flush=True)
+        return
+    if len(jax.devices()) < 2:
+        raise SystemExit(f"collectives: needs at least 2 devices, found {len(jax.devices())}")
+    env = environment()
+    print(env, flush=True)
+    results = [run_proto(args, p) for p in args.nccl_proto]
+    write_json(args.out, {"env": env, "chain": args.chain, "results": results})
+    print(f"\n{env['device']} x{env['num_devices']}, jax {env['jax']}; microseconds per all-reduce "
+          f"(chains of {args.chain})")
+    print("| NCCL_PROTO | rows | hidden | dtype | MB | us | GB/s |")
+    print("|---|---|---|---|---|---|---|")
+    for res in results:
+        if "error" in res:
+            print(f"| {res['proto']} | error: {res['error'][-200:]!r} |")
+            continue
+        for r in res["rows"]:
+            gbs = "-" if r["algo_gb_s"] is None else f"{r['algo_gb_s']:.0f}"
+            print(f"| {res['proto']} | {r['rows']} | {r['hidden']} | {r['dtype']} | {r['bytes'] / 1e6:.3f} "
+                  f"| {r['us_per_allreduce']:.1f} | {gbs} |")
+
+
+if __name__ == "__main__":
+    main()
