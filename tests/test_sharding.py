@@ -4,6 +4,7 @@ Sharded programs must give the single-device numbers: logits to float32 rounding
 tokens exactly. Weights are placed by the loaders (`shardings=sharding.placement(mesh)`), so
 these tests also check that every device holds only its own shard.
 """
+import argparse
 import dataclasses
 import functools
 
@@ -326,3 +327,31 @@ def test_cli_takes_tp_and_dp():
     from dflash_jax.cli import build_parser
     args = build_parser().parse_args(["generate", "hi", "--tp", "2", "--dp", "2"])
     assert (args.tp, args.dp) == (2, 2)
+
+
+def test_row_parallel_dots_give_the_activation_dtype():
+    """Under tp XLA all-reduces the o_proj / down_proj dot's own result, so that result must be
+    in the activation dtype: a float32 result would double the bytes of every bf16 all-reduce
+    (the CPU backend widens all-reduces to float32 anyway, so this checks the jaxpr)."""
+    from dflash_jax.model import AttentionParams, MLPParams, mlp, output_projection
+
+    def dot_out_dtypes(fn, *args):
+        return [e.outvars[0].aval.dtype for e in jax.make_jaxpr(fn)(*args).eqns
+                if e.primitive.name == "dot_general"]
+
+    bf = jnp.bfloat16
+    attn = AttentionParams(q=None, k=None, v=None, o=jnp.ones((4, 8, 32), bf))
+    assert dot_out_dtypes(lambda a: output_projection(attn, a), jnp.ones((1, 3, 4, 8), bf)) == [bf]
+    m = MLPParams(gate=jnp.ones((32, 64), bf), up=jnp.ones((32, 64), bf), down=jnp.ones((64, 32), bf))
+    # gate and up stay float32 (the activation is computed in float32); down is bf16
+    assert dot_out_dtypes(lambda x: mlp(m, x), jnp.ones((1, 3, 32), bf)) == [jnp.float32, jnp.float32, bf]
+
+
+def test_collectives_bench_runs_on_fake_devices(tmp_path):
+    from dflash_jax.bench import collectives
+
+    res = collectives.run_proto(argparse.Namespace(chain=2, rows=[1, 4], hidden=[64], dtypes=["bfloat16"],
+                                                   tiny=True, proto_timeout=120), "default")
+    assert "error" not in res, res
+    assert [(r["rows"], r["dtype"]) for r in res["rows"]] == [(1, "bfloat16"), (4, "bfloat16")]
+    assert all(r["us_per_allreduce"] >= 0 for r in res["rows"])
