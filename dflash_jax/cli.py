@@ -192,6 +192,9 @@ def _add_data_gen_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sample-fraction", type=float, default=0.5,
                    help="fraction of batches sampled at --gen-temperature (the rest greedy)")
     p.add_argument("--gen-temperature", type=float, default=1.0)
+    p.add_argument("--samples-per-prompt", type=int, default=1,
+                   help="responses per prompt: the first follows --sample-fraction, the others are sampled "
+                        "at --gen-temperature, each with its own seed (default: %(default)s)")
 
 
 def _add_make_data(sub: argparse._SubParsersAction) -> None:
@@ -239,6 +242,16 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="seconds; stop (save, export) at the first step past it; --resume finishes later")
     p.add_argument("--save-every", type=int, default=500)
     p.add_argument("--log-every", type=int, default=10)
+    # Validation (fresh runs; --resume reads them from the run, a flag given must agree).
+    p.add_argument("--val-fraction", type=float, default=None,
+                   help="fraction of the prompts held out for validation, all samples of a prompt on one "
+                        "side, chosen by --seed (default 0.02; 0 = no validation)")
+    p.add_argument("--eval-every", type=int, default=None,
+                   help="steps between validations (default: 10 x --log-every); also at the last step")
+    p.add_argument("--val-batches", type=int, default=None,
+                   help="most validation batches (of --batch rows) evaluated each time (default 32)")
+    p.add_argument("--keep-best", action="store_true", default=None,
+                   help="export the parameters of the validation with the best tau estimate, not the last")
     p.add_argument("--export-dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--measure-taps", action="store_true",
@@ -280,16 +293,28 @@ def _make_token_file(args: argparse.Namespace, cfg, params, tokenizer, out) -> N
     data = make_token_data(params, cfg, tokenizer, sources, max_new_tokens=args.gen_tokens,
                            max_prompt_tokens=args.max_prompt_tokens, limit=args.limit,
                            batch_size=args.gen_batch, sample_fraction=args.sample_fraction,
-                           temperature=args.gen_temperature, seed=args.seed or 0, target_name=str(args.target),
+                           temperature=args.gen_temperature, samples_per_prompt=args.samples_per_prompt,
+                           seed=args.seed or 0, target_name=str(args.target),
                            progress=not getattr(args, "no_progress", False))
     data.save(Path(out))
-    print(f"wrote {out}: {len(data)} sequences, {len(data.response_tokens)} response tokens "
+    print(f"wrote {out}: {len(data)} sequences ({data.meta['prompts']} prompts x {args.samples_per_prompt}), "
+          f"{len(data.response_tokens)} response tokens "
           f"({data.meta['skipped_long_prompts']} long prompts skipped)", file=sys.stderr)
+
+
+def _check_data_gen_args(args: argparse.Namespace) -> None:
+    """Refuses bad generation flags before any model is loaded."""
+    if args.samples_per_prompt < 1:
+        raise ValueError(f"--samples-per-prompt must be >= 1, got {args.samples_per_prompt}")
+    if args.samples_per_prompt > 1 and args.gen_temperature <= 0:
+        raise ValueError(f"--samples-per-prompt {args.samples_per_prompt} needs --gen-temperature > 0 "
+                         f"(got {args.gen_temperature}): greedy copies would all be the same response")
 
 
 def cmd_make_data(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
+    _check_data_gen_args(args)
     cfg, params, tokenizer = _load_target(args.target, jnp.dtype(args.dtype or _default_dtype()), "--target")
     _make_token_file(args, cfg, params, tokenizer, args.out)
     return 0
@@ -320,10 +345,25 @@ def cmd_train(args: argparse.Namespace) -> int:
         tc = tr.TrainConfig(**{**saved["train_config"], **given})
         dcfg = draft_config_from_dict(saved["drafter_config"], source=str(run_file))
         args.data = args.data or saved.get("data")
+        val = saved.get("validation") or {"fraction": 0.0, "eval_every": None, "val_batches": 32, "keep_best": False}
     else:
         given.setdefault("compute_dtype", _default_dtype())
         tc = dataclasses.replace(tr.TrainConfig(), **given)
         dcfg = None
+        val = {"fraction": 0.02, "eval_every": None, "val_batches": 32, "keep_best": False}
+    val_fraction = val["fraction"] if args.val_fraction is None else args.val_fraction
+    eval_every = val["eval_every"] if args.eval_every is None else args.eval_every
+    val_batches = val["val_batches"] if args.val_batches is None else args.val_batches
+    keep_best = val["keep_best"] if args.keep_best is None else args.keep_best
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+    if keep_best and val_fraction == 0:
+        raise ValueError("--keep-best needs validation: --val-fraction > 0")
+    if eval_every is not None and eval_every < 1:
+        raise ValueError(f"--eval-every must be >= 1, got {eval_every}")
+    if val_batches < 1:
+        raise ValueError(f"--val-batches must be >= 1, got {val_batches}")
+    _check_data_gen_args(args)
     # Frozen target: loaded in float32 (master copy), cast to compute dtype inside `train`.
     cfg, params, tokenizer = load_model(args.target, dtype=jnp.float32)
     data_path = Path(args.data) if args.data else out / "train_tokens.npz"
@@ -344,13 +384,10 @@ def cmd_train(args: argparse.Namespace) -> int:
           f"mask token {dcfg.mask_token_id}) on {len(seqs)} sequences from {data_path}", file=sys.stderr)
     result = tr.train(params, cfg, dcfg, seqs, tc, out, resume=args.resume, save_every=args.save_every,
                       log_every=args.log_every, time_limit=args.time_limit, export_dtype=args.export_dtype,
-                      progress=not args.no_progress,
+                      val_fraction=val_fraction, eval_every=eval_every, val_batches=val_batches,
+                      keep_best=keep_best, progress=not args.no_progress,
                       extra_record={"target": str(args.target), "data": str(data_path)})
-    last = result.history[-1] if result.history else {}
-    print(json.dumps({"out": str(result.out_dir), "step": int(result.state.step),
-                      "export": str(result.export_dir) if result.export_dir else None,
-                      "loss": last.get("loss"), "tau_estimate": last.get("tau_estimate"),
-                      "acc_by_pos": last.get("acc_by_pos")}))
+    print(json.dumps({"out": str(result.out_dir), **result.summary}))
     return 0
 
 

@@ -46,7 +46,7 @@ from dflash_jax.kv_cache import KVCache
 from dflash_jax.model import ModelParams, forward, rms_norm
 from dflash_jax.params import cast_floating
 from dflash_jax.rope import rope_tables
-from dflash_jax.train_data import SequenceSet, batch_indices
+from dflash_jax.train_data import SequenceSet, batch_indices, split_by_prompt
 
 # Token texts tried, in order, for the drafter's MASK token (the target's embedding of it is used).
 MASK_TOKEN_CANDIDATES = ("<|mask|>", "<mask>", "[MASK]", "<|MASK|>", "<empty_output>", "<filename>")
@@ -291,9 +291,14 @@ def position_weights(block_size: int, gamma: float) -> jax.Array:
     return jnp.exp(-jnp.arange(block_size - 1, dtype=jnp.float32) / gamma)
 
 
-def loss_fn(dparams: dr.DraftParams, target: ModelParams, taps: jax.Array, batch: dict[str, jax.Array],
-            key: jax.Array, *, dcfg: dr.DraftConfig, tc: TrainConfig) -> tuple[jax.Array, dict[str, Any]]:
-    """Weighted block cross-entropy and metrics. dparams are float32 masters, cast here."""
+def block_scores(dparams: dr.DraftParams, target: ModelParams, taps: jax.Array, batch: dict[str, jax.Array],
+                 key: jax.Array, *, dcfg: dr.DraftConfig, tc: TrainConfig) -> dict[str, jax.Array]:
+    """Per block row: cross-entropy, loss weight, mask and correctness, per block: valid and chain run.
+
+    dparams are float32 masters, cast here. The anchors are drawn with `key`. Keys: ce, w
+    (position weight x mask), m (mask, float), correct [B, N, bs-1]; valid, run [B, N] (run =
+    leading correct rows of the block: the greedy chain's accepted draft tokens).
+    """
     tokens, prompt_lens, total_lens = batch["tokens"], batch["prompt_lens"], batch["total_lens"]
     bs = dcfg.block_size
     params = cast_floating(dparams, jnp.dtype(tc.compute_dtype))
@@ -304,19 +309,26 @@ def loss_fn(dparams: dr.DraftParams, target: ModelParams, taps: jax.Array, batch
     targets, mask = block_targets(tokens, anchors, valid, total_lens, bs)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
     m = mask.astype(jnp.float32)
-    w = position_weights(bs, tc.gamma or default_gamma(bs)) * m
-    loss = jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1e-6)
     correct = (jnp.argmax(logits, -1) == targets) & mask
+    return {"ce": ce, "w": position_weights(bs, tc.gamma or default_gamma(bs)) * m, "m": m, "correct": correct,
+            "valid": valid, "run": jnp.sum(jnp.cumprod(correct, axis=-1), axis=-1)}
+
+
+def loss_fn(dparams: dr.DraftParams, target: ModelParams, taps: jax.Array, batch: dict[str, jax.Array],
+            key: jax.Array, *, dcfg: dr.DraftConfig, tc: TrainConfig) -> tuple[jax.Array, dict[str, Any]]:
+    """Weighted block cross-entropy and metrics. dparams are float32 masters, cast here."""
+    s = block_scores(dparams, target, taps, batch, key, dcfg=dcfg, tc=tc)
+    ce, w, m, correct, valid = s["ce"], s["w"], s["m"], s["correct"], s["valid"]
+    loss = jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1e-6)
     per_pos = jnp.maximum(jnp.sum(m, (0, 1)), 1.0)
     # Mean accepted length of greedy chain drafting on these blocks: 1 + leading correct rows.
-    run = jnp.sum(jnp.cumprod(correct, axis=-1), axis=-1)
     n_valid = jnp.maximum(jnp.sum(valid), 1)
     metrics = {
         "loss": loss,
         "ce": jnp.sum(ce * m) / jnp.maximum(jnp.sum(m), 1.0),
         "acc_by_pos": jnp.sum(correct, (0, 1)) / per_pos,
         "tokens_by_pos": jnp.sum(m, (0, 1)),
-        "tau_estimate": 1.0 + jnp.sum(jnp.where(valid, run, 0)) / n_valid,
+        "tau_estimate": 1.0 + jnp.sum(jnp.where(valid, s["run"], 0)) / n_valid,
         "blocks": jnp.sum(valid),
     }
     return loss, metrics
@@ -362,6 +374,79 @@ def train_step(state: TrainState, target: ModelParams, batch: dict[str, jax.Arra
 _tree_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
 
 
+# ----------------------------------------------------------------------------- validation
+
+# Folded into PRNGKey(seed) for the validation anchors (training steps use fold_in(rng, step),
+# step < TrainConfig.steps, so the two streams never meet in practice).
+_EVAL_STREAM = 0x5EEDEA1
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "tc"))
+def eval_step(params: dr.DraftParams, target: ModelParams, batch: dict[str, jax.Array], key: jax.Array, *,
+              cfg: ModelConfig, dcfg: dr.DraftConfig, tc: TrainConfig) -> dict[str, jax.Array]:
+    """Sums over one validation batch, no gradient: the numerators and denominators of `evaluate`.
+
+    The same blocks, loss and chain-acceptance rules as `loss_fn`; the anchors come from `key`.
+    """
+    taps = target_taps(target, cfg, batch["tokens"], dcfg.target_layer_ids, tc.attn_impl)
+    s = block_scores(params, target, taps, batch, key, dcfg=dcfg, tc=tc)
+    return {"loss_sum": jnp.sum(s["ce"] * s["w"]), "weight_sum": jnp.sum(s["w"]),
+            "correct_by_pos": jnp.sum(s["correct"], (0, 1)).astype(jnp.float32),
+            "tokens_by_pos": jnp.sum(s["m"], (0, 1)),
+            "run_sum": jnp.sum(jnp.where(s["valid"], s["run"], 0)), "blocks": jnp.sum(s["valid"])}
+
+
+@dataclasses.dataclass
+class ValidationSet:
+    """Fixed validation batches: the same rows and the same anchors at every evaluation."""
+
+    rows: np.ndarray  # the data rows evaluated, in batch order
+    batches: list[dict[str, jax.Array]]  # tc.batch_size rows each (the train step's shape)
+    keys: list[jax.Array]  # the anchor key of each batch
+
+
+def validation_set(data: SequenceSet, val_rows: np.ndarray, tc: TrainConfig, max_batches: int) -> ValidationSet:
+    """Batches of `val_rows` (at most `max_batches`, a seeded choice of rows when there are more).
+
+    The last batch is filled with copies of a row whose response is cut to nothing
+    (total_len = prompt_len): such a row has no anchor, so it adds no block to any metric.
+    """
+    if max_batches < 1:
+        raise ValueError(f"val_batches (--val-batches) must be >= 1, got {max_batches}")
+    rows = np.asarray(val_rows)
+    cap = max_batches * tc.batch_size
+    if len(rows) > cap:
+        rows = np.sort(np.random.default_rng([tc.seed, _EVAL_STREAM]).choice(rows, cap, replace=False))
+    base = jax.random.fold_in(jax.random.PRNGKey(tc.seed), _EVAL_STREAM)
+    batches, keys = [], []
+    for j in range(0, len(rows), tc.batch_size):
+        idx = rows[j:j + tc.batch_size]
+        real = len(idx)
+        batch = data.batch(np.concatenate([idx, np.full(tc.batch_size - real, idx[0])]))
+        batch["total_lens"][real:] = batch["prompt_lens"][real:]
+        batches.append({k: jnp.asarray(v) for k, v in batch.items()})
+        keys.append(jax.random.fold_in(base, len(keys)))
+    return ValidationSet(rows=rows, batches=batches, keys=keys)
+
+
+def evaluate(params: dr.DraftParams, target: ModelParams, vset: ValidationSet, *, cfg: ModelConfig,
+             dcfg: dr.DraftConfig, tc: TrainConfig) -> dict[str, Any]:
+    """val_loss, val_acc_by_pos and val_tau_estimate over every block of the validation set.
+
+    The training metrics' formulas (`loss_fn`), summed over all validation blocks rather than
+    one batch: loss = sum(ce x w) / sum(w); accuracy at k = correct / rows at k; tau estimate
+    = 1 + leading correct rows per valid block. `target` is in compute dtype, as in `train`.
+    """
+    total: dict[str, np.ndarray] = {}
+    for batch, key in zip(vset.batches, vset.keys):
+        sums = eval_step(params, target, batch, key, cfg=cfg, dcfg=dcfg, tc=tc)
+        for k, v in jax.device_get(sums).items():
+            total[k] = total.get(k, 0.0) + np.asarray(v, np.float64)
+    return {"val_loss": float(total["loss_sum"] / max(total["weight_sum"], 1e-6)),
+            "val_acc_by_pos": (total["correct_by_pos"] / np.maximum(total["tokens_by_pos"], 1.0)).tolist(),
+            "val_tau_estimate": float(1.0 + total["run_sum"] / max(total["blocks"], 1.0))}
+
+
 # ----------------------------------------------------------------------------- the loop
 
 RUN_FILE = "train_run.json"
@@ -374,6 +459,9 @@ class TrainResult:
     out_dir: Path
     export_dir: Path | None
     history: list[dict[str, Any]]
+    # keep_best: the step whose parameters were (or, unexported, would be) exported.
+    best_step: int | None = None
+    summary: dict[str, Any] = dataclasses.field(default_factory=dict)  # train_run.json's "result"
 
 
 def _run_record(tc: TrainConfig, dcfg: dr.DraftConfig, extra: dict[str, Any]) -> dict[str, Any]:
@@ -400,42 +488,77 @@ def _host_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _check_resume(saved: dict[str, Any], record: dict[str, Any], run_path: Path) -> None:
+    for part in ("train_config", "drafter_config", "validation"):
+        old, new = saved.get(part), record.get(part)
+        if old == new:
+            continue
+        if isinstance(old, dict) and isinstance(new, dict):
+            diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        else:
+            diff = [f"{old!r} -> {new!r}"]
+        raise ValueError(f"{run_path}: --resume with a different {part} (fields {diff}); "
+                         f"a resumed run must use the settings it was started with")
+
+
+def _tau32(tau: float) -> float:
+    """A tau as the float32 a checkpoint stores, so that keep-best compares the same after a resume."""
+    return float(np.float32(tau))
+
+
 def train(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: SequenceSet, tc: TrainConfig,
           out_dir: str | Path, *, init_params: dr.DraftParams | None = None, resume: bool = False,
           save_every: int = 500, keep: int = 3, log_every: int = 10, stop_at: int | None = None,
           time_limit: float | None = None, export: bool = True, export_dtype: str = "float32",
-          plots: bool = True, progress: bool = True,
+          val_fraction: float = 0.0, eval_every: int | None = None, val_batches: int = 32,
+          keep_best: bool = False, plots: bool = True, progress: bool = True,
           extra_record: dict[str, Any] | None = None) -> TrainResult:
     """Trains a drafter; checkpoints, logs, plots and the z-lab export go under `out_dir`.
 
     out_dir/checkpoints/  orbax CheckpointManager (async saves every `save_every` steps + last)
-    out_dir/log.jsonl     one JSON record per `log_every` steps
+    out_dir/log.jsonl     one JSON record per `log_every` steps (and per evaluation)
     out_dir/plots/        loss.png, accuracy_by_position.png
     out_dir/drafter/      config.json + model.safetensors (z-lab layout), when training finished
-    out_dir/train_run.json  the configs, checked on --resume
+    out_dir/train_run.json  the configs, checked on --resume, and the run's "result"
     `resume` continues from the latest checkpoint with the same data order and anchors, so the
     result equals an uninterrupted run. `stop_at` ends the run early at that step (as an
     interruption would), saving a checkpoint. Ctrl-C also saves before exiting.
     `time_limit` (seconds of this call) ends the run at the first step past it, saves, and still
     exports: a time-boxed run's drafter is its product, and `resume` can finish the schedule later.
+
+    Validation: `val_fraction` of the prompts (all rows of each, `split_by_prompt` seeded with
+    tc.seed) never enter a training batch. Every `eval_every` steps (default 10 x log_every),
+    at the last step of the schedule and at the step a call ends early, `evaluate` runs on up
+    to `val_batches` fixed batches of them and its val_loss, val_acc_by_pos and
+    val_tau_estimate go into that step's log record. `keep_best` exports the parameters of the
+    evaluation with the highest val_tau_estimate instead of the last ones (the first such step
+    on ties). The best of the scheduled evaluations is checkpointed beside the state; the
+    evaluation of a call that ends early competes only for that call's export, so a resumed
+    run keeps the same best as an uninterrupted one.
     """
     import orbax.checkpoint as ocp
 
     out_dir = Path(out_dir).absolute()
     ckpt_dir, log_path, run_path = out_dir / "checkpoints", out_dir / LOG_FILE, out_dir / RUN_FILE
-    record = _run_record(tc, dcfg, extra_record or {})
     if data.seq_len != tc.seq_len:
         raise ValueError(f"training rows have seq_len {data.seq_len}, TrainConfig.seq_len is {tc.seq_len}")
+    train_rows, val_rows = split_by_prompt(data.prompt_ids, val_fraction, tc.seed)
+    validating = len(val_rows) > 0
+    if keep_best and not validating:
+        raise ValueError("keep_best (--keep-best) needs validation rows: pass val_fraction (--val-fraction) > 0")
+    eval_every = eval_every if eval_every is not None else 10 * log_every
+    if eval_every < 1:
+        raise ValueError(f"eval_every (--eval-every) must be >= 1, got {eval_every}")
+    vset = validation_set(data, val_rows, tc, val_batches) if validating else None
+    validation = None if vset is None else {
+        "fraction": val_fraction, "eval_every": eval_every, "val_batches": val_batches, "keep_best": keep_best,
+        "prompts": int(len(np.unique(data.prompt_ids[val_rows]))), "rows": int(len(val_rows)),
+        "rows_evaluated": int(len(vset.rows)), "train_rows": int(len(train_rows))}
+    record = _run_record(tc, dcfg, {"validation": validation, **(extra_record or {})})
     if resume:
         if not run_path.is_file():
             raise FileNotFoundError(f"{out_dir}: nothing to resume ({RUN_FILE} is missing)")
-        saved = json.loads(run_path.read_text())
-        for part in ("train_config", "drafter_config"):
-            if saved[part] != record[part]:
-                diff = sorted(k for k in set(saved[part]) | set(record[part])
-                              if saved[part].get(k) != record[part].get(k))
-                raise ValueError(f"{run_path}: --resume with a different {part} (fields {diff}); "
-                                 f"a resumed run must use the settings it was started with")
+        _check_resume(json.loads(run_path.read_text()), record, run_path)
     else:
         if ckpt_dir.exists() and any(ckpt_dir.iterdir()):
             raise ValueError(f"{out_dir}: holds checkpoints of an earlier run; pass resume=True "
@@ -447,6 +570,8 @@ def train(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: Seq
     if init_params is None:
         init_params = dr.init_draft_params(dcfg, jax.random.key(tc.seed + 1))
     state = init_state(init_params, tc)
+    # The best scheduled evaluation so far (keep_best): checkpointed with the state. step 0 = none yet.
+    best = {"params": state.params, "step": jnp.zeros((), jnp.int32), "tau": jnp.zeros((), jnp.float32)}
     options = ocp.CheckpointManagerOptions(save_interval_steps=save_every, max_to_keep=keep,
                                            enable_async_checkpointing=True)
     history: list[dict[str, Any]] = []
@@ -454,47 +579,77 @@ def train(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: Seq
         start = 0
         if resume and mngr.latest_step() is not None:
             start = mngr.latest_step()
-            restored = mngr.restore(start, args=ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(state))))
+            items = {"state": ocp.args.StandardRestore(_abstract(state))}
+            if keep_best:
+                items["best"] = ocp.args.StandardRestore(_abstract(best))
+            restored = mngr.restore(start, args=ocp.args.Composite(**items))
             state = restored["state"]
             if int(state.step) != start:
                 raise ValueError(f"{ckpt_dir}: checkpoint {start} holds step {int(state.step)}")
+            if keep_best:
+                best = restored["best"]
         # Restored arrays are committed to a device; commit a fresh state too, so that a fresh and
         # a resumed run hit the same compiled train_step.
-        state = jax.device_put(state, jax.devices()[0])
+        state, best = jax.device_put((state, best), jax.devices()[0])
+        best_step, best_tau = int(best["step"]), float(best["tau"])
         history = _read_log(log_path, upto=start)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log_path.write_text("".join(json.dumps(r) + "\n" for r in history))  # drop steps after the checkpoint
         end = tc.steps if stop_at is None else min(stop_at, tc.steps)
+        last_eval: tuple[int, float, Any] | None = None  # (step, tau, params) of this call's last evaluation
 
         def save(step: int, force: bool = False) -> None:
-            mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state)), force=force)
+            items = {"state": ocp.args.StandardSave(state)}
+            if keep_best:
+                items["best"] = ocp.args.StandardSave(best)
+            mngr.save(step, args=ocp.args.Composite(**items), force=force)
 
         from tqdm.auto import tqdm
 
         bar = tqdm(total=tc.steps, initial=start, desc="train", disable=not progress, unit="step")
-        t_last, step, logged = time.perf_counter(), start, start
+        t_last, step, logged, eval_s = time.perf_counter(), start, start, 0.0
         t_start, timed_out = t_last, False
         try:
             with log_path.open("a") as log:
                 for step in range(start, end):
-                    idx = batch_indices(len(data), tc.batch_size, step, tc.seed)
+                    idx = train_rows[batch_indices(len(train_rows), tc.batch_size, step, tc.seed)]
                     batch = {k: jnp.asarray(v) for k, v in data.batch(idx).items()}
-                    state, metrics = train_step(state, target, batch, cfg=cfg, dcfg=dcfg, tc=tc)
+                    new_state, metrics = train_step(state, target, batch, cfg=cfg, dcfg=dcfg, tc=tc)
                     done = step + 1
                     if done < end and time_limit is not None and time.perf_counter() - t_start > time_limit:
                         end, timed_out = done, True
                         print(f"train: time limit {time_limit:.0f} s reached at step {done} of {tc.steps}",
                               file=sys.stderr)
-                    if done % log_every == 0 or done == end:
-                        row = {"step": done, **_host_metrics(metrics)}
+                    scheduled = done % eval_every == 0 or done == tc.steps
+                    val = None
+                    if vset is not None and (scheduled or done == end):
+                        t_eval = time.perf_counter()
+                        val = evaluate(new_state.params, target, vset, cfg=cfg, dcfg=dcfg, tc=tc)
+                        val["val_seconds"] = time.perf_counter() - t_eval
+                        eval_s += val["val_seconds"]
+                        tau = _tau32(val["val_tau_estimate"])
+                        last_eval = (done, tau, new_state.params if keep_best else None)
+                        if keep_best and scheduled and tau > best_tau:
+                            best_step, best_tau = done, tau
+                            best = {"params": new_state.params, "step": jnp.asarray(done, jnp.int32),
+                                    "tau": jnp.asarray(tau, jnp.float32)}
+                    # The state advances only once its step's evaluation is done: a Ctrl-C
+                    # checkpoint never holds a step whose scheduled evaluation is missing.
+                    state = new_state
+                    if done % log_every == 0 or done == end or val is not None:
+                        row = {"step": done, **_host_metrics(metrics), **(val or {})}
                         now = time.perf_counter()
-                        # Wall time per step since the last record (the first includes compilation).
-                        row["seconds_per_step"] = (now - t_last) / (done - logged)
-                        t_last, logged = now, done
+                        # Wall time per step since the last record (the first includes compilation),
+                        # evaluations excluded (val_seconds).
+                        row["seconds_per_step"] = (now - t_last - eval_s) / (done - logged)
+                        t_last, logged, eval_s = now, done, 0.0
                         log.write(json.dumps(row) + "\n")
                         log.flush()
                         history.append(row)
-                        bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['tau_estimate']:.2f}")
+                        post = {"loss": f"{row['loss']:.3f}", "tau": f"{row['tau_estimate']:.2f}"}
+                        if val is not None:
+                            post["val_tau"] = f"{val['val_tau_estimate']:.2f}"
+                        bar.set_postfix(post)
                     bar.update(1)
                     if timed_out:
                         break
@@ -510,14 +665,52 @@ def train(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: Seq
         if mngr.latest_step() != end:
             save(end, force=True)
         mngr.wait_until_finished()
+
+    # keep_best: the best scheduled evaluation, or this call's last one if it ended early and did better.
+    kept_step, kept_params = None, state.params
+    if keep_best:
+        if best_step > 0:
+            kept_step, kept_params, kept_tau = best_step, best["params"], best_tau
+        if (last_eval is not None and last_eval[0] == end and np.isfinite(last_eval[1])
+                and (kept_step is None or last_eval[1] > kept_tau)):
+            kept_step, kept_params = last_eval[0], last_eval[2]
+        if kept_step is None:  # no finite evaluation: fall back to the last parameters
+            kept_params = state.params
     if plots:
-        plot_history(history, out_dir / "plots", block_size=dcfg.block_size)
+        plot_history(history, out_dir / "plots", block_size=dcfg.block_size, kept_step=kept_step)
     export_dir = None
     if export and (end == tc.steps or timed_out):
         from convert.dflash_drafter import export_drafter
 
-        export_dir = export_drafter(dcfg, cast_floating(state.params, jnp.dtype(export_dtype)), out_dir / "drafter")
-    return TrainResult(state=state, out_dir=out_dir, export_dir=export_dir, history=history)
+        export_dir = export_drafter(dcfg, cast_floating(kept_params, jnp.dtype(export_dtype)), out_dir / "drafter")
+    summary = _summary(history, end, tc, export_dir, keep_best, kept_step, validation)
+    run_path.write_text(json.dumps({**record, "result": summary}, indent=2) + "\n")
+    return TrainResult(state=state, out_dir=out_dir, export_dir=export_dir, history=history, best_step=kept_step,
+                       summary=summary)
+
+
+def _summary(history: list[dict[str, Any]], end: int, tc: TrainConfig, export_dir: Path | None, keep_best: bool,
+             kept_step: int | None, validation: dict[str, Any] | None) -> dict[str, Any]:
+    """The run's outcome: last training record, last and kept evaluations, what was exported."""
+    last = history[-1] if history else {}
+    out: dict[str, Any] = {"step": end, "finished": end == tc.steps,
+                           "export": str(export_dir) if export_dir else None,
+                           "loss": last.get("loss"), "tau_estimate": last.get("tau_estimate"),
+                           "acc_by_pos": last.get("acc_by_pos")}
+    evals = [r for r in history if "val_loss" in r]
+    if validation is not None:
+        out.update(train_rows=validation["train_rows"], val_rows=validation["rows"])
+        if evals:
+            out.update(val_step=evals[-1]["step"], val_loss=evals[-1]["val_loss"],
+                       val_tau_estimate=evals[-1]["val_tau_estimate"], val_acc_by_pos=evals[-1]["val_acc_by_pos"])
+    if keep_best:
+        kept = next((r for r in evals if r["step"] == kept_step), None)
+        out.update(keep_best=True, best_step=kept_step,
+                   best_val_tau_estimate=kept["val_tau_estimate"] if kept else None,
+                   exported_step=kept_step if export_dir else None)
+    elif export_dir:
+        out["exported_step"] = end
+    return out
 
 
 def time_step_parts(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: SequenceSet,
@@ -547,8 +740,10 @@ def time_step_parts(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig,
 
 # ----------------------------------------------------------------------------- plots
 
-def plot_history(history: list[dict[str, Any]], out_dir: str | Path, block_size: int) -> list[Path]:
-    """loss.png (loss and the chain-acceptance estimate by step) and accuracy_by_position.png."""
+def plot_history(history: list[dict[str, Any]], out_dir: str | Path, block_size: int,
+                 kept_step: int | None = None) -> list[Path]:
+    """loss.png (loss and the chain-acceptance estimate by step, training batches and validation)
+    and accuracy_by_position.png (training picks, the last validation and the kept one)."""
     if not history:
         return []
     import matplotlib
@@ -559,16 +754,25 @@ def plot_history(history: list[dict[str, Any]], out_dir: str | Path, block_size:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     steps = [r["step"] for r in history]
+    evals = [r for r in history if "val_loss" in r]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, [r["loss"] for r in history], label="weighted loss")
     ax.plot(steps, [r["ce"] for r in history], label="mean cross-entropy", alpha=0.7)
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], color="tab:red", marker="o",
+                markersize=3, label="validation weighted loss")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats)")
     ax2 = ax.twinx()
     ax2.plot(steps, [r["tau_estimate"] for r in history], color="tab:green", label="tau estimate")
-    ax2.set_ylabel("tau estimate (greedy chain, training blocks)")
+    if evals:
+        ax2.plot([r["step"] for r in evals], [r["val_tau_estimate"] for r in evals], color="tab:olive",
+                 linestyle="--", marker="o", markersize=3, label="tau estimate (validation)")
+    if kept_step is not None:
+        ax2.axvline(kept_step, color="grey", linestyle=":", label=f"exported (step {kept_step})")
+    ax2.set_ylabel("tau estimate (greedy chain)")
     lines = ax.get_lines() + ax2.get_lines()
-    ax.legend(lines, [l.get_label() for l in lines], loc="upper right")
+    ax.legend(lines, [l.get_label() for l in lines], loc="upper right", fontsize="small")
     ax.set_title("DFlash drafter training")
     fig.tight_layout()
     loss_png = out_dir / "loss.png"
@@ -584,12 +788,19 @@ def plot_history(history: list[dict[str, Any]], out_dir: str | Path, block_size:
         window = history[max(0, i - 4):i + 1]
         acc = np.mean([w["acc_by_pos"] for w in window], axis=0)
         ax.plot(k, acc, marker="o", label=f"step {r['step']}")
+    shown = [evals[-1]] if evals else []
+    shown += [r for r in evals if r["step"] == kept_step and r is not evals[-1]]
+    for r, color in zip(shown, ("black", "grey")):
+        kept = " (exported)" if r["step"] == kept_step else ""
+        ax.plot(k, r["val_acc_by_pos"], color=color, linestyle="--", marker="s", markersize=4,
+                label=f"validation, step {r['step']}{kept}")
     ax.set_xlabel("block position k")
     ax.set_ylabel("top-1 accuracy")
     ax.set_ylim(0, 1)
     ax.set_xticks(k)
-    ax.legend()
-    ax.set_title("Accuracy by block position")
+    ax.legend(fontsize="small")
+    ax.set_title("Accuracy by block position (solid: training batches)" if evals else
+                 "Accuracy by block position")
     fig.tight_layout()
     acc_png = out_dir / "accuracy_by_position.png"
     fig.savefig(acc_png, dpi=120)

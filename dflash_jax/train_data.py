@@ -7,8 +7,12 @@ target's own generations (not the datasets' reference answers):
      evaluation sets (spec_bench, any `test` split) are refused;
   2. each prompt is wrapped in the target's chat template (`pipeline.encode_prompts`);
   3. the target answers with our own batched, jitted decoding (`generate.generate_ar`), a mix
-     of greedy and temperature-1 batches;
-  4. prompt and response tokens are stored in one `.npz` token file (flat arrays + offsets).
+     of greedy and temperature-1 batches; with `samples_per_prompt` N > 1 every prompt is
+     answered N times: copy 0 as above, copies 1..N-1 sampled (a greedy copy would repeat
+     copy 0's argmax path token for token);
+  4. prompt and response tokens are stored in one `.npz` token file (flat arrays + offsets),
+     with the prompt each response answers (`TokenData.prompt_id`), so that a validation
+     split can hold out whole prompts (`split_by_prompt`).
 
 Target tap features are NOT stored: the training step recomputes them on the fly with one
 causal target forward per batch (`dflash_jax.train.target_taps`, no logits, no backward).
@@ -23,9 +27,10 @@ On an H200 a 16 x 512-token step is a few TFLOPs, so on-the-fly is the simple de
 large target (8B: 5 x 4096 x 2 = 40 KB per token, and a forward that dwarfs the drafter's)
 caching may win. `dflash_jax.train.time_step_parts` measures the split on the device at hand.
 
-At training time the token file becomes fixed-width rows (`SequenceSet`); the order of rows
-is a pure function of (seed, step) (`batch_indices`), so a resumed run sees exactly the
-batches an uninterrupted one would.
+At training time the token file becomes fixed-width rows (`SequenceSet`, each row keeping its
+prompt id); `split_by_prompt` holds out a seeded fraction of the prompts, with all their
+samples, for validation. The order of the training rows is a pure function of (seed, step)
+(`batch_indices`), so a resumed run sees exactly the batches an uninterrupted one would.
 """
 from __future__ import annotations
 
@@ -114,6 +119,17 @@ class TokenData:
     temperature: np.ndarray  # [n] float32, the sampling temperature of each response (0 = greedy)
     source: np.ndarray  # [n] int32 index into meta["sources"]
     meta: dict[str, Any]
+    # [n] int32: which prompt each response answers (rows of one prompt share it). None (a file
+    # written before samples_per_prompt existed) = every row its own prompt.
+    prompt_id: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self)
+        if self.prompt_id is None:
+            self.prompt_id = np.arange(n, dtype=np.int32)
+        self.prompt_id = np.asarray(self.prompt_id, np.int32)
+        if self.prompt_id.shape != (n,):
+            raise ValueError(f"prompt_id has shape {self.prompt_id.shape}, expected ({n},)")
 
     def __len__(self) -> int:
         return len(self.prompt_offsets) - 1
@@ -126,9 +142,12 @@ class TokenData:
 
     @classmethod
     def from_lists(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
-                   temperature: Sequence[float], source: Sequence[int], meta: dict[str, Any]) -> "TokenData":
+                   temperature: Sequence[float], source: Sequence[int], meta: dict[str, Any],
+                   prompt_id: Sequence[int] | None = None) -> "TokenData":
         if not len(prompts) == len(responses) == len(temperature) == len(source):
             raise ValueError("prompts, responses, temperature and source differ in length")
+        if prompt_id is not None and len(prompt_id) != len(prompts):
+            raise ValueError("prompt_id and prompts differ in length")
 
         def flat(rows):
             offsets = np.zeros(len(rows) + 1, np.int64)
@@ -138,7 +157,8 @@ class TokenData:
 
         pt, po = flat(prompts)
         rt, ro = flat(responses)
-        return cls(pt, po, rt, ro, np.asarray(temperature, np.float32), np.asarray(source, np.int32), dict(meta))
+        return cls(pt, po, rt, ro, np.asarray(temperature, np.float32), np.asarray(source, np.int32), dict(meta),
+                   None if prompt_id is None else np.asarray(prompt_id, np.int32))
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -146,7 +166,7 @@ class TokenData:
         tmp = path.with_name(path.name + ".tmp.npz")
         np.savez(tmp, prompt_tokens=self.prompt_tokens, prompt_offsets=self.prompt_offsets,
                  response_tokens=self.response_tokens, response_offsets=self.response_offsets,
-                 temperature=self.temperature, source=self.source,
+                 temperature=self.temperature, source=self.source, prompt_id=self.prompt_id,
                  meta=np.array(json.dumps({"format": FORMAT, "version": VERSION, **self.meta})))
         tmp.replace(path)  # never leave a half-written token file under the real name
         return path
@@ -161,22 +181,30 @@ class TokenData:
             if meta.get("format") != FORMAT or meta.get("version") != VERSION:
                 raise ValueError(f"{path}: format {meta.get('format')!r} version {meta.get('version')!r} "
                                  f"is not {FORMAT!r} version {VERSION}")
+            # Files written before samples_per_prompt have no prompt_id: one prompt per row.
+            prompt_id = z["prompt_id"] if "prompt_id" in z.files else None
             return cls(z["prompt_tokens"], z["prompt_offsets"], z["response_tokens"], z["response_offsets"],
-                       z["temperature"], z["source"], meta)
+                       z["temperature"], z["source"], meta, prompt_id)
 
 
 # ----------------------------------------------------------------------------- generation
 
 def generate_responses(params: Any, cfg: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                        batch_size: int = 32, sample_fraction: float = 0.5, temperature: float = 1.0,
-                       stop_tokens: tuple[int, ...] = (), seed: int = 0, progress: bool = True
-                       ) -> tuple[list[list[int]], list[float]]:
+                       samples_per_prompt: int = 1, stop_tokens: tuple[int, ...] = (), seed: int = 0,
+                       progress: bool = True) -> tuple[list[list[int]], list[float]]:
     """Target responses for token prompts with our batched AR decoding -> (responses, temperatures).
 
-    Prompts are sorted by length and decoded `batch_size` at a time (one compiled program: every
-    batch is padded to the longest prompt). Each batch is greedy or sampled at `temperature` (a seeded draw with
-    probability `sample_fraction`), so the drafter sees both the target's argmax paths and its
-    sampled ones. A response ends with its stop token when one was produced.
+    Prompts are sorted by length and decoded `batch_size` at a time (one compiled program per
+    sampling mode: every batch is padded to the longest prompt). Each batch is greedy or sampled
+    at `temperature` (a seeded draw with probability `sample_fraction`), so the drafter sees both
+    the target's argmax paths and its sampled ones. A response ends with its stop token when one
+    was produced.
+
+    With `samples_per_prompt` N > 1 the prompts are answered N times, copy-major: entry
+    c * len(prompts) + i is copy c of prompt i. Copy 0 is the greedy / sampled mix above (the
+    same responses as N = 1); copies 1..N-1 are all sampled at `temperature`, batch b of copy c
+    with its own key (key b of copy 0 folded with c), so no two copies share a random stream.
     """
     from dflash_jax.generate import generate_ar
     from dflash_jax.pipeline import default_max_len, pad_prompts, padded_width
@@ -185,30 +213,42 @@ def generate_responses(params: Any, cfg: Any, prompts: Sequence[Sequence[int]], 
         raise ValueError("no prompts")
     if not 0.0 <= sample_fraction <= 1.0:
         raise ValueError(f"sample_fraction must be in [0, 1], got {sample_fraction}")
+    if samples_per_prompt < 1:
+        raise ValueError(f"samples_per_prompt (--samples-per-prompt) must be >= 1, got {samples_per_prompt}")
+    if samples_per_prompt > 1 and temperature <= 0:
+        raise ValueError(f"samples_per_prompt (--samples-per-prompt) {samples_per_prompt} needs a sampling "
+                         f"temperature > 0 (--gen-temperature), got {temperature}: greedy copies would all "
+                         f"be the same response")
+    n = len(prompts)
     order = np.argsort([len(p) for p in prompts], kind="stable")
     rng = np.random.default_rng(seed)
-    responses: list[list[int]] = [[] for _ in prompts]
-    temps = [0.0] * len(prompts)
-    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    responses: list[list[int]] = [[] for _ in range(n * samples_per_prompt)]
+    temps = [0.0] * (n * samples_per_prompt)
+    batches = [order[i:i + batch_size] for i in range(0, n, batch_size)]
     # Every batch padded to the longest prompt: one compiled program for the whole run (on a GPU
     # a compile costs far more than the padded prefill rows).
     width = padded_width(prompts, 32)
     max_len = default_max_len(width, max_new_tokens, 1)
-    bar = _progress(len(prompts), "generate", progress)
-    for b, idx in enumerate(batches):
-        chunk = [list(prompts[i]) for i in idx]
-        chunk += [chunk[-1]] * (batch_size - len(chunk))  # one compiled batch shape
-        arr, lens = pad_prompts(chunk, width=width)
-        sampled = bool(rng.random() < sample_fraction)
-        sp = SamplingParams(temperature=temperature) if sampled else SamplingParams()
-        gen = generate_ar(params, cfg, jnp.asarray(arr), jnp.asarray(lens), jax.random.key(seed * 100003 + b),
-                          max_new_tokens=max_new_tokens, max_len=max_len, sampling=sp,
-                          stop_tokens=tuple(stop_tokens))
-        toks, n = np.asarray(gen.tokens), np.asarray(gen.num_tokens)
-        for row, i in enumerate(idx):
-            responses[i] = toks[row, :n[row]].tolist()
-            temps[i] = sp.temperature
-        bar.update(len(idx))
+    bar = _progress(n * samples_per_prompt, "generate", progress)
+    for copy in range(samples_per_prompt):
+        for b, idx in enumerate(batches):
+            chunk = [list(prompts[i]) for i in idx]
+            chunk += [chunk[-1]] * (batch_size - len(chunk))  # one compiled batch shape
+            arr, lens = pad_prompts(chunk, width=width)
+            key = jax.random.key(seed * 100003 + b)
+            if copy == 0:
+                sampled = bool(rng.random() < sample_fraction)
+            else:
+                sampled, key = True, jax.random.fold_in(key, copy)
+            sp = SamplingParams(temperature=temperature) if sampled else SamplingParams()
+            gen = generate_ar(params, cfg, jnp.asarray(arr), jnp.asarray(lens), key,
+                              max_new_tokens=max_new_tokens, max_len=max_len, sampling=sp,
+                              stop_tokens=tuple(stop_tokens))
+            toks, num = np.asarray(gen.tokens), np.asarray(gen.num_tokens)
+            for row, i in enumerate(idx):
+                responses[copy * n + i] = toks[row, :num[row]].tolist()
+                temps[copy * n + i] = sp.temperature
+            bar.update(len(idx))
     bar.close()
     return responses, temps
 
@@ -216,14 +256,19 @@ def generate_responses(params: Any, cfg: Any, prompts: Sequence[Sequence[int]], 
 def make_token_data(params: Any, cfg: Any, tokenizer: Any, sources: Iterable[str | Path], *,
                     max_new_tokens: int = 256, max_prompt_tokens: int = 256, limit: int | None = None,
                     batch_size: int = 32, sample_fraction: float = 0.5, temperature: float = 1.0,
-                    seed: int = 0, target_name: str = "", progress: bool = True) -> TokenData:
+                    samples_per_prompt: int = 1, seed: int = 0, target_name: str = "",
+                    progress: bool = True) -> TokenData:
     """Reads prompts, wraps them in the chat template, lets the target answer -> TokenData.
 
     Prompts longer than `max_prompt_tokens` after templating are skipped (counted in meta).
-    `limit` caps the prompts read per source file.
+    `limit` caps the prompts read per source file. Each prompt is answered `samples_per_prompt`
+    times (see `generate_responses`); row c * P + i is copy c of prompt i, and
+    `prompt_id[c * P + i] = i`.
     """
     from dflash_jax.pipeline import encode_prompts, stop_tokens_for
 
+    if samples_per_prompt < 1:  # before any model work
+        raise ValueError(f"samples_per_prompt (--samples-per-prompt) must be >= 1, got {samples_per_prompt}")
     sources = [Path(s) for s in sources]
     for s in sources:
         check_training_source(s)  # refuse before any generation work
@@ -243,13 +288,16 @@ def make_token_data(params: Any, cfg: Any, tokenizer: Any, sources: Iterable[str
     t0 = time.perf_counter()
     responses, temps = generate_responses(params, cfg, prompts, max_new_tokens=max_new_tokens,
                                           batch_size=batch_size, sample_fraction=sample_fraction,
-                                          temperature=temperature, stop_tokens=stop, seed=seed,
-                                          progress=progress)
+                                          temperature=temperature, samples_per_prompt=samples_per_prompt,
+                                          stop_tokens=stop, seed=seed, progress=progress)
     meta = {"sources": [str(s) for s in sources], "target": target_name, "max_new_tokens": max_new_tokens,
             "max_prompt_tokens": max_prompt_tokens, "skipped_long_prompts": skipped,
-            "sample_fraction": sample_fraction, "temperature": temperature, "seed": seed,
+            "sample_fraction": sample_fraction, "temperature": temperature,
+            "samples_per_prompt": samples_per_prompt, "prompts": len(prompts), "seed": seed,
             "stop_tokens": list(stop), "generate_seconds": time.perf_counter() - t0}
-    return TokenData.from_lists(prompts, responses, temps, source_of, meta)
+    copies = samples_per_prompt
+    return TokenData.from_lists(prompts * copies, responses, temps, source_of * copies, meta,
+                                prompt_id=list(range(len(prompts))) * copies)
 
 
 # ----------------------------------------------------------------------------- training rows
@@ -265,6 +313,13 @@ class SequenceSet:
     tokens: np.ndarray  # [n, seq_len] int32
     prompt_lens: np.ndarray  # [n] int32
     total_lens: np.ndarray  # [n] int32, prompt + (truncated) response
+    prompt_ids: np.ndarray | None = None  # [n] int32, the prompt of each row (None: one prompt per row)
+
+    def __post_init__(self) -> None:
+        if self.prompt_ids is None:
+            self.prompt_ids = np.arange(len(self), dtype=np.int32)
+        if np.shape(self.prompt_ids) != (len(self),):
+            raise ValueError(f"prompt_ids has shape {np.shape(self.prompt_ids)}, expected ({len(self)},)")
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -282,7 +337,7 @@ def build_sequences(data: TokenData, seq_len: int, pad_id: int = 0, min_response
     """Prompt + response per row, responses cut at `seq_len`; rows with < min_response tokens dropped."""
     if min_response < 2:
         raise ValueError("min_response must be >= 2 (an anchor needs a next token)")
-    rows, plens, tlens = [], [], []
+    rows, plens, tlens, pids = [], [], [], []
     for i in range(len(data)):
         p, r = data.prompt(i), data.response(i)
         room = seq_len - len(p)
@@ -295,10 +350,43 @@ def build_sequences(data: TokenData, seq_len: int, pad_id: int = 0, min_response
         rows.append(row)
         plens.append(len(p))
         tlens.append(len(p) + len(r))
+        pids.append(data.prompt_id[i])
     if not rows:
         raise ValueError(f"no usable training rows: every prompt is longer than seq_len={seq_len} - "
                          f"{min_response} or every response is shorter than {min_response} tokens")
-    return SequenceSet(np.stack(rows), np.asarray(plens, np.int32), np.asarray(tlens, np.int32))
+    return SequenceSet(np.stack(rows), np.asarray(plens, np.int32), np.asarray(tlens, np.int32),
+                       np.asarray(pids, np.int32))
+
+
+# Stream of the validation split's generator, apart from the data order's ([seed, epoch]).
+_SPLIT_STREAM = 0x5B117
+
+
+def split_by_prompt(prompt_ids: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Holds out whole prompts for validation -> (train rows, validation rows), ascending indices.
+
+    round(fraction x distinct prompts) prompts, drawn by a generator seeded with `seed`, go to
+    validation with every row (sample) they have, so the drafter is validated on prompts it
+    never trained on. fraction 0 = no validation rows. A fraction that holds out no prompt, or
+    every prompt, is refused.
+    """
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"val_fraction (--val-fraction) must be in [0, 1), got {fraction}")
+    prompt_ids = np.asarray(prompt_ids)
+    rows = np.arange(len(prompt_ids))
+    if fraction == 0.0:
+        return rows, rows[:0]
+    prompts = np.unique(prompt_ids)
+    held = int(np.floor(fraction * len(prompts) + 0.5))
+    if held == 0:
+        raise ValueError(f"val_fraction (--val-fraction) {fraction} of {len(prompts)} prompts holds out no "
+                         f"prompt: no validation rows; use a larger fraction, or 0 to turn validation off")
+    if held >= len(prompts):
+        raise ValueError(f"val_fraction (--val-fraction) {fraction} of {len(prompts)} prompts holds out every "
+                         f"prompt: no training rows; use a smaller fraction")
+    val_prompts = np.random.default_rng([seed, _SPLIT_STREAM]).permutation(prompts)[:held]
+    is_val = np.isin(prompt_ids, val_prompts)
+    return rows[~is_val], rows[is_val]
 
 
 def batch_indices(num_rows: int, batch_size: int, step: int, seed: int) -> np.ndarray:

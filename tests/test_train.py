@@ -260,3 +260,163 @@ def test_time_limit_stops_saves_and_exports(target, tmp_path):
     assert int(out.state.step) == 1 < TC.steps
     assert [r["step"] for r in out.history] == [1]  # the last step is logged even off log_every
     assert out.export_dir is not None and (out.export_dir / "model.safetensors").is_file()
+
+
+# ----------------------------------------------------------------------------- validation and keep-best
+
+VAL = dict(val_fraction=0.34, eval_every=3, keep_best=True)  # 6 prompts x 2 rows: 2 prompts held out
+# Scripted validation tau by step (the real val_loss / val_acc_by_pos are kept). Step 5 is where
+# the interrupted run stops: were its off-schedule evaluation checkpointed as the best, the
+# resumed run would export step 5 instead of the uninterrupted run's step 6.
+SCRIPTED_TAU = {3: 2.0, 5: 3.5, 6: 3.0, 9: 2.5, 12: 2.2}
+
+
+def paired_sequences():
+    """toy_sequences with 2 rows (samples) per prompt id."""
+    data = toy_sequences()
+    return dataclasses.replace(data, prompt_ids=np.arange(len(data), dtype=np.int32) // 2)
+
+
+@pytest.fixture(scope="module")
+def val_runs(target, tmp_path_factory):
+    """With validation and keep-best: an uninterrupted run, and one stopped at step 5 then resumed.
+
+    train_step is wrapped to record every training batch and the step of each new parameter
+    pytree; evaluate keeps its real metrics but reports SCRIPTED_TAU for that step.
+    """
+    _, cfg, params = target
+    dcfg = make_dcfg(cfg)
+    init = numpy_init(dcfg)
+    data = paired_sequences()
+    seen_tokens, step_of = [], {}
+    real_step, real_eval = tr.train_step, tr.evaluate
+
+    def recording_step(state, target, batch, **kw):
+        new, metrics = real_step(state, target, batch, **kw)
+        seen_tokens.append(np.asarray(batch["tokens"]))
+        step_of[id(new.params)] = (int(new.step), new.params)  # the pytree keeps its id alive
+        return new, metrics
+
+    def scripted_eval(params, *args, **kw):
+        out = real_eval(params, *args, **kw)
+        real_tau = out["val_tau_estimate"]
+        out["val_tau_estimate"] = SCRIPTED_TAU.get(step_of[id(params)][0], 1.0)
+        out["real_tau"] = real_tau
+        return out
+
+    kw = dict(init_params=init, log_every=2, save_every=1, keep=20, progress=False, **VAL)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tr, "train_step", recording_step)
+        mp.setattr(tr, "evaluate", scripted_eval)
+        full = tr.train(params, cfg, dcfg, data, TC, tmp_path_factory.mktemp("val_full"), **kw)
+        part_dir = tmp_path_factory.mktemp("val_resumed")
+        part = tr.train(params, cfg, dcfg, data, TC, part_dir, stop_at=5, plots=False, **kw)
+        resumed = tr.train(params, cfg, dcfg, data, TC, part_dir, resume=True, plots=False, **kw)
+    return dcfg, data, full, part, resumed, np.concatenate(seen_tokens)
+
+
+def test_validation_rows_never_train(val_runs):
+    _, data, full, _, _, seen = val_runs
+    train_rows, val_rows = tr.split_by_prompt(data.prompt_ids, VAL["val_fraction"], TC.seed)
+    assert len(np.unique(data.prompt_ids[val_rows])) == 2 and len(val_rows) == 4
+    assert full.summary["val_rows"] == 4 and full.summary["train_rows"] == 8
+    assert len(seen) == (TC.steps + 5 + 7) * TC.batch_size  # every training batch of the three runs
+    rows = {data.tokens[i].tobytes(): i for i in range(len(data))}
+    used = {rows[t.tobytes()] for t in seen}
+    assert used == set(train_rows.tolist())  # all training rows used, no validation row ever
+
+
+def test_validation_metrics_at_the_eval_cadence(val_runs):
+    _, _, full, part, resumed, _ = val_runs
+    logged = [json.loads(l) for l in (full.out_dir / tr.LOG_FILE).read_text().splitlines()]
+    # Every 3 steps (also where the log cadence of 2 does not fall) and at the last step.
+    assert [r["step"] for r in logged if "val_loss" in r] == [3, 6, 9, 12]
+    assert [r["step"] for r in logged] == [2, 3, 4, 6, 8, 9, 10, 12]
+    for r in logged:
+        if "val_loss" in r:
+            assert np.isfinite(r["val_loss"]) and np.isfinite(r["real_tau"]) and r["real_tau"] >= 1.0
+            assert len(r["val_acc_by_pos"]) == BS - 1 and np.isfinite(r["val_acc_by_pos"]).all()
+    # The interrupted call also evaluates where it stops; the resumed log keeps that record.
+    assert [r["step"] for r in part.history if "val_loss" in r] == [3, 5]
+    assert [r["step"] for r in resumed.history if "val_loss" in r] == [3, 5, 6, 9, 12]
+    # Same parameters, same fixed batches and anchors: identical validation metrics.
+    by_step = {r["step"]: r for r in full.history if "val_loss" in r}
+    for r in resumed.history:
+        if r["step"] in by_step:
+            for k in ("val_loss", "val_acc_by_pos", "real_tau", "loss"):
+                assert r[k] == by_step[r["step"]][k]
+    summary = json.loads((full.out_dir / tr.RUN_FILE).read_text())["result"]
+    assert summary["val_step"] == 12 and summary["val_loss"] == by_step[12]["val_loss"]
+    assert (full.out_dir / "plots" / "loss.png").stat().st_size > 0
+
+
+def test_resume_with_validation_equals_uninterrupted(val_runs):
+    _, _, full, part, resumed, _ = val_runs
+    assert int(part.state.step) == 5 and part.export_dir is None
+    for a, b in zip(jax.tree.leaves(resumed.state), jax.tree.leaves(full.state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert part.best_step == 5  # the stopped call's own pick (not exported)
+    assert full.best_step == resumed.best_step == 6  # not 5: that evaluation was off schedule
+    for a, b in zip(jax.tree.leaves(load_drafter(resumed.export_dir)[1]),
+                    jax.tree.leaves(load_drafter(full.export_dir)[1])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_keep_best_exports_the_best_validation_step(val_runs):
+    import orbax.checkpoint as ocp
+
+    _, _, full, _, _, _ = val_runs
+    summary = json.loads((full.out_dir / tr.RUN_FILE).read_text())["result"]
+    assert summary["best_step"] == summary["exported_step"] == 6 and summary["best_val_tau_estimate"] == 3.0
+    with ocp.CheckpointManager(full.out_dir / "checkpoints") as mngr:
+        saved = mngr.restore(6, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(tr._abstract(full.state))))["state"]
+    assert int(saved.step) == 6
+    _, exported = load_drafter(full.export_dir)
+    for a, b in zip(jax.tree.leaves(exported), jax.tree.leaves(saved.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # ... and not the last parameters.
+    assert any(not np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(jax.tree.leaves(exported), jax.tree.leaves(full.state.params)))
+
+
+def test_evaluate_uses_the_training_formulas(target):
+    """One full validation batch == loss_fn's metrics on it with the same key; filler rows add nothing."""
+    _, cfg, params = target
+    dcfg = make_dcfg(cfg)
+    dparams = numpy_init(dcfg, seed=2)
+    data = toy_sequences()
+    vset = tr.validation_set(data, np.array([1, 4, 6, 7]), TC, max_batches=4)
+    got = tr.evaluate(dparams, params, vset, cfg=cfg, dcfg=dcfg, tc=TC)
+
+    @jax.jit
+    def train_metrics(dparams, batch, key):
+        taps = tr.target_taps(params, cfg, batch["tokens"], dcfg.target_layer_ids)
+        return tr.loss_fn(dparams, params, taps, batch, key, dcfg=dcfg, tc=TC)[1]
+
+    ref = jax.device_get(train_metrics(dparams, vset.batches[0], vset.keys[0]))
+    assert got["val_loss"] == pytest.approx(float(ref["loss"]), rel=1e-6)
+    assert got["val_tau_estimate"] == pytest.approx(float(ref["tau_estimate"]), rel=1e-6)
+    np.testing.assert_allclose(got["val_acc_by_pos"], ref["acc_by_pos"], rtol=1e-6)
+    # 5 rows -> 2 batches; the second holds row 9 and 3 filler rows without blocks.
+    vset = tr.validation_set(data, np.array([1, 4, 6, 7, 9]), TC, max_batches=4)
+    assert len(vset.batches) == 2
+    sums = tr.eval_step(dparams, params, vset.batches[1], vset.keys[1], cfg=cfg, dcfg=dcfg, tc=TC)
+    response = int(data.total_lens[9] - data.prompt_lens[9])
+    assert int(sums["blocks"]) == min(TC.num_blocks, response - 1)
+    # A fixed set: the same batches and anchors every time.
+    again = tr.evaluate(dparams, params, tr.validation_set(data, np.array([1, 4, 6, 7]), TC, 4),
+                        cfg=cfg, dcfg=dcfg, tc=TC)
+    assert again == got
+
+
+def test_time_limit_with_keep_best_exports_its_last_evaluation(target, tmp_path):
+    _, cfg, params = target
+    dcfg = make_dcfg(cfg)
+    out = tr.train(params, cfg, dcfg, paired_sequences(), TC, tmp_path, init_params=numpy_init(dcfg),
+                   log_every=100, time_limit=0.0, plots=False, progress=False, **VAL)
+    assert int(out.state.step) == 1 and out.best_step == 1
+    assert "val_loss" in out.history[-1] and out.summary["exported_step"] == 1
+    _, exported = load_drafter(out.export_dir)
+    for a, b in zip(jax.tree.leaves(exported), jax.tree.leaves(out.state.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -14,7 +14,8 @@ from dflash_jax.kv_cache import KVCache
 from dflash_jax.model import forward, model_specs
 from dflash_jax.params import is_spec
 from dflash_jax.train_data import (EvaluationDataError, TokenData, batch_indices, build_sequences,
-                                   check_training_source, default_sources, make_token_data, read_prompts)
+                                   check_training_source, default_sources, make_token_data, read_prompts,
+                                   split_by_prompt)
 
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 VOCAB = 40
@@ -96,8 +97,9 @@ class ToyTokenizer:
         return {"<|im_end|>": 0}
 
 
-def test_make_token_data_with_the_target(tmp_path):
-    """Prompts -> chat template -> target responses (greedy and T=1 batches) -> token file."""
+@pytest.fixture(scope="module")
+def toy_target():
+    """A tiny random Qwen3-shaped target (numpy-drawn weights) -> (cfg, params)."""
     cfg = ModelConfig(model_type="qwen3", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, max_position_embeddings=256)
     rng = np.random.default_rng(0)
@@ -107,7 +109,12 @@ def test_make_token_data_with_the_target(tmp_path):
             return jnp.ones(spec.shape, jnp.float32)
         return jnp.asarray(2.0 * rng.standard_normal(spec.shape) * spec.fan_in ** -0.5, jnp.float32)
 
-    params = jax.tree.map(draw, model_specs(cfg), is_leaf=is_spec)
+    return cfg, jax.tree.map(draw, model_specs(cfg), is_leaf=is_spec)
+
+
+def test_make_token_data_with_the_target(tmp_path, toy_target):
+    """Prompts -> chat template -> target responses (greedy and T=1 batches) -> token file."""
+    cfg, params = toy_target
     gsm = write_jsonl(tmp_path / "gsm8k" / "train.jsonl", [{"question": f"q{i} " * (i + 1), "answer": "x"}
                                                             for i in range(5)])
     alpaca = write_jsonl(tmp_path / "alpaca" / "instructions.jsonl", [{"instruction": "say hi " * 3}] * 3
@@ -135,3 +142,111 @@ def test_make_token_data_with_the_target(tmp_path):
         seq[0, :len(p) + len(r)] = np.concatenate([p, r])
         nxt = np.asarray(argmax_next(jnp.asarray(seq)))
         assert nxt[len(p) - 1:len(p) + len(r) - 1].tolist() == r.tolist()
+
+
+def test_samples_per_prompt(tmp_path, toy_target):
+    """N = 3: every prompt answered 3 times; copy 0 is the N = 1 data, copies 1-2 sampled, distinct."""
+    from dflash_jax.generate import generate_ar
+
+    cfg, params = toy_target
+    gsm = write_jsonl(tmp_path / "gsm8k" / "train.jsonl", [{"question": f"p{i} " * (i + 2)} for i in range(3)])
+    alpaca = write_jsonl(tmp_path / "alpaca" / "instructions.jsonl",
+                         [{"instruction": f"do {i} " * 4} for i in range(2)])
+    kw = dict(max_new_tokens=8, max_prompt_tokens=40, batch_size=2, sample_fraction=0.5, temperature=0.7,
+              seed=2, progress=False)
+    compiled = generate_ar._cache_size()
+    data = make_token_data(params, cfg, ToyTokenizer(), [gsm, alpaca], samples_per_prompt=3, **kw)
+    # One program per sampling mode (greedy, T=0.7) for all 9 batches: every batch has one shape.
+    assert generate_ar._cache_size() - compiled <= 2
+    single = make_token_data(params, cfg, ToyTokenizer(), [gsm, alpaca], **kw)
+    P = 5
+    assert len(data) == 3 * P and data.meta["samples_per_prompt"] == 3 and data.meta["prompts"] == P
+    assert single.meta["samples_per_prompt"] == 1 and single.prompt_id.tolist() == list(range(P))
+    assert data.prompt_id.tolist() == list(range(P)) * 3
+    for i in range(P):
+        rows = np.flatnonzero(data.prompt_id == i)
+        assert rows.tolist() == [i, P + i, 2 * P + i]  # copy-major
+        for r in rows:  # the same prompt and source in every copy
+            assert data.prompt(r).tolist() == single.prompt(i).tolist() and data.source[r] == single.source[i]
+    # Copy 0 is the greedy / sampled mix of samples_per_prompt=1, response for response.
+    for i in range(P):
+        assert data.response(i).tolist() == single.response(i).tolist()
+    np.testing.assert_array_equal(data.temperature[:P], single.temperature)
+    assert set(single.temperature.tolist()) == {0.0, float(np.float32(0.7))}  # both kinds of batch
+    # Copies 1 and 2 are sampled at --gen-temperature, with their own streams.
+    assert (data.temperature[P:] == np.float32(0.7)).all()
+    copy1 = [data.response(P + i).tolist() for i in range(P)]
+    copy2 = [data.response(2 * P + i).tolist() for i in range(P)]
+    assert sum(a != b for a, b in zip(copy1, copy2)) >= 3, (copy1, copy2)
+    assert copy1 != [single.response(i).tolist() for i in range(P)]
+    # The token file keeps the prompt ids and the meta.
+    loaded = TokenData.load(data.save(tmp_path / "tokens.npz"))
+    np.testing.assert_array_equal(loaded.prompt_id, data.prompt_id)
+    assert loaded.meta["samples_per_prompt"] == 3
+    rows = build_sequences(loaded, seq_len=48)  # rows keep their prompt id past dropped short responses
+    kept = [i for i in range(len(data)) if len(data.response(i)) >= 2]
+    np.testing.assert_array_equal(rows.prompt_ids, data.prompt_id[kept])
+
+
+def test_samples_per_prompt_refused_below_one(tmp_path):
+    gsm = write_jsonl(tmp_path / "gsm8k" / "train.jsonl", [{"question": "q"}])
+    with pytest.raises(ValueError, match="--samples-per-prompt.*got 0"):
+        make_token_data(None, None, ToyTokenizer(), [gsm], samples_per_prompt=0)
+
+
+def test_old_token_file_without_prompt_ids_loads(tmp_path):
+    """A file written before samples_per_prompt (no prompt_id array): each row its own prompt."""
+    data = TokenData.from_lists([[1, 2], [3], [4, 5, 6]], [[7, 8, 9], [1], [2, 3]], [0.0, 1.0, 0.0], [0, 0, 1],
+                                {"sources": ["a", "b"]})
+    path = tmp_path / "old.npz"
+    np.savez(path, prompt_tokens=data.prompt_tokens, prompt_offsets=data.prompt_offsets,
+             response_tokens=data.response_tokens, response_offsets=data.response_offsets,
+             temperature=data.temperature, source=data.source,
+             meta=np.array(json.dumps({"format": "dflash-jax/train-tokens", "version": 1, "sources": ["a", "b"]})))
+    with np.load(path) as z:
+        assert "prompt_id" not in z.files
+    loaded = TokenData.load(path)
+    assert loaded.prompt_id.tolist() == [0, 1, 2] and loaded.response(2).tolist() == [2, 3]
+    rows = build_sequences(loaded, seq_len=8)  # row 1 (1-token response) dropped
+    assert rows.prompt_ids.tolist() == [0, 2]
+    train, val = split_by_prompt(rows.prompt_ids, 0.5, seed=0)
+    assert len(train) == len(val) == 1
+
+
+def test_split_by_prompt_is_disjoint_deterministic_and_sized():
+    rng = np.random.default_rng(0)
+    prompt_ids = rng.permutation(np.repeat(np.arange(200), 3))  # 3 samples per prompt, shuffled rows
+    prompt_ids = np.delete(prompt_ids, [5, 17, 40])  # a few samples dropped (short rows)
+    for fraction in (0.02, 0.1, 0.33):
+        train, val = split_by_prompt(prompt_ids, fraction, seed=7)
+        assert np.intersect1d(prompt_ids[train], prompt_ids[val]).size == 0  # no prompt on both sides
+        assert sorted(np.concatenate([train, val]).tolist()) == list(range(len(prompt_ids)))
+        assert abs(len(np.unique(prompt_ids[val])) - fraction * 200) <= 1
+        again = split_by_prompt(prompt_ids, fraction, seed=7)
+        np.testing.assert_array_equal(again[1], val)
+    assert split_by_prompt(prompt_ids, 0.1, seed=8)[1].tolist() != split_by_prompt(prompt_ids, 0.1, seed=7)[1].tolist()
+    train, val = split_by_prompt(prompt_ids, 0.0, seed=7)
+    assert len(val) == 0 and train.tolist() == list(range(len(prompt_ids)))
+    for bad in (1.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match=r"--val-fraction.*\[0, 1\)"):
+            split_by_prompt(prompt_ids, bad, seed=0)
+    with pytest.raises(ValueError, match="--val-fraction.*no validation rows"):
+        split_by_prompt(prompt_ids, 0.001, seed=0)
+    with pytest.raises(ValueError, match="--val-fraction.*no training rows"):
+        split_by_prompt(np.array([0, 0, 1, 1]), 0.8, seed=0)
+
+
+def test_cli_refuses_bad_sampling_and_split_flags(tmp_path, capsys):
+    """One error naming the flag, before any model is loaded."""
+    from dflash_jax.cli import main
+
+    cases = [(["make-data", "--out", str(tmp_path / "t.npz"), "--samples-per-prompt", "0"], "--samples-per-prompt"),
+             (["train", "--out", str(tmp_path / "r"), "--val-fraction", "1.0"], "--val-fraction"),
+             (["train", "--out", str(tmp_path / "r"), "--val-fraction", "-0.5"], "--val-fraction"),
+             (["train", "--out", str(tmp_path / "r"), "--val-fraction", "0", "--keep-best"], "--keep-best"),
+             (["train", "--out", str(tmp_path / "r"), "--data-gen", "--samples-per-prompt", "0"],
+              "--samples-per-prompt")]
+    for argv, flag in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and flag in err[0], (argv, err)
