@@ -350,8 +350,12 @@ def test_row_parallel_dots_give_the_activation_dtype():
 def test_collectives_bench_runs_on_fake_devices(tmp_path):
     from dflash_jax.bench import collectives
 
-    res = collectives.run_proto(argparse.Namespace(chain=2, rows=[1, 4], hidden=[64], dtypes=["bfloat16"],
-                                                   tiny=True, proto_timeout=120), "default")
-    assert "error" not in res, res
-    assert [(r["rows"], r["dtype"]) for r in res["rows"]] == [(1, "bfloat16"), (4, "bfloat16")]
-    assert all(r["us_per_allreduce"] >= 0 for r in res["rows"])
+    args = argparse.Namespace(chain=2, rows=[1, 4], hidden=[64], dtypes=["bfloat16"], tiny=True,
+                              variant_timeout=120)
+    for variant in ("default", "one-shot"):  # one-shot: the XLA flag must exist (CPU ignores it)
+        res = collectives.run_variant(args, variant)
+        assert "error" not in res, res
+        assert [(r["rows"], r["dtype"]) for r in res["rows"]] == [(1, "bfloat16"), (4, "bfloat16")]
+        assert all(r["us_per_allreduce"] >= 0 for r in res["rows"])
+    with pytest.raises(ValueError, match="--variants: unknown variant 'fast'"):
+        collectives.variant_env("fast")

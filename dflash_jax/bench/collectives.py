@@ -1,15 +1,21 @@
 """The all-reduce behind tensor parallelism, alone: device time per op by rows, width and dtype.
 
     python -m dflash_jax.bench.collectives --rows 1 80 272 --hidden 4096 5120 \\
-        --dtypes float32 bfloat16 --nccl-proto default LL LL128 Simple --out collectives.json
+        --dtypes float32 bfloat16 --variants default LL Simple one-shot --out collectives.json
     python -m dflash_jax.bench.collectives --tiny      (CPU smoke test with 2 fake devices)
 
 Under tp each transformer layer all-reduces two [rows, hidden] activations (after o_proj and
 down_proj), so a round's collective time is about 2 x layers x the time of one such op. Here
 `--chain` all-reduces run back to back inside one jitted shard_map program, each input depending
 on the previous output so XLA neither overlaps nor combines them; the same program without the
-psums is timed too and subtracted. Each `--nccl-proto` value runs in its own subprocess (NCCL
-reads its environment once); NVLink multicast stays off (NCCL_NVLS_ENABLE=0) in all of them.
+psums is timed too and subtracted. Each `--variants` entry runs in its own subprocess (NCCL and
+XLA read their environment once):
+  default        NCCL as configured;
+  LL, LL128, Simple   NCCL with NCCL_PROTO set to that protocol;
+  one-shot       XLA's own all-reduce kernel (`--xla_gpu_unsupported_use_all_reduce_one_shot_kernel`)
+                 for the inputs it supports (up to 256 KB one-shot, 2 MB two-shot; larger ones stay
+                 on NCCL). It reads the peers' buffers over NVLink; XLA emits it without multimem.
+NVLink multicast stays off (NCCL_NVLS_ENABLE=0) in all of them.
 """
 from __future__ import annotations
 
@@ -26,6 +32,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from dflash_jax.bench.common import environment, time_fn, write_json
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+ONE_SHOT_FLAG = "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true"
+NCCL_PROTOS = ("LL", "LL128", "Simple")
 
 
 def chain_ms(mesh, rows: int, hidden: int, dtype, chain: int, communicate: bool) -> float:
@@ -61,23 +69,36 @@ def measure(rows: list[int], hidden: list[int], dtypes: list[str], chain: int) -
     return out
 
 
-def run_proto(args, proto: str) -> dict:
-    """`measure` in a subprocess with NCCL_PROTO set (or unset for 'default')."""
+def variant_env(variant: str) -> dict[str, str]:
+    """The environment of one `--variants` entry's subprocess."""
     env = dict(os.environ, NCCL_NVLS_ENABLE="0")
     env.pop("NCCL_PROTO", None)
-    if proto != "default":
-        env["NCCL_PROTO"] = proto
+    if variant in NCCL_PROTOS:
+        env["NCCL_PROTO"] = variant
+    elif variant == "one-shot":
+        env["XLA_FLAGS"] = " ".join(filter(None, [env.get("XLA_FLAGS"), ONE_SHOT_FLAG]))
+    elif variant != "default":
+        raise ValueError(f"--variants: unknown variant {variant!r} (default, {', '.join(NCCL_PROTOS)}, one-shot)")
+    return env
+
+
+def run_variant(args, variant: str) -> dict:
+    """`measure` in a subprocess with the variant's environment."""
+    env = variant_env(variant)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "dflash_jax.bench.collectives", "--child", "--chain", str(args.chain),
            "--rows", *map(str, args.rows), "--hidden", *map(str, args.hidden), "--dtypes", *args.dtypes]
     if args.tiny:
         cmd.append("--tiny")
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.proto_timeout)
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.variant_timeout)
+    except subprocess.TimeoutExpired:
+        return {"variant": variant, "error": f"timed out after {args.variant_timeout} s"}
     lines = [l for l in res.stdout.splitlines() if l.startswith("ROWS ")]
     if res.returncode or not lines:
-        return {"proto": proto, "error": (res.stderr or res.stdout)[-2000:]}
-    return {"proto": proto, "rows": json.loads(lines[-1][len("ROWS "):])}
+        return {"variant": variant, "error": (res.stderr or res.stdout)[-2000:]}
+    return {"variant": variant, "rows": json.loads(lines[-1][len("ROWS "):])}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,9 +107,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hidden", nargs="+", type=int, default=[4096, 5120])
     ap.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["float32", "bfloat16"])
     ap.add_argument("--chain", type=int, default=64, help="dependent all-reduces per timed program")
-    ap.add_argument("--nccl-proto", nargs="+", default=["default"],
-                    help="NCCL_PROTO values, one subprocess each ('default' leaves it unset)")
-    ap.add_argument("--proto-timeout", type=float, default=300)
+    ap.add_argument("--variants", nargs="+", default=["default"],
+                    help="one subprocess each: default, LL, LL128, Simple (NCCL_PROTO) or one-shot")
+    ap.add_argument("--variant-timeout", type=float, default=300)
     ap.add_argument("--tiny", action="store_true", help="2 fake CPU devices, small shapes")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out")
@@ -105,19 +126,21 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"collectives: needs at least 2 devices, found {len(jax.devices())}")
     env = environment()
     print(env, flush=True)
-    results = [run_proto(args, p) for p in args.nccl_proto]
+    for v in args.variants:
+        variant_env(v)  # an unknown name fails before anything runs
+    results = [run_variant(args, v) for v in args.variants]
     write_json(args.out, {"env": env, "chain": args.chain, "results": results})
     print(f"\n{env['device']} x{env['num_devices']}, jax {env['jax']}; microseconds per all-reduce "
           f"(chains of {args.chain})")
-    print("| NCCL_PROTO | rows | hidden | dtype | MB | us | GB/s |")
+    print("| variant | rows | hidden | dtype | MB | us | GB/s |")
     print("|---|---|---|---|---|---|---|")
     for res in results:
         if "error" in res:
-            print(f"| {res['proto']} | error: {res['error'][-200:]!r} |")
+            print(f"| {res['variant']} | error: {res['error'][-200:]!r} |")
             continue
         for r in res["rows"]:
             gbs = "-" if r["algo_gb_s"] is None else f"{r['algo_gb_s']:.0f}"
-            print(f"| {res['proto']} | {r['rows']} | {r['hidden']} | {r['dtype']} | {r['bytes'] / 1e6:.3f} "
+            print(f"| {res['variant']} | {r['rows']} | {r['hidden']} | {r['dtype']} | {r['bytes'] / 1e6:.3f} "
                   f"| {r['us_per_allreduce']:.1f} | {gbs} |")
 
 

@@ -16,6 +16,7 @@
 #   eval          tau on gsm8k (128) + spec_bench (480) for DFlash and DDTree 16/64/256 (DRAFT=dir)
 #   speed         batch-1 tokens/s of AR, DFlash, DDTree beside the PyTorch reference (needs the
 #                 gguf and dflash wheels on the path)
+#   collectives   the all-reduce alone, by size and dtype: NCCL protocols and XLA's one-shot kernel
 #   tp            tensor parallelism, tp=1 vs tp=2 (on a 2-GPU machine). TP_MODELS picks the shapes
 #                 (default "qwen3-8b qwen3-32b"); TP_MEMORY=0 skips the peak-memory subprocess. One
 #                 call per model fits the 10-minute limit: TP_MODELS=qwen3-8b TP_MEMORY=0, then
@@ -72,9 +73,11 @@ kernel)
     if [ "$dry" = 1 ]; then set -- --interpret
     else set -- --contexts 32768 4096 --widths 16 64 256 512 --reps 3 --budget 400; fi
     step kernel "$limit" python -m dflash_jax.bench.tree_attention_bench "$@" --out "$out/kernel.json"
-    # The tilings at W = 272 (budget 256), where 136 programs overflow one wave of 132 SMs.
+    # Tilings at W = 64 (the weak case: 1.34x XLA at 4K, 1.94x at 32K) and W = 272 (budget 256,
+    # where 136 programs overflow one wave of 132 SMs).
     [ "$dry" = 1 ] || step kernel_sweep "${SWEEP_S:-150}" python -m dflash_jax.bench.tree_attention_bench \
-        --sweep --contexts 4096 --widths 272 --sweep-budget "$(( ${SWEEP_S:-150} - 30 ))" --out "$out/kernel_sweep.json" ;;
+        --sweep --contexts 4096 32768 --widths 64 272 --sweep-budget "$(( ${SWEEP_S:-150} - 30 ))" \
+        --out "$out/kernel_sweep.json" ;;
 drafter)
     # 4 responses per prompt (the first greedy or T=1, the others T=1); 2% of the prompts held out,
     # validated every 10 log records, and the drafter exported from the best validation tau.
@@ -121,8 +124,21 @@ tp)
     if [ "$dry" = 1 ]; then set -- --tiny; else set -- --models ${TP_MODELS:-qwen3-8b qwen3-32b}; fi
     [ "${TP_MEMORY:-1}" = 0 ] && set -- "$@" --no-memory
     tag=$(echo "${TP_MODELS:-all}" | tr ' ' '_')
-    step "tp_$tag" "$limit" python -m dflash_jax.bench.tensor_parallel "$@" --out "$out/tp_$tag.json" ;;
+    step "tp_$tag" "$limit" python -m dflash_jax.bench.tensor_parallel "$@" --out "$out/tp_$tag.json"
+    # TP_ONE_SHOT=1: tp = 2 again right after, with XLA's own all-reduce kernel for the small
+    # all-reduces (NCCL's cost ~20 us each however small: BENCHMARKS.md).
+    if [ "${TP_ONE_SHOT:-0}" = 1 ]; then
+        [ "$dry" = 1 ] && tps=(--tps 2) || tps=(--tps 2 --no-memory)
+        XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true" \
+            step "tp_${tag}_one_shot" "$limit" python -m dflash_jax.bench.tensor_parallel "$@" "${tps[@]}" \
+            --out "$out/tp_${tag}_one_shot.json"
+    fi ;;
+collectives)
+    # One all-reduce at the tp shapes: NCCL protocols and XLA's one-shot kernel, one process each
+    if [ "$dry" = 1 ]; then set -- --tiny; else set -- --rows 1 80 272 --hidden 4096 5120; fi
+    step collectives "$limit" python -m dflash_jax.bench.collectives "$@" --variants default Simple one-shot \
+        --out "$out/collectives.json" ;;
 *)
-    echo "unknown phase: $phase (ar, rounds, rounds-split, kernel, drafter, eval, speed, tp)" >&2
+    echo "unknown phase: $phase (ar, rounds, rounds-split, kernel, drafter, eval, speed, collectives, tp)" >&2
     exit 2 ;;
 esac

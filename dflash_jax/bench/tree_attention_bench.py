@@ -232,7 +232,8 @@ def markdown_table(rows: list[dict]) -> str:
 def sweep_configs(width: int, default_split: int) -> list[dict]:
     """Kernel tilings tried by --sweep for one width (the group is folded into rows)."""
     configs = []
-    for block_q in ((16,) if width == 1 else (64, 128)):
+    # 256-row blocks read each kv head's K/V once where W x group = 256 (W = 64, group 4)
+    for block_q in ((16,) if width == 1 else (64, 128, 256)):
         for block_k in ((64, 128, 256) if width == 1 else (32, 64, 128)):
             for num_warps in (4, 8):
                 for num_stages in (2, 3):
