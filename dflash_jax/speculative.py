@@ -260,8 +260,8 @@ _generate_dflash = jax.jit(_generate, static_argnames=_STATIC)
 # XLA's DotMerger concatenates each layer's q/k/v weights inside the round loop once the tree is
 # wide (a 48 MB copy per layer per round at Qwen3-8B, budget 256). With the pass off, a DDTree(256)
 # round took 15.66 ms instead of 16.20 (H200, BENCHMARKS.md); DFlash rounds showed no gain.
-_generate_ddtree = jax.jit(_generate, static_argnames=_STATIC,
-                           compiler_options={"xla_gpu_dot_merger_threshold_mb": 0})
+DDTREE_COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
+_generate_ddtree = jax.jit(_generate, static_argnames=_STATIC, compiler_options=DDTREE_COMPILER_OPTIONS)
 
 
 def speculative_program(settings: SpecSettings) -> Any:

@@ -359,3 +359,19 @@ def test_collectives_bench_runs_on_fake_devices(tmp_path):
         assert all(r["us_per_allreduce"] >= 0 for r in res["rows"])
     with pytest.raises(ValueError, match="--variants: unknown variant 'fast'"):
         collectives.variant_env("fast")
+
+
+def test_tp_bench_ar_step_under_each_all_reduce_variant():
+    """The tp benchmark compiles the same step with each --all-reduce variant's options and finds
+    the step's all-reduces (2 per layer + 1 for the vocab-parallel embedding) in its HLO."""
+    from dflash_jax.bench import tensor_parallel as tpb
+    from dflash_jax.bench.collectives import ALL_REDUCE
+
+    cfg = tpb.TINY
+    mesh = sh.make_mesh(1, 2)
+    with sh.use_mesh(mesh):
+        target = sh.init_sharded(tpb.model_specs(cfg), jax.random.key(0), jnp.bfloat16, mesh)
+        for name, options in ALL_REDUCE.items():
+            row = tpb.bench_ar(target, cfg, mesh, ctx=16, steps=2, max_len=64, compiler_options=options)
+            assert row["ms_per_token"] > 0, name
+            assert row["collectives_per_step"] >= 2 * cfg.num_layers + 1, (name, row)

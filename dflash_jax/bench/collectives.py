@@ -32,6 +32,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from dflash_jax.bench.common import environment, time_fn, write_json
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# XLA's own all-reduce kernel, as compiler options (per program) and as an XLA_FLAGS entry.
+ALL_REDUCE = {"nccl": None, "one-shot": {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True}}
 ONE_SHOT_FLAG = "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true"
 NCCL_PROTOS = ("LL", "LL128", "Simple")
 

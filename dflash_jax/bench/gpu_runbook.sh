@@ -20,7 +20,8 @@
 #   tp            tensor parallelism, tp=1 vs tp=2 (on a 2-GPU machine). TP_MODELS picks the shapes
 #                 (default "qwen3-8b qwen3-32b"); TP_MEMORY=0 skips the peak-memory subprocess. One
 #                 call per model fits the 10-minute limit: TP_MODELS=qwen3-8b TP_MEMORY=0, then
-#                 TP_MODELS=qwen3-32b (which also measures the memory).
+#                 TP_MODELS=qwen3-32b (which also measures the memory). TP_ALL_REDUCE="nccl one-shot"
+#                 adds XLA's one-shot all-reduce kernel beside NCCL at tp=2.
 # DRY=1 runs a phase on tiny shapes on the CPU: a check of this script, not a measurement.
 # Each step has its own time limit and writes its log and JSON under OUT_DIR as it goes, so a
 # step cut short still leaves what it measured; output is unbuffered (no filter in the pipe).
@@ -124,15 +125,11 @@ tp)
     if [ "$dry" = 1 ]; then set -- --tiny; else set -- --models ${TP_MODELS:-qwen3-8b qwen3-32b}; fi
     [ "${TP_MEMORY:-1}" = 0 ] && set -- "$@" --no-memory
     tag=$(echo "${TP_MODELS:-all}" | tr ' ' '_')
-    step "tp_$tag" "$limit" python -m dflash_jax.bench.tensor_parallel "$@" --out "$out/tp_$tag.json"
-    # TP_ONE_SHOT=1: tp = 2 again right after, with XLA's own all-reduce kernel for the small
-    # all-reduces (NCCL's cost ~20 us each however small: BENCHMARKS.md).
-    if [ "${TP_ONE_SHOT:-0}" = 1 ]; then
-        [ "$dry" = 1 ] && tps=(--tps 2) || tps=(--tps 2 --no-memory)
-        XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true" \
-            step "tp_${tag}_one_shot" "$limit" python -m dflash_jax.bench.tensor_parallel "$@" "${tps[@]}" \
-            --out "$out/tp_${tag}_one_shot.json"
-    fi ;;
+    # TP_ALL_REDUCE="nccl one-shot": tp = 2 also with XLA's own all-reduce kernel for the small
+    # all-reduces (NCCL costs ~20 us each however small: BENCHMARKS.md), in the same process.
+    # shellcheck disable=SC2086
+    step "tp_$tag" "$limit" python -m dflash_jax.bench.tensor_parallel "$@" --all-reduce ${TP_ALL_REDUCE:-nccl} \
+        --out "$out/tp_$tag.json" ;;
 collectives)
     # One all-reduce at the tp shapes: NCCL protocols and XLA's one-shot kernel, one process each
     if [ "$dry" = 1 ]; then set -- --tiny; else set -- --rows 1 80 272 --hidden 4096 5120; fi

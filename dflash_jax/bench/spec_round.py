@@ -28,7 +28,7 @@ from dflash_jax.bench.common import SHAPES, dump_hlo, environment, log, time_fn,
 from dflash_jax.bench.profile import profile_program, scale_profile
 from dflash_jax.config import default_tap_layers
 from dflash_jax.model import init_params
-from dflash_jax.speculative import SpecSettings, SpecState, spec_round
+from dflash_jax.speculative import DDTREE_COMPILER_OPTIONS, SpecSettings, SpecState, spec_round
 
 
 def drafter_config(cfg, layers: int = 5, block_size: int = 16) -> dr.DraftConfig:
@@ -84,30 +84,33 @@ def round_program(cfg, dcfg, s: SpecSettings, rounds: int = ROUNDS_PER_CALL):
     return jax.jit(run, donate_argnums=(0,))
 
 
-def timed_rounds(target, dparams, cfg, dcfg, s: SpecSettings, state: SpecState
-                 ) -> tuple[float, Any, Callable[[], jax.Array]]:
+def timed_rounds(target, dparams, cfg, dcfg, s: SpecSettings, state: SpecState,
+                 compiler_options: dict[str, Any] | None = None) -> tuple[float, Any, Callable[[], jax.Array]]:
     """Median ms per round of the fused, donated round, every round starting at `state`'s lengths.
 
     Returns (ms, the compiled program, a call that runs it once more on the carried state) so
-    callers can read its HLO (`.as_text()`) and profile it.
+    callers can read its HLO (`.as_text()`) and profile it. `compiler_options` go to XLA as they are.
     """
-    ms, rnd, call, _ = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile=False)
+    ms, rnd, call, _ = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile=False,
+                                     compiler_options=compiler_options)
     return ms, rnd, call
 
 
 # XLA's DotMerger joins dots that share an input by concatenating their weights, and at wide
 # trees it does so for q/k/v inside the round loop: a 48 MB copy per layer every round (Qwen3-8B).
 # Threshold 0 turns the pass off; `--dot-merger default off` times both in one process.
-DOT_MERGER = {"default": None, "off": {"xla_gpu_dot_merger_threshold_mb": 0}}
+# DDTree decoding compiles with the pass off (speculative.DDTREE_COMPILER_OPTIONS).
+DOT_MERGER = {"default": None, "off": DDTREE_COMPILER_OPTIONS}
 
 
 def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool, rounds: int = ROUNDS_PER_CALL,
-                  dot_merger: str = "default"):
+                  dot_merger: str = "default", compiler_options: dict[str, Any] | None = None):
     # Compiled ahead of time: the same executable is timed and profiled, and its HLO is at hand.
     t0 = time.perf_counter()
     start = jnp.array(state.cache.lengths)  # a copy: the state is donated
+    options = {**(DOT_MERGER[dot_merger] or {}), **(compiler_options or {})} or None
     rnd = round_program(cfg, dcfg, s, rounds).lower(state, start, target=target, dparams=dparams).compile(
-        compiler_options=DOT_MERGER[dot_merger])
+        compiler_options=options)
     compile_s = time.perf_counter() - t0
     box = {"state": state}
 

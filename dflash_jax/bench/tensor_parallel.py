@@ -11,7 +11,10 @@ Random bf16 weights of each shape, drawn straight into their shards. For every m
   * AR: ms/token of `--steps` greedy decode steps in one jitted `fori_loop`, from a cache
     holding `--ctx` tokens;
   * DDTree: the median latency of one fused round (`speculative.spec_round`) per budget at
-    `--ctx`, with a 5-layer drafter of the target's width (the shape of z-lab's drafters);
+    `--ctx`, with a 5-layer drafter of the target's width (the shape of z-lab's drafters),
+    compiled as DDTree decoding compiles it (XLA's dot merger off);
+  * at tp > 1, once per `--all-reduce` variant: NCCL, or XLA's one-shot all-reduce kernel
+    (compiler options of the same programs, so the weights and caches are shared);
   * collectives: every collective in the compiled step / round (from its HLO) is replayed
     alone, in order and with the same shapes, as a `shard_map` program; its time over the
     step's time is the collective share. With `--profile`, the share is also read from a
@@ -40,13 +43,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from dflash_jax import drafter as dr
 from dflash_jax import sharding as sh
 from dflash_jax.bench.ar_decode import make_decoder, random_cache
+from dflash_jax.bench.collectives import ALL_REDUCE
 from dflash_jax.bench.common import SHAPES, environment, time_fn, write_json
 from dflash_jax.config import ModelConfig, RopeConfig
 from dflash_jax.model import forward, model_specs
 from dflash_jax.params import param_bytes
 from dflash_jax.bench.profile import profile_program, scale_profile
 from dflash_jax.bench.spec_round import ROUNDS_PER_CALL, drafter_config, make_state, timed_rounds
-from dflash_jax.speculative import SpecSettings, spec_round
+from dflash_jax.speculative import DDTREE_COMPILER_OPTIONS, SpecSettings, spec_round
 
 TINY = ModelConfig(model_type="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=6,
                    num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True, rope=RopeConfig(theta=1e6))
@@ -99,13 +103,15 @@ def hlo_collectives(hlo: str) -> list[tuple[str, str, tuple[int, ...]]]:
     return out
 
 
-def replay_collectives(ops: list[tuple[str, str, tuple[int, ...]]], mesh) -> float | None:
+def replay_collectives(ops: list[tuple[str, str, tuple[int, ...]]], mesh,
+                       compiler_options: dict[str, Any] | None = None) -> float | None:
     """Median ms of the same collectives, run alone and one after another on `mesh`'s tp axis.
 
     all-reduce -> psum of the same shape; all-gather -> all_gather to the same result size;
     anything else -> psum of its result size (an overestimate). Each op's input depends on the
     previous op's output, so XLA neither overlaps nor combines them. The time of the same
-    program without the collectives is subtracted (one dispatch, the glue ops).
+    program without the collectives is subtracted (one dispatch, the glue ops). The replay is
+    compiled with the measured program's `compiler_options` (which may pick the all-reduce kernel).
     """
     tp = sh.mesh_sizes(mesh)[1]
     if not ops or tp == 1:
@@ -141,17 +147,18 @@ def replay_collectives(ops: list[tuple[str, str, tuple[int, ...]]], mesh) -> flo
     for communicate in (True, False):
         fn = jax.jit(jax.shard_map(functools.partial(body, communicate=communicate), mesh=mesh,
                                    in_specs=tuple(P(sh.TP) for _ in arrays), out_specs=P(sh.TP),
-                                   check_vma=False))
+                                   check_vma=False), compiler_options=compiler_options)
         times.append(time_fn(lambda: fn(*arrays), warmup=3, iters=20)["median_ms"])
     return max(0.0, times[0] - times[1])
 
 
 # ----------------------------------------------------------------------------- measurements
 
-def bench_ar(target, cfg, mesh, ctx: int, steps: int, max_len: int) -> dict:
+def bench_ar(target, cfg, mesh, ctx: int, steps: int, max_len: int,
+             compiler_options: dict[str, Any] | None = None) -> dict:
     cache = sharded_jit_init(lambda: random_cache(cfg, 1, max_len, ctx, jnp.bfloat16), mesh)
-    run = make_decoder(cfg, steps, "auto")
     tok = jax.device_put(jnp.full((1,), 7, jnp.int32), NamedSharding(mesh, P()))
+    run = make_decoder(cfg, steps, "auto").lower(target, cache, tok).compile(compiler_options=compiler_options)
     box = {"cache": cache}
 
     def call():
@@ -162,21 +169,23 @@ def bench_ar(target, cfg, mesh, ctx: int, steps: int, max_len: int) -> dict:
     def one_step(params, cache, tok):
         out = forward(params, cfg, tok[:, None], cache.lengths[:, None], cache, None)
         return out.cache, jnp.argmax(out.logits[:, 0], -1)
-    hlo = jax.jit(one_step).lower(target, box["cache"], tok).compile().as_text()
+    hlo = jax.jit(one_step).lower(target, box["cache"], tok).compile(compiler_options=compiler_options).as_text()
     ops = hlo_collectives(hlo)
-    comm = replay_collectives(ops, mesh)
+    comm = replay_collectives(ops, mesh, compiler_options)
     return {"ms_per_token": ms, "collectives_per_step": len(ops), "collective_ms": comm,
             "collective_share": None if comm is None else comm / ms}
 
 
-def bench_round(target, dparams, cfg, dcfg, mesh, budget: int, ctx: int, max_len: int, profile_dir: str | None
-                ) -> dict:
+def bench_round(target, dparams, cfg, dcfg, mesh, budget: int, ctx: int, max_len: int, profile_dir: str | None,
+                compiler_options: dict[str, Any] | None = None) -> dict:
     s = SpecSettings(method="ddtree", block_size=dcfg.block_size, budget=budget, max_new_tokens=512)
     state = make_spec_state(cfg, dcfg, ctx, max_len, s.max_new_tokens, jnp.bfloat16, mesh)
-    ms, rnd, call = timed_rounds(target, dparams, cfg, dcfg, s, state)
+    # As DDTree decoding compiles it (dot merger off), plus the variant's options.
+    options = {**DDTREE_COMPILER_OPTIONS, **(compiler_options or {})}
+    ms, rnd, call = timed_rounds(target, dparams, cfg, dcfg, s, state, options)
     hlo = rnd.as_text()
     ops = hlo_collectives(hlo)
-    comm = replay_collectives(ops, mesh)
+    comm = replay_collectives(ops, mesh, options)
     row = {"budget": budget, "width": s.width, "round_ms": ms, "collectives_per_round": len(ops),
            "collective_ms": comm, "collective_share": None if comm is None else comm / ms}
     if profile_dir:
@@ -246,6 +255,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--memory-ctx", type=int, default=32768)
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--memory-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--all-reduce", nargs="+", choices=sorted(ALL_REDUCE), default=["nccl"],
+                    help="tp > 1 only: NCCL, or XLA's one-shot all-reduce kernel for small all-reduces")
     ap.add_argument("--profile", help="directory for profiler traces (adds a trace-based collective share)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on fake CPU devices (a smoke test)")
     ap.add_argument("--out")
@@ -272,17 +283,20 @@ def main(argv: list[str] | None = None) -> None:
             mesh = sh.make_mesh(1, tp)
             with sh.use_mesh(mesh):
                 target, dparams = make_models(cfg, dcfg, mesh, jnp.bfloat16)
-                row = {"model": name, "tp": tp, "ctx": args.ctx,
-                       "weights_gb_per_device": param_bytes(target) / GB / tp,
-                       "ar": bench_ar(target, cfg, mesh, args.ctx, args.steps, max_len)}
-                print(row, flush=True)
-                row["ddtree"] = []
-                for b in args.budgets:
-                    row["ddtree"].append(bench_round(target, dparams, cfg, dcfg, mesh, b, args.ctx, max_len,
-                                                     args.profile))
-                    print(row["ddtree"][-1], flush=True)
-            rows.append(row)
-            write_json(args.out, {"env": env, "rows": rows})
+                # Without collectives (tp = 1) the all-reduce variants are one program.
+                for ar_impl in (args.all_reduce if tp > 1 else args.all_reduce[:1]):
+                    options = ALL_REDUCE[ar_impl]
+                    row = {"model": name, "tp": tp, "ctx": args.ctx, "all_reduce": ar_impl if tp > 1 else None,
+                           "weights_gb_per_device": param_bytes(target) / GB / tp,
+                           "ar": bench_ar(target, cfg, mesh, args.ctx, args.steps, max_len, options)}
+                    print(row, flush=True)
+                    row["ddtree"] = []
+                    for b in args.budgets:
+                        row["ddtree"].append(bench_round(target, dparams, cfg, dcfg, mesh, b, args.ctx, max_len,
+                                                         args.profile, options))
+                        print(row["ddtree"][-1], flush=True)
+                    rows.append(row)
+                    write_json(args.out, {"env": env, "rows": rows})
             del target, dparams
             gc.collect()
     memory = None
@@ -296,8 +310,8 @@ def main(argv: list[str] | None = None) -> None:
 def print_tables(env: dict, rows: list[dict], memory: dict | None) -> None:
     f = lambda x, spec=".2f": "-" if x is None else format(x, spec)  # noqa: E731
     print(f"\n{env['device']} x{env['num_devices']}, jax {env['jax']}, random bf16 weights, batch 1")
-    print("| model | tp | what | ms | collective ms (replayed) | collective share | tp / tp=1 |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | tp | all-reduce | what | ms | collective ms (replayed) | collective share | tp / tp=1 |")
+    print("|---|---|---|---|---|---|---|---|")
     base = {}
     for r in rows:
         items = [("AR ms/token", r["ar"]["ms_per_token"], r["ar"])]
@@ -308,7 +322,8 @@ def print_tables(env: dict, rows: list[dict], memory: dict | None) -> None:
                 base[key] = ms
             ratio = ms / base[key] if key in base else None
             share = d.get("collective_share")
-            print(f"| {r['model']} | {r['tp']} | {what} (ctx {r['ctx']}) | {f(ms, '.3f')} | "
+            print(f"| {r['model']} | {r['tp']} | {r.get('all_reduce') or '-'} | {what} (ctx {r['ctx']}) | "
+                  f"{f(ms, '.3f')} | "
                   f"{f(d.get('collective_ms'), '.3f')} | {f(None if share is None else 100 * share, '.0f')}% | "
                   f"{f(ratio)} |")
     if memory and "error" not in memory:
