@@ -192,6 +192,9 @@ def _add_data_gen_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sample-fraction", type=float, default=0.5,
                    help="fraction of batches sampled at --gen-temperature (the rest greedy)")
     p.add_argument("--gen-temperature", type=float, default=1.0)
+    p.add_argument("--math-suffix", choices=("auto", "always", "never"), default="auto",
+                   help="append evaluation's step-by-step / \\boxed{} instruction to math prompts (auto: "
+                        "gsm8k-style rows), so responses match what `bench` prompts get (default: %(default)s)")
     p.add_argument("--samples-per-prompt", type=int, default=1,
                    help="responses per prompt: the first follows --sample-fraction, the others are sampled "
                         "at --gen-temperature, each with its own seed (default: %(default)s)")
@@ -294,6 +297,7 @@ def _make_token_file(args: argparse.Namespace, cfg, params, tokenizer, out) -> N
                            max_prompt_tokens=args.max_prompt_tokens, limit=args.limit,
                            batch_size=args.gen_batch, sample_fraction=args.sample_fraction,
                            temperature=args.gen_temperature, samples_per_prompt=args.samples_per_prompt,
+                           math_suffix=args.math_suffix,
                            seed=args.seed or 0, target_name=str(args.target),
                            progress=not getattr(args, "no_progress", False))
     data.save(Path(out))

@@ -30,6 +30,23 @@ MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\
 METHODS = ("ar", "dflash", "ddtree")
 
 
+MATH_SUFFIX_MODES = ("auto", "always", "never")
+
+
+def check_math_suffix(mode: str) -> None:
+    if mode not in MATH_SUFFIX_MODES:
+        raise ValueError(f"math_suffix (--math-suffix) must be auto, always or never, got {mode!r}")
+
+
+def with_math_suffix(text: str, is_math: bool, mode: str) -> str:
+    """`text` + MATH_SUFFIX when mode is "always", or "auto" and the row is a math problem.
+
+    Evaluation and drafter training both use it, so a drafter learns the responses that the
+    suffixed evaluation prompts get.
+    """
+    return text + MATH_SUFFIX if mode == "always" or (mode == "auto" and is_math) else text
+
+
 @dataclasses.dataclass(frozen=True)
 class BenchPrompt:
     text: str
@@ -43,8 +60,7 @@ def load_bench_prompts(path: str | Path, limit: int | None = None, math_suffix: 
     math_suffix: "auto" adds MATH_SUFFIX to math sets (rows with `question` + `answer`, as
     gsm8k), "always" / "never" force it.
     """
-    if math_suffix not in ("auto", "always", "never"):
-        raise ValueError(f"math_suffix must be auto, always or never, got {math_suffix!r}")
+    check_math_suffix(math_suffix)
     path = Path(path)
     default_category = path.parent.name or path.stem
     out = []
@@ -59,8 +75,7 @@ def load_bench_prompts(path: str | Path, limit: int | None = None, math_suffix: 
                 raise ValueError(f"{path}:{line_no}: no prompt (expected turns, question, "
                                  f"instruction or prompt)")
             text, is_math = row[key], False
-        if math_suffix == "always" or (math_suffix == "auto" and is_math):
-            text = text + MATH_SUFFIX
+        text = with_math_suffix(text, is_math, math_suffix)
         out.append(BenchPrompt(text=text, category=str(row.get("category", default_category))))
         if limit is not None and len(out) >= limit:
             break

@@ -83,12 +83,17 @@ def check_training_source(path: str | Path) -> None:
                                   f"drafter training (use the train split)")
 
 
-def read_prompts(path: str | Path, limit: int | None = None, field: str | None = None) -> list[str]:
+def read_prompts(path: str | Path, limit: int | None = None, field: str | None = None,
+                 math_suffix: str = "never") -> list[str]:
     """Prompt texts from a JSONL training file (field `question`, `instruction` or `prompt`).
 
     Refuses evaluation sets by path (`check_training_source`) and by content: rows with
-    spec_bench's multi-turn `turns` field.
+    spec_bench's multi-turn `turns` field. `math_suffix` as in evaluation
+    (`evaluate.with_math_suffix`): "auto" suffixes math rows (`question` + `answer`, as gsm8k).
     """
+    from dflash_jax.evaluate import check_math_suffix, with_math_suffix
+
+    check_math_suffix(math_suffix)
     check_training_source(path)
     out: list[str] = []
     for line_no, row in iter_jsonl(path):
@@ -98,7 +103,7 @@ def read_prompts(path: str | Path, limit: int | None = None, field: str | None =
         key = field or next((k for k in PROMPT_FIELDS if k in row), None)
         if key is None or not isinstance(row.get(key), str):
             raise ValueError(f"{path}:{line_no}: no prompt field (expected one of {PROMPT_FIELDS})")
-        out.append(row[key])
+        out.append(with_math_suffix(row[key], key == "question" and "answer" in row, math_suffix))
         if limit is not None and len(out) >= limit:
             break
     if not out:
@@ -257,13 +262,15 @@ def make_token_data(params: Any, cfg: Any, tokenizer: Any, sources: Iterable[str
                     max_new_tokens: int = 256, max_prompt_tokens: int = 256, limit: int | None = None,
                     batch_size: int = 32, sample_fraction: float = 0.5, temperature: float = 1.0,
                     samples_per_prompt: int = 1, seed: int = 0, target_name: str = "",
-                    progress: bool = True) -> TokenData:
+                    math_suffix: str = "auto", progress: bool = True) -> TokenData:
     """Reads prompts, wraps them in the chat template, lets the target answer -> TokenData.
 
     Prompts longer than `max_prompt_tokens` after templating are skipped (counted in meta).
     `limit` caps the prompts read per source file. Each prompt is answered `samples_per_prompt`
     times (see `generate_responses`); row c * P + i is copy c of prompt i, and
-    `prompt_id[c * P + i] = i`.
+    `prompt_id[c * P + i] = i`. Math prompts get the suffix that evaluation gives them
+    (`math_suffix`, see `evaluate.with_math_suffix`): the drafter then learns the kind of
+    response that it will be asked to draft.
     """
     from dflash_jax.pipeline import encode_prompts, stop_tokens_for
 
@@ -276,7 +283,7 @@ def make_token_data(params: Any, cfg: Any, tokenizer: Any, sources: Iterable[str
     source_of: list[int] = []
     skipped = 0
     for si, src in enumerate(sources):
-        for ids in encode_prompts(tokenizer, read_prompts(src, limit=limit)):
+        for ids in encode_prompts(tokenizer, read_prompts(src, limit=limit, math_suffix=math_suffix)):
             if len(ids) > max_prompt_tokens:
                 skipped += 1
                 continue
@@ -294,6 +301,7 @@ def make_token_data(params: Any, cfg: Any, tokenizer: Any, sources: Iterable[str
             "max_prompt_tokens": max_prompt_tokens, "skipped_long_prompts": skipped,
             "sample_fraction": sample_fraction, "temperature": temperature,
             "samples_per_prompt": samples_per_prompt, "prompts": len(prompts), "seed": seed,
+            "math_suffix": math_suffix,
             "stop_tokens": list(stop), "generate_seconds": time.perf_counter() - t0}
     copies = samples_per_prompt
     return TokenData.from_lists(prompts * copies, responses, temps, source_of * copies, meta,

@@ -120,7 +120,7 @@ def test_make_token_data_with_the_target(tmp_path, toy_target):
     alpaca = write_jsonl(tmp_path / "alpaca" / "instructions.jsonl", [{"instruction": "say hi " * 3}] * 3
                          + [{"instruction": "a much longer instruction " * 9}])
     data = make_token_data(params, cfg, ToyTokenizer(), [gsm, alpaca], max_new_tokens=12, max_prompt_tokens=40,
-                           batch_size=2, sample_fraction=0.5, seed=1, progress=False)
+                           batch_size=2, sample_fraction=0.5, seed=1, math_suffix="never", progress=False)
     assert len(data) == 8 and data.meta["skipped_long_prompts"] == 1
     assert data.source.tolist() == [0] * 5 + [1] * 3
     assert data.prompt(5).tolist() == ToyTokenizer().apply_chat_template([{"content": "say hi " * 3}])
@@ -153,7 +153,7 @@ def test_samples_per_prompt(tmp_path, toy_target):
     alpaca = write_jsonl(tmp_path / "alpaca" / "instructions.jsonl",
                          [{"instruction": f"do {i} " * 4} for i in range(2)])
     kw = dict(max_new_tokens=8, max_prompt_tokens=40, batch_size=2, sample_fraction=0.5, temperature=0.7,
-              seed=2, progress=False)
+              seed=2, math_suffix="never", progress=False)
     compiled = generate_ar._cache_size()
     data = make_token_data(params, cfg, ToyTokenizer(), [gsm, alpaca], samples_per_prompt=3, **kw)
     # One program per sampling mode (greedy, T=0.7) for all 9 batches: every batch has one shape.
@@ -250,3 +250,21 @@ def test_cli_refuses_bad_sampling_and_split_flags(tmp_path, capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and flag in err[0], (argv, err)
+
+
+def test_math_prompts_get_the_evaluation_suffix(tmp_path):
+    """Training prompts are worded as evaluation words them: "auto" suffixes gsm8k-style rows
+    (question + answer) exactly as `evaluate.load_bench_prompts` does, and nothing else."""
+    from dflash_jax.evaluate import MATH_SUFFIX, load_bench_prompts
+
+    gsm = write_jsonl(tmp_path / "gsm8k" / "train.jsonl", [{"question": "2+2?", "answer": "4"}])
+    alpaca = write_jsonl(tmp_path / "alpaca" / "instructions.jsonl", [{"instruction": "say hi"}])
+    bare = write_jsonl(tmp_path / "misc" / "questions.jsonl", [{"question": "why?"}])
+    assert read_prompts(gsm, math_suffix="auto") == ["2+2?" + MATH_SUFFIX]
+    assert read_prompts(gsm, math_suffix="auto") == [p.text for p in load_bench_prompts(gsm)]
+    assert read_prompts(alpaca, math_suffix="auto") == ["say hi"]
+    assert read_prompts(bare, math_suffix="auto") == ["why?"]  # no answer field: not a math set
+    assert read_prompts(gsm, math_suffix="never") == ["2+2?"]
+    assert read_prompts(alpaca, math_suffix="always") == ["say hi" + MATH_SUFFIX]
+    with pytest.raises(ValueError, match="--math-suffix"):
+        read_prompts(gsm, math_suffix="sometimes")
