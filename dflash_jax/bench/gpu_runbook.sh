@@ -10,7 +10,7 @@
 #   ar            AR decode vs the roofline: Qwen3-8B shape and SmolLM2, ctx 1K/8K, with profiles
 #   rounds        DFlash / DDTree round latency, 8 rounds per call (the decoding fast path)
 #   rounds-split  the same with XLA command buffers off, for the per-stage split of each round
-#   kernel        tree attention vs XLA at ctx 4K and 32K
+#   kernel        tree attention vs XLA and cuDNN masked attention at ctx 4K and 32K, and a tiling sweep
 #   drafter       SmolLM2 drafter: make-data (4 samples per prompt), train with a 2% validation split,
 #                 export the best-validation drafter (GGUF=path, DATA=dir, STEPS, TRAIN_S, GEN_S)
 #   eval          tau on gsm8k (128) + spec_bench (480) for DFlash and DDTree 16/64/256 (DRAFT=dir)
@@ -73,7 +73,7 @@ rounds-split)
 kernel)
     if [ "$dry" = 1 ]; then set -- --interpret
     else set -- --contexts 32768 4096 --widths 16 64 256 512 --reps 3 --budget 400; fi
-    step kernel "$limit" python -m dflash_jax.bench.tree_attention_bench "$@" --out "$out/kernel.json"
+    step kernel "$limit" python -m dflash_jax.bench.tree_attention_bench "$@" --cudnn --out "$out/kernel.json"
     # Tilings at W = 64 (the weak case: 1.34x XLA at 4K, 1.94x at 32K) and W = 272 (budget 256,
     # where 136 programs overflow one wave of 132 SMs).
     [ "$dry" = 1 ] || step kernel_sweep "${SWEEP_S:-150}" python -m dflash_jax.bench.tree_attention_bench \

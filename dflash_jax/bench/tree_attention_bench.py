@@ -104,6 +104,12 @@ def xla_masked_attention(q, k, v, prefix_lens, visible, *, mask: jax.Array) -> j
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
 
 
+def cudnn_masked_attention(q, k, v, prefix_lens, visible, *, mask: jax.Array) -> jax.Array:
+    """The same masked attention through cuDNN's fused attention (GPU only): a second baseline."""
+    del prefix_lens, visible
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
+
+
 def timed_program(attn: AttnFn, iters: int, copies: int):
     """A jitted program running `iters` chained calls of attn over rotating K/V copies."""
     assert iters % copies == 0
@@ -180,6 +186,7 @@ def bench_shape(shape: Shape, dtype, *, interpret: bool, iters: int, reps: int,
     fns = {
         "pallas": functools.partial(tree_attention_pallas, interpret=interpret, **kernel_args),
         "xla": functools.partial(xla_masked_attention, mask=mask),
+        "cudnn": functools.partial(cudnn_masked_attention, mask=mask),
         "reference": tree_attention_reference,
     }
 
@@ -193,9 +200,16 @@ def bench_shape(shape: Shape, dtype, *, interpret: bool, iters: int, reps: int,
         # Kernel (and XLA) against the reference on the same inputs; the reference computes in
         # float32 internally, and reusing its bf16 signature saves a compile per shape.
         ref = jax.jit(tree_attention_reference)(q, ks[0], vs[0], lens, visible)
-        for name in impls:
+        for name in list(impls):
             if name != "reference":
-                out = jax.jit(fns[name])(q, ks[0], vs[0], lens, visible)
+                try:
+                    out = jax.jit(fns[name])(q, ks[0], vs[0], lens, visible)
+                except Exception as exc:  # cuDNN may refuse a shape or mask; the other columns stand
+                    if name != "cudnn":
+                        raise
+                    row["cudnn_error"] = str(exc)[:300]
+                    impls = tuple(i for i in impls if i != "cudnn")
+                    continue
                 row[f"err_{name}"] = max_rel_err(out, ref)
     min_bytes = shape.min_bytes(itemsize)
     for name in impls:
@@ -212,7 +226,8 @@ def bench_shape(shape: Shape, dtype, *, interpret: bool, iters: int, reps: int,
 def markdown_table(rows: list[dict]) -> str:
     cols = [("ctx", "ctx"), ("width", "W"), ("pallas_ms", "pallas ms"),
             ("pallas_gbps", "pallas GB/s"), ("xla_ms", "xla ms"), ("xla_gbps", "xla GB/s"),
-            ("reference_ms", "ref ms"), ("speedup_vs_xla", "x vs xla"),
+            ("cudnn_ms", "cudnn ms"), ("reference_ms", "ref ms"), ("speedup_vs_xla", "x vs xla"),
+            ("speedup_vs_cudnn", "x vs cudnn"),
             ("err_pallas", "pallas rel err"), ("split_k", "split_k"),
             ("pallas_kernel_us", "pallas kernel us"), ("xla_kernel_us", "xla kernel us")]
     cols = [c for c in cols if any(c[0] in r for r in rows)]
@@ -316,6 +331,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="override the prefix lengths")
     parser.add_argument("--widths", type=int, nargs="+", default=None,
                         help="override the widths W")
+    parser.add_argument("--cudnn", action="store_true",
+                        help="also time cuDNN's fused attention with the same mask (GPU only)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--budget", type=float, default=210.0,
@@ -348,9 +365,15 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"ctx={ctx} W={width}: skipped (over --budget)", flush=True)
                 continue
             shape = Shape(1, ctx, width, q_heads, kv_heads, head_dim)
+            impls = ("pallas", "xla", "cudnn", "reference") if args.cudnn else ("pallas", "xla", "reference")
             row = bench_shape(shape, dtype, interpret=args.interpret, iters=args.iters,
-                              reps=args.reps, profile_dir=args.profile)
+                              reps=args.reps, profile_dir=args.profile, impls=impls)
             row["speedup_vs_xla"] = row["xla_ms"] / row["pallas_ms"]
+            if "cudnn_ms" in row:
+                row["speedup_vs_cudnn"] = row["cudnn_ms"] / row["pallas_ms"]
+                print(f"  cudnn {row['cudnn_ms']:.4f} ms (err {row['err_cudnn']:.2e})", flush=True)
+            elif "cudnn_error" in row:
+                print(f"  cudnn failed: {row['cudnn_error'][:200]}", flush=True)
             rows.append(row)
             print(f"ctx={ctx} W={width}: pallas {row['pallas_ms']:.4f} ms "
                   f"({row['pallas_gbps']:.0f} GB/s, err {row['err_pallas']:.2e}), "
