@@ -22,12 +22,34 @@
 #                 call per model fits the 10-minute limit: TP_MODELS=qwen3-8b TP_MEMORY=0, then
 #                 TP_MODELS=qwen3-32b (which also measures the memory). TP_ALL_REDUCE="nccl one-shot"
 #                 adds XLA's one-shot all-reduce kernel beside NCCL at tp=2.
+# `split PHASES0 PHASES1` runs two phase lists at once, on GPU 0 and GPU 1 of a 2-GPU machine.
 # DRY=1 runs a phase on tiny shapes on the CPU: a check of this script, not a measurement.
 # Each step has its own time limit and writes its log and JSON under OUT_DIR as it goes, so a
 # step cut short still leaves what it measured; output is unbuffered (no filter in the pipe).
 set -uo pipefail
 
-phases=${1:?usage: gpu_runbook.sh PHASE[,PHASE...] [OUT_DIR]}
+phases=${1:?usage: gpu_runbook.sh PHASE[,PHASE...] [OUT_DIR]  or  gpu_runbook.sh split PHASES0 PHASES1 [OUT_DIR]}
+if [ "$phases" = split ]; then
+    # Two single-GPU phase lists at once, one per GPU of a 2-GPU machine; logs under OUT_DIR/gpu0
+    # and OUT_DIR/gpu1 (made before either starts), packed at the end into OUT_DIR/gpu0.tgz and
+    # OUT_DIR/gpu1.tgz. Neither process preallocates GPU memory.
+    out=${4:-${OUT:-/tmp/runbook}}
+    mkdir -p "$out/gpu0" "$out/gpu1"
+    CUDA_VISIBLE_DEVICES=0 XLA_PYTHON_CLIENT_PREALLOCATE=false bash "$0" "${2:?PHASES0}" "$out/gpu0" \
+        > "$out/gpu0/console.log" 2>&1 &
+    first=$!
+    CUDA_VISIBLE_DEVICES=1 XLA_PYTHON_CLIENT_PREALLOCATE=false bash "$0" "${3:?PHASES1}" "$out/gpu1" \
+        > "$out/gpu1/console.log" 2>&1
+    wait "$first"
+    tail -n 40 "$out/gpu0/console.log" "$out/gpu1/console.log"
+    # A call brings back at most 8 files: each GPU's logs and JSON as one archive; the drafter's
+    # weight parts (15 MB each) stay as they are.
+    for g in gpu0 gpu1; do
+        tar czf "$out/$g.tgz" --exclude='drafter.safetensors.part_*' -C "$out" "$g"
+        find "$out/$g" -type f ! -name 'drafter.safetensors.part_*' -delete
+    done
+    exit 0
+fi
 out=${2:-${OUT:-/tmp/runbook}}
 if [[ $phases == *,* ]]; then
     for p in ${phases//,/ }; do bash "$0" "$p" "$out"; done
