@@ -143,8 +143,8 @@ def main() -> None:
           "| % of (w+kv) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['ctx']} | {r['attn']} | {r['gemm']} | {r['ms_per_token']:.3f} | {r['weight_gb']:.2f} | "
-              f"{r['roofline_weights_ms']:.3f} | {r['pct_of_weight_roofline']:.0f}% | "
+        print(f"| {r['model']} | {r['ctx']} | {r['attn']} | {r['gemm']} | {r['ms_per_token']:.3f} | "
+              f"{r['weight_gb']:.2f} | {r['roofline_weights_ms']:.3f} | {r['pct_of_weight_roofline']:.0f}% | "
               f"{r['roofline_weights_kv_ms']:.3f} | {r['pct_of_weight_kv_roofline']:.0f}% |")
 
 
