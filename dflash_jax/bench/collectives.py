@@ -1,7 +1,7 @@
 """The all-reduce behind tensor parallelism, alone: device time per op by rows, width and dtype.
 
     python -m dflash_jax.bench.collectives --rows 1 80 272 --hidden 4096 5120 \\
-        --dtypes float32 bfloat16 --variants default LL Simple one-shot --out collectives.json
+        --dtypes float32 bfloat16 --variants default LL Simple sync one-shot --out collectives.json
     python -m dflash_jax.bench.collectives --tiny      (CPU smoke test with 2 fake devices)
 
 Under tp each transformer layer all-reduces two [rows, hidden] activations (after o_proj and
@@ -12,6 +12,7 @@ psums is timed too and subtracted. Each `--variants` entry runs in its own subpr
 XLA read their environment once):
   default        NCCL as configured;
   LL, LL128, Simple   NCCL with NCCL_PROTO set to that protocol;
+  sync           NCCL, with the all-reduces on the compute stream (not async start/done pairs);
   one-shot       XLA's own all-reduce kernel (`--xla_gpu_unsupported_use_all_reduce_one_shot_kernel`)
                  for the inputs it supports (up to 256 KB one-shot, 2 MB two-shot; larger ones stay
                  on NCCL). It reads the peers' buffers over NVLink; XLA emits it without multimem.
@@ -33,8 +34,12 @@ from dflash_jax.bench.common import environment, time_fn, write_json
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # XLA's own all-reduce kernel, as compiler options (per program) and as an XLA_FLAGS entry.
-ALL_REDUCE = {"nccl": None, "one-shot": {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True}}
+# "nccl-sync": NCCL all-reduces issued on the compute stream instead of as async start/done
+# pairs on a collective stream (whose stream-to-stream syncs may be part of the ~20 us per op).
+ALL_REDUCE = {"nccl": None, "nccl-sync": {"xla_gpu_disable_async_collectives": "ALLREDUCE"},
+              "one-shot": {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True}}
 ONE_SHOT_FLAG = "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true"
+SYNC_FLAG = "--xla_gpu_disable_async_collectives=ALLREDUCE"
 NCCL_PROTOS = ("LL", "LL128", "Simple")
 
 
@@ -77,10 +82,12 @@ def variant_env(variant: str) -> dict[str, str]:
     env.pop("NCCL_PROTO", None)
     if variant in NCCL_PROTOS:
         env["NCCL_PROTO"] = variant
-    elif variant == "one-shot":
-        env["XLA_FLAGS"] = " ".join(filter(None, [env.get("XLA_FLAGS"), ONE_SHOT_FLAG]))
+    elif variant in ("one-shot", "sync"):
+        flag = ONE_SHOT_FLAG if variant == "one-shot" else SYNC_FLAG
+        env["XLA_FLAGS"] = " ".join(filter(None, [env.get("XLA_FLAGS"), flag]))
     elif variant != "default":
-        raise ValueError(f"--variants: unknown variant {variant!r} (default, {', '.join(NCCL_PROTOS)}, one-shot)")
+        raise ValueError(f"--variants: unknown variant {variant!r} "
+                         f"(default, {', '.join(NCCL_PROTOS)}, sync, one-shot)")
     return env
 
 
@@ -110,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["float32", "bfloat16"])
     ap.add_argument("--chain", type=int, default=64, help="dependent all-reduces per timed program")
     ap.add_argument("--variants", nargs="+", default=["default"],
-                    help="one subprocess each: default, LL, LL128, Simple (NCCL_PROTO) or one-shot")
+                    help="one subprocess each: default, LL, LL128, Simple (NCCL_PROTO), sync or one-shot")
     ap.add_argument("--variant-timeout", type=float, default=300)
     ap.add_argument("--tiny", action="store_true", help="2 fake CPU devices, small shapes")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

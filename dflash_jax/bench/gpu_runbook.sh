@@ -21,7 +21,7 @@
 #                 (default "qwen3-8b qwen3-32b"); TP_MEMORY=0 skips the peak-memory subprocess. One
 #                 call per model fits the 10-minute limit: TP_MODELS=qwen3-8b TP_MEMORY=0, then
 #                 TP_MODELS=qwen3-32b (which also measures the memory). TP_ALL_REDUCE="nccl one-shot"
-#                 adds XLA's one-shot all-reduce kernel beside NCCL at tp=2.
+#                 adds XLA's one-shot all-reduce kernel beside NCCL at tp=2 (also: nccl-sync).
 # `split PHASES0 PHASES1` runs two phase lists at once, on GPU 0 and GPU 1 of a 2-GPU machine.
 # DRY=1 runs a phase on tiny shapes on the CPU: a check of this script, not a measurement.
 # Each step has its own time limit and writes its log and JSON under OUT_DIR as it goes, so a
@@ -155,7 +155,7 @@ tp)
 collectives)
     # One all-reduce at the tp shapes: NCCL protocols and XLA's one-shot kernel, one process each
     if [ "$dry" = 1 ]; then set -- --tiny; else set -- --rows 1 80 272 --hidden 4096 5120; fi
-    step collectives "$limit" python -m dflash_jax.bench.collectives "$@" --variants default Simple one-shot \
+    step collectives "$limit" python -m dflash_jax.bench.collectives "$@" --variants default sync one-shot \
         --out "$out/collectives.json" ;;
 *)
     echo "unknown phase: $phase (ar, rounds, rounds-split, kernel, drafter, eval, speed, collectives, tp)" >&2
