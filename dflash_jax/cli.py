@@ -308,11 +308,9 @@ def _make_token_file(args: argparse.Namespace, cfg, params, tokenizer, out) -> N
 
 def _check_data_gen_args(args: argparse.Namespace) -> None:
     """Refuses bad generation flags before any model is loaded."""
-    if args.samples_per_prompt < 1:
-        raise ValueError(f"--samples-per-prompt must be >= 1, got {args.samples_per_prompt}")
-    if args.samples_per_prompt > 1 and args.gen_temperature <= 0:
-        raise ValueError(f"--samples-per-prompt {args.samples_per_prompt} needs --gen-temperature > 0 "
-                         f"(got {args.gen_temperature}): greedy copies would all be the same response")
+    from dflash_jax.train_data import check_samples
+
+    check_samples(args.samples_per_prompt, args.gen_temperature)
 
 
 def cmd_make_data(args: argparse.Namespace) -> int:

@@ -12,7 +12,6 @@ length, tree, accepted count and stop state.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax

@@ -194,6 +194,16 @@ class TokenData:
 
 # ----------------------------------------------------------------------------- generation
 
+def check_samples(samples_per_prompt: int, temperature: float) -> None:
+    """Refuses fewer than one response per prompt, and several greedy ones (all identical)."""
+    if samples_per_prompt < 1:
+        raise ValueError(f"samples_per_prompt (--samples-per-prompt) must be >= 1, got {samples_per_prompt}")
+    if samples_per_prompt > 1 and temperature <= 0:
+        raise ValueError(f"samples_per_prompt (--samples-per-prompt) {samples_per_prompt} needs a sampling "
+                         f"temperature > 0 (--gen-temperature), got {temperature}: greedy copies would all "
+                         f"be the same response")
+
+
 def generate_responses(params: Any, cfg: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                        batch_size: int = 32, sample_fraction: float = 0.5, temperature: float = 1.0,
                        samples_per_prompt: int = 1, stop_tokens: tuple[int, ...] = (), seed: int = 0,
@@ -218,12 +228,7 @@ def generate_responses(params: Any, cfg: Any, prompts: Sequence[Sequence[int]], 
         raise ValueError("no prompts")
     if not 0.0 <= sample_fraction <= 1.0:
         raise ValueError(f"sample_fraction must be in [0, 1], got {sample_fraction}")
-    if samples_per_prompt < 1:
-        raise ValueError(f"samples_per_prompt (--samples-per-prompt) must be >= 1, got {samples_per_prompt}")
-    if samples_per_prompt > 1 and temperature <= 0:
-        raise ValueError(f"samples_per_prompt (--samples-per-prompt) {samples_per_prompt} needs a sampling "
-                         f"temperature > 0 (--gen-temperature), got {temperature}: greedy copies would all "
-                         f"be the same response")
+    check_samples(samples_per_prompt, temperature)
     n = len(prompts)
     order = np.argsort([len(p) for p in prompts], kind="stable")
     rng = np.random.default_rng(seed)
@@ -274,8 +279,7 @@ def make_token_data(params: Any, cfg: Any, tokenizer: Any, sources: Iterable[str
     """
     from dflash_jax.pipeline import encode_prompts, stop_tokens_for
 
-    if samples_per_prompt < 1:  # before any model work
-        raise ValueError(f"samples_per_prompt (--samples-per-prompt) must be >= 1, got {samples_per_prompt}")
+    check_samples(samples_per_prompt, temperature)  # before any model work
     sources = [Path(s) for s in sources]
     for s in sources:
         check_training_source(s)  # refuse before any generation work

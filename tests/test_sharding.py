@@ -352,7 +352,7 @@ def test_collectives_bench_runs_on_fake_devices(tmp_path):
 
     args = argparse.Namespace(chain=2, rows=[1, 4], hidden=[64], dtypes=["bfloat16"], tiny=True,
                               variant_timeout=120)
-    for variant in ("default", "sync", "one-shot"):  # the XLA flags must exist (CPU ignores them)
+    for variant in collectives.ALL_REDUCE:  # each variant's XLA flags must exist (CPU ignores them)
         res = collectives.run_variant(args, variant)
         assert "error" not in res, res
         assert [(r["rows"], r["dtype"]) for r in res["rows"]] == [(1, "bfloat16"), (4, "bfloat16")]

@@ -1,7 +1,7 @@
 """The all-reduce behind tensor parallelism, alone: device time per op by rows, width and dtype.
 
     python -m dflash_jax.bench.collectives --rows 1 80 272 --hidden 4096 5120 \\
-        --dtypes float32 bfloat16 --variants default LL Simple sync one-shot --out collectives.json
+        --dtypes float32 bfloat16 --variants nccl LL Simple nccl-sync one-shot --out collectives.json
     python -m dflash_jax.bench.collectives --tiny      (CPU smoke test with 2 fake devices)
 
 Under tp each transformer layer all-reduces two [rows, hidden] activations (after o_proj and
@@ -10,9 +10,9 @@ down_proj), so a round's collective time is about 2 x layers x the time of one s
 on the previous output so XLA neither overlaps nor combines them; the same program without the
 psums is timed too and subtracted. Each `--variants` entry runs in its own subprocess (NCCL and
 XLA read their environment once):
-  default        NCCL as configured;
+  nccl           NCCL as configured;
   LL, LL128, Simple   NCCL with NCCL_PROTO set to that protocol;
-  sync           NCCL, with the all-reduces on the compute stream (not async start/done pairs);
+  nccl-sync      NCCL, with the all-reduces on the compute stream (not async start/done pairs);
   one-shot       XLA's own all-reduce kernel (`--xla_gpu_unsupported_use_all_reduce_one_shot_kernel`)
                  for the inputs it supports (up to 256 KB one-shot, 2 MB two-shot; larger ones stay
                  on NCCL). It reads the peers' buffers over NVLink; XLA emits it without multimem.
@@ -33,14 +33,18 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from dflash_jax.bench.common import environment, time_fn, write_json
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-# XLA's own all-reduce kernel, as compiler options (per program) and as an XLA_FLAGS entry.
-# "nccl-sync": NCCL all-reduces issued on the compute stream instead of as async start/done
-# pairs on a collective stream (whose stream-to-stream syncs may be part of the ~20 us per op).
+# How the all-reduces run, as XLA compiler options (tensor_parallel --all-reduce passes them per
+# program; here they become XLA_FLAGS of a subprocess). "nccl-sync": NCCL all-reduces issued on
+# the compute stream instead of as async start/done pairs on a collective stream (whose
+# stream-to-stream syncs may be part of the ~20 us per op). "one-shot": XLA's own kernel.
 ALL_REDUCE = {"nccl": None, "nccl-sync": {"xla_gpu_disable_async_collectives": "ALLREDUCE"},
               "one-shot": {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True}}
-ONE_SHOT_FLAG = "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true"
-SYNC_FLAG = "--xla_gpu_disable_async_collectives=ALLREDUCE"
 NCCL_PROTOS = ("LL", "LL128", "Simple")
+
+
+def xla_flags(options: dict[str, object]) -> list[str]:
+    """Compiler options as XLA_FLAGS entries: {"a": True} -> ["--a=true"]."""
+    return [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in options.items()]
 
 
 def chain_ms(mesh, rows: int, hidden: int, dtype, chain: int, communicate: bool) -> float:
@@ -82,12 +86,11 @@ def variant_env(variant: str) -> dict[str, str]:
     env.pop("NCCL_PROTO", None)
     if variant in NCCL_PROTOS:
         env["NCCL_PROTO"] = variant
-    elif variant in ("one-shot", "sync"):
-        flag = ONE_SHOT_FLAG if variant == "one-shot" else SYNC_FLAG
-        env["XLA_FLAGS"] = " ".join(filter(None, [env.get("XLA_FLAGS"), flag]))
-    elif variant != "default":
+    elif variant in ALL_REDUCE:
+        env["XLA_FLAGS"] = " ".join(filter(None, [env.get("XLA_FLAGS"), *xla_flags(ALL_REDUCE[variant] or {})]))
+    else:
         raise ValueError(f"--variants: unknown variant {variant!r} "
-                         f"(default, {', '.join(NCCL_PROTOS)}, sync, one-shot)")
+                         f"({', '.join([*ALL_REDUCE, *NCCL_PROTOS])})")
     return env
 
 
@@ -116,8 +119,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hidden", nargs="+", type=int, default=[4096, 5120])
     ap.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["float32", "bfloat16"])
     ap.add_argument("--chain", type=int, default=64, help="dependent all-reduces per timed program")
-    ap.add_argument("--variants", nargs="+", default=["default"],
-                    help="one subprocess each: default, LL, LL128, Simple (NCCL_PROTO), sync or one-shot")
+    ap.add_argument("--variants", nargs="+", default=["nccl"],
+                    help="one subprocess each: nccl, nccl-sync, one-shot, or an NCCL_PROTO (LL, LL128, Simple)")
     ap.add_argument("--variant-timeout", type=float, default=300)
     ap.add_argument("--tiny", action="store_true", help="2 fake CPU devices, small shapes")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

@@ -16,7 +16,7 @@
 #   eval          tau on gsm8k (128) + spec_bench (480) for DFlash and DDTree 16/64/256 (DRAFT=dir)
 #   speed         batch-1 tokens/s of AR, DFlash, DDTree beside the PyTorch reference (needs the
 #                 gguf and dflash wheels on the path)
-#   collectives   the all-reduce alone, by size and dtype: NCCL protocols and XLA's one-shot kernel
+#   collectives   the all-reduce alone, by size and dtype: NCCL (async, sync) and XLA's one-shot kernel
 #   tp            tensor parallelism, tp=1 vs tp=2 (on a 2-GPU machine). TP_MODELS picks the shapes
 #                 (default "qwen3-8b qwen3-32b"); TP_MEMORY=0 skips the peak-memory subprocess. One
 #                 call per model fits the 10-minute limit: TP_MODELS=qwen3-8b TP_MEMORY=0, then
@@ -153,9 +153,9 @@ tp)
     step "tp_$tag" "$limit" python -m dflash_jax.bench.tensor_parallel "$@" --all-reduce ${TP_ALL_REDUCE:-nccl} \
         --out "$out/tp_$tag.json" ;;
 collectives)
-    # One all-reduce at the tp shapes: NCCL protocols and XLA's one-shot kernel, one process each
+    # One all-reduce at the tp shapes: NCCL, NCCL on the compute stream, XLA's one-shot kernel
     if [ "$dry" = 1 ]; then set -- --tiny; else set -- --rows 1 80 272 --hidden 4096 5120; fi
-    step collectives "$limit" python -m dflash_jax.bench.collectives "$@" --variants default sync one-shot \
+    step collectives "$limit" python -m dflash_jax.bench.collectives "$@" --variants nccl nccl-sync one-shot \
         --out "$out/collectives.json" ;;
 *)
     echo "unknown phase: $phase (ar, rounds, rounds-split, kernel, drafter, eval, speed, collectives, tp)" >&2

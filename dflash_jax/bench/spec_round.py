@@ -104,13 +104,12 @@ DOT_MERGER = {"default": None, "off": DDTREE_COMPILER_OPTIONS}
 
 
 def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool, rounds: int = ROUNDS_PER_CALL,
-                  dot_merger: str = "default", compiler_options: dict[str, Any] | None = None):
+                  compiler_options: dict[str, Any] | None = None):
     # Compiled ahead of time: the same executable is timed and profiled, and its HLO is at hand.
     t0 = time.perf_counter()
     start = jnp.array(state.cache.lengths)  # a copy: the state is donated
-    options = {**(DOT_MERGER[dot_merger] or {}), **(compiler_options or {})} or None
     rnd = round_program(cfg, dcfg, s, rounds).lower(state, start, target=target, dparams=dparams).compile(
-        compiler_options=options)
+        compiler_options=compiler_options)
     compile_s = time.perf_counter() - t0
     box = {"state": state}
 
@@ -124,17 +123,17 @@ def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool, rounds: i
     # Random weights can overflow to inf/NaN; say so, since such values would void the timing's realism.
     finite = all(bool(jnp.isfinite(x.astype(jnp.float32)).all()) for x in (box["state"].cache.k[-1],
                                                                             box["state"].cache.v[-1]))
-    extra = {"compile_s": compile_s, "rounds_per_call": rounds, "profile": where, "kv_finite": finite,
-             "dot_merger": dot_merger}
+    extra = {"compile_s": compile_s, "rounds_per_call": rounds, "profile": where, "kv_finite": finite}
     return t["median_ms"] / rounds, rnd, call_rounds, extra
 
 
 def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_len: int, profile: bool,
                    hlo_dir: str | None = None, rounds: int = ROUNDS_PER_CALL, dot_merger: str = "default") -> dict:
     state = make_state(cfg, dcfg, ctx, max_len, s.max_new_tokens, target.embed.dtype)
-    ms, rnd, _, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile, rounds, dot_merger)
+    ms, rnd, _, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile, rounds, DOT_MERGER[dot_merger])
     dump_hlo(hlo_dir, f"round_{s.method}_b{s.budget}_ctx{ctx}_r{rounds}_dm-{dot_merger}", rnd.as_text())
-    row = {"method": s.method, "budget": s.budget, "width": s.width, "ctx": ctx, "round_ms": ms, **extra}
+    row = {"method": s.method, "budget": s.budget, "width": s.width, "ctx": ctx, "round_ms": ms,
+           "dot_merger": dot_merger, **extra}
     log(row)
     return row
 

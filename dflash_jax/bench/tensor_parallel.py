@@ -256,7 +256,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--memory-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--all-reduce", nargs="+", choices=sorted(ALL_REDUCE), default=["nccl"],
-                    help="tp > 1 only: NCCL, or XLA's one-shot all-reduce kernel for small all-reduces")
+                    help="tp > 1 only: NCCL, NCCL on the compute stream (nccl-sync), or XLA's one-shot "
+                         "all-reduce kernel for small all-reduces (see bench.collectives)")
     ap.add_argument("--profile", help="directory for profiler traces (adds a trace-based collective share)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on fake CPU devices (a smoke test)")
     ap.add_argument("--out")
