@@ -17,7 +17,7 @@ from dflash_jax.config import ModelConfig
 from dflash_jax.kv_cache import KVCache, gather_rows, write_rows
 from dflash_jax.params import EMBED, HEAD_DIM, KV_HEADS, MLP, Q_HEADS, VOCAB, Spec, init_from_specs
 from dflash_jax.rope import apply_rope, rope_tables
-from dflash_jax.sharding import BATCH, attention, constrain, constrain_cache, embed_lookup
+from dflash_jax.sharding import BATCH, attention, constrain, constrain_cache, embed_lookup, row_parallel_chunks
 
 dataclass = dataclasses.dataclass
 
@@ -131,8 +131,18 @@ def _row_parallel_dot(eq: str, x: jax.Array, w: jax.Array) -> jax.Array:
     Under tp the contracted axis is split, and XLA all-reduces the dot's own result: asking for
     float32 there (as `_dot` does) would all-reduce float32 partial sums, twice the bytes of bf16.
     The GPU GEMMs still accumulate in float32; only the partial sums are rounded before the sum.
+    Under `sharding.all_reduce_max_bytes` a large result is computed and all-reduced in row
+    chunks (the sequence axis): [batch, seq, ...] x [..., out] -> [batch, seq, out].
     """
-    return jnp.einsum(eq, x, w, preferred_element_type=x.dtype)
+    chunks = row_parallel_chunks(x.shape[1], x.shape[0], w.shape[-1] * x.dtype.itemsize)
+    if len(chunks) == 1:
+        return jnp.einsum(eq, x, w, preferred_element_type=x.dtype)
+    parts, start = [], 0
+    for n in chunks:
+        part = jnp.einsum(eq, jax.lax.slice_in_dim(x, start, start + n, axis=1), w, preferred_element_type=x.dtype)
+        parts.append(constrain(part, (BATCH, None, None)))  # each chunk's own all-reduce
+        start += n
+    return jnp.concatenate(parts, axis=1)
 
 
 def project_qkv(p: AttentionParams, cfg: ModelConfig, x: jax.Array, kv_input: jax.Array | None = None

@@ -178,6 +178,45 @@ def test_one_all_reduce_per_attention_block_and_mlp(saved):
     assert sum(counts.values()) == counts["all-reduce"], (kind, counts)
 
 
+def test_chunked_all_reduce_splits_large_row_parallel_results(saved):
+    """Under all_reduce_max_bytes a row-parallel result over the limit is all-reduced in row
+    chunks: the same logits (each element is still one sum over the same shards), more
+    all-reduces in the compiled program, and none when no mesh is active."""
+    kind, directory, cfg, _ = saved
+    mesh = sh.make_mesh(1, 2)
+    _, sharded = load_hf(directory, shardings=sh.placement(mesh))
+    tokens, _ = tree_inputs(cfg.vocab_size)
+
+    def fwd(params, tokens):
+        cache = KVCache.create(cfg.num_layers, 4, 32, cfg.num_kv_heads, cfg.head_dim)
+        return forward(params, cfg, tokens, jnp.broadcast_to(jnp.arange(17), (4, 17)), cache).logits
+
+    # A [4, 17, hidden] float32 result on 1 dp shard: 17 rows of 4 * hidden * 4 bytes; a limit of
+    # 6 rows' bytes gives chunks of 6, 6, 5 rows.
+    limit = 6 * 4 * cfg.hidden_size * 4
+    with sh.use_mesh(mesh):
+        plain = jax.jit(fwd).lower(sharded, tokens).compile()
+        with sh.all_reduce_max_bytes(limit):
+            assert sh.row_parallel_chunks(17, 4, cfg.hidden_size * 4) == [6, 6, 5]
+            # A new function object: jax reuses a traced program per function, whatever the limit.
+            chunked = jax.jit(functools.partial(fwd)).lower(sharded, tokens).compile(
+                compiler_options={"xla_gpu_all_reduce_combine_threshold_bytes": 0})
+    # The all-reduced arrays, one entry per array (the CPU backend's combiner joins independent
+    # all-reduces into tuples, which XLA:GPU does not do with the combine threshold at 0).
+    from dflash_jax.bench.tensor_parallel import hlo_collectives
+    shapes = lambda exe: sorted(s for kind, _, s in hlo_collectives(exe.as_text()) if s[-1] == cfg.hidden_size)  # noqa: E731
+    layers, h = 2 * cfg.num_layers, cfg.hidden_size
+    embed = [(4, 17, h)] * (cfg.vocab_size % 2 == 0)  # the vocab-parallel lookup's own all-reduce
+    assert shapes(plain) == [(4, 17, h)] * layers + embed, kind
+    assert shapes(chunked) == sorted([(4, 5, h)] * layers + [(4, 6, h)] * 2 * layers + embed), kind
+    assert rel_err(chunked(sharded, tokens), plain(sharded, tokens)) <= 1e-6, kind
+    with sh.all_reduce_max_bytes(limit):
+        assert sh.row_parallel_chunks(17, 4, cfg.hidden_size * 4) == [17]  # no mesh: nothing to reduce
+    with pytest.raises(ValueError, match="limit must be >= 1"):
+        with sh.all_reduce_max_bytes(0):
+            pass
+
+
 # ----------------------------------------------------------------------------- rules
 
 def test_heads_that_do_not_divide_are_errors(tmp_path):

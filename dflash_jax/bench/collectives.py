@@ -16,6 +16,7 @@ XLA read their environment once):
   one-shot       XLA's own all-reduce kernel (`--xla_gpu_unsupported_use_all_reduce_one_shot_kernel`)
                  for the inputs it supports (up to 256 KB one-shot, 2 MB two-shot; larger ones stay
                  on NCCL). It reads the peers' buffers over NVLink; XLA emits it without multimem.
+  one-shot-split one-shot with XLA's all-reduce combiner off (for tensor_parallel's chunked all-reduces).
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0) in all of them.
 """
 from __future__ import annotations
@@ -38,7 +39,13 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # the compute stream instead of as async start/done pairs on a collective stream (whose
 # stream-to-stream syncs may be part of the ~20 us per op). "one-shot": XLA's own kernel.
 ALL_REDUCE = {"nccl": None, "nccl-sync": {"xla_gpu_disable_async_collectives": "ALLREDUCE"},
-              "one-shot": {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True}}
+              "one-shot": {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True},
+              "one-shot-split": {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True,
+                                 "xla_gpu_all_reduce_combine_threshold_bytes": 0}}
+# "one-shot-split" also traces the model under `sharding.all_reduce_max_bytes(2 MiB)`: row-parallel
+# results over XLA's 2 MB kernel limit are all-reduced in row chunks that fit it (and the
+# combiner, which would join the chunks again, is off). Here, one op at a time, it equals one-shot.
+ALL_REDUCE_MAX_BYTES = {"one-shot-split": 2 * 2 ** 20}
 NCCL_PROTOS = ("LL", "LL128", "Simple")
 
 

@@ -21,7 +21,8 @@
 #                 (default "qwen3-8b qwen3-32b"); TP_MEMORY=0 skips the peak-memory subprocess. One
 #                 call per model fits the 10-minute limit: TP_MODELS=qwen3-8b TP_MEMORY=0, then
 #                 TP_MODELS=qwen3-32b (which also measures the memory). TP_ALL_REDUCE="nccl one-shot"
-#                 adds XLA's one-shot all-reduce kernel beside NCCL at tp=2 (also: nccl-sync).
+#                 adds XLA's one-shot all-reduce kernel beside NCCL at tp=2 (also: nccl-sync, and
+#                 one-shot-split: the kernel, with all-reduces over its 2 MB limit done in row chunks).
 # `split PHASES0 PHASES1` runs two phase lists at once, on GPU 0 and GPU 1 of a 2-GPU machine.
 # DRY=1 runs a phase on tiny shapes on the CPU: a check of this script, not a measurement.
 # Each step has its own time limit and writes its log and JSON under OUT_DIR as it goes, so a
@@ -154,7 +155,8 @@ tp)
         --out "$out/tp_$tag.json" ;;
 collectives)
     # One all-reduce at the tp shapes: NCCL, NCCL on the compute stream, XLA's one-shot kernel
-    if [ "$dry" = 1 ]; then set -- --tiny; else set -- --rows 1 80 272 --hidden 4096 5120; fi
+    # 136 rows: half of a budget-256 tree, the chunk one-shot-split all-reduces at the 32B width.
+    if [ "$dry" = 1 ]; then set -- --tiny; else set -- --rows 1 80 136 272 --hidden 4096 5120; fi
     step collectives "$limit" python -m dflash_jax.bench.collectives "$@" --variants nccl nccl-sync one-shot \
         --out "$out/collectives.json" ;;
 *)

@@ -43,13 +43,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from dflash_jax import drafter as dr
 from dflash_jax import sharding as sh
 from dflash_jax.bench.ar_decode import make_decoder, random_cache
-from dflash_jax.bench.collectives import ALL_REDUCE
+from dflash_jax.bench.collectives import ALL_REDUCE, ALL_REDUCE_MAX_BYTES
 from dflash_jax.bench.common import SHAPES, environment, time_fn, write_json
 from dflash_jax.config import ModelConfig, RopeConfig
 from dflash_jax.model import forward, model_specs
 from dflash_jax.params import param_bytes
 from dflash_jax.bench.profile import profile_program, scale_profile
-from dflash_jax.bench.spec_round import ROUNDS_PER_CALL, drafter_config, make_state, timed_rounds
+from dflash_jax.bench.spec_round import ROUNDS_PER_CALL, drafter_config, make_state, round_program, timed_rounds
 from dflash_jax.speculative import DDTREE_COMPILER_OPTIONS, SpecSettings, spec_round
 
 TINY = ModelConfig(model_type="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=6,
@@ -256,8 +256,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--memory-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--all-reduce", nargs="+", choices=sorted(ALL_REDUCE), default=["nccl"],
-                    help="tp > 1 only: NCCL, NCCL on the compute stream (nccl-sync), or XLA's one-shot "
-                         "all-reduce kernel for small all-reduces (see bench.collectives)")
+                    help="tp > 1 only: NCCL, NCCL on the compute stream (nccl-sync), XLA's one-shot "
+                         "all-reduce kernel for small all-reduces, or that kernel with large row-parallel "
+                         "results all-reduced in chunks that fit it (one-shot-split; see bench.collectives)")
     ap.add_argument("--profile", help="directory for profiler traces (adds a trace-based collective share)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on fake CPU devices (a smoke test)")
     ap.add_argument("--out")
@@ -287,15 +288,18 @@ def main(argv: list[str] | None = None) -> None:
                 # Without collectives (tp = 1) the all-reduce variants are one program.
                 for ar_impl in (args.all_reduce if tp > 1 else args.all_reduce[:1]):
                     options = ALL_REDUCE[ar_impl]
-                    row = {"model": name, "tp": tp, "ctx": args.ctx, "all_reduce": ar_impl if tp > 1 else None,
-                           "weights_gb_per_device": param_bytes(target) / GB / tp,
-                           "ar": bench_ar(target, cfg, mesh, args.ctx, args.steps, max_len, options)}
-                    print(row, flush=True)
-                    row["ddtree"] = []
-                    for b in args.budgets:
-                        row["ddtree"].append(bench_round(target, dparams, cfg, dcfg, mesh, b, args.ctx, max_len,
-                                                         args.profile, options))
-                        print(row["ddtree"][-1], flush=True)
+                    round_program.cache_clear()  # traced afresh under this variant's chunking
+                    with sh.all_reduce_max_bytes(ALL_REDUCE_MAX_BYTES.get(ar_impl) if tp > 1 else None):
+                        row = {"model": name, "tp": tp, "ctx": args.ctx,
+                               "all_reduce": ar_impl if tp > 1 else None,
+                               "weights_gb_per_device": param_bytes(target) / GB / tp,
+                               "ar": bench_ar(target, cfg, mesh, args.ctx, args.steps, max_len, options)}
+                        print(row, flush=True)
+                        row["ddtree"] = []
+                        for b in args.budgets:
+                            row["ddtree"].append(bench_round(target, dparams, cfg, dcfg, mesh, b, args.ctx,
+                                                             max_len, args.profile, options))
+                            print(row["ddtree"][-1], flush=True)
                     rows.append(row)
                     write_json(args.out, {"env": env, "rows": rows})
             del target, dparams
