@@ -27,7 +27,9 @@ def plot(json_path: str, png_path: str) -> None:
             return prof.get("device_ms")
         return (prof.get("by_scope") or {}).get(key)
 
-    for key, label in [("round_ms", "fused round (wall)"), ("device_ms", "device time (profile)"),
+    per_call = rows[0].get("rounds_per_call", 1)
+    wall = "fused round (wall)" if per_call > 1 else "one round per call (wall, host dispatch included)"
+    for key, label in [("round_ms", wall), ("device_ms", "device time (profile)"),
                        ("draft", "drafter pass"), ("tree", "tree build"),
                        ("verify", "verify (target + tree attention)"), ("accept", "accept"),
                        ("commit", "commit")]:
