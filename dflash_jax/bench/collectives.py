@@ -16,7 +16,9 @@ XLA read their environment once):
   one-shot       XLA's own all-reduce kernel (`--xla_gpu_unsupported_use_all_reduce_one_shot_kernel`)
                  for the inputs it supports (up to 256 KB one-shot, 2 MB two-shot; larger ones stay
                  on NCCL). It reads the peers' buffers over NVLink; XLA emits it without multimem.
-  one-shot-split one-shot with XLA's all-reduce combiner off (for tensor_parallel's chunked all-reduces).
+  one-shot-split one-shot with XLA's all-reduce combiner off (for tensor_parallel's chunked all-reduces);
+  nccl-graph     NCCL, with the collectives recorded into XLA's CUDA graphs (command buffers);
+  nccl-no-graph  NCCL, with XLA's CUDA graphs off.
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0) in all of them.
 """
 from __future__ import annotations
@@ -38,10 +40,17 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # program; here they become XLA_FLAGS of a subprocess). "nccl-sync": NCCL all-reduces issued on
 # the compute stream instead of as async start/done pairs on a collective stream (whose
 # stream-to-stream syncs may be part of the ~20 us per op). "one-shot": XLA's own kernel.
+# XLA:GPU records runs of kernels into CUDA graphs ("command buffers"). Its default command
+# types are these; collectives are not among them, so every all-reduce ends one graph and starts
+# the next. "nccl-graph" records the NCCL all-reduces into the graphs too; "nccl-no-graph" turns
+# graphs off. Both test whether the ~23 us floor per all-reduce (BENCHMARKS.md) is launch cost.
+COMMAND_BUFFER_DEFAULT = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN")
 ALL_REDUCE = {"nccl": None, "nccl-sync": {"xla_gpu_disable_async_collectives": "ALLREDUCE"},
               "one-shot": {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True},
               "one-shot-split": {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True,
-                                 "xla_gpu_all_reduce_combine_threshold_bytes": 0}}
+                                 "xla_gpu_all_reduce_combine_threshold_bytes": 0},
+              "nccl-graph": {"xla_gpu_enable_command_buffer": ",".join(COMMAND_BUFFER_DEFAULT + ("COLLECTIVES",))},
+              "nccl-no-graph": {"xla_gpu_enable_command_buffer": ""}}
 # "one-shot-split" also traces the model under `sharding.all_reduce_max_bytes(2 MiB)`: row-parallel
 # results over XLA's 2 MB kernel limit are all-reduced in row chunks that fit it (and the
 # combiner, which would join the chunks again, is off). Here, one op at a time, it equals one-shot.

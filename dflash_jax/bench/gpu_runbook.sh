@@ -16,13 +16,15 @@
 #   eval          tau on gsm8k (128) + spec_bench (480) for DFlash and DDTree 16/64/256 (DRAFT=dir)
 #   speed         batch-1 tokens/s of AR, DFlash, DDTree beside the PyTorch reference (needs the
 #                 gguf and dflash wheels on the path)
-#   collectives   the all-reduce alone, by size and dtype: NCCL (async, sync) and XLA's one-shot kernel
+#   collectives   the all-reduce alone, by size and dtype: NCCL with XLA's CUDA graphs as they are, with
+#                 the collectives recorded into them, and with graphs off
 #   tp            tensor parallelism, tp=1 vs tp=2 (on a 2-GPU machine). TP_MODELS picks the shapes
 #                 (default "qwen3-8b qwen3-32b"); TP_MEMORY=0 skips the peak-memory subprocess. One
 #                 call per model fits the 10-minute limit: TP_MODELS=qwen3-8b TP_MEMORY=0, then
 #                 TP_MODELS=qwen3-32b (which also measures the memory). TP_ALL_REDUCE="nccl one-shot"
 #                 adds XLA's one-shot all-reduce kernel beside NCCL at tp=2 (also: nccl-sync, and
-#                 one-shot-split: the kernel, with all-reduces over its 2 MB limit done in row chunks).
+#                 one-shot-split: the kernel, with all-reduces over its 2 MB limit done in row chunks;
+#                 nccl-graph: NCCL all-reduces recorded into XLA's CUDA graphs).
 # `split PHASES0 PHASES1` runs two phase lists at once, on GPU 0 and GPU 1 of a 2-GPU machine.
 # DRY=1 runs a phase on tiny shapes on the CPU: a check of this script, not a measurement.
 # Each step has its own time limit and writes its log and JSON under OUT_DIR as it goes, so a
@@ -157,7 +159,9 @@ collectives)
     # One all-reduce at the tp shapes: NCCL, NCCL on the compute stream, XLA's one-shot kernel
     # 136 rows: half of a budget-256 tree, the chunk one-shot-split all-reduces at the 32B width.
     if [ "$dry" = 1 ]; then set -- --tiny; else set -- --rows 1 80 136 272 --hidden 4096 5120; fi
-    step collectives "$limit" python -m dflash_jax.bench.collectives "$@" --variants nccl nccl-sync one-shot \
+    # (nccl-sync and one-shot were no faster than nccl: BENCHMARKS.md, fifth session.) nccl-graph
+    # records the all-reduces into XLA's CUDA graphs: is the ~23 us floor per op launch cost?
+    step collectives "$limit" python -m dflash_jax.bench.collectives "$@" --variants nccl nccl-graph nccl-no-graph \
         --out "$out/collectives.json" ;;
 *)
     echo "unknown phase: $phase (ar, rounds, rounds-split, kernel, drafter, eval, speed, collectives, tp)" >&2
