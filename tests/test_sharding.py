@@ -158,10 +158,8 @@ def test_each_device_holds_only_its_shard(saved):
             np.testing.assert_array_equal(np.asarray(shard.data), host[shard.index], err_msg=name)
 
 
-def test_one_all_reduce_per_attention_block_and_mlp(saved):
-    """Row-parallel o_proj and down_proj: one all-reduce each per layer, plus one for the
-    vocab-parallel embedding; nothing gathered."""
-    kind, directory, cfg, _ = saved
+def tp2_prefill(directory, cfg):
+    """A tp = 2 mesh, the model loaded onto it, 4 x 17 tokens, and a 17-token prefill's logits."""
     mesh = sh.make_mesh(1, 2)
     _, sharded = load_hf(directory, shardings=sh.placement(mesh))
     tokens, _ = tree_inputs(cfg.vocab_size)
@@ -170,6 +168,14 @@ def test_one_all_reduce_per_attention_block_and_mlp(saved):
         cache = KVCache.create(cfg.num_layers, 4, 32, cfg.num_kv_heads, cfg.head_dim)
         return forward(params, cfg, tokens, jnp.broadcast_to(jnp.arange(17), (4, 17)), cache).logits
 
+    return mesh, sharded, tokens, fwd
+
+
+def test_one_all_reduce_per_attention_block_and_mlp(saved):
+    """Row-parallel o_proj and down_proj: one all-reduce each per layer, plus one for the
+    vocab-parallel embedding; nothing gathered."""
+    kind, directory, cfg, _ = saved
+    mesh, sharded, tokens, fwd = tp2_prefill(directory, cfg)
     with sh.use_mesh(mesh):
         hlo = jax.jit(fwd).lower(sharded, tokens).compile().as_text()
     counts = sh.collectives(hlo)
@@ -183,14 +189,7 @@ def test_chunked_all_reduce_splits_large_row_parallel_results(saved):
     chunks: the same logits (each element is still one sum over the same shards), more
     all-reduces in the compiled program, and none when no mesh is active."""
     kind, directory, cfg, _ = saved
-    mesh = sh.make_mesh(1, 2)
-    _, sharded = load_hf(directory, shardings=sh.placement(mesh))
-    tokens, _ = tree_inputs(cfg.vocab_size)
-
-    def fwd(params, tokens):
-        cache = KVCache.create(cfg.num_layers, 4, 32, cfg.num_kv_heads, cfg.head_dim)
-        return forward(params, cfg, tokens, jnp.broadcast_to(jnp.arange(17), (4, 17)), cache).logits
-
+    mesh, sharded, tokens, fwd = tp2_prefill(directory, cfg)
     # A [4, 17, hidden] float32 result on 1 dp shard: 17 rows of 4 * hidden * 4 bytes; a limit of
     # 6 rows' bytes gives chunks of 6, 6, 5 rows.
     limit = 6 * 4 * cfg.hidden_size * 4
