@@ -237,6 +237,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="(default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--remat", action="store_true", default=None, help="recompute layers in the backward pass")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dp", type=int, default=None,
+                   help="data-parallel devices: each step's --batch sequences are split over them, the "
+                        "drafter and optimizer state replicated (--batch must divide by it; default 1, "
+                        "with --resume the run's; a resumed run may change it)")
     # Drafter shape (fresh runs only; --resume reads it from the run).
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--layers", type=int, default=3, help="drafter layers (one target tap per layer)")
@@ -322,6 +326,13 @@ def cmd_make_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_dp(given: int | None, saved: dict[str, Any] | None) -> int:
+    """--dp if given, else the resumed run's dp (1 for a run recorded before --dp existed), else 1."""
+    if given is not None:
+        return given
+    return int(saved.get("dp", 1)) if saved is not None else 1
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     import dataclasses
     from pathlib import Path
@@ -340,6 +351,7 @@ def cmd_train(args: argparse.Namespace) -> int:
              "weight_decay": args.weight_decay, "grad_clip": args.grad_clip,
              "compute_dtype": args.compute_dtype, "remat": args.remat, "seed": args.seed}
     given = {k: v for k, v in given.items() if v is not None}
+    saved: dict[str, Any] | None = None  # the resumed run's train_run.json
     if args.resume:
         if not run_file.is_file():
             raise FileNotFoundError(f"{out}: nothing to resume ({tr.RUN_FILE} is missing)")
@@ -365,6 +377,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ValueError(f"--eval-every must be >= 1, got {eval_every}")
     if val_batches < 1:
         raise ValueError(f"--val-batches must be >= 1, got {val_batches}")
+    dp = _train_dp(args.dp, saved)
+    tr.check_data_parallel(dp, tc.batch_size)  # before the target is loaded
     _check_data_gen_args(args)
     # Frozen target: loaded in float32 (master copy), cast to compute dtype inside `train`.
     cfg, params, tokenizer = load_model(args.target, dtype=jnp.float32)
@@ -380,14 +394,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         dcfg = tr.drafter_config_for(cfg, num_layers=args.layers, block_size=args.block_size, mask_token_id=mask)
     seqs = build_sequences(data, tc.seq_len)
     if args.measure_taps:
-        print(json.dumps({**tr.time_step_parts(params, cfg, dcfg, seqs, tc), "train_config": tc.to_dict()}))
+        print(json.dumps({**tr.time_step_parts(params, cfg, dcfg, seqs, tc, dp=dp), "train_config": tc.to_dict(),
+                          "dp": dp}))
         return 0
     print(f"training a {dcfg.num_layers}-layer block-{dcfg.block_size} drafter (taps {list(dcfg.target_layer_ids)}, "
-          f"mask token {dcfg.mask_token_id}) on {len(seqs)} sequences from {data_path}", file=sys.stderr)
+          f"mask token {dcfg.mask_token_id}) on {len(seqs)} sequences from {data_path}"
+          + (f", batch split over {dp} devices" if dp > 1 else ""), file=sys.stderr)
     result = tr.train(params, cfg, dcfg, seqs, tc, out, resume=args.resume, save_every=args.save_every,
                       log_every=args.log_every, time_limit=args.time_limit, export_dtype=args.export_dtype,
                       val_fraction=val_fraction, eval_every=eval_every, val_batches=val_batches,
-                      keep_best=keep_best, progress=not args.no_progress,
+                      keep_best=keep_best, progress=not args.no_progress, dp=dp,
                       extra_record={"target": str(args.target), "data": str(data_path)})
     print(json.dumps({"out": str(result.out_dir), **result.summary}))
     return 0

@@ -310,6 +310,17 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, partition_spec(axes, x.shape, mesh))
 
 
+def replicate(tree: Any) -> Any:
+    """Lays every array of `tree` out whole on every device of the active mesh; a no-op without one.
+
+    Why: in a data-parallel train step the new parameters and optimizer state must come out
+    replicated (each device's copy equal), whatever layout XLA's propagation would pick.
+    """
+    if active_mesh() is None:
+        return tree
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, P()), tree)
+
+
 def constrain_cache(buf: jax.Array) -> jax.Array:
     """A [batch, max_len, kv_heads, head_dim] cache buffer: batch over dp, KV heads over tp."""
     return constrain(buf, (BATCH, None, KV_HEADS, None))

@@ -24,6 +24,14 @@ by exp(-(k-1)/gamma) (gamma 7 for bs 16), rows past the end of the response mask
 target's embedding and LM head are frozen (they are not in the trained pytree: only
 `DraftParams` is). Master weights are float32; the loss casts them to `compute_dtype`
 (bfloat16 on GPU). Target taps are computed on the fly, see `train_data`'s docstring.
+
+Data parallelism (`train(..., dp=N)`, `dflash-jax train --dp N`): one SPMD program over a
+("dp", "tp") = (N, 1) mesh. Each step's global batch of `batch_size` rows is split over "dp"
+on its leading axis; the frozen target, the float32 masters and the AdamW state are
+replicated; XLA's partitioner all-reduces the gradients and the metric sums. The anchors are
+drawn from the same key over the global [batch, seq_len] shape (threefry bits do not depend
+on the sharding), so dp = N trains the same drafter as dp = 1 up to float32 reduction order.
+Checkpoints hold whole (replicated) arrays: a run may be resumed with another dp.
 """
 from __future__ import annotations
 
@@ -41,6 +49,7 @@ import numpy as np
 import optax
 
 from dflash_jax import drafter as dr
+from dflash_jax import sharding as sh
 from dflash_jax.config import ModelConfig, default_tap_layers
 from dflash_jax.kv_cache import KVCache
 from dflash_jax.model import ModelParams, forward, rms_norm
@@ -367,11 +376,57 @@ def train_step(state: TrainState, target: ModelParams, batch: dict[str, jax.Arra
     params = optax.apply_updates(state.params, updates)
     metrics["grad_norm"] = _tree_norm(grads)
     metrics["lr"] = learning_rate_schedule(tc)(state.step)
-    return TrainState(params, opt_state, state.step + 1, state.rng), metrics
+    # Under a data-parallel mesh the new state stays whole on every device (a no-op without one).
+    return sh.replicate(TrainState(params, opt_state, state.step + 1, state.rng)), metrics
 
 
 # optax >= 0.2.5 has optax.tree.norm and deprecates optax.global_norm.
 _tree_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
+
+
+# ----------------------------------------------------------------------------- data parallelism
+
+def check_data_parallel(dp: int, batch_size: int) -> None:
+    """Raises one ValueError naming the flags unless `dp` devices exist and split `batch_size` evenly."""
+    if dp < 1:
+        raise ValueError(f"dp (--dp) must be >= 1, got {dp}")
+    devices = jax.device_count()
+    if dp > devices:
+        raise ValueError(f"dp (--dp) = {dp} needs {dp} devices, but only {devices} {jax.default_backend()} "
+                         f"device(s) are available; pass --dp {devices} or fewer")
+    if batch_size % dp:
+        raise ValueError(f"batch_size (--batch) = {batch_size} is not divisible by dp (--dp) = {dp}: "
+                         f"each device takes batch / dp sequences of every step")
+
+
+def data_parallel_mesh(dp: int, batch_size: int) -> jax.sharding.Mesh | None:
+    """The (dp, tp=1) mesh of a dp-way run, after `check_data_parallel`; None at dp = 1.
+
+    None keeps a one-device run exactly as it was (no mesh, device 0): its numerics and its
+    compiled step do not change.
+    """
+    check_data_parallel(dp, batch_size)
+    return None if dp == 1 else sh.make_mesh(dp, 1)
+
+
+def place_replicated(tree: Any, mesh: jax.sharding.Mesh | None) -> Any:
+    """Commits every array of `tree` whole to each device of `mesh` (to device 0 when None).
+
+    The state, the best-so-far and the frozen target live this way; committing a fresh state
+    as well as a restored one means both hit the same compiled train_step.
+    """
+    where = jax.devices()[0] if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.device_put(tree, where)
+
+
+def place_batch(batch: dict[str, Any], mesh: jax.sharding.Mesh | None) -> dict[str, jax.Array]:
+    """A step's batch (arrays [B, ...]) split over "dp" on the leading axis: B / dp rows per device.
+
+    Without a mesh: plain uncommitted device arrays, as a one-device run always used.
+    """
+    if mesh is None:
+        return {k: jnp.asarray(v) for k, v in batch.items()}
+    return {k: jax.device_put(v, sh.batch_sharding(mesh, np.shape(v))) for k, v in batch.items()}
 
 
 # ----------------------------------------------------------------------------- validation
@@ -512,7 +567,7 @@ def train(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: Seq
           time_limit: float | None = None, export: bool = True, export_dtype: str = "float32",
           val_fraction: float = 0.0, eval_every: int | None = None, val_batches: int = 32,
           keep_best: bool = False, plots: bool = True, progress: bool = True,
-          extra_record: dict[str, Any] | None = None) -> TrainResult:
+          extra_record: dict[str, Any] | None = None, dp: int = 1) -> TrainResult:
     """Trains a drafter; checkpoints, logs, plots and the z-lab export go under `out_dir`.
 
     out_dir/checkpoints/  orbax CheckpointManager (async saves every `save_every` steps + last)
@@ -535,6 +590,12 @@ def train(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: Seq
     on ties). The best of the scheduled evaluations is checkpointed beside the state; the
     evaluation of a call that ends early competes only for that call's export, so a resumed
     run keeps the same best as an uninterrupted one.
+
+    `dp` > 1 splits every batch (training and validation) over that many devices, with the
+    target, the state and the best-so-far replicated (module docstring). `tc.batch_size` stays
+    the global batch and must divide by dp. train_run.json's "dp" is this call's; the
+    checkpoints do not depend on it, so `resume` may use another dp (a record without "dp" is
+    a dp = 1 run).
     """
     import orbax.checkpoint as ocp
 
@@ -542,6 +603,7 @@ def train(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: Seq
     ckpt_dir, log_path, run_path = out_dir / "checkpoints", out_dir / LOG_FILE, out_dir / RUN_FILE
     if data.seq_len != tc.seq_len:
         raise ValueError(f"training rows have seq_len {data.seq_len}, TrainConfig.seq_len is {tc.seq_len}")
+    mesh = data_parallel_mesh(dp, tc.batch_size)  # before anything is written
     train_rows, val_rows = split_by_prompt(data.prompt_ids, val_fraction, tc.seed)
     validating = len(val_rows) > 0
     if keep_best and not validating:
@@ -550,11 +612,16 @@ def train(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: Seq
     if eval_every < 1:
         raise ValueError(f"eval_every (--eval-every) must be >= 1, got {eval_every}")
     vset = validation_set(data, val_rows, tc, val_batches) if validating else None
+    if vset is not None and mesh is not None:
+        # Validation batches have the training batch's shape: split over dp as well.
+        vset = dataclasses.replace(vset, batches=[place_batch(b, mesh) for b in vset.batches],
+                                   keys=place_replicated(vset.keys, mesh))
     validation = None if vset is None else {
         "fraction": val_fraction, "eval_every": eval_every, "val_batches": val_batches, "keep_best": keep_best,
         "prompts": int(len(np.unique(data.prompt_ids[val_rows]))), "rows": int(len(val_rows)),
         "rows_evaluated": int(len(vset.rows)), "train_rows": int(len(train_rows))}
-    record = _run_record(tc, dcfg, {"validation": validation, **(extra_record or {})})
+    # "dp" sits beside the checked parts, not in them: a resume may change it.
+    record = _run_record(tc, dcfg, {"validation": validation, "dp": dp, **(extra_record or {})})
     if resume:
         if not run_path.is_file():
             raise FileNotFoundError(f"{out_dir}: nothing to resume ({RUN_FILE} is missing)")
@@ -567,11 +634,16 @@ def train(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: Seq
         run_path.write_text(json.dumps(record, indent=2) + "\n")
 
     target = cast_floating(target, jnp.dtype(tc.compute_dtype))
+    if mesh is not None:
+        target = place_replicated(target, mesh)  # frozen: a whole copy on every device
     if init_params is None:
         init_params = dr.init_draft_params(dcfg, jax.random.key(tc.seed + 1))
     state = init_state(init_params, tc)
     # The best scheduled evaluation so far (keep_best): checkpointed with the state. step 0 = none yet.
     best = {"params": state.params, "step": jnp.zeros((), jnp.int32), "tau": jnp.zeros((), jnp.float32)}
+    # Placed before a restore: `_abstract` then restores straight into this layout, whatever
+    # dp the checkpoint was written with.
+    state, best = place_replicated((state, best), mesh)
     options = ocp.CheckpointManagerOptions(save_interval_steps=save_every, max_to_keep=keep,
                                            enable_async_checkpointing=True)
     history: list[dict[str, Any]] = []
@@ -590,7 +662,7 @@ def train(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: Seq
                 best = restored["best"]
         # Restored arrays are committed to a device; commit a fresh state too, so that a fresh and
         # a resumed run hit the same compiled train_step.
-        state, best = jax.device_put((state, best), jax.devices()[0])
+        state, best = place_replicated((state, best), mesh)
         best_step, best_tau = int(best["step"]), float(best["tau"])
         history = _read_log(log_path, upto=start)
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -610,10 +682,11 @@ def train(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: Seq
         t_last, step, logged, eval_s = time.perf_counter(), start, start, 0.0
         t_start, timed_out = t_last, False
         try:
-            with log_path.open("a") as log:
+            # The mesh is part of the trace context: train_step and eval_step compile for it.
+            with log_path.open("a") as log, sh.use_mesh(mesh):
                 for step in range(start, end):
                     idx = train_rows[batch_indices(len(train_rows), tc.batch_size, step, tc.seed)]
-                    batch = {k: jnp.asarray(v) for k, v in data.batch(idx).items()}
+                    batch = place_batch(data.batch(idx), mesh)
                     new_state, metrics = train_step(state, target, batch, cfg=cfg, dcfg=dcfg, tc=tc)
                     done = step + 1
                     if done < end and time_limit is not None and time.perf_counter() - t_start > time_limit:
@@ -683,7 +756,7 @@ def train(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: Seq
         from convert.dflash_drafter import export_drafter
 
         export_dir = export_drafter(dcfg, cast_floating(kept_params, jnp.dtype(export_dtype)), out_dir / "drafter")
-    summary = _summary(history, end, tc, export_dir, keep_best, kept_step, validation)
+    summary = {**_summary(history, end, tc, export_dir, keep_best, kept_step, validation), "dp": dp}
     run_path.write_text(json.dumps({**record, "result": summary}, indent=2) + "\n")
     return TrainResult(state=state, out_dir=out_dir, export_dir=export_dir, history=history, best_step=kept_step,
                        summary=summary)
@@ -714,25 +787,30 @@ def _summary(history: list[dict[str, Any]], end: int, tc: TrainConfig, export_di
 
 
 def time_step_parts(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: SequenceSet,
-                    tc: TrainConfig, dparams: dr.DraftParams | None = None, repeats: int = 10) -> dict[str, float]:
+                    tc: TrainConfig, dparams: dr.DraftParams | None = None, repeats: int = 10,
+                    dp: int = 1) -> dict[str, float]:
     """Median seconds of the taps forward alone and of a whole train_step (compile excluded).
 
     The measurement behind "taps on the fly or cached": caching would save at most `taps_s`
-    per step. Run it on the training device with the real shapes.
+    per step. Run it on the training device(s) with the real shapes (`dp` as `train`'s).
     """
+    mesh = data_parallel_mesh(dp, tc.batch_size)
     target = cast_floating(target, jnp.dtype(tc.compute_dtype))
     state = init_state(dparams if dparams is not None else dr.init_draft_params(dcfg, jax.random.key(0)), tc)
-    batch = {k: jnp.asarray(v) for k, v in data.batch(batch_indices(len(data), tc.batch_size, 0, tc.seed)).items()}
+    if mesh is not None:
+        target, state = place_replicated((target, state), mesh)
+    batch = place_batch(data.batch(batch_indices(len(data), tc.batch_size, 0, tc.seed)), mesh)
     taps_fn = jax.jit(target_taps, static_argnums=(1, 3, 4))
     out: dict[str, float] = {}
     for name, fn in (("taps_s", lambda: taps_fn(target, cfg, batch["tokens"], dcfg.target_layer_ids, tc.attn_impl)),
                      ("step_s", lambda: train_step(state, target, batch, cfg=cfg, dcfg=dcfg, tc=tc))):
-        jax.block_until_ready(fn())  # compile
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            times.append(time.perf_counter() - t0)
+        with sh.use_mesh(mesh):
+            jax.block_until_ready(fn())  # compile
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn())
+                times.append(time.perf_counter() - t0)
         out[name] = float(np.median(times))
     out["taps_share"] = out["taps_s"] / out["step_s"]
     return out

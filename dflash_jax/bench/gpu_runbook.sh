@@ -12,7 +12,8 @@
 #   rounds-split  the same with XLA command buffers off, for the per-stage split of each round
 #   kernel        tree attention vs XLA and cuDNN masked attention at ctx 4K and 32K, and a tiling sweep
 #   drafter       SmolLM2 drafter: make-data (4 samples per prompt), train with a 2% validation split,
-#                 export the best-validation drafter (GGUF=path, DATA=dir, STEPS, TRAIN_S, GEN_S)
+#                 export the best-validation drafter (GGUF=path, DATA=dir, STEPS, TRAIN_S, GEN_S).
+#                 TRAIN_DP=2 trains data-parallel over 2 GPUs (`train --dp`; the batch of 32 is split)
 #   eval          tau on gsm8k (128) + spec_bench (480) for DFlash and DDTree 16/64/256 (DRAFT=dir)
 #   speed         batch-1 tokens/s of AR, DFlash, DDTree beside the PyTorch reference (needs the
 #                 gguf and dflash wheels on the path)
@@ -107,7 +108,11 @@ kernel)
 drafter)
     # 4 responses per prompt (the first greedy or T=1, the others T=1); 2% of the prompts held out,
     # validated every 10 log records, and the drafter exported from the best validation tau.
+    train_dp=${TRAIN_DP:-1}
     if [ "$dry" = 1 ]; then
+        # Without a GPU the host CPU shows as TRAIN_DP devices, so the data-parallel path runs too
+        # (the batch of 2 splits for TRAIN_DP 1 or 2).
+        export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=$train_dp"
         gen=(--limit 4 --gen-tokens 16 --gen-batch 4 --samples-per-prompt 2)
         trn=(--steps 4 --batch 2 --seq-len 128 --blocks 4 --log-every 2 --val-fraction 0.25 --eval-every 2 --keep-best)
     else
@@ -120,7 +125,7 @@ drafter)
         --out "$run_dir/tokens.npz" || exit 1
     step train "$(( ${TRAIN_S:-330} + 60 ))" python -m dflash_jax.cli train --target "$gguf" \
         --data "$run_dir/tokens.npz" --out "$run_dir/run" --layers 3 --time-limit "${TRAIN_S:-330}" \
-        --export-dtype bfloat16 --no-progress "${trn[@]}" || exit 1
+        --dp "$train_dp" --export-dtype bfloat16 --no-progress "${trn[@]}" || exit 1
     # The transfer back takes files of at most 16 MiB: the weights come in parts.
     split -b 15M "$run_dir/run/drafter/model.safetensors" "$out/drafter.safetensors.part_"
     tar czf "$out/drafter_run.tgz" -C "$run_dir/run" train_run.json log.jsonl plots drafter/config.json ;;
