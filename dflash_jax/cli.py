@@ -237,6 +237,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="(default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--remat", action="store_true", default=None, help="recompute layers in the backward pass")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--labels", choices=("response", "target"), default=None,
+                   help="what block row k learns: the response's token (default, the recipe) or the "
+                        "target's own greedy token after the same prefix (what greedy decoding accepts; "
+                        "differs from the response where it was sampled at T=1)")
     p.add_argument("--dp", type=int, default=None,
                    help="data-parallel devices: each step's --batch sequences are split over them, the "
                         "drafter and optimizer state replicated (--batch must divide by it; default 1, "
@@ -349,7 +353,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     given = {"steps": args.steps, "batch_size": args.batch, "seq_len": args.seq_len, "num_blocks": args.blocks,
              "gamma": args.gamma, "learning_rate": args.lr, "warmup_fraction": args.warmup,
              "weight_decay": args.weight_decay, "grad_clip": args.grad_clip,
-             "compute_dtype": args.compute_dtype, "remat": args.remat, "seed": args.seed}
+             "compute_dtype": args.compute_dtype, "remat": args.remat, "seed": args.seed, "labels": args.labels}
     given = {k: v for k, v in given.items() if v is not None}
     saved: dict[str, Any] | None = None  # the resumed run's train_run.json
     if args.resume:

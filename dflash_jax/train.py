@@ -68,6 +68,9 @@ def default_gamma(block_size: int) -> float:
     return 7.0 * block_size / 16
 
 
+LABELS = ("response", "target")
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Static training settings (hashable: a jit static argument, saved beside checkpoints)."""
@@ -87,11 +90,18 @@ class TrainConfig:
     seed: int = 0  # data order and anchors
     remat: bool = False  # recompute each drafter layer in the backward pass (less memory)
     attn_impl: str = "auto"  # the target forward that computes the taps
+    # What block row k (at position p+k) learns to predict: "response", the data's token at p+k
+    # (the recipe); "target", the target's own greedy token after positions <= p+k-1, from the
+    # same forward that makes the taps. Greedy decoding accepts a draft token iff it equals
+    # that greedy token, and for responses sampled at T = 1 the two differ.
+    labels: str = "response"
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "num_blocks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.labels not in LABELS:
+            raise ValueError(f"labels (--labels) must be one of {LABELS}, got {self.labels!r}")
         if not 0.0 <= self.warmup_fraction < 1.0:
             raise ValueError(f"warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
         if self.gamma is not None and self.gamma <= 0:
@@ -155,17 +165,20 @@ def choose_mask_token(tokenizer: Any, vocab_size: int) -> int:
 # ----------------------------------------------------------------------------- the packed pass
 
 def target_taps(target: ModelParams, cfg: ModelConfig, tokens: jax.Array, tap_layers: tuple[int, ...],
-                attn_impl: str = "auto") -> jax.Array:
-    """The target's tap features of every position: tokens [batch, T] -> [batch, T, taps*embed].
+                attn_impl: str = "auto", *, greedy: bool = False) -> tuple[jax.Array, jax.Array | None]:
+    """The target's tap features of every position, and optionally its greedy next tokens.
 
-    One causal target forward (no logits); constant for the drafter (stop_gradient).
+    tokens [batch, T] -> (taps [batch, T, taps*embed], greedy [batch, T] int32 or None), where
+    greedy[t] is the target's argmax after positions <= t. One causal target forward; the LM
+    head runs only when `greedy`. Constant for the drafter (stop_gradient).
     """
     batch, seq = tokens.shape
     cache = KVCache.create(cfg.num_layers, batch, seq, cfg.num_kv_heads, cfg.head_dim, target.embed.dtype)
     positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
     out = forward(target, cfg, tokens, positions, cache, None, tap_layers=tuple(tap_layers),
-                  compute_logits=False, attn_impl=attn_impl)
-    return jax.lax.stop_gradient(out.taps)
+                  compute_logits=greedy, attn_impl=attn_impl)
+    nxt = jnp.argmax(out.logits, -1).astype(jnp.int32) if greedy else None
+    return jax.lax.stop_gradient(out.taps), nxt
 
 
 def sample_anchors(key: jax.Array, prompt_lens: jax.Array, total_lens: jax.Array, seq_len: int,
@@ -286,11 +299,17 @@ def packed_forward(dparams: dr.DraftParams, dcfg: dr.DraftConfig, target: ModelP
 
 
 def block_targets(tokens: jax.Array, anchors: jax.Array, valid: jax.Array, total_lens: jax.Array,
-                  block_size: int) -> tuple[jax.Array, jax.Array]:
-    """Targets of block rows 1..bs-1 (the response tokens at anchor+k) and their mask [B, N, bs-1]."""
+                  block_size: int, greedy: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Targets of block rows 1..bs-1 and their mask [B, N, bs-1].
+
+    Row k of the block at anchor p: the response token at p+k, or with `greedy` [B, T] (the
+    target's argmax after each position) greedy[p+k-1]. Rows at or past the response's end
+    are masked either way.
+    """
     seq = tokens.shape[1]
     pos = anchors[:, :, None] + jnp.arange(1, block_size, dtype=jnp.int32)
-    targets = jnp.take_along_axis(tokens, jnp.clip(pos, 0, seq - 1).reshape(tokens.shape[0], -1), 1)
+    source, at = (tokens, pos) if greedy is None else (greedy, pos - 1)
+    targets = jnp.take_along_axis(source, jnp.clip(at, 0, seq - 1).reshape(tokens.shape[0], -1), 1)
     mask = valid[:, :, None] & (pos < total_lens[:, None, None])
     return targets.reshape(pos.shape), mask
 
@@ -301,10 +320,12 @@ def position_weights(block_size: int, gamma: float) -> jax.Array:
 
 
 def block_scores(dparams: dr.DraftParams, target: ModelParams, taps: jax.Array, batch: dict[str, jax.Array],
-                 key: jax.Array, *, dcfg: dr.DraftConfig, tc: TrainConfig) -> dict[str, jax.Array]:
+                 key: jax.Array, *, dcfg: dr.DraftConfig, tc: TrainConfig,
+                 greedy: jax.Array | None = None) -> dict[str, jax.Array]:
     """Per block row: cross-entropy, loss weight, mask and correctness, per block: valid and chain run.
 
-    dparams are float32 masters, cast here. The anchors are drawn with `key`. Keys: ce, w
+    dparams are float32 masters, cast here. The anchors are drawn with `key`. `greedy` [B, T]:
+    the target's greedy next tokens, the labels when tc.labels == "target". Keys: ce, w
     (position weight x mask), m (mask, float), correct [B, N, bs-1]; valid, run [B, N] (run =
     leading correct rows of the block: the greedy chain's accepted draft tokens).
     """
@@ -315,7 +336,7 @@ def block_scores(dparams: dr.DraftParams, target: ModelParams, taps: jax.Array, 
     hidden = packed_forward(params, dcfg, target, taps, tokens, anchors, remat=tc.remat)
     b, n = anchors.shape
     logits = dr.draft_logits(params, dcfg, target, hidden.reshape(b * n, bs, -1)).reshape(b, n, bs - 1, -1)
-    targets, mask = block_targets(tokens, anchors, valid, total_lens, bs)
+    targets, mask = block_targets(tokens, anchors, valid, total_lens, bs, greedy)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
     m = mask.astype(jnp.float32)
     correct = (jnp.argmax(logits, -1) == targets) & mask
@@ -324,9 +345,10 @@ def block_scores(dparams: dr.DraftParams, target: ModelParams, taps: jax.Array, 
 
 
 def loss_fn(dparams: dr.DraftParams, target: ModelParams, taps: jax.Array, batch: dict[str, jax.Array],
-            key: jax.Array, *, dcfg: dr.DraftConfig, tc: TrainConfig) -> tuple[jax.Array, dict[str, Any]]:
+            key: jax.Array, *, dcfg: dr.DraftConfig, tc: TrainConfig,
+            greedy: jax.Array | None = None) -> tuple[jax.Array, dict[str, Any]]:
     """Weighted block cross-entropy and metrics. dparams are float32 masters, cast here."""
-    s = block_scores(dparams, target, taps, batch, key, dcfg=dcfg, tc=tc)
+    s = block_scores(dparams, target, taps, batch, key, dcfg=dcfg, tc=tc, greedy=greedy)
     ce, w, m, correct, valid = s["ce"], s["w"], s["m"], s["correct"], s["valid"]
     loss = jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1e-6)
     per_pos = jnp.maximum(jnp.sum(m, (0, 1)), 1.0)
@@ -368,9 +390,10 @@ def train_step(state: TrainState, target: ModelParams, batch: dict[str, jax.Arra
     target: the frozen target, already in compute dtype; batch: tokens [B, T] int32,
     prompt_lens / total_lens [B] int32. Pure: the result depends only on the arguments.
     """
-    taps = target_taps(target, cfg, batch["tokens"], dcfg.target_layer_ids, tc.attn_impl)
+    taps, greedy = target_taps(target, cfg, batch["tokens"], dcfg.target_layer_ids, tc.attn_impl,
+                               greedy=tc.labels == "target")
     key = jax.random.fold_in(state.rng, state.step)
-    grad_fn = jax.value_and_grad(functools.partial(loss_fn, dcfg=dcfg, tc=tc), has_aux=True)
+    grad_fn = jax.value_and_grad(functools.partial(loss_fn, dcfg=dcfg, tc=tc, greedy=greedy), has_aux=True)
     (_, metrics), grads = grad_fn(state.params, target, taps, batch, key)
     updates, opt_state = make_optimizer(tc).update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -443,8 +466,9 @@ def eval_step(params: dr.DraftParams, target: ModelParams, batch: dict[str, jax.
 
     The same blocks, loss and chain-acceptance rules as `loss_fn`; the anchors come from `key`.
     """
-    taps = target_taps(target, cfg, batch["tokens"], dcfg.target_layer_ids, tc.attn_impl)
-    s = block_scores(params, target, taps, batch, key, dcfg=dcfg, tc=tc)
+    taps, greedy = target_taps(target, cfg, batch["tokens"], dcfg.target_layer_ids, tc.attn_impl,
+                               greedy=tc.labels == "target")
+    s = block_scores(params, target, taps, batch, key, dcfg=dcfg, tc=tc, greedy=greedy)
     return {"loss_sum": jnp.sum(s["ce"] * s["w"]), "weight_sum": jnp.sum(s["w"]),
             "correct_by_pos": jnp.sum(s["correct"], (0, 1)).astype(jnp.float32),
             "tokens_by_pos": jnp.sum(s["m"], (0, 1)),
@@ -546,6 +570,8 @@ def _host_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
 def _check_resume(saved: dict[str, Any], record: dict[str, Any], run_path: Path) -> None:
     for part in ("train_config", "drafter_config", "validation"):
         old, new = saved.get(part), record.get(part)
+        if part == "train_config" and isinstance(old, dict):
+            old = {**TrainConfig().to_dict(), **old}  # a setting added since the run began: its default
         if old == new:
             continue
         if isinstance(old, dict) and isinstance(new, dict):
@@ -800,7 +826,7 @@ def time_step_parts(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig,
     if mesh is not None:
         target, state = place_replicated((target, state), mesh)
     batch = place_batch(data.batch(batch_indices(len(data), tc.batch_size, 0, tc.seed)), mesh)
-    taps_fn = jax.jit(target_taps, static_argnums=(1, 3, 4))
+    taps_fn = jax.jit(functools.partial(target_taps, greedy=tc.labels == "target"), static_argnums=(1, 3, 4))
     out: dict[str, float] = {}
     for name, fn in (("taps_s", lambda: taps_fn(target, cfg, batch["tokens"], dcfg.target_layer_ids, tc.attn_impl)),
                      ("step_s", lambda: train_step(state, target, batch, cfg=cfg, dcfg=dcfg, tc=tc))):

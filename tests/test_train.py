@@ -143,7 +143,7 @@ def test_packed_forward_equals_draft_on_every_block(target):
 
     @jax.jit
     def training(dparams, tokens, anchors):
-        taps = tr.target_taps(params, cfg, tokens, dcfg.target_layer_ids)
+        taps, _ = tr.target_taps(params, cfg, tokens, dcfg.target_layer_ids)
         return tr.packed_forward(dparams, dcfg, params, taps, tokens, anchors), taps
 
     packed, taps = training(dparams, tokens, anchors)
@@ -241,7 +241,7 @@ def test_export_loads_in_dflash_and_equals_our_forward(runs, target):
 
     # Ours, as inference runs it (prefill taps -> drafter context -> one draft pass).
     def infer(dparams, tokens, p):
-        taps = tr.target_taps(params, cfg, tokens, dcfg.target_layer_ids)
+        taps, _ = tr.target_taps(params, cfg, tokens, dcfg.target_layer_ids)
         cache = dr.append_context(dparams, dcfg, dr.DraftCache.create(dcfg, 1, SEQ + BS), taps,
                                   jnp.arange(SEQ)[None], p)
         hidden = dr.draft(dparams, dcfg, params, cache, tr.block_tokens(tokens, p[:, None], dcfg)[:, 0], p)
@@ -391,7 +391,7 @@ def test_evaluate_uses_the_training_formulas(target):
 
     @jax.jit
     def train_metrics(dparams, batch, key):
-        taps = tr.target_taps(params, cfg, batch["tokens"], dcfg.target_layer_ids)
+        taps, _ = tr.target_taps(params, cfg, batch["tokens"], dcfg.target_layer_ids)
         return tr.loss_fn(dparams, params, taps, batch, key, dcfg=dcfg, tc=TC)[1]
 
     ref = jax.device_get(train_metrics(dparams, vset.batches[0], vset.keys[0]))
@@ -420,3 +420,61 @@ def test_time_limit_with_keep_best_exports_its_last_evaluation(target, tmp_path)
     _, exported = load_drafter(out.export_dir)
     for a, b in zip(jax.tree.leaves(exported), jax.tree.leaves(out.state.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ----------------------------------------------------------------------------- target labels
+
+def test_target_labels_take_the_greedy_token_before_each_row():
+    """labels="target": row k of the block at p learns greedy[p+k-1], with the same mask."""
+    anchors, valid = jnp.array([[2, 9]], jnp.int32), jnp.array([[True, True]])
+    tokens = jnp.arange(20, dtype=jnp.int32)[None]
+    greedy = 100 + tokens  # greedy[t] = 100 + t: a label's source position is then explicit
+    total = jnp.array([14], jnp.int32)
+    t, m = map(np.asarray, tr.block_targets(tokens, anchors, valid, total, 4, greedy))
+    np.testing.assert_array_equal(t, [[[102, 103, 104], [109, 110, 111]]])
+    np.testing.assert_array_equal(m, [[[True] * 3, [True, True, True]]])
+    _, m_resp = tr.block_targets(tokens, anchors, valid, jnp.array([11], jnp.int32), 4, greedy)
+    np.testing.assert_array_equal(np.asarray(m_resp), [[[True] * 3, [True, False, False]]])
+    with pytest.raises(ValueError, match=r"labels \(--labels\) must be one of"):
+        tr.TrainConfig(labels="teacher")
+
+
+def test_target_labels_equal_the_response_on_a_greedy_response(target):
+    """On a response the target itself decoded greedily, its greedy next token at every response
+    position is the response's next token (float32), so both label sources agree there."""
+    from dflash_jax.generate import generate_ar
+
+    _, cfg, params = target
+    prompt = jnp.asarray(np.random.default_rng(5).integers(0, 30, (2, 6)), jnp.int32)
+    gen = generate_ar(params, cfg, prompt, jnp.array([6, 6], jnp.int32), jax.random.key(0),
+                      max_new_tokens=12, max_len=24)
+    tokens = jnp.concatenate([prompt, jnp.asarray(gen.tokens)], 1)
+    _, greedy = tr.target_taps(params, cfg, tokens, (1, 2), greedy=True)
+    # greedy[t] predicts token t+1: from the last prompt position to the second-last token.
+    np.testing.assert_array_equal(np.asarray(greedy)[:, 5:17], np.asarray(tokens)[:, 6:18])
+    taps_only, none = tr.target_taps(params, cfg, tokens, (1, 2))
+    assert none is None and taps_only.shape == (2, 18, 2 * cfg.hidden_size)
+
+
+def test_training_on_target_labels_reduces_the_loss_and_resumes_old_records(target, tmp_path):
+    """A few steps with labels="target" lower the loss; a run recorded before `labels` existed
+    resumes (the missing setting is its default), and another labels value is refused."""
+    _, cfg, params = target
+    dcfg = make_dcfg(cfg)
+    tc = dataclasses.replace(TC, labels="target", steps=8)
+    run = tr.train(params, cfg, dcfg, toy_sequences(), tc, tmp_path / "t", init_params=numpy_init(dcfg),
+                   log_every=1, progress=False, plots=False)
+    losses = [r["loss"] for r in run.history]
+    assert np.mean(losses[-3:]) < 0.8 * np.mean(losses[:3]), losses
+    part = tmp_path / "old"
+    tr.train(params, cfg, dcfg, toy_sequences(), dataclasses.replace(TC, steps=4), part,
+             init_params=numpy_init(dcfg), stop_at=2, progress=False, plots=False)
+    record = json.loads((part / tr.RUN_FILE).read_text())
+    del record["train_config"]["labels"]
+    (part / tr.RUN_FILE).write_text(json.dumps(record))
+    resumed = tr.train(params, cfg, dcfg, toy_sequences(), dataclasses.replace(TC, steps=4), part, resume=True,
+                       progress=False, plots=False)
+    assert int(resumed.state.step) == 4
+    with pytest.raises(ValueError, match=r"different train_config.*labels"):
+        tr.train(params, cfg, dcfg, toy_sequences(), dataclasses.replace(TC, steps=4, labels="target"), part,
+                 resume=True, progress=False, plots=False)
