@@ -14,6 +14,9 @@
 #   drafter       SmolLM2 drafter: make-data (4 samples per prompt), train with a 2% validation split,
 #                 export the best-validation drafter (GGUF=path, DATA=dir, STEPS, TRAIN_S, GEN_S).
 #                 TRAIN_DP=2 trains data-parallel over 2 GPUs (`train --dp`; the batch of 32 is split)
+#   drafter-ab    two drafters at once from one token file, GPU 0 --labels response, GPU 1 --labels
+#                 target; calling it again resumes both (STEPS spans the calls, TRAIN_S each)
+#   eval-ab       gsm8k tau (128 prompts) of both drafter-ab drafters at once, DFlash and DDTree(64)
 #   eval          tau on gsm8k (128) + spec_bench (480) for DFlash and DDTree 16/64/256 (DRAFT=dir)
 #   speed         batch-1 tokens/s of AR, DFlash, DDTree beside the PyTorch reference (needs the
 #                 gguf and dflash wheels on the path)
@@ -76,6 +79,25 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUT_DIR/
     timeout "$limit" "$@" 2>&1 | tee "$out/$name.log"
 }
 
+drafter_args() {  # make-data's and train's flags (gen, trn), and train_dp, of the drafter phases
+    train_dp=${TRAIN_DP:-1}
+    if [ "$dry" = 1 ]; then
+        # Without a GPU the host CPU shows as TRAIN_DP devices, so the data-parallel path runs too
+        # (the batch of 2 splits for TRAIN_DP 1 or 2).
+        export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=$train_dp"
+        gen=(--limit 4 --gen-tokens 16 --gen-batch 4 --samples-per-prompt 2)
+        trn=(--steps 4 --batch 2 --seq-len 128 --blocks 4 --log-every 2 --val-fraction 0.25 --eval-every 2 --keep-best)
+    else
+        gen=(--gen-batch 512 --samples-per-prompt 4)
+        trn=(--steps "${STEPS:-10000}" --batch 32 --log-every 50 --val-fraction 0.02 --keep-best)
+    fi
+}
+
+eval_args() {  # the evaluation phases' prompt counts and limits
+    if [ "$dry" = 1 ]; then n_gsm8k=2 lim=(--limit 2 --max-new-tokens 16) budgets=(16) ab=(--budget 16 --batch 2) fast=(--limit 2 --max-new-tokens 16)
+    else n_gsm8k=128 lim=(--max-new-tokens 256) budgets=(16 64 256) ab=(--budget 64 --batch 64) fast=(--limit 10 --max-new-tokens 256); fi
+}
+
 spec_args() {  # the round benchmark's shapes
     if [ "$dry" = 1 ]; then echo --model tiny --ctx 64 --budgets 16 --ddtree-ctx 128
     else echo --ctx 512 4096 --budgets 16 64 256 512; fi
@@ -108,18 +130,8 @@ kernel)
 drafter)
     # 4 responses per prompt (the first greedy or T=1, the others T=1); 2% of the prompts held out,
     # validated every 10 log records, and the drafter exported from the best validation tau.
-    train_dp=${TRAIN_DP:-1}
-    if [ "$dry" = 1 ]; then
-        # Without a GPU the host CPU shows as TRAIN_DP devices, so the data-parallel path runs too
-        # (the batch of 2 splits for TRAIN_DP 1 or 2).
-        export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=$train_dp"
-        gen=(--limit 4 --gen-tokens 16 --gen-batch 4 --samples-per-prompt 2)
-        trn=(--steps 4 --batch 2 --seq-len 128 --blocks 4 --log-every 2 --val-fraction 0.25 --eval-every 2 --keep-best)
-    else
-        gen=(--gen-batch 512 --samples-per-prompt 4)
-        trn=(--steps "${STEPS:-10000}" --batch 32 --log-every 50 --val-fraction 0.02 --keep-best)
-    fi
-    # 4 x 8.3K responses: ~4 x 32 s of generation (BENCHMARKS.md) plus loading and compiling; with
+    drafter_args
+    # 4 x 8.3K responses: ~70 s of generation (BENCHMARKS.md) plus loading and compiling; with
     # the train step (TRAIN_S + 60 s) the phase stays under the 10-minute call.
     step make_data "${GEN_S:-200}" python -m dflash_jax.cli make-data --target "$gguf" --data-dir "$data" "${gen[@]}" \
         --out "$run_dir/tokens.npz" || exit 1
@@ -129,10 +141,48 @@ drafter)
     # The transfer back takes files of at most 16 MiB: the weights come in parts.
     split -b 15M "$run_dir/run/drafter/model.safetensors" "$out/drafter.safetensors.part_"
     tar czf "$out/drafter_run.tgz" -C "$run_dir/run" train_run.json log.jsonl plots drafter/config.json ;;
+drafter-ab)
+    # Two drafters from the same responses at once, one per GPU: GPU 0 learns the response tokens
+    # (--labels response), GPU 1 the target's own greedy tokens (--labels target), in
+    # RUN_DIR/response and RUN_DIR/target. The token file is made once. Calling the phase again
+    # resumes both runs (the machine keeps RUN_DIR between back-to-back calls), so STEPS may span
+    # several calls of TRAIN_S seconds each.
+    drafter_args
+    if [ ! -f "$run_dir/tokens.npz" ]; then
+        step make_data "${GEN_S:-200}" python -m dflash_jax.cli make-data --target "$gguf" --data-dir "$data" \
+            "${gen[@]}" --out "$run_dir/tokens.npz" || exit 1
+    fi
+    gpu=0
+    for labels in response target; do
+        resume=()
+        [ -f "$run_dir/$labels/train_run.json" ] && resume=(--resume)
+        (export CUDA_VISIBLE_DEVICES=$gpu XLA_PYTHON_CLIENT_PREALLOCATE=false
+         step "train_$labels" "$(( ${TRAIN_S:-330} + 60 ))" python -m dflash_jax.cli train --target "$gguf" \
+             --data "$run_dir/tokens.npz" --out "$run_dir/$labels" --layers 3 --time-limit "${TRAIN_S:-330}" \
+             --labels "$labels" --export-dtype bfloat16 --no-progress "${resume[@]}" "${trn[@]}") &
+        gpu=$((gpu + 1))
+    done
+    wait
+    for labels in response target; do
+        split -b 15M "$run_dir/$labels/drafter/model.safetensors" "$out/$labels.safetensors.part_"
+    done
+    tar czf "$out/drafter_ab.tgz" -C "$run_dir" {response,target}/{train_run.json,log.jsonl,plots,drafter/config.json} ;;
+eval-ab)
+    # gsm8k tau of drafter-ab's two drafters at once (GPU 0: response labels, GPU 1: target
+    # labels), DFlash and DDTree(64): the one to ship, before the full eval / speed phases.
+    eval_args
+    gpu=0
+    for labels in response target; do
+        (export CUDA_VISIBLE_DEVICES=$gpu XLA_PYTHON_CLIENT_PREALLOCATE=false
+         step "tau_$labels" 240 python -m dflash_jax.cli bench --target "$gguf" --draft "$run_dir/$labels/drafter" \
+             --method dflash ddtree "${ab[@]}" --prompts "$data/gsm8k/test.jsonl" --no-progress \
+             "${lim[@]}" --limit "$n_gsm8k" --out "$out/tau_$labels") &
+        gpu=$((gpu + 1))
+    done
+    wait ;;
 eval | speed)
     draft=${DRAFT:-$run_dir/run/drafter}
-    if [ "$dry" = 1 ]; then n_gsm8k=2 lim=(--limit 2 --max-new-tokens 16) budgets=(16) fast=(--limit 2 --max-new-tokens 16)
-    else n_gsm8k=128 lim=(--max-new-tokens 256) budgets=(16 64 256) fast=(--limit 10 --max-new-tokens 256); fi
+    eval_args
     if [ "$phase" = eval ]; then
         # tau over whole prompt sets, batched (tau does not depend on the batch)
         step tau_gsm8k 240 python -m dflash_jax.cli bench --target "$gguf" --draft "$draft" --method dflash ddtree \
@@ -169,6 +219,7 @@ collectives)
     step collectives "$limit" python -m dflash_jax.bench.collectives "$@" --variants nccl nccl-graph nccl-no-graph \
         --out "$out/collectives.json" ;;
 *)
-    echo "unknown phase: $phase (ar, rounds, rounds-split, kernel, drafter, eval, speed, collectives, tp)" >&2
+    echo "unknown phase: $phase (ar, rounds, rounds-split, kernel, drafter, drafter-ab, eval-ab, eval, speed," \
+        "collectives, tp)" >&2
     exit 2 ;;
 esac
