@@ -373,14 +373,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     eval_every = val["eval_every"] if args.eval_every is None else args.eval_every
     val_batches = val["val_batches"] if args.val_batches is None else args.val_batches
     keep_best = val["keep_best"] if args.keep_best is None else args.keep_best
-    if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"--val-fraction must be in [0, 1), got {val_fraction}")
-    if keep_best and val_fraction == 0:
-        raise ValueError("--keep-best needs validation: --val-fraction > 0")
-    if eval_every is not None and eval_every < 1:
-        raise ValueError(f"--eval-every must be >= 1, got {eval_every}")
-    if val_batches < 1:
-        raise ValueError(f"--val-batches must be >= 1, got {val_batches}")
+    tr.check_validation(val_fraction, eval_every, val_batches, keep_best)  # before the target is loaded
     dp = _train_dp(args.dp, saved)
     tr.check_data_parallel(dp, tc.batch_size)  # before the target is loaded
     _check_data_gen_args(args)

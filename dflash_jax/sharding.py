@@ -301,7 +301,6 @@ def row_parallel_chunks(rows: int, batch: int, row_bytes: int) -> list[int]:
     return [rows // n + (i < rows % n) for i in range(n)]
 
 
-
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     """Lays an activation out by its logical axes on the active mesh; a no-op without one."""
     mesh = active_mesh()

@@ -484,6 +484,22 @@ class ValidationSet:
     keys: list[jax.Array]  # the anchor key of each batch
 
 
+def check_validation(val_fraction: float, eval_every: int | None, val_batches: int, keep_best: bool) -> None:
+    """Raises one ValueError naming the flag for validation settings that cannot work.
+
+    The CLI calls it before loading the target; `train` calls it too. (Whether the fraction
+    holds out at least one prompt depends on the data: `split_by_prompt` checks that.)
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction (--val-fraction) must be in [0, 1), got {val_fraction}")
+    if keep_best and val_fraction == 0:
+        raise ValueError("keep_best (--keep-best) needs validation rows: pass val_fraction (--val-fraction) > 0")
+    if eval_every is not None and eval_every < 1:
+        raise ValueError(f"eval_every (--eval-every) must be >= 1, got {eval_every}")
+    if val_batches < 1:
+        raise ValueError(f"val_batches (--val-batches) must be >= 1, got {val_batches}")
+
+
 def validation_set(data: SequenceSet, val_rows: np.ndarray, tc: TrainConfig, max_batches: int) -> ValidationSet:
     """Batches of `val_rows` (at most `max_batches`, a seeded choice of rows when there are more).
 
@@ -630,13 +646,10 @@ def train(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: Seq
     if data.seq_len != tc.seq_len:
         raise ValueError(f"training rows have seq_len {data.seq_len}, TrainConfig.seq_len is {tc.seq_len}")
     mesh = data_parallel_mesh(dp, tc.batch_size)  # before anything is written
+    eval_every = eval_every if eval_every is not None else 10 * log_every
+    check_validation(val_fraction, eval_every, val_batches, keep_best)
     train_rows, val_rows = split_by_prompt(data.prompt_ids, val_fraction, tc.seed)
     validating = len(val_rows) > 0
-    if keep_best and not validating:
-        raise ValueError("keep_best (--keep-best) needs validation rows: pass val_fraction (--val-fraction) > 0")
-    eval_every = eval_every if eval_every is not None else 10 * log_every
-    if eval_every < 1:
-        raise ValueError(f"eval_every (--eval-every) must be >= 1, got {eval_every}")
     vset = validation_set(data, val_rows, tc, val_batches) if validating else None
     if vset is not None and mesh is not None:
         # Validation batches have the training batch's shape: split over dp as well.

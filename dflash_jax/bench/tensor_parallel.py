@@ -13,8 +13,9 @@ Random bf16 weights of each shape, drawn straight into their shards. For every m
   * DDTree: the median latency of one fused round (`speculative.spec_round`) per budget at
     `--ctx`, with a 5-layer drafter of the target's width (the shape of z-lab's drafters),
     compiled as DDTree decoding compiles it (XLA's dot merger off);
-  * at tp > 1, once per `--all-reduce` variant: NCCL, or XLA's one-shot all-reduce kernel
-    (compiler options of the same programs, so the weights and caches are shared);
+  * at tp > 1, once per `--all-reduce` variant (`bench.collectives.ALL_REDUCE`: NCCL, NCCL on
+    the compute stream, XLA's one-shot kernel, chunked, or in CUDA graphs), as compiler options
+    of the same programs, so the weights and caches are shared;
   * collectives: every collective in the compiled step / round (from its HLO) is replayed
     alone, in order and with the same shapes, as a `shard_map` program; its time over the
     step's time is the collective share. With `--profile`, the share is also read from a
