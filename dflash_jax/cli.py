@@ -245,9 +245,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="data-parallel devices: each step's --batch sequences are split over them, the "
                         "drafter and optimizer state replicated (--batch must divide by it; default 1, "
                         "with --resume the run's; a resumed run may change it)")
-    # Drafter shape (fresh runs only; --resume reads it from the run).
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--layers", type=int, default=3, help="drafter layers (one target tap per layer)")
+    # Drafter shape (fresh runs only; --resume reads it from the run, --init from its drafter).
+    p.add_argument("--init", default=None, metavar="DRAFTER",
+                   help="start from this trained drafter (directory or shipped name) instead of random "
+                        "weights: its shape, taps and mask token; the optimizer and schedule start afresh")
+    p.add_argument("--block-size", type=int, default=None, help="(default 16)")
+    p.add_argument("--layers", type=int, default=None, help="drafter layers, one target tap per layer (default 3)")
     p.add_argument("--mask-token-id", type=int, default=None, help="(default: a special token chat never uses)")
     p.add_argument("--time-limit", type=float, default=None,
                    help="seconds; stop (save, export) at the first step past it; --resume finishes later")
@@ -356,6 +359,8 @@ def cmd_train(args: argparse.Namespace) -> int:
              "compute_dtype": args.compute_dtype, "remat": args.remat, "seed": args.seed, "labels": args.labels}
     given = {k: v for k, v in given.items() if v is not None}
     saved: dict[str, Any] | None = None  # the resumed run's train_run.json
+    if args.resume and args.init:
+        raise ValueError(f"--init starts a run; --resume continues {out} from its own checkpoint (drop --init)")
     if args.resume:
         if not run_file.is_file():
             raise FileNotFoundError(f"{out}: nothing to resume ({tr.RUN_FILE} is missing)")
@@ -386,9 +391,15 @@ def cmd_train(args: argparse.Namespace) -> int:
                                     f"or pass --data-gen")
         _make_token_file(args, cfg, params, tokenizer, data_path)
     data = TokenData.load(data_path)
-    if dcfg is None:
+    init_params = None
+    if args.init:
+        dcfg, init_params = tr.drafter_from_init(args.init, cfg, num_layers=args.layers, block_size=args.block_size,
+                                                 mask_token_id=args.mask_token_id)
+    elif dcfg is None:
         mask = args.mask_token_id if args.mask_token_id is not None else tr.choose_mask_token(tokenizer, cfg.vocab_size)
-        dcfg = tr.drafter_config_for(cfg, num_layers=args.layers, block_size=args.block_size, mask_token_id=mask)
+        dcfg = tr.drafter_config_for(cfg, num_layers=3 if args.layers is None else args.layers,
+                                     block_size=16 if args.block_size is None else args.block_size,
+                                     mask_token_id=mask)
     seqs = build_sequences(data, tc.seq_len)
     if args.measure_taps:
         print(json.dumps({**tr.time_step_parts(params, cfg, dcfg, seqs, tc, dp=dp), "train_config": tc.to_dict(),
@@ -397,11 +408,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"training a {dcfg.num_layers}-layer block-{dcfg.block_size} drafter (taps {list(dcfg.target_layer_ids)}, "
           f"mask token {dcfg.mask_token_id}) on {len(seqs)} sequences from {data_path}"
           + (f", batch split over {dp} devices" if dp > 1 else ""), file=sys.stderr)
-    result = tr.train(params, cfg, dcfg, seqs, tc, out, resume=args.resume, save_every=args.save_every,
+    result = tr.train(params, cfg, dcfg, seqs, tc, out, init_params=init_params, resume=args.resume,
+                      save_every=args.save_every,
                       log_every=args.log_every, time_limit=args.time_limit, export_dtype=args.export_dtype,
                       val_fraction=val_fraction, eval_every=eval_every, val_batches=val_batches,
                       keep_best=keep_best, progress=not args.no_progress, dp=dp,
-                      extra_record={"target": str(args.target), "data": str(data_path)})
+                      extra_record={"target": str(args.target), "data": str(data_path),
+                                    "init": saved.get("init") if saved else args.init})
     print(json.dumps({"out": str(result.out_dir), **result.summary}))
     return 0
 

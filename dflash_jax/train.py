@@ -151,6 +151,29 @@ def drafter_config_for(target: ModelConfig, *, num_layers: int = 3, block_size: 
     return dcfg
 
 
+def drafter_from_init(path: str | Path, target: ModelConfig, *, num_layers: int | None = None,
+                      block_size: int | None = None, mask_token_id: int | None = None
+                      ) -> tuple[dr.DraftConfig, dr.DraftParams]:
+    """A trained drafter to start a run from (`train --init`): its config and float32 weights.
+
+    The shape comes from the drafter's config.json; a shape flag given as well must agree with it,
+    and the drafter must fit the target (`validate_pair`). Raises ValueError naming the flag or field.
+    """
+    from convert.dflash_drafter import load_drafter
+
+    dcfg, dparams = load_drafter(path, dtype=jnp.float32)
+    for flag, given, have in (("--layers", num_layers, dcfg.num_layers), ("--block-size", block_size, dcfg.block_size),
+                              ("--mask-token-id", mask_token_id, dcfg.mask_token_id)):
+        if given is not None and given != have:
+            raise ValueError(f"{flag} {given} disagrees with the --init drafter {path} ({have}); "
+                             f"leave it out to train the drafter's own shape")
+    try:
+        dr.validate_pair(dcfg, target)
+    except ValueError as err:
+        raise ValueError(f"--init drafter {path} does not fit the target: {err}") from err
+    return dcfg, dparams
+
+
 def choose_mask_token(tokenizer: Any, vocab_size: int) -> int:
     """A token id for MASK: a dedicated mask token if the tokenizer has one, else a special token
     that chat never produces, else the last id of the vocabulary."""

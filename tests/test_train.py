@@ -478,3 +478,46 @@ def test_training_on_target_labels_reduces_the_loss_and_resumes_old_records(targ
     with pytest.raises(ValueError, match=r"different train_config.*labels"):
         tr.train(params, cfg, dcfg, toy_sequences(), dataclasses.replace(TC, steps=4, labels="target"), part,
                  resume=True, progress=False, plots=False)
+
+
+# ----------------------------------------------------------------------------- --init
+
+def test_init_continues_from_an_exported_drafter(runs, target, tmp_path):
+    """`train --init`: a run starts from an exported drafter's weights, so its first loss is the
+    trained run's level, far below a random start's; its shape comes from the export."""
+    _, cfg, params = target
+    dcfg, full, _, _ = runs
+    dcfg2, init = tr.drafter_from_init(full.export_dir, cfg)
+    assert dcfg2 == dcfg
+    for a, b in zip(jax.tree.leaves(init), jax.tree.leaves(full.state.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    warm = tr.train(params, cfg, dcfg2, toy_sequences(), TC, tmp_path / "warm", init_params=init, log_every=1,
+                    stop_at=2, progress=False, plots=False)
+    first_warm, first_fresh = warm.history[0]["loss"], full.history[0]["loss"]
+    assert first_warm < 0.7 * first_fresh, (first_warm, first_fresh)
+
+
+def test_init_refuses_a_drafter_that_does_not_fit(runs, target):
+    _, cfg, _ = target
+    dcfg, full, _, _ = runs
+    with pytest.raises(ValueError, match=r"--layers 3 disagrees with the --init drafter .* \(2\)"):
+        tr.drafter_from_init(full.export_dir, cfg, num_layers=3)
+    with pytest.raises(ValueError, match=r"--block-size 16 disagrees"):
+        tr.drafter_from_init(full.export_dir, cfg, block_size=16)
+    wider = dataclasses.replace(cfg, hidden_size=cfg.hidden_size * 2)
+    with pytest.raises(ValueError, match=r"--init drafter .* does not fit the target: drafter hidden_size"):
+        tr.drafter_from_init(full.export_dir, wider)
+    assert tr.drafter_from_init(full.export_dir, cfg, num_layers=dcfg.num_layers, block_size=BS)[0] == dcfg
+
+
+def test_cli_init_with_resume_is_refused_before_loading(tmp_path, capsys, monkeypatch):
+    import convert
+    from dflash_jax.cli import main
+
+    def no_load(*a, **k):
+        raise AssertionError("the target was loaded before --init / --resume was checked")
+
+    monkeypatch.setattr(convert, "load_model", no_load)
+    assert main(["train", "--out", str(tmp_path), "--resume", "--init", "smollm2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error") == 1 and "--init starts a run; --resume continues" in err

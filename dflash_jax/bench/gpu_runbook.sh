@@ -15,7 +15,8 @@
 #                 export the best-validation drafter (GGUF=path, DATA=dir, STEPS, TRAIN_S, GEN_S).
 #                 TRAIN_DP=2 trains data-parallel over 2 GPUs (`train --dp`; the batch of 32 is split)
 #   drafter-ab    two drafters at once from one token file, GPU 0 --labels response, GPU 1 --labels
-#                 target; calling it again resumes both (STEPS spans the calls, TRAIN_S each)
+#                 target; calling it again resumes both (STEPS spans the calls, TRAIN_S each);
+#                 INIT=drafter starts both from a trained drafter (`train --init`)
 #   eval-ab       gsm8k tau (128 prompts) of both drafter-ab drafters at once, DFlash and DDTree(64)
 #   eval          tau on gsm8k (128) + spec_bench (480) for DFlash and DDTree 16/64/256 (DRAFT=dir)
 #   speed         batch-1 tokens/s of AR, DFlash, DDTree beside the PyTorch reference (needs the
@@ -146,7 +147,8 @@ drafter-ab)
     # (--labels response), GPU 1 the target's own greedy tokens (--labels target), in
     # RUN_DIR/response and RUN_DIR/target. The token file is made once. Calling the phase again
     # resumes both runs (the machine keeps RUN_DIR between back-to-back calls), so STEPS may span
-    # several calls of TRAIN_S seconds each.
+    # several calls of TRAIN_S seconds each. INIT=drafter (a directory or "smollm2", the shipped
+    # one) starts both runs from that drafter's weights instead of random ones (`train --init`).
     drafter_args
     if [ ! -f "$run_dir/tokens.npz" ]; then
         step make_data "${GEN_S:-200}" python -m dflash_jax.cli make-data --target "$gguf" --data-dir "$data" \
@@ -155,6 +157,7 @@ drafter-ab)
     gpu=0
     for labels in response target; do
         resume=()
+        [ -n "${INIT:-}" ] && resume=(--init "$INIT")
         [ -f "$run_dir/$labels/train_run.json" ] && resume=(--resume)
         (export CUDA_VISIBLE_DEVICES=$gpu XLA_PYTHON_CLIENT_PREALLOCATE=false
          step "train_$labels" "$(( ${TRAIN_S:-330} + 60 ))" python -m dflash_jax.cli train --target "$gguf" \
