@@ -18,7 +18,10 @@
 #                 target; calling it again resumes both (STEPS spans the calls, TRAIN_S each);
 #                 INIT=drafter starts both from a trained drafter (`train --init`)
 #   eval-ab       gsm8k tau (128 prompts) of both drafter-ab drafters at once, DFlash and DDTree(64)
-#   eval          tau on gsm8k (128) + spec_bench (480) for DFlash and DDTree 16/64/256 (DRAFT=dir)
+#   eval-pick     after eval-ab: the one with the higher DFlash tau (OUT_DIR/winner.txt), then its
+#                 eval with gsm8k on GPU 0 and spec_bench on GPU 1
+#   eval          tau on gsm8k (128) + spec_bench (480) for DFlash and DDTree 16/64/256 (DRAFT=dir);
+#                 eval-gsm8k and eval-spec-bench run one set each
 #   speed         batch-1 tokens/s of AR, DFlash, DDTree beside the PyTorch reference (needs the
 #                 gguf and dflash wheels on the path)
 #   collectives   the all-reduce alone, by size and dtype: NCCL with XLA's CUDA graphs as they are, with
@@ -151,8 +154,10 @@ drafter-ab)
     # one) starts both runs from that drafter's weights instead of random ones (`train --init`).
     drafter_args
     if [ ! -f "$run_dir/tokens.npz" ]; then
-        step make_data "${GEN_S:-200}" python -m dflash_jax.cli make-data --target "$gguf" --data-dir "$data" \
-            "${gen[@]}" --out "$run_dir/tokens.npz" || exit 1
+        # On GPU 0 alone, leaving GPU 1 free until the training starts.
+        (export CUDA_VISIBLE_DEVICES=0 XLA_PYTHON_CLIENT_PREALLOCATE=false
+         step make_data "${GEN_S:-200}" python -m dflash_jax.cli make-data --target "$gguf" --data-dir "$data" \
+             "${gen[@]}" --out "$run_dir/tokens.npz") || exit 1
     fi
     gpu=0
     for labels in response target; do
@@ -183,17 +188,35 @@ eval-ab)
         gpu=$((gpu + 1))
     done
     wait ;;
-eval | speed)
+eval-pick)
+    # After eval-ab: the drafter with the higher gsm8k DFlash tau (RUN_DIR/response or /target),
+    # named in OUT_DIR/winner.txt, then its full eval split over the GPUs (gsm8k on GPU 0,
+    # spec_bench on GPU 1; OUT_DIR/gpu0.tgz and gpu1.tgz).
+    winner=$(python - "$out" <<'PY'
+import json, sys
+taus = {}
+for labels in ("response", "target"):
+    methods = json.load(open(f"{sys.argv[1]}/tau_{labels}/report.json"))["methods"]
+    taus[labels] = next(m["tau"] for name, m in methods.items() if name.startswith("dflash"))
+print(max(taus, key=taus.get), file=sys.stdout)
+print(f"gsm8k DFlash tau: {taus}", file=sys.stderr)
+PY
+) || exit 1
+    echo "$winner" > "$out/winner.txt"
+    echo "== winner: $winner"
+    DRAFT=$run_dir/$winner/drafter bash "$0" split eval-gsm8k eval-spec-bench "$out" ;;
+eval | eval-gsm8k | eval-spec-bench | speed)
     draft=${DRAFT:-$run_dir/run/drafter}
     eval_args
-    if [ "$phase" = eval ]; then
-        # tau over whole prompt sets, batched (tau does not depend on the batch)
-        step tau_gsm8k 240 python -m dflash_jax.cli bench --target "$gguf" --draft "$draft" --method dflash ddtree \
-            --budget "${budgets[@]}" --prompts "$data/gsm8k/test.jsonl" --batch 64 --no-progress "${lim[@]}" \
-            --limit "$n_gsm8k" --out "$out/tau_gsm8k"
-        step tau_spec_bench 300 python -m dflash_jax.cli bench --target "$gguf" --draft "$draft" \
-            --method dflash ddtree --budget "${budgets[@]}" --prompts "$data/spec_bench/question.jsonl" \
-            --batch 64 --no-progress "${lim[@]}" --out "$out/tau_spec_bench"
+    if [ "$phase" != speed ]; then
+        # tau over whole prompt sets, batched (tau does not depend on the batch); eval = both sets
+        [ "$phase" = eval-spec-bench ] || step tau_gsm8k 240 python -m dflash_jax.cli bench --target "$gguf" \
+            --draft "$draft" --method dflash ddtree --budget "${budgets[@]}" --prompts "$data/gsm8k/test.jsonl" \
+            --batch 64 --no-progress "${lim[@]}" --limit "$n_gsm8k" --out "$out/tau_gsm8k"
+        [ "$phase" = eval-gsm8k ] || step tau_spec_bench 300 python -m dflash_jax.cli bench --target "$gguf" \
+            --draft "$draft" --method dflash ddtree --budget "${budgets[@]}" \
+            --prompts "$data/spec_bench/question.jsonl" --batch 64 --no-progress "${lim[@]}" \
+            --out "$out/tau_spec_bench"
     else
         # speed: batch 1, ours then the PyTorch reference on the same prompts
         step speed_jax 240 python -m dflash_jax.cli bench --target "$gguf" --draft "$draft" \
@@ -222,7 +245,8 @@ collectives)
     step collectives "$limit" python -m dflash_jax.bench.collectives "$@" --variants nccl nccl-graph nccl-no-graph \
         --out "$out/collectives.json" ;;
 *)
-    echo "unknown phase: $phase (ar, rounds, rounds-split, kernel, drafter, drafter-ab, eval-ab, eval, speed," \
+    echo "unknown phase: $phase (ar, rounds, rounds-split, kernel, drafter, drafter-ab, eval-ab, eval-pick, eval," \
+        "eval-gsm8k, eval-spec-bench, speed," \
         "collectives, tp)" >&2
     exit 2 ;;
 esac

@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import platform
 import statistics
 import time
@@ -110,8 +111,13 @@ def cudnn_masked_attention(q, k, v, prefix_lens, visible, *, mask: jax.Array) ->
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
 
 
-def timed_program(attn: AttnFn, iters: int, copies: int):
-    """A jitted program running `iters` chained calls of attn over rotating K/V copies."""
+def timed_program(attn: AttnFn, iters: int, copies: int, unrolled: bool = False):
+    """A jitted program running `iters` chained calls of attn over rotating K/V copies.
+
+    unrolled: the calls as straight-line code instead of a loop. An XLA while loop costs the
+    GPU a few microseconds per iteration (its trip test goes through the host), which is
+    the same order as one call at short contexts; unrolled, back-to-back calls are what remain.
+    """
     assert iters % copies == 0
 
     @jax.jit
@@ -120,15 +126,15 @@ def timed_program(attn: AttnFn, iters: int, copies: int):
             for c in range(copies):  # static unroll: no dynamic slice (copy) of the caches
                 q_ = attn(q_, ks[c], vs[c], lens, visible).astype(q_.dtype)
             return q_
-        return jax.lax.fori_loop(0, iters // copies, body, q)
+        return jax.lax.fori_loop(0, iters // copies, body, q, unroll=unrolled)
 
     return run
 
 
-def time_ms(attn: AttnFn, inputs, iters: int, reps: int) -> float:
+def time_ms(attn: AttnFn, inputs, iters: int, reps: int, unrolled: bool = False) -> float:
     """Median milliseconds per attention call (compile and warm-up excluded)."""
     q, ks, vs, lens, visible = inputs
-    run = timed_program(attn, iters, len(ks))
+    run = timed_program(attn, iters, len(ks), unrolled)
     jax.block_until_ready(run(q, ks, vs, lens, visible))  # compile + warm-up
     samples = []
     for _ in range(reps):
@@ -151,6 +157,7 @@ def device_kernel_us(attn: AttnFn, inputs, iters: int, log_dir: str) -> dict[str
     q, ks, vs, lens, visible = inputs
     run = timed_program(attn, iters, len(ks))
     jax.block_until_ready(run(q, ks, vs, lens, visible))
+    os.makedirs(log_dir, exist_ok=True)
     trace_dir = tempfile.mkdtemp(dir=log_dir)
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         jax.block_until_ready(run(q, ks, vs, lens, visible))
@@ -170,10 +177,11 @@ def max_rel_err(out: jax.Array, ref: jax.Array) -> float:
 
 def bench_shape(shape: Shape, dtype, *, interpret: bool, iters: int, reps: int,
                 impls: tuple[str, ...] = ("pallas", "xla", "reference"), check: bool = True,
-                overrides: dict | None = None, profile_dir: str | None = None) -> dict:
+                overrides: dict | None = None, profile_dir: str | None = None, unrolled: bool = False) -> dict:
     """Checks and times one shape. overrides: explicit kernel block sizes.
 
     profile_dir: also record per-call GPU kernel time (``<impl>_kernel_us``) from a trace.
+    unrolled: also time each implementation with the calls unrolled (``<impl>_unrolled_ms``).
     """
     itemsize = jnp.dtype(dtype).itemsize
     copies = int(min(_MAX_COPIES, max(1, math.ceil(_ROTATE_BYTES / shape.kv_bytes(itemsize)))))
@@ -216,6 +224,8 @@ def bench_shape(shape: Shape, dtype, *, interpret: bool, iters: int, reps: int,
         ms = time_ms(fns[name], inputs, iters, reps)
         row[f"{name}_ms"] = ms
         row[f"{name}_gbps"] = min_bytes / (ms * 1e-3) / 1e9
+        if unrolled and name != "reference":
+            row[f"{name}_unrolled_ms"] = time_ms(fns[name], inputs, iters, reps, unrolled=True)
         if profile_dir is not None and name != "reference":
             kernels = device_kernel_us(fns[name], inputs, iters, profile_dir)
             row[f"{name}_kernel_us"] = sum(kernels.values())
@@ -229,7 +239,9 @@ def markdown_table(rows: list[dict]) -> str:
             ("cudnn_ms", "cudnn ms"), ("reference_ms", "ref ms"), ("speedup_vs_xla", "x vs xla"),
             ("speedup_vs_cudnn", "x vs cudnn"),
             ("err_pallas", "pallas rel err"), ("split_k", "split_k"),
-            ("pallas_kernel_us", "pallas kernel us"), ("xla_kernel_us", "xla kernel us")]
+            ("pallas_kernel_us", "pallas kernel us"), ("xla_kernel_us", "xla kernel us"),
+            ("kernel_speedup_vs_xla", "x vs xla (kernels)"), ("pallas_unrolled_ms", "pallas unrolled ms"),
+            ("xla_unrolled_ms", "xla unrolled ms"), ("unrolled_speedup_vs_xla", "x vs xla (unrolled)")]
     cols = [c for c in cols if any(c[0] in r for r in rows)]
     lines = ["| " + " | ".join(h for _, h in cols) + " |",
              "|" + "---|" * len(cols)]
@@ -294,6 +306,7 @@ def sweep(shapes: list[tuple[int, int]], heads, dtype, iters: int,
                 print(f"  {cfg}: failed {str(exc)[:100]}")
                 continue
             trials.append(dict(cfg, ms=round(ms, 5)))
+            print(f"  {trials[-1]}", flush=True)  # as it goes: a run cut short keeps its trials
         trials.sort(key=lambda r: r["ms"])
         print(f"ctx={ctx} W={width}: default {default_ms:.4f} ms {default} "
               f"({len(trials)} tried, {time.perf_counter() - started:.0f} s)", flush=True)
@@ -333,6 +346,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="override the widths W")
     parser.add_argument("--cudnn", action="store_true",
                         help="also time cuDNN's fused attention with the same mask (GPU only)")
+    parser.add_argument("--unrolled", action="store_true",
+                        help="also time every implementation with its calls unrolled (no loop overhead)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--budget", type=float, default=210.0,
@@ -367,8 +382,14 @@ def main(argv: list[str] | None = None) -> None:
             shape = Shape(1, ctx, width, q_heads, kv_heads, head_dim)
             impls = ("pallas", "xla", "cudnn", "reference") if args.cudnn else ("pallas", "xla", "reference")
             row = bench_shape(shape, dtype, interpret=args.interpret, iters=args.iters,
-                              reps=args.reps, profile_dir=args.profile, impls=impls)
+                              reps=args.reps, profile_dir=args.profile, impls=impls, unrolled=args.unrolled)
             row["speedup_vs_xla"] = row["xla_ms"] / row["pallas_ms"]
+            if args.unrolled:
+                row["unrolled_speedup_vs_xla"] = row["xla_unrolled_ms"] / row["pallas_unrolled_ms"]
+                print(f"  unrolled: pallas {row['pallas_unrolled_ms']:.4f} ms, xla {row['xla_unrolled_ms']:.4f} ms "
+                      f"({row['unrolled_speedup_vs_xla']:.2f}x)", flush=True)
+            if args.profile:
+                row["kernel_speedup_vs_xla"] = row["xla_kernel_us"] / row["pallas_kernel_us"]
             if "cudnn_ms" in row:
                 row["speedup_vs_cudnn"] = row["cudnn_ms"] / row["pallas_ms"]
                 print(f"  cudnn {row['cudnn_ms']:.4f} ms (err {row['err_cudnn']:.2e})", flush=True)
