@@ -10,7 +10,8 @@
 #   ar            AR decode vs the roofline: Qwen3-8B shape and SmolLM2, ctx 1K/8K, with profiles
 #   rounds        DFlash / DDTree round latency, 8 rounds per call (the decoding fast path)
 #   rounds-split  the same with XLA command buffers off, for the per-stage split of each round
-#   kernel        tree attention vs XLA and cuDNN masked attention at ctx 4K and 32K, and a tiling sweep
+#   kernel        tree attention vs XLA masked attention at ctx 4K and 32K, with the one-wave split-K
+#                 candidate and profiled kernel times (SWEEP_S=seconds adds a tiling sweep)
 #   drafter       SmolLM2 drafter: make-data (4 samples per prompt), train with a 2% validation split,
 #                 export the best-validation drafter (GGUF=path, DATA=dir, STEPS, TRAIN_S, GEN_S).
 #                 TRAIN_DP=2 trains data-parallel over 2 GPUs (`train --dp`; the batch of 32 is split)
@@ -123,14 +124,15 @@ rounds-split)
     step rounds_split "$limit" python -m dflash_jax.bench.spec_round $(spec_args) --dump-hlo "$out/hlo" \
         --out "$out/rounds_split.json" ;;
 kernel)
+    # The default tiling beside the one-wave split-K candidate (W = 64 runs 2-3 waves of one
+    # program per SM: BENCHMARKS.md, sixth session), with GPU kernel times from a profile.
     if [ "$dry" = 1 ]; then set -- --interpret
-    else set -- --contexts 32768 4096 --widths 16 64 256 512 --reps 3 --budget 400; fi
-    step kernel "$limit" python -m dflash_jax.bench.tree_attention_bench "$@" --cudnn --out "$out/kernel.json"
-    # Tilings at W = 64 (the weak case: 1.34x XLA at 4K, 1.94x at 32K) and W = 272 (budget 256,
-    # where 136 programs overflow one wave of 132 SMs).
-    [ "$dry" = 1 ] || step kernel_sweep "${SWEEP_S:-150}" python -m dflash_jax.bench.tree_attention_bench \
-        --sweep --contexts 4096 32768 --widths 64 272 --sweep-budget "$(( ${SWEEP_S:-150} - 30 ))" \
-        --out "$out/kernel_sweep.json" ;;
+    else set -- --contexts 4096 32768 --widths 1 16 64 256 512 --reps 3 --budget 400 --profile /tmp/kernel_profile; fi
+    step kernel "$limit" python -m dflash_jax.bench.tree_attention_bench "$@" --one-wave --out "$out/kernel.json"
+    # SWEEP_S=seconds adds a random tiling sweep at W = 64 and 272 (ctx 4K and 32K).
+    [ "$dry" = 1 ] || [ -z "${SWEEP_S:-}" ] || step kernel_sweep "$SWEEP_S" \
+        python -m dflash_jax.bench.tree_attention_bench --sweep --contexts 4096 32768 --widths 64 272 \
+        --sweep-budget "$(( SWEEP_S - 30 ))" --out "$out/kernel_sweep.json" ;;
 drafter)
     # 4 responses per prompt (the first greedy or T=1, the others T=1); 2% of the prompts held out,
     # validated every 10 log records, and the drafter exported from the best validation tau.

@@ -111,6 +111,28 @@ def cudnn_masked_attention(q, k, v, prefix_lens, visible, *, mask: jax.Array) ->
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
 
 
+# An H200 SM: 132 of them, 228 KB of shared memory each.
+_SMS, _SM_SHARED_BYTES = 132, 228 * 1024
+
+
+def one_wave_split(shape: Shape, itemsize: int) -> int:
+    """A split-K that runs the default tiling's grid in whole waves of resident programs.
+
+    default_block_sizes aims at ~264 programs, two per SM; but its 64 x 128 tiles with 3
+    stages (rows > 64) take ~208 KB of shared memory, so one program fills an SM and W = 64
+    runs 256-288 programs as 2-3 waves. This is the candidate rule `--one-wave` times beside
+    the default: as many programs as fit at once, and not more.
+    """
+    group = shape.q_heads // shape.kv_heads
+    blocks = default_block_sizes(shape.batch, shape.width, group, shape.kv_heads, shape.head_dim,
+                                 shape.max_len, itemsize)
+    smem = (blocks.num_stages * 2 * blocks.block_k + blocks.block_q) * shape.head_dim * itemsize
+    resident = max(1, _SM_SHARED_BYTES // smem)
+    programs = shape.batch * shape.kv_heads * math.ceil(shape.width * group / blocks.block_q)
+    key_blocks = math.ceil(shape.max_len / blocks.block_k)
+    return max(1, min(_SMS * resident // programs, key_blocks // 4))
+
+
 def timed_program(attn: AttnFn, iters: int, copies: int, unrolled: bool = False):
     """A jitted program running `iters` chained calls of attn over rotating K/V copies.
 
@@ -196,6 +218,8 @@ def bench_shape(shape: Shape, dtype, *, interpret: bool, iters: int, reps: int,
         "xla": functools.partial(xla_masked_attention, mask=mask),
         "cudnn": functools.partial(cudnn_masked_attention, mask=mask),
         "reference": tree_attention_reference,
+        "wave": functools.partial(tree_attention_pallas, interpret=interpret,
+                                  **{"split_k": one_wave_split(shape, itemsize), **kernel_args}),
     }
 
     row = dataclasses.asdict(shape)
@@ -204,6 +228,8 @@ def bench_shape(shape: Shape, dtype, *, interpret: bool, iters: int, reps: int,
     row.update(dataclasses.asdict(blocks))
     row.update(kernel_args)
     row.update(copies=copies, iters=iters)
+    if "wave" in impls:
+        row["wave_split_k"] = one_wave_split(shape, itemsize)
     if check:
         # Kernel (and XLA) against the reference on the same inputs; the reference computes in
         # float32 internally, and reusing its bf16 signature saves a compile per shape.
@@ -240,7 +266,8 @@ def markdown_table(rows: list[dict]) -> str:
             ("speedup_vs_cudnn", "x vs cudnn"),
             ("err_pallas", "pallas rel err"), ("split_k", "split_k"),
             ("pallas_kernel_us", "pallas kernel us"), ("xla_kernel_us", "xla kernel us"),
-            ("kernel_speedup_vs_xla", "x vs xla (kernels)"), ("pallas_unrolled_ms", "pallas unrolled ms"),
+            ("kernel_speedup_vs_xla", "x vs xla (kernels)"), ("wave_ms", "one-wave ms"),
+            ("wave_split_k", "one-wave split_k"), ("wave_speedup_vs_xla", "one-wave x vs xla"), ("pallas_unrolled_ms", "pallas unrolled ms"),
             ("xla_unrolled_ms", "xla unrolled ms"), ("unrolled_speedup_vs_xla", "x vs xla (unrolled)")]
     cols = [c for c in cols if any(c[0] in r for r in rows)]
     lines = ["| " + " | ".join(h for _, h in cols) + " |",
@@ -346,6 +373,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="override the widths W")
     parser.add_argument("--cudnn", action="store_true",
                         help="also time cuDNN's fused attention with the same mask (GPU only)")
+    parser.add_argument("--one-wave", action="store_true",
+                        help="also time the kernel with one_wave_split's split-K (a candidate default)")
     parser.add_argument("--unrolled", action="store_true",
                         help="also time every implementation with its calls unrolled (no loop overhead)")
     parser.add_argument("--iters", type=int, default=20)
@@ -381,9 +410,15 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             shape = Shape(1, ctx, width, q_heads, kv_heads, head_dim)
             impls = ("pallas", "xla", "cudnn", "reference") if args.cudnn else ("pallas", "xla", "reference")
+            if args.one_wave:
+                impls = ("pallas", "wave") + impls[1:]
             row = bench_shape(shape, dtype, interpret=args.interpret, iters=args.iters,
                               reps=args.reps, profile_dir=args.profile, impls=impls, unrolled=args.unrolled)
             row["speedup_vs_xla"] = row["xla_ms"] / row["pallas_ms"]
+            if args.one_wave:
+                row["wave_speedup_vs_xla"] = row["xla_ms"] / row["wave_ms"]
+                print(f"  one-wave split-K {row['wave_split_k']}: {row['wave_ms']:.4f} ms "
+                      f"(err {row['err_wave']:.2e}, {row['wave_speedup_vs_xla']:.2f}x xla)", flush=True)
             if args.unrolled:
                 row["unrolled_speedup_vs_xla"] = row["xla_unrolled_ms"] / row["pallas_unrolled_ms"]
                 print(f"  unrolled: pallas {row['pallas_unrolled_ms']:.4f} ms, xla {row['xla_unrolled_ms']:.4f} ms "
