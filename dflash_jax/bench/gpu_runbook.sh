@@ -127,7 +127,7 @@ kernel)
     # The default tiling beside the one-wave split-K candidate (W = 64 runs 2-3 waves of one
     # program per SM: BENCHMARKS.md, sixth session), with GPU kernel times from a profile.
     if [ "$dry" = 1 ]; then set -- --interpret
-    else set -- --contexts 4096 32768 --widths 1 16 64 256 512 --reps 3 --budget 400 --profile /tmp/kernel_profile; fi
+    else set -- --contexts 4096 32768 --widths 1 16 64 256 272 512 --reps 3 --budget 450 --profile /tmp/kernel_profile; fi
     step kernel "$limit" python -m dflash_jax.bench.tree_attention_bench "$@" --one-wave --out "$out/kernel.json"
     # SWEEP_S=seconds adds a random tiling sweep at W = 64 and 272 (ctx 4K and 32K).
     [ "$dry" = 1 ] || [ -z "${SWEEP_S:-}" ] || step kernel_sweep "$SWEEP_S" \

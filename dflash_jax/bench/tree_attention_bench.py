@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.tree_attention import (
+    BlockSizes,
     default_block_sizes,
     key_visibility,
     tree_attention_pallas,
@@ -111,26 +112,33 @@ def cudnn_masked_attention(q, k, v, prefix_lens, visible, *, mask: jax.Array) ->
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
 
 
-# An H200 SM: 132 of them, 228 KB of shared memory each.
+# An H200: 132 SMs with 228 KB of shared memory each.
 _SMS, _SM_SHARED_BYTES = 132, 228 * 1024
 
 
-def one_wave_split(shape: Shape, itemsize: int) -> int:
-    """A split-K that runs the default tiling's grid in whole waves of resident programs.
+def wave_block_sizes(shape: Shape, itemsize: int) -> BlockSizes:
+    """A candidate tiling that runs the grid in one wave of resident programs (`--one-wave`).
 
-    default_block_sizes aims at ~264 programs, two per SM; but its 64 x 128 tiles with 3
-    stages (rows > 64) take ~208 KB of shared memory, so one program fills an SM and W = 64
-    runs 256-288 programs as 2-3 waves. This is the candidate rule `--one-wave` times beside
-    the default: as many programs as fit at once, and not more.
+    default_block_sizes aims at ~264 programs, two per SM. But at more than 64 rows its
+    64 x 128 tiles with 3 stages take ~208 KB of shared memory, so one program fills an SM:
+    W = 64 then runs 256-288 programs as 2-3 waves, and W = 272 (budget 256) runs 136 programs
+    as a full wave plus a wave of 4 (0.158 ms at 4K against 0.091 ms for W = 256, sixth
+    session). Here the key block shrinks until every program is resident at once, then split-K
+    fills the free slots with whole programs. Measured beside the default before it replaces it.
     """
     group = shape.q_heads // shape.kv_heads
-    blocks = default_block_sizes(shape.batch, shape.width, group, shape.kv_heads, shape.head_dim,
-                                 shape.max_len, itemsize)
-    smem = (blocks.num_stages * 2 * blocks.block_k + blocks.block_q) * shape.head_dim * itemsize
-    resident = max(1, _SM_SHARED_BYTES // smem)
-    programs = shape.batch * shape.kv_heads * math.ceil(shape.width * group / blocks.block_q)
-    key_blocks = math.ceil(shape.max_len / blocks.block_k)
-    return max(1, min(_SMS * resident // programs, key_blocks // 4))
+    d = default_block_sizes(shape.batch, shape.width, group, shape.kv_heads, shape.head_dim,
+                            shape.max_len, itemsize)
+    programs = shape.batch * shape.kv_heads * math.ceil(shape.width * group / d.block_q)
+    for block_k, stages in ((d.block_k, d.num_stages), (64, 3), (64, 2), (32, 3)):
+        block_k = min(block_k, d.block_k)
+        smem = (stages * 2 * block_k + d.block_q) * shape.head_dim * itemsize
+        slots = _SMS * max(1, _SM_SHARED_BYTES // smem)
+        if programs <= slots:
+            split = max(1, min(slots // programs, math.ceil(shape.max_len / block_k) // 4))
+            return BlockSizes(block_q=d.block_q, block_k=block_k, num_warps=d.num_warps,
+                              num_stages=stages, split_k=split)
+    return d
 
 
 def timed_program(attn: AttnFn, iters: int, copies: int, unrolled: bool = False):
@@ -219,7 +227,7 @@ def bench_shape(shape: Shape, dtype, *, interpret: bool, iters: int, reps: int,
         "cudnn": functools.partial(cudnn_masked_attention, mask=mask),
         "reference": tree_attention_reference,
         "wave": functools.partial(tree_attention_pallas, interpret=interpret,
-                                  **{"split_k": one_wave_split(shape, itemsize), **kernel_args}),
+                                  **{**dataclasses.asdict(wave_block_sizes(shape, itemsize)), **kernel_args}),
     }
 
     row = dataclasses.asdict(shape)
@@ -229,7 +237,7 @@ def bench_shape(shape: Shape, dtype, *, interpret: bool, iters: int, reps: int,
     row.update(kernel_args)
     row.update(copies=copies, iters=iters)
     if "wave" in impls:
-        row["wave_split_k"] = one_wave_split(shape, itemsize)
+        row.update({f"wave_{k}": v for k, v in dataclasses.asdict(wave_block_sizes(shape, itemsize)).items()})
     if check:
         # Kernel (and XLA) against the reference on the same inputs; the reference computes in
         # float32 internally, and reusing its bf16 signature saves a compile per shape.
@@ -267,7 +275,7 @@ def markdown_table(rows: list[dict]) -> str:
             ("err_pallas", "pallas rel err"), ("split_k", "split_k"),
             ("pallas_kernel_us", "pallas kernel us"), ("xla_kernel_us", "xla kernel us"),
             ("kernel_speedup_vs_xla", "x vs xla (kernels)"), ("wave_ms", "one-wave ms"),
-            ("wave_split_k", "one-wave split_k"), ("wave_speedup_vs_xla", "one-wave x vs xla"), ("pallas_unrolled_ms", "pallas unrolled ms"),
+            ("wave_block_k", "one-wave block_k"), ("wave_split_k", "one-wave split_k"), ("wave_speedup_vs_xla", "one-wave x vs xla"), ("pallas_unrolled_ms", "pallas unrolled ms"),
             ("xla_unrolled_ms", "xla unrolled ms"), ("unrolled_speedup_vs_xla", "x vs xla (unrolled)")]
     cols = [c for c in cols if any(c[0] in r for r in rows)]
     lines = ["| " + " | ".join(h for _, h in cols) + " |",
@@ -374,7 +382,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cudnn", action="store_true",
                         help="also time cuDNN's fused attention with the same mask (GPU only)")
     parser.add_argument("--one-wave", action="store_true",
-                        help="also time the kernel with one_wave_split's split-K (a candidate default)")
+                        help="also time the kernel with wave_block_sizes' tiling (a candidate default)")
     parser.add_argument("--unrolled", action="store_true",
                         help="also time every implementation with its calls unrolled (no loop overhead)")
     parser.add_argument("--iters", type=int, default=20)
@@ -417,7 +425,8 @@ def main(argv: list[str] | None = None) -> None:
             row["speedup_vs_xla"] = row["xla_ms"] / row["pallas_ms"]
             if args.one_wave:
                 row["wave_speedup_vs_xla"] = row["xla_ms"] / row["wave_ms"]
-                print(f"  one-wave split-K {row['wave_split_k']}: {row['wave_ms']:.4f} ms "
+                print(f"  one-wave block_k {row['wave_block_k']}, stages {row['wave_num_stages']}, split-K "
+                      f"{row['wave_split_k']}: {row['wave_ms']:.4f} ms "
                       f"(err {row['err_wave']:.2e}, {row['wave_speedup_vs_xla']:.2f}x xla)", flush=True)
             if args.unrolled:
                 row["unrolled_speedup_vs_xla"] = row["xla_unrolled_ms"] / row["pallas_unrolled_ms"]
