@@ -234,3 +234,23 @@ def test_gpu_kernel_matches_reference(batch, width, kv_heads, group, head_dim, m
         q, k, v, prefix_lens, visible)
     ref = tree_attention_reference(q, k, v, prefix_lens, visible)
     assert rel_err(out, ref) < tolerance(dtype)
+
+
+def test_wave_block_sizes_fit_one_wave():
+    """The benchmark's candidate tiling (`tree_attention_bench --one-wave`): valid block sizes,
+    and every program resident at once on an H200 by the same shared-memory count."""
+    from dflash_jax.bench.tree_attention_bench import Shape, wave_block_sizes
+
+    for width in (1, 16, 64, 256, 272, 512):
+        for ctx in (4096, 32768):
+            shape = Shape(1, ctx, width, 32, 8, 128)
+            bs = wave_block_sizes(shape, 2)
+            for size in (bs.block_q, bs.block_k):
+                assert size >= 16 and size & (size - 1) == 0
+            smem = (bs.num_stages * 2 * bs.block_k + bs.block_q) * 128 * 2
+            resident = (228 * 1024) // smem
+            programs = 8 * -(-width * 4 // bs.block_q) * bs.split_k
+            assert programs <= 132 * resident, (width, ctx, bs)
+    # The two cases it exists for: W 64 splits to one wave of 128; W 272 fits two programs per SM.
+    assert wave_block_sizes(Shape(1, 4096, 64, 32, 8, 128), 2).split_k == 4
+    assert wave_block_sizes(Shape(1, 4096, 272, 32, 8, 128), 2).block_k == 64

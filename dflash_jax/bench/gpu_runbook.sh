@@ -14,7 +14,8 @@
 #                 candidate and profiled kernel times (SWEEP_S=seconds adds a tiling sweep)
 #   drafter       SmolLM2 drafter: make-data (4 samples per prompt), train with a 2% validation split,
 #                 export the best-validation drafter (GGUF=path, DATA=dir, STEPS, TRAIN_S, GEN_S).
-#                 TRAIN_DP=2 trains data-parallel over 2 GPUs (`train --dp`; the batch of 32 is split)
+#                 TRAIN_DP=2 trains data-parallel over 2 GPUs (`train --dp`; the batch of 32 is split);
+#                 LABELS=target, INIT=drafter; calling it again resumes the run
 #   drafter-ab    two drafters at once from one token file, GPU 0 --labels response, GPU 1 --labels
 #                 target; calling it again resumes both (STEPS spans the calls, TRAIN_S each);
 #                 INIT=drafter starts both from a trained drafter (`train --init`)
@@ -98,6 +99,20 @@ drafter_args() {  # make-data's and train's flags (gen, trn), and train_dp, of t
     fi
 }
 
+make_tokens() {  # the token file RUN_DIR/tokens.npz, unless an earlier call made it (GPU 0 only)
+    [ -f "$run_dir/tokens.npz" ] && return 0
+    # 4 x 8.3K responses: ~70 s of generation (BENCHMARKS.md) plus loading and compiling.
+    (export CUDA_VISIBLE_DEVICES=0 XLA_PYTHON_CLIENT_PREALLOCATE=false
+     step make_data "${GEN_S:-200}" python -m dflash_jax.cli make-data --target "$gguf" --data-dir "$data" \
+         "${gen[@]}" --out "$run_dir/tokens.npz")
+}
+
+start_args() {  # start_args RUN: --resume if RUN holds a run, else --init INIT if INIT is set
+    start=()
+    if [ -f "$1/train_run.json" ]; then start=(--resume)
+    elif [ -n "${INIT:-}" ]; then start=(--init "$INIT"); fi
+}
+
 eval_args() {  # the evaluation phases' prompt counts and limits
     if [ "$dry" = 1 ]; then n_gsm8k=2 lim=(--limit 2 --max-new-tokens 16) budgets=(16) ab=(--budget 16 --batch 2) fast=(--limit 2 --max-new-tokens 16)
     else n_gsm8k=128 lim=(--max-new-tokens 256) budgets=(16 64 256) ab=(--budget 64 --batch 64) fast=(--limit 10 --max-new-tokens 256); fi
@@ -136,14 +151,17 @@ kernel)
 drafter)
     # 4 responses per prompt (the first greedy or T=1, the others T=1); 2% of the prompts held out,
     # validated every 10 log records, and the drafter exported from the best validation tau.
+    # LABELS=target learns the target's greedy tokens (`train --labels`); INIT=drafter starts
+    # from a trained drafter; calling the phase again resumes the run in RUN_DIR/run (the token
+    # file is kept), so STEPS may span several calls of TRAIN_S seconds each. With the token
+    # file made in the same call, TRAIN_S + 60 s + ~100 s stays under the 10-minute call.
     drafter_args
-    # 4 x 8.3K responses: ~70 s of generation (BENCHMARKS.md) plus loading and compiling; with
-    # the train step (TRAIN_S + 60 s) the phase stays under the 10-minute call.
-    step make_data "${GEN_S:-200}" python -m dflash_jax.cli make-data --target "$gguf" --data-dir "$data" "${gen[@]}" \
-        --out "$run_dir/tokens.npz" || exit 1
+    make_tokens || exit 1
+    start_args "$run_dir/run"
     step train "$(( ${TRAIN_S:-330} + 60 ))" python -m dflash_jax.cli train --target "$gguf" \
         --data "$run_dir/tokens.npz" --out "$run_dir/run" --layers 3 --time-limit "${TRAIN_S:-330}" \
-        --dp "$train_dp" --export-dtype bfloat16 --no-progress "${trn[@]}" || exit 1
+        --labels "${LABELS:-response}" --dp "$train_dp" --export-dtype bfloat16 --no-progress "${start[@]}" \
+        "${trn[@]}" || exit 1
     # The transfer back takes files of at most 16 MiB: the weights come in parts.
     split -b 15M "$run_dir/run/drafter/model.safetensors" "$out/drafter.safetensors.part_"
     tar czf "$out/drafter_run.tgz" -C "$run_dir/run" train_run.json log.jsonl plots drafter/config.json ;;
@@ -155,21 +173,14 @@ drafter-ab)
     # several calls of TRAIN_S seconds each. INIT=drafter (a directory or "smollm2", the shipped
     # one) starts both runs from that drafter's weights instead of random ones (`train --init`).
     drafter_args
-    if [ ! -f "$run_dir/tokens.npz" ]; then
-        # On GPU 0 alone, leaving GPU 1 free until the training starts.
-        (export CUDA_VISIBLE_DEVICES=0 XLA_PYTHON_CLIENT_PREALLOCATE=false
-         step make_data "${GEN_S:-200}" python -m dflash_jax.cli make-data --target "$gguf" --data-dir "$data" \
-             "${gen[@]}" --out "$run_dir/tokens.npz") || exit 1
-    fi
+    make_tokens || exit 1
     gpu=0
     for labels in response target; do
-        resume=()
-        [ -n "${INIT:-}" ] && resume=(--init "$INIT")
-        [ -f "$run_dir/$labels/train_run.json" ] && resume=(--resume)
+        start_args "$run_dir/$labels"
         (export CUDA_VISIBLE_DEVICES=$gpu XLA_PYTHON_CLIENT_PREALLOCATE=false
          step "train_$labels" "$(( ${TRAIN_S:-330} + 60 ))" python -m dflash_jax.cli train --target "$gguf" \
              --data "$run_dir/tokens.npz" --out "$run_dir/$labels" --layers 3 --time-limit "${TRAIN_S:-330}" \
-             --labels "$labels" --export-dtype bfloat16 --no-progress "${resume[@]}" "${trn[@]}") &
+             --labels "$labels" --export-dtype bfloat16 --no-progress "${start[@]}" "${trn[@]}") &
         gpu=$((gpu + 1))
     done
     wait
