@@ -10,7 +10,8 @@ This file holds, side by side:
 * ``tree_attention_reference``: plain jnp, a masked softmax over every cache slot.
 * ``tree_attention_pallas``: a Pallas kernel on the Triton GPU backend (flash attention with an
   online softmax, GQA heads folded into rows, optional split-K over the prefix).
-* ``default_block_sizes``: the block sizes the dispatcher uses for a shape.
+* ``default_block_sizes``: the block sizes the dispatcher uses for a shape, and
+  ``one_wave_block_sizes``, a candidate that keeps the grid in one wave (``impl="pallas-one-wave"``).
 * ``tree_attention``: the dispatcher.
 """
 
@@ -26,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-Impl = Literal["auto", "pallas", "reference", "interpret"]
+Impl = Literal["auto", "pallas", "pallas-one-wave", "reference", "interpret"]
 
 # exp2 is the native GPU instruction; folding log2(e) into the score scale makes exp2 exact
 # replacement for exp.
@@ -195,6 +196,34 @@ def default_block_sizes(batch: int, width: int, group: int, kv_heads: int, head_
         split_k = max(1, min(pl.cdiv(target, programs), pl.cdiv(max_len, block_k) // 4))
     return BlockSizes(block_q=block_q, block_k=block_k, num_warps=num_warps,
                       num_stages=num_stages, split_k=split_k)
+
+
+# An H100 / H200 SXM: 132 SMs with 228 KB of shared memory each.
+_NUM_SMS, _SM_SHARED_BYTES = 132, 228 * 1024
+
+
+def one_wave_block_sizes(batch: int, width: int, group: int, kv_heads: int, head_dim: int,
+                         max_len: int, itemsize: int = 2, num_sms: int = _NUM_SMS) -> BlockSizes:
+    """A candidate tiling that runs the whole grid in one wave of resident programs.
+
+    `default_block_sizes` aims at ~264 programs, two per SM. But at more than 64 rows its
+    64 x 128 tiles with 3 stages take ~208 KB of shared memory, so one program fills an SM:
+    W = 64 then runs 256-288 programs as 2-3 waves, and W = 272 (budget 256) runs 136 programs
+    as a full wave plus a wave of 4 (BENCHMARKS.md, sixth session). Here the key block shrinks
+    until every program is resident at once, then split-K fills the free slots with whole
+    programs. Selected with ``impl="pallas-one-wave"``; not the default until measured.
+    """
+    d = default_block_sizes(batch, width, group, kv_heads, head_dim, max_len, itemsize)
+    programs = batch * kv_heads * pl.cdiv(width * group, d.block_q)
+    for block_k, stages in ((d.block_k, d.num_stages), (64, 3), (64, 2), (32, 3)):
+        block_k = min(block_k, d.block_k)
+        smem = _shared_memory_bytes(d.block_q, block_k, head_dim, itemsize, stages)
+        slots = num_sms * max(1, _SM_SHARED_BYTES // smem)
+        if programs <= slots:
+            split = max(1, min(slots // programs, pl.cdiv(max_len, block_k) // 4))
+            return BlockSizes(block_q=d.block_q, block_k=block_k, num_warps=d.num_warps,
+                              num_stages=stages, split_k=split)
+    return d
 
 
 # --------------------------------------------------------------------------------------------
@@ -413,8 +442,8 @@ def resolve_impl(impl: Impl = "auto") -> str:
     """The implementation ``tree_attention`` runs for ``impl``: "pallas" on a GPU backend."""
     if impl == "auto":
         return "pallas" if jax.default_backend() == "gpu" else "reference"
-    if impl not in ("pallas", "reference", "interpret"):
-        raise ValueError(f"impl must be auto, pallas, reference or interpret, got {impl!r}")
+    if impl not in ("pallas", "pallas-one-wave", "reference", "interpret"):
+        raise ValueError(f"impl must be auto, pallas, pallas-one-wave, reference or interpret, got {impl!r}")
     return impl
 
 
@@ -429,12 +458,18 @@ def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Ar
         prefix_lens[b] .. prefix_lens[b]+width-1.
       prefix_lens: [batch] int32.
       visible: [batch, width, width] bool, or None for causal among the new tokens.
-      impl: "auto" (Pallas on GPU, reference elsewhere), "pallas", "reference", "interpret".
+      impl: "auto" (Pallas on GPU, reference elsewhere), "pallas", "pallas-one-wave" (the
+        kernel with `one_wave_block_sizes`), "reference", "interpret".
     Returns:
       [batch, width, q_heads, head_dim] in q's dtype.
     """
     which = resolve_impl(impl)
     if which == "reference":
         return tree_attention_reference(q, k, v, prefix_lens, visible, scale=scale)
+    blocks = {}
+    if which == "pallas-one-wave":
+        batch, width, q_heads, kv_heads, head_dim, max_len = _check_shapes(q, k, v, prefix_lens, visible)
+        blocks = dataclasses.asdict(one_wave_block_sizes(batch, width, q_heads // kv_heads, kv_heads, head_dim,
+                                                         max_len, jnp.dtype(k.dtype).itemsize))
     return tree_attention_pallas(q, k, v, prefix_lens, visible, scale=scale,
-                                 interpret=which == "interpret")
+                                 interpret=which == "interpret", **blocks)

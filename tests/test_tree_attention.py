@@ -16,6 +16,7 @@ import pytest
 from dflash_jax.bench.tree_attention_bench import random_tree_visibility as random_trees
 from pallas_kernels import (
     default_block_sizes,
+    one_wave_block_sizes,
     resolve_impl,
     tree_attention,
     tree_attention_pallas,
@@ -236,21 +237,34 @@ def test_gpu_kernel_matches_reference(batch, width, kv_heads, group, head_dim, m
     assert rel_err(out, ref) < tolerance(dtype)
 
 
-def test_wave_block_sizes_fit_one_wave():
-    """The benchmark's candidate tiling (`tree_attention_bench --one-wave`): valid block sizes,
-    and every program resident at once on an H200 by the same shared-memory count."""
-    from dflash_jax.bench.tree_attention_bench import Shape, wave_block_sizes
-
+def test_one_wave_block_sizes_fit_one_wave():
+    """The candidate tiling (impl="pallas-one-wave"): valid block sizes, and every program
+    resident at once on an H200 by the same shared-memory count."""
     for width in (1, 16, 64, 256, 272, 512):
         for ctx in (4096, 32768):
-            shape = Shape(1, ctx, width, 32, 8, 128)
-            bs = wave_block_sizes(shape, 2)
+            bs = one_wave_block_sizes(1, width, 4, 8, 128, ctx + width)
             for size in (bs.block_q, bs.block_k):
                 assert size >= 16 and size & (size - 1) == 0
             smem = (bs.num_stages * 2 * bs.block_k + bs.block_q) * 128 * 2
-            resident = (228 * 1024) // smem
             programs = 8 * -(-width * 4 // bs.block_q) * bs.split_k
-            assert programs <= 132 * resident, (width, ctx, bs)
+            assert programs <= 132 * ((228 * 1024) // smem), (width, ctx, bs)
     # The two cases it exists for: W 64 splits to one wave of 128; W 272 fits two programs per SM.
-    assert wave_block_sizes(Shape(1, 4096, 64, 32, 8, 128), 2).split_k == 4
-    assert wave_block_sizes(Shape(1, 4096, 272, 32, 8, 128), 2).block_k == 64
+    assert one_wave_block_sizes(1, 64, 4, 8, 128, 4160).split_k == 4
+    assert one_wave_block_sizes(1, 272, 4, 8, 128, 4368).block_k == 64
+
+
+def test_one_wave_tiling_matches_reference_and_lowers():
+    """impl="pallas-one-wave" is the same kernel with other block sizes: equal to the reference
+    (interpret mode, with a split), and it lowers for cuda through the dispatcher."""
+    import dataclasses
+
+    q, k, v, lens, visible = make_case(21, 1, 64, 2, 4, 64, 2048, [1900], jnp.float32, True)
+    blocks = one_wave_block_sizes(1, 64, 4, 2, 64, 2048, 4)
+    assert blocks.split_k > 1
+    out = tree_attention_pallas(q, k, v, lens, visible, interpret=True, **dataclasses.asdict(blocks))
+    assert rel_err(out, tree_attention_reference(q, k, v, lens, visible)) < 1e-5
+    args = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, lens, visible)]
+    fn = functools.partial(tree_attention, impl="pallas-one-wave")
+    assert "__gpu$xla.gpu.triton" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    with pytest.raises(ValueError, match="pallas-one-wave"):
+        resolve_impl("one-wave")

@@ -9,6 +9,8 @@
 # Phases, in the order the open issues need them:
 #   ar            AR decode vs the roofline: Qwen3-8B shape and SmolLM2, ctx 1K/8K, with profiles
 #   rounds        DFlash / DDTree round latency, 8 rounds per call (the decoding fast path)
+#   rounds-tiling DFlash / DDTree(64, 256) rounds at ctx 4K with tree attention's default tiling and
+#                 the one-wave candidate (`--attn-impl auto pallas-one-wave`), side by side
 #   rounds-split  the same with XLA command buffers off, for the per-stage split of each round
 #   kernel        tree attention vs XLA masked attention at ctx 4K and 32K, with the one-wave split-K
 #                 candidate and profiled kernel times (SWEEP_S=seconds adds a tiling sweep)
@@ -133,6 +135,12 @@ rounds)
     # XLA's dot merger as is and off, side by side (it copies q/k/v weights every round at wide trees)
     step rounds "$limit" python -m dflash_jax.bench.spec_round $(spec_args) --dot-merger default off --no-profile \
         --out "$out/rounds.json" ;;
+rounds-tiling)
+    # Rounds with tree attention's default tiling and the one-wave candidate, side by side
+    # (`one_wave_block_sizes`: W 272 in one wave of two programs per SM, W 64 split 4).
+    if [ "$dry" = 1 ]; then set -- --model tiny --ctx 64 --budgets 16 --ddtree-ctx 128 --attn-impl auto
+    else set -- --ctx 4096 --budgets 64 256 --dot-merger off --attn-impl auto pallas-one-wave; fi
+    step rounds_tiling "$limit" python -m dflash_jax.bench.spec_round "$@" --no-profile --out "$out/rounds_tiling.json" ;;
 rounds-split)
     export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="
     # shellcheck disable=SC2046
@@ -258,7 +266,7 @@ collectives)
     step collectives "$limit" python -m dflash_jax.bench.collectives "$@" --variants nccl nccl-graph nccl-no-graph \
         --out "$out/collectives.json" ;;
 *)
-    echo "unknown phase: $phase (ar, rounds, rounds-split, kernel, drafter, drafter-ab, eval-ab, eval-pick, eval," \
+    echo "unknown phase: $phase (ar, rounds, rounds-tiling, rounds-split, kernel, drafter, drafter-ab, eval-ab, eval-pick, eval," \
         "eval-gsm8k, eval-spec-bench, speed," \
         "collectives, tp)" >&2
     exit 2 ;;

@@ -131,9 +131,9 @@ def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_le
                    hlo_dir: str | None = None, rounds: int = ROUNDS_PER_CALL, dot_merger: str = "default") -> dict:
     state = make_state(cfg, dcfg, ctx, max_len, s.max_new_tokens, target.embed.dtype)
     ms, rnd, _, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile, rounds, DOT_MERGER[dot_merger])
-    dump_hlo(hlo_dir, f"round_{s.method}_b{s.budget}_ctx{ctx}_r{rounds}_dm-{dot_merger}", rnd.as_text())
+    dump_hlo(hlo_dir, f"round_{s.method}_b{s.budget}_ctx{ctx}_r{rounds}_dm-{dot_merger}_{s.attn_impl}", rnd.as_text())
     row = {"method": s.method, "budget": s.budget, "width": s.width, "ctx": ctx, "round_ms": ms,
-           "dot_merger": dot_merger, **extra}
+           "dot_merger": dot_merger, "attn_impl": s.attn_impl, **extra}
     log(row)
     return row
 
@@ -177,6 +177,9 @@ def main() -> None:
     ap.add_argument("--dump-hlo", metavar="DIR", help="write each compiled round's HLO here (gzip)")
     ap.add_argument("--dot-merger", nargs="+", choices=sorted(DOT_MERGER), default=["default"],
                     help="XLA's dot merger as is, or off (several: each is timed, side by side)")
+    ap.add_argument("--attn-impl", nargs="+", choices=("auto", "pallas-one-wave"), default=["auto"],
+                    help="tree attention as is, or the kernel with one_wave_block_sizes' tiling "
+                         "(several: each is timed, side by side)")
     ap.add_argument("--rounds-per-call", nargs="+", type=int, default=[ROUNDS_PER_CALL],
                     help="rounds per jitted call (several: each is timed, side by side)")
     ap.add_argument("--out")
@@ -200,31 +203,35 @@ def main() -> None:
     rows = []
     for ctx in args.ctx:
         rows.append(bench_ar(target, cfg, ctx, max_len, profile))
-        s = SpecSettings(method="dflash", block_size=dcfg.block_size, max_new_tokens=512)
-        for r in args.rounds_per_call:
-            for dm in args.dot_merger:
-                rows.append(bench_settings(target, cfg, dparams, dcfg, s, ctx, max_len, profile,
-                                           args.dump_hlo, r, dm))
+        for ai in args.attn_impl:
+            s = SpecSettings(method="dflash", block_size=dcfg.block_size, max_new_tokens=512, attn_impl=ai)
+            for r in args.rounds_per_call:
+                for dm in args.dot_merger:
+                    rows.append(bench_settings(target, cfg, dparams, dcfg, s, ctx, max_len, profile,
+                                               args.dump_hlo, r, dm))
         write_json(args.out, {"env": env, "rows": rows})
     for b in args.budgets:
-        s = SpecSettings(method="ddtree", block_size=dcfg.block_size, budget=b, max_new_tokens=512)
-        for r in args.rounds_per_call:
-            for dm in args.dot_merger:
-                rows.append(bench_settings(target, cfg, dparams, dcfg, s, args.ddtree_ctx, max_len, profile,
-                                           args.dump_hlo, r, dm))
+        for ai in args.attn_impl:
+            s = SpecSettings(method="ddtree", block_size=dcfg.block_size, budget=b, max_new_tokens=512,
+                             attn_impl=ai)
+            for r in args.rounds_per_call:
+                for dm in args.dot_merger:
+                    rows.append(bench_settings(target, cfg, dparams, dcfg, s, args.ddtree_ctx, max_len, profile,
+                                               args.dump_hlo, r, dm))
         write_json(args.out, {"env": env, "rows": rows})
     print(f"\n{env['device']}, jax {env['jax']}, {args.model} target + {dcfg.num_layers}-layer drafter, "
           f"{dtype.name}, batch 1")
-    print("| method | budget | W | ctx | rounds/call | dot merger | round ms | device ms | draft | tree | verify "
-          "| accept | commit | other |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| method | budget | W | ctx | rounds/call | dot merger | attention | round ms | device ms | draft | tree "
+          "| verify | accept | commit | other |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         prof = r.get("profile") or {}
         split = prof.get("by_scope", {})
         cells = [f"{split[k]:.2f}" if k in split else "-" for k in STAGES + ("other",)]
         dev = f"{prof['device_ms']:.2f}" if "device_ms" in prof else "-"
         print(f"| {r['method']} | {r.get('budget', '-')} | {r.get('width', 1)} | {r['ctx']} | "
-              f"{r['rounds_per_call']} | {r.get('dot_merger', '-')} | {r['round_ms']:.2f} | "
+              f"{r['rounds_per_call']} | {r.get('dot_merger', '-')} | {r.get('attn_impl', 'auto')} | "
+              f"{r['round_ms']:.2f} | "
               f"{dev} | " + " | ".join(cells) + " |")
 
 

@@ -34,6 +34,7 @@ from pallas_kernels.tree_attention import (
     BlockSizes,
     default_block_sizes,
     key_visibility,
+    one_wave_block_sizes,
     tree_attention_pallas,
     tree_attention_reference,
 )
@@ -112,33 +113,10 @@ def cudnn_masked_attention(q, k, v, prefix_lens, visible, *, mask: jax.Array) ->
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
 
 
-# An H200: 132 SMs with 228 KB of shared memory each.
-_SMS, _SM_SHARED_BYTES = 132, 228 * 1024
-
-
 def wave_block_sizes(shape: Shape, itemsize: int) -> BlockSizes:
-    """A candidate tiling that runs the grid in one wave of resident programs (`--one-wave`).
-
-    default_block_sizes aims at ~264 programs, two per SM. But at more than 64 rows its
-    64 x 128 tiles with 3 stages take ~208 KB of shared memory, so one program fills an SM:
-    W = 64 then runs 256-288 programs as 2-3 waves, and W = 272 (budget 256) runs 136 programs
-    as a full wave plus a wave of 4 (0.158 ms at 4K against 0.091 ms for W = 256, sixth
-    session). Here the key block shrinks until every program is resident at once, then split-K
-    fills the free slots with whole programs. Measured beside the default before it replaces it.
-    """
-    group = shape.q_heads // shape.kv_heads
-    d = default_block_sizes(shape.batch, shape.width, group, shape.kv_heads, shape.head_dim,
-                            shape.max_len, itemsize)
-    programs = shape.batch * shape.kv_heads * math.ceil(shape.width * group / d.block_q)
-    for block_k, stages in ((d.block_k, d.num_stages), (64, 3), (64, 2), (32, 3)):
-        block_k = min(block_k, d.block_k)
-        smem = (stages * 2 * block_k + d.block_q) * shape.head_dim * itemsize
-        slots = _SMS * max(1, _SM_SHARED_BYTES // smem)
-        if programs <= slots:
-            split = max(1, min(slots // programs, math.ceil(shape.max_len / block_k) // 4))
-            return BlockSizes(block_q=d.block_q, block_k=block_k, num_warps=d.num_warps,
-                              num_stages=stages, split_k=split)
-    return d
+    """`one_wave_block_sizes` for a benchmark shape (the `--one-wave` column)."""
+    return one_wave_block_sizes(shape.batch, shape.width, shape.q_heads // shape.kv_heads, shape.kv_heads,
+                                shape.head_dim, shape.max_len, itemsize)
 
 
 def timed_program(attn: AttnFn, iters: int, copies: int, unrolled: bool = False):
