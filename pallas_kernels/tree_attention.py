@@ -12,6 +12,8 @@ This file holds, side by side:
   online softmax, GQA heads folded into rows, optional split-K over the prefix).
 * ``default_block_sizes``: the block sizes the dispatcher uses for a shape, and
   ``one_wave_block_sizes``, a candidate that keeps the grid in one wave (``impl="pallas-one-wave"``).
+* ``_combine_splits`` (jnp) and ``_combine_splits_kernel`` (a candidate, ``impl="pallas-fused"``):
+  the split-K merge.
 * ``tree_attention``: the dispatcher.
 """
 
@@ -27,7 +29,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-Impl = Literal["auto", "pallas", "pallas-one-wave", "reference", "interpret"]
+Impl = Literal["auto", "pallas", "pallas-one-wave", "pallas-fused", "pallas-one-wave-fused", "reference",
+               "interpret"]
+# The kernel's variants: (one-wave tiling, how split-K partials merge). "pallas" is the default;
+# the others are candidates that benchmarks time beside it (BENCHMARKS.md, sixth session).
+PALLAS_VARIANTS = {"pallas": (False, "xla"), "pallas-one-wave": (True, "xla"),
+                   "pallas-fused": (False, "kernel"), "pallas-one-wave-fused": (True, "kernel")}
 
 # exp2 is the native GPU instruction; folding log2(e) into the score scale makes exp2 exact
 # replacement for exp.
@@ -230,6 +237,35 @@ def one_wave_block_sizes(batch: int, width: int, group: int, kv_heads: int, head
 # Pallas kernel
 # --------------------------------------------------------------------------------------------
 
+def _block_rows(row_block: jax.Array, kv_head: jax.Array, block_q: int, width: int, group: int,
+                head_dim: int) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...]]:
+    """The rows of one program: (token [block_q], row_ok [block_q], index into [width, q_heads, head_dim]).
+
+    Row r of a kv head is token r // group, q head kv_head * group + r % group, so the group's
+    heads share every K/V tile. Padding rows (past width * group) repeat real (token, head)
+    pairs so that every index stays in bounds.
+    """
+    rows = row_block * block_q + jnp.arange(block_q, dtype=jnp.int32)
+    row_ok = rows < width * group
+    token = jnp.minimum(rows // group, width - 1)
+    head = kv_head * group + rows % group
+    # All-integer indexers: interpret mode cannot mix index arrays with slices.
+    dims = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
+    return token, row_ok, (token[:, None], head[:, None], dims)
+
+
+def _store_rows(o_ref, q_index: tuple[jax.Array, ...], row_ok: jax.Array, out: jax.Array,
+                interpret: bool) -> None:
+    """Writes a program's [block_q, head_dim] rows into the [width, q_heads, head_dim] output.
+
+    A padding row repeats a real row's (token, head) and holds the same values, so storing it
+    too is harmless. Interpret mode needs that: its masked scatter writes the old contents back
+    at masked duplicates, which could clobber the real row.
+    """
+    mask = None if interpret else row_ok[:, None]
+    plgpu.store(o_ref.at[q_index], out.astype(o_ref.dtype), mask=mask)
+
+
 def _tree_attention_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, width: int, group: int,
                            block_q: int, block_k: int, split_k: int, qk_scale: float,
                            has_visible: bool, interpret: bool):
@@ -254,16 +290,7 @@ def _tree_attention_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, width: int, gro
     prefix_len = lens_ref[0]
     tree_end = prefix_len + width
 
-    # Row r of this kv head is token r // group, q head kv_head * group + r % group, so the
-    # group's heads share every K/V tile. Padding rows (past width * group) repeat real
-    # (token, head) pairs so that every index stays in bounds.
-    rows = row_block * block_q + jnp.arange(block_q, dtype=jnp.int32)
-    row_ok = rows < width * group
-    token = jnp.minimum(rows // group, width - 1)
-    head = kv_head * group + rows % group
-    # All-integer indexers: interpret mode cannot mix index arrays with slices.
-    dims = jnp.arange(q_ref.shape[-1], dtype=jnp.int32)[None, :]
-    q_index = (token[:, None], head[:, None], dims)
+    token, row_ok, q_index = _block_rows(row_block, kv_head, block_q, width, group, q_ref.shape[-1])
     q = q_ref[q_index]  # [block_q, head_dim] gather
 
     # Key blocks [0, num_clean) lie wholly in the prefix and need no mask; the rest, up to the
@@ -324,17 +351,70 @@ def _tree_attention_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, width: int, gro
 
     if split_k == 1:
         (o_ref,) = out_refs
-        out = jnp.where(l_i[:, None] > 0, acc / jnp.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-        # A padding row repeats a real row's (token, head) and computes the same values, so
-        # storing it too is harmless. Interpret mode needs that: its masked scatter writes the
-        # old contents back at masked duplicates, which could clobber the real row.
-        mask = None if interpret else row_ok[:, None]
-        plgpu.store(o_ref.at[q_index], out.astype(o_ref.dtype), mask=mask)
+        _store_rows(o_ref, q_index, row_ok, _normalise(acc, l_i), interpret)
     else:
         acc_ref, m_ref, l_ref = out_refs
         acc_ref[...] = acc
         m_ref[...] = m_i
         l_ref[...] = l_i
+
+
+def _normalise(acc: jax.Array, l: jax.Array) -> jax.Array:
+    """acc / l per row; a row that saw no key (l = 0) is 0, not NaN."""
+    return jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
+
+
+def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, width: int, group: int, block_q: int,
+                    split_k: int, interpret: bool):
+    """One program merges the split-K partials of one (sequence, kv head, row block).
+
+    Refs: acc_ref [split_k, block_q, head_dim], m_ref and l_ref [split_k, block_q] (f32, m in
+    log2 units), o_ref [width, q_heads, head_dim], written in place: no transpose afterwards.
+    """
+    _, row_ok, q_index = _block_rows(pl.program_id(2), pl.program_id(1), block_q, width, group,
+                                     acc_ref.shape[-1])
+
+    def merge(s, carry):
+        acc, m_run, l_run = carry
+        m_s, l_s = m_ref[s], l_ref[s]
+        m_new = jnp.maximum(m_run, m_s)
+        # Empty splits have m = _M_INIT and l = 0; the running max starts there too, so their
+        # weight is finite and multiplies zeros.
+        a, b = jnp.exp2(m_run - m_new), jnp.exp2(m_s - m_new)
+        return acc * a[:, None] + acc_ref[s] * b[:, None], m_new, l_run * a + l_s * b
+
+    head_dim = acc_ref.shape[-1]
+    carry = (jnp.zeros((block_q, head_dim), jnp.float32), jnp.full((block_q,), _M_INIT, jnp.float32),
+             jnp.zeros((block_q,), jnp.float32))
+    acc, _, l = lax.fori_loop(0, split_k, merge, carry)
+    _store_rows(o_ref, q_index, row_ok, _normalise(acc, l), interpret)
+
+
+def _combine_splits_kernel(acc: jax.Array, m: jax.Array, l: jax.Array, width: int, group: int,
+                           block_q: int, dtype: jnp.dtype, interpret: bool) -> jax.Array:
+    """`_combine_splits` as one Pallas kernel: reads each partial once and writes the output in
+    place, where XLA's version takes three kernels (a max, the weighted sums, a transpose).
+
+    Same args as `_combine_splits`; returns [batch, width, kv_heads * group, head_dim].
+    """
+    batch, kv_heads, split_k, padded, head_dim = acc.shape
+    sq = _squeezed()
+    out_shape = jax.ShapeDtypeStruct((batch, width, kv_heads * group, head_dim), dtype)
+    return pl.pallas_call(
+        functools.partial(_combine_kernel, width=width, group=group, block_q=block_q, split_k=split_k,
+                          interpret=interpret),
+        grid=(batch, kv_heads, padded // block_q),
+        in_specs=[
+            pl.BlockSpec((sq, sq, split_k, block_q, head_dim), lambda b, h, i: (b, h, 0, i, 0)),
+            pl.BlockSpec((sq, sq, split_k, block_q), lambda b, h, i: (b, h, 0, i)),
+            pl.BlockSpec((sq, sq, split_k, block_q), lambda b, h, i: (b, h, 0, i)),
+        ],
+        out_specs=pl.BlockSpec((sq, width, kv_heads * group, head_dim), lambda b, h, i: (b, 0, 0, 0)),
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="tree_attention_combine",
+    )(acc, m, l)
 
 
 def _combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array, width: int, group: int,
@@ -362,11 +442,13 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens:
                           visible: jax.Array | None = None, *, scale: float | None = None,
                           block_q: int | None = None, block_k: int | None = None,
                           num_warps: int | None = None, num_stages: int | None = None,
-                          split_k: int | None = None, interpret: bool = False) -> jax.Array:
+                          split_k: int | None = None, combine: str = "xla",
+                          interpret: bool = False) -> jax.Array:
     """Tree attention as a Pallas Triton kernel; same contract as ``tree_attention_reference``.
 
     Grid: (batch, kv_heads, row blocks, split_k). Block sizes left as None come from
-    ``default_block_sizes``.
+    ``default_block_sizes``. combine: how split-K partials are merged, "xla" (jnp, the default)
+    or "kernel" (`_combine_splits_kernel`, one launch instead of three; a candidate).
     """
     batch, width, q_heads, kv_heads, head_dim, max_len = _check_shapes(q, k, v, prefix_lens,
                                                                        visible)
@@ -383,6 +465,8 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens:
             raise ValueError(f"{name}={size} must be a power of two >= {_MIN_BLOCK} (Triton)")
     if split_k < 1:
         raise ValueError(f"split_k={split_k} must be >= 1")
+    if combine not in ("xla", "kernel"):
+        raise ValueError(f"combine must be 'xla' or 'kernel', got {combine!r}")
     scale = head_dim ** -0.5 if scale is None else scale
 
     rows = width * group
@@ -431,6 +515,9 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens:
     )(*args)
     if split_k == 1:
         return result
+    if combine == "kernel":
+        return _combine_splits_kernel(*result, width=width, group=group, block_q=block_q, dtype=q.dtype,
+                                      interpret=interpret)
     return _combine_splits(*result, width=width, group=group, dtype=q.dtype)
 
 
@@ -442,8 +529,9 @@ def resolve_impl(impl: Impl = "auto") -> str:
     """The implementation ``tree_attention`` runs for ``impl``: "pallas" on a GPU backend."""
     if impl == "auto":
         return "pallas" if jax.default_backend() == "gpu" else "reference"
-    if impl not in ("pallas", "pallas-one-wave", "reference", "interpret"):
-        raise ValueError(f"impl must be auto, pallas, pallas-one-wave, reference or interpret, got {impl!r}")
+    if impl not in (*PALLAS_VARIANTS, "reference", "interpret"):
+        raise ValueError(f"impl must be one of auto, {', '.join(PALLAS_VARIANTS)}, reference or interpret, "
+                         f"got {impl!r}")
     return impl
 
 
@@ -458,18 +546,20 @@ def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Ar
         prefix_lens[b] .. prefix_lens[b]+width-1.
       prefix_lens: [batch] int32.
       visible: [batch, width, width] bool, or None for causal among the new tokens.
-      impl: "auto" (Pallas on GPU, reference elsewhere), "pallas", "pallas-one-wave" (the
-        kernel with `one_wave_block_sizes`), "reference", "interpret".
+      impl: "auto" (Pallas on GPU, reference elsewhere), "pallas", a candidate variant of it
+        (PALLAS_VARIANTS: "-one-wave" tiles with `one_wave_block_sizes`, "-fused" merges split-K
+        partials in a kernel), "reference", "interpret".
     Returns:
       [batch, width, q_heads, head_dim] in q's dtype.
     """
     which = resolve_impl(impl)
     if which == "reference":
         return tree_attention_reference(q, k, v, prefix_lens, visible, scale=scale)
+    one_wave, combine = PALLAS_VARIANTS.get(which, (False, "xla"))
     blocks = {}
-    if which == "pallas-one-wave":
+    if one_wave:
         batch, width, q_heads, kv_heads, head_dim, max_len = _check_shapes(q, k, v, prefix_lens, visible)
         blocks = dataclasses.asdict(one_wave_block_sizes(batch, width, q_heads // kv_heads, kv_heads, head_dim,
                                                          max_len, jnp.dtype(k.dtype).itemsize))
-    return tree_attention_pallas(q, k, v, prefix_lens, visible, scale=scale,
+    return tree_attention_pallas(q, k, v, prefix_lens, visible, scale=scale, combine=combine,
                                  interpret=which == "interpret", **blocks)

@@ -62,7 +62,8 @@ def test_bench_tokens_reports_tau_speed_and_categories(tmp_path):
 def test_cli_parsers():
     parser = build_parser()
     a = parser.parse_args(["train", "--out", "runs/x", "--steps", "100", "--layers", "2", "--resume"])
-    assert (a.steps, a.layers, a.resume, a.batch, a.block_size) == (100, 2, True, None, 16)
+    # Unset shape flags stay None: a fresh run fills in 16 / 3, `--init` the drafter's own.
+    assert (a.steps, a.layers, a.resume, a.batch, a.block_size, a.init) == (100, 2, True, None, None, None)
     a = parser.parse_args(["make-data", "--out", "d.npz", "--limit", "5"])
     assert (a.target, a.limit, a.gen_tokens) == ("smollm2", 5, 256)
     a = parser.parse_args(["bench", "--method", "dflash", "ddtree", "--prompts", "p.jsonl", "--draft", "d",

@@ -10,7 +10,7 @@
 #   ar            AR decode vs the roofline: Qwen3-8B shape and SmolLM2, ctx 1K/8K, with profiles
 #   rounds        DFlash / DDTree round latency, 8 rounds per call (the decoding fast path)
 #   rounds-tiling DFlash / DDTree(64, 256) rounds at ctx 4K with tree attention's default tiling and
-#                 the one-wave candidate (`--attn-impl auto pallas-one-wave`), side by side
+#                 the candidates (`--attn-impl auto pallas-one-wave pallas-one-wave-fused`), side by side
 #   rounds-split  the same with XLA command buffers off, for the per-stage split of each round
 #   kernel        tree attention vs XLA masked attention at ctx 4K and 32K, with the one-wave split-K
 #                 candidate and profiled kernel times (SWEEP_S=seconds adds a tiling sweep)
@@ -139,7 +139,7 @@ rounds-tiling)
     # Rounds with tree attention's default tiling and the one-wave candidate, side by side
     # (`one_wave_block_sizes`: W 272 in one wave of two programs per SM, W 64 split 4).
     if [ "$dry" = 1 ]; then set -- --model tiny --ctx 64 --budgets 16 --ddtree-ctx 128 --attn-impl auto
-    else set -- --ctx 4096 --budgets 64 256 --dot-merger off --attn-impl auto pallas-one-wave; fi
+    else set -- --ctx 4096 --budgets 64 256 --dot-merger off --attn-impl auto pallas-one-wave pallas-one-wave-fused; fi
     step rounds_tiling "$limit" python -m dflash_jax.bench.spec_round "$@" --no-profile --out "$out/rounds_tiling.json" ;;
 rounds-split)
     export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="
@@ -151,7 +151,8 @@ kernel)
     # program per SM: BENCHMARKS.md, sixth session), with GPU kernel times from a profile.
     if [ "$dry" = 1 ]; then set -- --interpret
     else set -- --contexts 4096 32768 --widths 1 16 64 256 272 512 --reps 3 --budget 450 --profile /tmp/kernel_profile; fi
-    step kernel "$limit" python -m dflash_jax.bench.tree_attention_bench "$@" --one-wave --out "$out/kernel.json"
+    step kernel "$limit" python -m dflash_jax.bench.tree_attention_bench "$@" --one-wave --fused-combine \
+        --out "$out/kernel.json"
     # SWEEP_S=seconds adds a random tiling sweep at W = 64 and 272 (ctx 4K and 32K).
     [ "$dry" = 1 ] || [ -z "${SWEEP_S:-}" ] || step kernel_sweep "$SWEEP_S" \
         python -m dflash_jax.bench.tree_attention_bench --sweep --contexts 4096 32768 --widths 64 272 \

@@ -29,6 +29,7 @@ from dflash_jax.bench.profile import profile_program, scale_profile
 from dflash_jax.config import default_tap_layers
 from dflash_jax.model import init_params
 from dflash_jax.speculative import DDTREE_COMPILER_OPTIONS, SpecSettings, SpecState, spec_round
+from pallas_kernels.tree_attention import PALLAS_VARIANTS
 
 
 def drafter_config(cfg, layers: int = 5, block_size: int = 16) -> dr.DraftConfig:
@@ -177,9 +178,9 @@ def main() -> None:
     ap.add_argument("--dump-hlo", metavar="DIR", help="write each compiled round's HLO here (gzip)")
     ap.add_argument("--dot-merger", nargs="+", choices=sorted(DOT_MERGER), default=["default"],
                     help="XLA's dot merger as is, or off (several: each is timed, side by side)")
-    ap.add_argument("--attn-impl", nargs="+", choices=("auto", "pallas-one-wave"), default=["auto"],
-                    help="tree attention as is, or the kernel with one_wave_block_sizes' tiling "
-                         "(several: each is timed, side by side)")
+    ap.add_argument("--attn-impl", nargs="+", choices=("auto", *sorted(PALLAS_VARIANTS)), default=["auto"],
+                    help="tree attention as is, or a candidate variant of the kernel (one-wave tiling, fused "
+                         "split-K merge; several: each is timed, side by side)")
     ap.add_argument("--rounds-per-call", nargs="+", type=int, default=[ROUNDS_PER_CALL],
                     help="rounds per jitted call (several: each is timed, side by side)")
     ap.add_argument("--out")

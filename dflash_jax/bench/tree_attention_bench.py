@@ -206,6 +206,11 @@ def bench_shape(shape: Shape, dtype, *, interpret: bool, iters: int, reps: int,
         "reference": tree_attention_reference,
         "wave": functools.partial(tree_attention_pallas, interpret=interpret,
                                   **{**dataclasses.asdict(wave_block_sizes(shape, itemsize)), **kernel_args}),
+        # The split-K partials merged by one Pallas kernel (combine="kernel") instead of jnp.
+        "fused": functools.partial(tree_attention_pallas, interpret=interpret, combine="kernel", **kernel_args),
+        "wave_fused": functools.partial(tree_attention_pallas, interpret=interpret, combine="kernel",
+                                        **{**dataclasses.asdict(wave_block_sizes(shape, itemsize)),
+                                           **kernel_args}),
     }
 
     row = dataclasses.asdict(shape)
@@ -253,7 +258,10 @@ def markdown_table(rows: list[dict]) -> str:
             ("err_pallas", "pallas rel err"), ("split_k", "split_k"),
             ("pallas_kernel_us", "pallas kernel us"), ("xla_kernel_us", "xla kernel us"),
             ("kernel_speedup_vs_xla", "x vs xla (kernels)"), ("wave_ms", "one-wave ms"),
-            ("wave_block_k", "one-wave block_k"), ("wave_split_k", "one-wave split_k"), ("wave_speedup_vs_xla", "one-wave x vs xla"), ("pallas_unrolled_ms", "pallas unrolled ms"),
+            ("wave_block_k", "one-wave block_k"), ("wave_split_k", "one-wave split_k"),
+            ("wave_speedup_vs_xla", "one-wave x vs xla"), ("fused_ms", "fused-combine ms"),
+            ("fused_speedup_vs_xla", "fused x vs xla"), ("wave_fused_ms", "one-wave + fused ms"),
+            ("wave_fused_speedup_vs_xla", "one-wave + fused x vs xla"), ("pallas_unrolled_ms", "pallas unrolled ms"),
             ("xla_unrolled_ms", "xla unrolled ms"), ("unrolled_speedup_vs_xla", "x vs xla (unrolled)")]
     cols = [c for c in cols if any(c[0] in r for r in rows)]
     lines = ["| " + " | ".join(h for _, h in cols) + " |",
@@ -361,6 +369,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="also time cuDNN's fused attention with the same mask (GPU only)")
     parser.add_argument("--one-wave", action="store_true",
                         help="also time the kernel with wave_block_sizes' tiling (a candidate default)")
+    parser.add_argument("--fused-combine", action="store_true",
+                        help="also time the kernel with its split-K partials merged by one Pallas kernel "
+                             "(with --one-wave, also both candidates together)")
     parser.add_argument("--unrolled", action="store_true",
                         help="also time every implementation with its calls unrolled (no loop overhead)")
     parser.add_argument("--iters", type=int, default=20)
@@ -396,16 +407,20 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             shape = Shape(1, ctx, width, q_heads, kv_heads, head_dim)
             impls = ("pallas", "xla", "cudnn", "reference") if args.cudnn else ("pallas", "xla", "reference")
-            if args.one_wave:
-                impls = ("pallas", "wave") + impls[1:]
+            candidates = (("wave",) if args.one_wave else ()) + (("fused",) if args.fused_combine else ())
+            if args.one_wave and args.fused_combine:
+                candidates += ("wave_fused",)
+            impls = ("pallas",) + candidates + impls[1:]
             row = bench_shape(shape, dtype, interpret=args.interpret, iters=args.iters,
                               reps=args.reps, profile_dir=args.profile, impls=impls, unrolled=args.unrolled)
             row["speedup_vs_xla"] = row["xla_ms"] / row["pallas_ms"]
             if args.one_wave:
-                row["wave_speedup_vs_xla"] = row["xla_ms"] / row["wave_ms"]
-                print(f"  one-wave block_k {row['wave_block_k']}, stages {row['wave_num_stages']}, split-K "
-                      f"{row['wave_split_k']}: {row['wave_ms']:.4f} ms "
-                      f"(err {row['err_wave']:.2e}, {row['wave_speedup_vs_xla']:.2f}x xla)", flush=True)
+                print(f"  one-wave tiling: block_k {row['wave_block_k']}, stages {row['wave_num_stages']}, "
+                      f"split-K {row['wave_split_k']}", flush=True)
+            for name in candidates:
+                row[f"{name}_speedup_vs_xla"] = row["xla_ms"] / row[f"{name}_ms"]
+                print(f"  {name}: {row[f'{name}_ms']:.4f} ms (err {row[f'err_{name}']:.2e}, "
+                      f"{row[f'{name}_speedup_vs_xla']:.2f}x xla)", flush=True)
             if args.unrolled:
                 row["unrolled_speedup_vs_xla"] = row["xla_unrolled_ms"] / row["pallas_unrolled_ms"]
                 print(f"  unrolled: pallas {row['pallas_unrolled_ms']:.4f} ms, xla {row['xla_unrolled_ms']:.4f} ms "
