@@ -36,7 +36,8 @@
 #                 TP_MODELS=qwen3-32b (which also measures the memory). TP_ALL_REDUCE="nccl one-shot"
 #                 adds XLA's one-shot all-reduce kernel beside NCCL at tp=2 (also: nccl-sync, and
 #                 one-shot-split: the kernel, with all-reduces over its 2 MB limit done in row chunks;
-#                 nccl-graph: NCCL all-reduces recorded into XLA's CUDA graphs).
+#                 nccl-graph: NCCL all-reduces recorded into XLA's CUDA graphs). TP_PROFILE=1 adds
+#                 each round's kernel time per GPU by stage (command buffers off).
 # `split PHASES0 PHASES1` runs two phase lists at once, on GPU 0 and GPU 1 of a 2-GPU machine.
 # DRY=1 runs a phase on tiny shapes on the CPU: a check of this script, not a measurement.
 # Each step has its own time limit and writes its log and JSON under OUT_DIR as it goes, so a
@@ -252,6 +253,12 @@ eval | eval-gsm8k | eval-spec-bench | speed)
 tp)
     if [ "$dry" = 1 ]; then set -- --tiny; else set -- --models ${TP_MODELS:-qwen3-8b qwen3-32b}; fi
     [ "${TP_MEMORY:-1}" = 0 ] && set -- "$@" --no-memory
+    # TP_PROFILE=1: each round's kernel time per GPU by stage, tp = 1 against tp = 2 (which stage
+    # does not halve); command buffers off so that kernels map to their stage.
+    if [ "${TP_PROFILE:-0}" = 1 ]; then
+        set -- "$@" --profile /tmp/tp_profile
+        export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="
+    fi
     tag=$(echo "${TP_MODELS:-all}" | tr ' ' '_')
     # TP_ALL_REDUCE="nccl one-shot": tp = 2 also with XLA's own all-reduce kernel for the small
     # all-reduces (NCCL costs ~20 us each however small: BENCHMARKS.md), in the same process.

@@ -29,6 +29,7 @@ from dflash_jax.bench.profile import profile_program, scale_profile
 from dflash_jax.config import default_tap_layers
 from dflash_jax.model import init_params
 from dflash_jax.speculative import DDTREE_COMPILER_OPTIONS, SpecSettings, SpecState, spec_round
+from dflash_jax.stage_times import STAGES  # the round's named scopes
 from pallas_kernels.tree_attention import PALLAS_VARIANTS
 
 
@@ -63,7 +64,6 @@ def reset(state: SpecState, ctx: Any) -> SpecState:
                                done=jnp.zeros_like(state.done))
 
 
-STAGES = ("draft", "tree", "verify", "accept", "commit")  # spec_round's named scopes
 
 
 ROUNDS_PER_CALL = 8

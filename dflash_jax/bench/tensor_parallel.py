@@ -19,7 +19,8 @@ Random bf16 weights of each shape, drawn straight into their shards. For every m
   * collectives: every collective in the compiled step / round (from its HLO) is replayed
     alone, in order and with the same shapes, as a `shard_map` program; its time over the
     step's time is the collective share. With `--profile`, the share is also read from a
-    profiler trace (device events whose name looks like a collective / all device events).
+    profiler trace (device events whose name looks like a collective / all device events), and
+    each round's kernel time per GPU is split by stage (draft, tree, verify, accept, commit).
 Then, in a fresh subprocess (so the peak is its own), peak memory per device of the target +
 drafter + a `--memory-ctx`-token target and drafter cache through one DDTree round at the
 largest budget, at the largest tp (from `device.memory_stats()`; absent on CPU).
@@ -47,6 +48,7 @@ from dflash_jax.bench.ar_decode import make_decoder, random_cache
 from dflash_jax.bench.collectives import ALL_REDUCE, ALL_REDUCE_MAX_BYTES
 from dflash_jax.bench.common import SHAPES, environment, time_fn, write_json
 from dflash_jax.config import ModelConfig, RopeConfig
+from dflash_jax.stage_times import STAGES
 from dflash_jax.model import forward, model_specs
 from dflash_jax.params import param_bytes
 from dflash_jax.bench.profile import profile_program, scale_profile
@@ -190,7 +192,8 @@ def bench_round(target, dparams, cfg, dcfg, mesh, budget: int, ctx: int, max_len
     row = {"budget": budget, "width": s.width, "round_ms": ms, "collectives_per_round": len(ops),
            "collective_ms": comm, "collective_share": None if comm is None else comm / ms}
     if profile_dir:
-        prof = scale_profile(profile_program(call, hlo, calls=3, log_dir=profile_dir), ROUNDS_PER_CALL)
+        prof = scale_profile(profile_program(call, hlo, calls=3, scopes=STAGES, log_dir=profile_dir),
+                             ROUNDS_PER_CALL)
         if "error" not in prof:  # the trace's own view: collective kernels over all device time
             prof["collective_share"] = prof["by_kind"].get("collective", 0.0) / prof["device_ms"]
         row["profile"] = prof
@@ -332,6 +335,19 @@ def print_tables(env: dict, rows: list[dict], memory: dict | None) -> None:
                   f"{f(ms, '.3f')} | "
                   f"{f(d.get('collective_ms'), '.3f')} | {f(None if share is None else 100 * share, '.0f')}% | "
                   f"{f(ratio)} |")
+    staged = [(r, d) for r in rows for d in r["ddtree"] if (d.get("profile") or {}).get("by_scope")]
+    if staged:
+        # Which stages scale with tp (needs XLA_FLAGS=--xla_gpu_enable_command_buffer= to attribute
+        # kernels). The trace holds every device's kernels: per GPU is the sum over tp.
+        print("\n| model | tp | all-reduce | budget | kernel ms per GPU | " + " | ".join(STAGES)
+              + " | other | of which collective |")
+        print("|---|---|---|---|---|" + "---|" * (len(STAGES) + 2))
+        for r, d in staged:
+            prof, per = d["profile"], lambda x: None if x is None else x / r["tp"]  # noqa: E731
+            cells = [f(per(prof["by_scope"].get(k))) for k in STAGES + ("other",)]
+            print(f"| {r['model']} | {r['tp']} | {r.get('all_reduce') or '-'} | {d['budget']} | "
+                  f"{f(per(prof['device_ms']))} | " + " | ".join(cells)
+                  + f" | {f(per(prof['by_kind'].get('collective')))} |")
     if memory and "error" not in memory:
         print(f"\nmemory, {memory['model']} target + drafter + {memory['ctx']}-token caches, tp={memory['tp']}: "
               f"peak {f(memory['max_peak_gb'])} GB per device (static share {memory['per_device_static_gb']:.2f} "
