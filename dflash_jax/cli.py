@@ -391,10 +391,11 @@ def cmd_train(args: argparse.Namespace) -> int:
                                     f"or pass --data-gen")
         _make_token_file(args, cfg, params, tokenizer, data_path)
     data = TokenData.load(data_path)
-    init_params = None
+    init_params = init = None
     if args.init:
         dcfg, init_params = tr.drafter_from_init(args.init, cfg, num_layers=args.layers, block_size=args.block_size,
                                                  mask_token_id=args.mask_token_id)
+        init = tr.init_record(args.init)
     elif dcfg is None:
         mask = args.mask_token_id if args.mask_token_id is not None else tr.choose_mask_token(tokenizer, cfg.vocab_size)
         dcfg = tr.drafter_config_for(cfg, num_layers=3 if args.layers is None else args.layers,
@@ -414,7 +415,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                       val_fraction=val_fraction, eval_every=eval_every, val_batches=val_batches,
                       keep_best=keep_best, progress=not args.no_progress, dp=dp,
                       extra_record={"target": str(args.target), "data": str(data_path),
-                                    "init": saved.get("init") if saved else args.init})
+                                    "init": saved.get("init") if saved else init})
     print(json.dumps({"out": str(result.out_dir), **result.summary}))
     return 0
 

@@ -174,6 +174,18 @@ def drafter_from_init(path: str | Path, target: ModelConfig, *, num_layers: int 
     return dcfg, dparams
 
 
+def init_record(path: str | Path) -> dict[str, str]:
+    """What train_run.json records of an `--init` drafter: the name given, its directory, and the
+    sha256 of its weights (a shipped name such as "smollm2" points at whatever is shipped now)."""
+    import hashlib
+
+    from convert.dflash_drafter import SHIPPED_DRAFTERS, WEIGHTS_FILE, shipped_drafter_path
+
+    directory = shipped_drafter_path(str(path)) if str(path) in SHIPPED_DRAFTERS else Path(path)
+    digest = hashlib.sha256((directory / WEIGHTS_FILE).read_bytes()).hexdigest()
+    return {"drafter": str(path), "path": str(directory.absolute()), "weights_sha256": digest}
+
+
 def choose_mask_token(tokenizer: Any, vocab_size: int) -> int:
     """A token id for MASK: a dedicated mask token if the tokenizer has one, else a special token
     that chat never produces, else the last id of the vocabulary."""

@@ -489,6 +489,11 @@ def test_init_continues_from_an_exported_drafter(runs, target, tmp_path):
     dcfg, full, _, _ = runs
     dcfg2, init = tr.drafter_from_init(full.export_dir, cfg)
     assert dcfg2 == dcfg
+    import hashlib
+    record = tr.init_record(full.export_dir)
+    weights = (full.export_dir / "model.safetensors").read_bytes()
+    assert record["weights_sha256"] == hashlib.sha256(weights).hexdigest()
+    assert record["drafter"] == str(full.export_dir)
     for a, b in zip(jax.tree.leaves(init), jax.tree.leaves(full.state.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     warm = tr.train(params, cfg, dcfg2, toy_sequences(), TC, tmp_path / "warm", init_params=init, log_every=1,
