@@ -57,6 +57,11 @@ def shipped_drafter_path(name: str) -> Path:
     return Path(dflash_jax.__file__).parent / "drafters" / SHIPPED_DRAFTERS[name]
 
 
+def drafter_dir(path: str | Path) -> Path:
+    """The directory of a drafter: `path` itself, or the shipped drafter a short name stands for."""
+    return shipped_drafter_path(str(path)) if str(path) in SHIPPED_DRAFTERS else Path(path)
+
+
 def load_drafter(path: str | Path, dtype: Any = jnp.float32, *, shardings: ShardingsArg = None
                  ) -> tuple[DraftConfig, DraftParams]:
     """Reads a z-lab drafter directory -> (DraftConfig, DraftParams).
@@ -68,7 +73,7 @@ def load_drafter(path: str | Path, dtype: Any = jnp.float32, *, shardings: Shard
     Errors (ConversionError, a ValueError) name the file and the tensor: missing, unexpected
     (e.g. an embedding, or DFlash2's convolutions), duplicated, or mis-shaped for config.json.
     """
-    path = shipped_drafter_path(str(path)) if str(path) in SHIPPED_DRAFTERS else Path(path)
+    path = drafter_dir(path)
     if not path.is_dir():
         raise ConversionError(f"{path}: expected a drafter directory (config.json + {WEIGHTS_FILE})")
     try:

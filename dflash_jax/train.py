@@ -179,9 +179,9 @@ def init_record(path: str | Path) -> dict[str, str]:
     sha256 of its weights (a shipped name such as "smollm2" points at whatever is shipped now)."""
     import hashlib
 
-    from convert.dflash_drafter import SHIPPED_DRAFTERS, WEIGHTS_FILE, shipped_drafter_path
+    from convert.dflash_drafter import WEIGHTS_FILE, drafter_dir
 
-    directory = shipped_drafter_path(str(path)) if str(path) in SHIPPED_DRAFTERS else Path(path)
+    directory = drafter_dir(path)
     digest = hashlib.sha256((directory / WEIGHTS_FILE).read_bytes()).hexdigest()
     return {"drafter": str(path), "path": str(directory.absolute()), "weights_sha256": digest}
 

@@ -201,24 +201,24 @@ def main() -> None:
     log("drafter weights ready")
     max_len = max(args.ctx + [args.ddtree_ctx]) + 1024
     profile = not args.no_profile
+    def variants(**method):
+        """Every side-by-side variant of one method: attention impl x rounds per call x dot merger."""
+        for ai in args.attn_impl:
+            s = SpecSettings(block_size=dcfg.block_size, max_new_tokens=512, attn_impl=ai, **method)
+            for r in args.rounds_per_call:
+                for dm in args.dot_merger:
+                    yield s, r, dm
+
     rows = []
     for ctx in args.ctx:
         rows.append(bench_ar(target, cfg, ctx, max_len, profile))
-        for ai in args.attn_impl:
-            s = SpecSettings(method="dflash", block_size=dcfg.block_size, max_new_tokens=512, attn_impl=ai)
-            for r in args.rounds_per_call:
-                for dm in args.dot_merger:
-                    rows.append(bench_settings(target, cfg, dparams, dcfg, s, ctx, max_len, profile,
-                                               args.dump_hlo, r, dm))
+        for s, r, dm in variants(method="dflash"):
+            rows.append(bench_settings(target, cfg, dparams, dcfg, s, ctx, max_len, profile, args.dump_hlo, r, dm))
         write_json(args.out, {"env": env, "rows": rows})
     for b in args.budgets:
-        for ai in args.attn_impl:
-            s = SpecSettings(method="ddtree", block_size=dcfg.block_size, budget=b, max_new_tokens=512,
-                             attn_impl=ai)
-            for r in args.rounds_per_call:
-                for dm in args.dot_merger:
-                    rows.append(bench_settings(target, cfg, dparams, dcfg, s, args.ddtree_ctx, max_len, profile,
-                                               args.dump_hlo, r, dm))
+        for s, r, dm in variants(method="ddtree", budget=b):
+            rows.append(bench_settings(target, cfg, dparams, dcfg, s, args.ddtree_ctx, max_len, profile,
+                                       args.dump_hlo, r, dm))
         write_json(args.out, {"env": env, "rows": rows})
     print(f"\n{env['device']}, jax {env['jax']}, {args.model} target + {dcfg.num_layers}-layer drafter, "
           f"{dtype.name}, batch 1")

@@ -199,18 +199,17 @@ def bench_shape(shape: Shape, dtype, *, interpret: bool, iters: int, reps: int,
     q, ks, vs, lens, visible = inputs
     kernel_args = dict(overrides or {})
     mask = key_visibility(lens, visible, shape.width, shape.max_len)[:, None]
+    wave = dataclasses.asdict(wave_block_sizes(shape, itemsize))
     fns = {
         "pallas": functools.partial(tree_attention_pallas, interpret=interpret, **kernel_args),
         "xla": functools.partial(xla_masked_attention, mask=mask),
         "cudnn": functools.partial(cudnn_masked_attention, mask=mask),
         "reference": tree_attention_reference,
-        "wave": functools.partial(tree_attention_pallas, interpret=interpret,
-                                  **{**dataclasses.asdict(wave_block_sizes(shape, itemsize)), **kernel_args}),
+        "wave": functools.partial(tree_attention_pallas, interpret=interpret, **{**wave, **kernel_args}),
         # The split-K partials merged by one Pallas kernel (combine="kernel") instead of jnp.
         "fused": functools.partial(tree_attention_pallas, interpret=interpret, combine="kernel", **kernel_args),
         "wave_fused": functools.partial(tree_attention_pallas, interpret=interpret, combine="kernel",
-                                        **{**dataclasses.asdict(wave_block_sizes(shape, itemsize)),
-                                           **kernel_args}),
+                                        **{**wave, **kernel_args}),
     }
 
     row = dataclasses.asdict(shape)
@@ -220,7 +219,7 @@ def bench_shape(shape: Shape, dtype, *, interpret: bool, iters: int, reps: int,
     row.update(kernel_args)
     row.update(copies=copies, iters=iters)
     if "wave" in impls:
-        row.update({f"wave_{k}": v for k, v in dataclasses.asdict(wave_block_sizes(shape, itemsize)).items()})
+        row.update({f"wave_{k}": v for k, v in wave.items()})
     if check:
         # Kernel (and XLA) against the reference on the same inputs; the reference computes in
         # float32 internally, and reusing its bf16 signature saves a compile per shape.
