@@ -29,12 +29,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-Impl = Literal["auto", "pallas", "pallas-one-wave", "pallas-fused", "pallas-one-wave-fused", "reference",
-               "interpret"]
-# The kernel's variants: (one-wave tiling, how split-K partials merge). "pallas" is the default;
-# the others are candidates that benchmarks time beside it (BENCHMARKS.md, sixth session).
-PALLAS_VARIANTS = {"pallas": (False, "xla"), "pallas-one-wave": (True, "xla"),
-                   "pallas-fused": (False, "kernel"), "pallas-one-wave-fused": (True, "kernel")}
+Impl = Literal["auto", "pallas", "pallas-one-launch", "pallas-one-wave", "pallas-fused",
+               "pallas-one-wave-fused", "reference", "interpret"]
+# The kernel's variants: (tiling, how split-K partials merge). "pallas" is the default; the
+# others are what benchmarks time beside it (BENCHMARKS.md, sixth and seventh sessions).
+# Tilings: "default" (`default_block_sizes`), "one-launch" (the same without its tail launch,
+# the default before the seventh session), "one-wave" (`one_wave_block_sizes`).
+PALLAS_VARIANTS = {"pallas": ("default", "xla"), "pallas-one-launch": ("one-launch", "xla"),
+                   "pallas-one-wave": ("one-wave", "xla"), "pallas-fused": ("default", "kernel"),
+                   "pallas-one-wave-fused": ("one-wave", "kernel")}
 
 # exp2 is the native GPU instruction; folding log2(e) into the score scale makes exp2 exact
 # replacement for exp.
@@ -146,12 +149,15 @@ class BlockSizes:
     block_q: rows per program (rows = query tokens x the group's q heads); a power of two >= 16.
     block_k: keys per loop step; a power of two >= 16.
     split_k: programs sharing one row block's keys (flash-decoding); 1 = no split.
+    tail_split: 0, or (with split_k 1) the split-K of each kv head's last row block, run as a
+      second launch after the others: see `_tail_split`.
     """
     block_q: int
     block_k: int
     num_warps: int
     num_stages: int
     split_k: int
+    tail_split: int = 0
 
 
 def _next_pow2(n: int) -> int:
@@ -196,17 +202,40 @@ def default_block_sizes(batch: int, width: int, group: int, kv_heads: int, head_
             num_stages -= 1
     block_k = min(block_k, max(_MIN_BLOCK, _next_pow2(max_len)))
     programs = batch * kv_heads * pl.cdiv(rows, block_q)
+    tail_split = 0
     if programs >= 128:
         split_k = 1
+        smem = _shared_memory_bytes(block_q, block_k, head_dim, itemsize, num_stages)
+        tail_split = _tail_split(batch * kv_heads, pl.cdiv(rows, block_q), smem, block_k, max_len)
     else:
         # Each split should still stream several key blocks, else the combine costs more.
         split_k = max(1, min(pl.cdiv(target, programs), pl.cdiv(max_len, block_k) // 4))
     return BlockSizes(block_q=block_q, block_k=block_k, num_warps=num_warps,
-                      num_stages=num_stages, split_k=split_k)
+                      num_stages=num_stages, split_k=split_k, tail_split=tail_split)
 
 
 # An H100 / H200 SXM: 132 SMs with 228 KB of shared memory each.
 _NUM_SMS, _SM_SHARED_BYTES = 132, 228 * 1024
+
+
+def _tail_split(heads: int, row_blocks: int, smem: int, block_k: int, max_len: int,
+                num_sms: int = _NUM_SMS) -> int:
+    """Split-K for each head's last row block when running it as its own launch saves a wave.
+
+    heads: batch * kv_heads; every head has row_blocks blocks of rows. The grid runs in waves of
+    num_sms * (programs resident per SM). W = 272 (budget 256, group 4, 8 kv heads) has 136
+    programs: a full wave plus a wave of 4 that takes as long as the first, so its kernel time
+    is twice W = 256's (126 against 60 us at ctx 4K, BENCHMARKS.md, seventh session). Without
+    the last block of each head the rest fits one wave fewer, and the `heads` tail programs,
+    split over the keys, fill the SMs for a fraction of a program's time. Returns 0 when that
+    saves no wave or the keys are too short to split.
+    """
+    slots = num_sms * max(1, _SM_SHARED_BYTES // smem)
+    programs = heads * row_blocks
+    if row_blocks < 2 or pl.cdiv(programs - heads, slots) == pl.cdiv(programs, slots):
+        return 0
+    split = min(max(1, slots // heads), pl.cdiv(max_len, block_k) // 4)
+    return split if split >= 2 else 0
 
 
 def one_wave_block_sizes(batch: int, width: int, group: int, kv_heads: int, head_dim: int,
@@ -267,9 +296,11 @@ def _store_rows(o_ref, q_index: tuple[jax.Array, ...], row_ok: jax.Array, out: j
 
 
 def _tree_attention_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, width: int, group: int,
-                           block_q: int, block_k: int, split_k: int, qk_scale: float,
+                           block_q: int, block_k: int, split_k: int, first_block: int, qk_scale: float,
                            has_visible: bool, interpret: bool):
     """One program: one sequence, one kv head, one block of rows, one split of the keys.
+
+    The grid's row blocks are first_block, first_block + 1, ... of the kv head's rows.
 
     Refs (batch and head dims squeezed by the BlockSpecs):
       lens_ref: [1] int32 L_b.
@@ -285,7 +316,7 @@ def _tree_attention_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, width: int, gro
     else:
         vis_ref, out_refs = None, refs
     kv_head = pl.program_id(1)
-    row_block = pl.program_id(2)
+    row_block = pl.program_id(2) + first_block
     split = pl.program_id(3)
     prefix_len = lens_ref[0]
     tree_end = prefix_len + width
@@ -422,7 +453,8 @@ def _combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array, width: int, grou
     """Merges split-K partials.
 
     Args:
-      acc: [batch, kv_heads, split_k, rows_padded, head_dim] f32 unnormalised outputs.
+      acc: [batch, kv_heads, split_k, rows_padded, head_dim] f32 unnormalised outputs of the
+        rows of `width` tokens (a tail launch: the last `width` tokens).
       m, l: [batch, kv_heads, split_k, rows_padded] f32 running max (log2 units) and sum.
     Returns:
       [batch, width, kv_heads * group, head_dim] in dtype.
@@ -438,39 +470,19 @@ def _combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array, width: int, grou
     return out.astype(dtype)
 
 
-def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Array,
-                          visible: jax.Array | None = None, *, scale: float | None = None,
-                          block_q: int | None = None, block_k: int | None = None,
-                          num_warps: int | None = None, num_stages: int | None = None,
-                          split_k: int | None = None, combine: str = "xla",
-                          interpret: bool = False) -> jax.Array:
-    """Tree attention as a Pallas Triton kernel; same contract as ``tree_attention_reference``.
+def _kernel_call(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Array,
+                 visible: jax.Array | None, *, group: int, blocks: BlockSizes, first_block: int,
+                 row_blocks: int, split_k: int, scale: float, interpret: bool):
+    """One launch of the kernel over row blocks [first_block, first_block + row_blocks) of every
+    (sequence, kv head).
 
-    Grid: (batch, kv_heads, row blocks, split_k). Block sizes left as None come from
-    ``default_block_sizes``. combine: how split-K partials are merged, "xla" (jnp, the default)
-    or "kernel" (`_combine_splits_kernel`, one launch instead of three; a candidate).
+    Returns, split_k == 1: [batch, width, q_heads, head_dim] with those blocks' rows written
+    (the others undefined); split_k > 1: the partials (acc, m, l) that `_combine_splits` takes,
+    with rows_padded = row_blocks * block_q.
     """
-    batch, width, q_heads, kv_heads, head_dim, max_len = _check_shapes(q, k, v, prefix_lens,
-                                                                       visible)
-    group = q_heads // kv_heads
-    defaults = default_block_sizes(batch, width, group, kv_heads, head_dim, max_len,
-                                   jnp.dtype(k.dtype).itemsize)
-    block_q = defaults.block_q if block_q is None else block_q
-    block_k = defaults.block_k if block_k is None else block_k
-    num_warps = defaults.num_warps if num_warps is None else num_warps
-    num_stages = defaults.num_stages if num_stages is None else num_stages
-    split_k = defaults.split_k if split_k is None else split_k
-    for name, size in (("block_q", block_q), ("block_k", block_k), ("head_dim", head_dim)):
-        if size < _MIN_BLOCK or size & (size - 1):
-            raise ValueError(f"{name}={size} must be a power of two >= {_MIN_BLOCK} (Triton)")
-    if split_k < 1:
-        raise ValueError(f"split_k={split_k} must be >= 1")
-    if combine not in ("xla", "kernel"):
-        raise ValueError(f"combine must be 'xla' or 'kernel', got {combine!r}")
-    scale = head_dim ** -0.5 if scale is None else scale
-
-    rows = width * group
-    row_blocks = pl.cdiv(rows, block_q)
+    batch, width, q_heads, head_dim = q.shape
+    max_len, kv_heads = k.shape[1], k.shape[2]
+    block_q = blocks.block_q
     grid = (batch, kv_heads, row_blocks, split_k)
     sq = _squeezed()
     in_specs = [
@@ -500,24 +512,75 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens:
             pl.BlockSpec((sq, sq, sq, block_q), lambda b, h, i, s: (b, h, s, i)),
         )
     kernel = functools.partial(
-        _tree_attention_kernel, width=width, group=group, block_q=block_q, block_k=block_k,
-        split_k=split_k, qk_scale=float(scale) * _LOG2E, has_visible=visible is not None,
-        interpret=interpret)
-    result = pl.pallas_call(
+        _tree_attention_kernel, width=width, group=group, block_q=block_q, block_k=blocks.block_k,
+        split_k=split_k, first_block=first_block, qk_scale=float(scale) * _LOG2E,
+        has_visible=visible is not None, interpret=interpret)
+    return pl.pallas_call(
         kernel,
         grid=grid,
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret,
-        name="tree_attention",
+        name="tree_attention" if first_block == 0 else "tree_attention_tail",
     )(*args)
-    if split_k == 1:
+
+
+def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Array,
+                          visible: jax.Array | None = None, *, scale: float | None = None,
+                          block_q: int | None = None, block_k: int | None = None,
+                          num_warps: int | None = None, num_stages: int | None = None,
+                          split_k: int | None = None, tail_split: int | None = None,
+                          combine: str = "xla", interpret: bool = False) -> jax.Array:
+    """Tree attention as a Pallas Triton kernel; same contract as ``tree_attention_reference``.
+
+    Grid: (batch, kv_heads, row blocks, split_k). Block sizes left as None come from
+    ``default_block_sizes``. tail_split > 1 (with split_k 1) runs each kv head's last row block
+    as a second launch with that split-K; it is skipped when there is one row block, or when
+    the last block does not start at a token boundary (block_q * blocks not a multiple of the
+    group). combine: how split-K partials are merged, "xla" (jnp, the default) or "kernel"
+    (`_combine_splits_kernel`, one launch instead of three; a candidate); a tail always merges
+    with jnp.
+    """
+    batch, width, q_heads, kv_heads, head_dim, max_len = _check_shapes(q, k, v, prefix_lens,
+                                                                       visible)
+    group = q_heads // kv_heads
+    defaults = default_block_sizes(batch, width, group, kv_heads, head_dim, max_len,
+                                   jnp.dtype(k.dtype).itemsize)
+    given = dict(block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+                 split_k=split_k, tail_split=tail_split)
+    if split_k is not None and tail_split is None:
+        given["tail_split"] = 0  # an explicit tiling runs as one launch unless asked otherwise
+    blocks = dataclasses.replace(defaults, **{k_: v_ for k_, v_ in given.items() if v_ is not None})
+    for name, size in (("block_q", blocks.block_q), ("block_k", blocks.block_k), ("head_dim", head_dim)):
+        if size < _MIN_BLOCK or size & (size - 1):
+            raise ValueError(f"{name}={size} must be a power of two >= {_MIN_BLOCK} (Triton)")
+    if blocks.split_k < 1:
+        raise ValueError(f"split_k={blocks.split_k} must be >= 1")
+    if blocks.tail_split < 0 or (blocks.tail_split > 1 and blocks.split_k > 1):
+        raise ValueError(f"tail_split={blocks.tail_split} must be >= 0, and needs split_k=1 "
+                         f"(got split_k={blocks.split_k})")
+    if combine not in ("xla", "kernel"):
+        raise ValueError(f"combine must be 'xla' or 'kernel', got {combine!r}")
+    scale = head_dim ** -0.5 if scale is None else scale
+
+    row_blocks = pl.cdiv(width * group, blocks.block_q)
+    call = functools.partial(_kernel_call, q, k, v, prefix_lens, visible, group=group, blocks=blocks,
+                             scale=scale, interpret=interpret)
+    tail_rows = (row_blocks - 1) * blocks.block_q
+    if blocks.tail_split > 1 and row_blocks > 1 and tail_rows % group == 0:
+        out = call(first_block=0, row_blocks=row_blocks - 1, split_k=1)
+        first_token = tail_rows // group
+        partials = call(first_block=row_blocks - 1, row_blocks=1, split_k=blocks.tail_split)
+        tail = _combine_splits(*partials, width=width - first_token, group=group, dtype=q.dtype)
+        return lax.dynamic_update_slice(out, tail, (0, first_token, 0, 0))
+    result = call(first_block=0, row_blocks=row_blocks, split_k=blocks.split_k)
+    if blocks.split_k == 1:
         return result
     if combine == "kernel":
-        return _combine_splits_kernel(*result, width=width, group=group, block_q=block_q, dtype=q.dtype,
-                                      interpret=interpret)
+        return _combine_splits_kernel(*result, width=width, group=group, block_q=blocks.block_q,
+                                      dtype=q.dtype, interpret=interpret)
     return _combine_splits(*result, width=width, group=group, dtype=q.dtype)
 
 
@@ -547,17 +610,20 @@ def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Ar
       prefix_lens: [batch] int32.
       visible: [batch, width, width] bool, or None for causal among the new tokens.
       impl: "auto" (Pallas on GPU, reference elsewhere), "pallas", a candidate variant of it
-        (PALLAS_VARIANTS: "-one-wave" tiles with `one_wave_block_sizes`, "-fused" merges split-K
-        partials in a kernel), "reference", "interpret".
+        (PALLAS_VARIANTS: "-one-launch" without the tail launch, "-one-wave" tiles with
+        `one_wave_block_sizes`, "-fused" merges split-K partials in a kernel), "reference",
+        "interpret".
     Returns:
       [batch, width, q_heads, head_dim] in q's dtype.
     """
     which = resolve_impl(impl)
     if which == "reference":
         return tree_attention_reference(q, k, v, prefix_lens, visible, scale=scale)
-    one_wave, combine = PALLAS_VARIANTS.get(which, (False, "xla"))
+    tiling, combine = PALLAS_VARIANTS.get(which, ("default", "xla"))
     blocks = {}
-    if one_wave:
+    if tiling == "one-launch":
+        blocks = {"tail_split": 0}
+    elif tiling == "one-wave":
         batch, width, q_heads, kv_heads, head_dim, max_len = _check_shapes(q, k, v, prefix_lens, visible)
         blocks = dataclasses.asdict(one_wave_block_sizes(batch, width, q_heads // kv_heads, kv_heads, head_dim,
                                                          max_len, jnp.dtype(k.dtype).itemsize))

@@ -301,3 +301,59 @@ def test_one_wave_tiling_matches_reference_and_lowers():
         assert text.count("__gpu$xla.gpu.triton") == kernels, impl
     with pytest.raises(ValueError, match="pallas-one-wave-fused"):
         resolve_impl("one-wave")
+
+
+# (batch, width, kv_heads, group, head_dim, max_len, lens, dtype, tree, block_q, tail_split)
+TAIL_CASES = [
+    (2, 20, 2, 4, 64, 200, [0, 137], jnp.float32, True, 16, 3),    # 5 row blocks, tail of 1
+    (1, 20, 2, 4, 64, 200, [150], jnp.bfloat16, False, 32, 4),     # causal, padded tail block
+    (2, 17, 1, 5, 64, 160, [61, 0], jnp.float32, True, 16, 2),     # group 5: the tail starts at token 16
+    (1, 64, 2, 4, 128, 300, [199], jnp.bfloat16, True, 64, 5),     # 4 row blocks of 64
+]
+
+
+@pytest.mark.parametrize(
+    "batch,width,kv_heads,group,head_dim,max_len,lens,dtype,tree,block_q,tail_split", TAIL_CASES)
+def test_tail_launch_matches_reference(batch, width, kv_heads, group, head_dim, max_len, lens, dtype,
+                                       tree, block_q, tail_split):
+    """The last row block of each kv head as a second, split-K launch (tail_split): every row is
+    written once by the right launch (interpret outputs start as NaN) and equals the reference."""
+    q, k, v, prefix_lens, visible = make_case(
+        width + group + head_dim + tail_split, batch, width, kv_heads, group, head_dim, max_len,
+        lens, dtype, tree)
+    out = tree_attention_pallas(q, k, v, prefix_lens, visible, block_q=block_q, block_k=32,
+                                tail_split=tail_split, interpret=True)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert rel_err(out, tree_attention_reference(q, k, v, prefix_lens, visible)) < tolerance(dtype)
+
+
+def _waves(programs: int, per_sm: int = 1) -> int:
+    return -(-programs // (132 * per_sm))
+
+
+def test_default_tail_split_saves_a_wave():
+    """Budget 256 (W 272) at the 8B head shape, and Qwen3-32B's at tp 1 and 2, get a tail launch:
+    without the last row block of each kv head the rest runs one wave fewer. W 256 and 512
+    already fill whole waves and get none; neither do split-K shapes."""
+    for width, group, kv_heads in ((272, 4, 8), (272, 8, 8), (272, 8, 4)):
+        for ctx in (4096, 32768):
+            bs = default_block_sizes(1, width, group, kv_heads, 128, ctx + width)
+            assert bs.split_k == 1 and bs.tail_split >= 2, (width, group, kv_heads, ctx, bs)
+            blocks = -(-width * group // bs.block_q)
+            assert _waves(kv_heads * (blocks - 1)) < _waves(kv_heads * blocks)
+            assert kv_heads * bs.tail_split <= 132  # the tail itself is one wave
+    for width in (1, 16, 64, 256, 512):
+        assert default_block_sizes(1, width, 4, 8, 128, 4096 + width).tail_split == 0, width
+    # Too few keys to split: no second launch.
+    assert default_block_sizes(1, 272, 4, 8, 128, 300).tail_split == 0
+
+
+def test_tail_launch_lowers_and_validates():
+    q = jax.ShapeDtypeStruct((1, 272, 32, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 4368, 8, 128), jnp.bfloat16)
+    args = [q, kv, kv, jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1, 272, 272), jnp.bool_)]
+    text = jax.jit(tree_attention_pallas).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 2  # the main launch and the tail's
+    case = make_case(0, 1, 20, 2, 4, 64, 64, [5], jnp.float32, False)
+    with pytest.raises(ValueError, match="tail_split=2 .* needs split_k=1"):
+        tree_attention_pallas(*case[:4], split_k=2, tail_split=2, interpret=True)

@@ -206,6 +206,8 @@ def bench_shape(shape: Shape, dtype, *, interpret: bool, iters: int, reps: int,
         "cudnn": functools.partial(cudnn_masked_attention, mask=mask),
         "reference": tree_attention_reference,
         "wave": functools.partial(tree_attention_pallas, interpret=interpret, **{**wave, **kernel_args}),
+        # The default tiling as one launch (no tail launch): the default before the seventh session.
+        "one_launch": functools.partial(tree_attention_pallas, interpret=interpret, **{"tail_split": 0, **kernel_args}),
         # The split-K partials merged by one Pallas kernel (combine="kernel") instead of jnp.
         "fused": functools.partial(tree_attention_pallas, interpret=interpret, combine="kernel", **kernel_args),
         "wave_fused": functools.partial(tree_attention_pallas, interpret=interpret, combine="kernel",
@@ -254,9 +256,11 @@ def markdown_table(rows: list[dict]) -> str:
             ("pallas_gbps", "pallas GB/s"), ("xla_ms", "xla ms"), ("xla_gbps", "xla GB/s"),
             ("cudnn_ms", "cudnn ms"), ("reference_ms", "ref ms"), ("speedup_vs_xla", "x vs xla"),
             ("speedup_vs_cudnn", "x vs cudnn"),
-            ("err_pallas", "pallas rel err"), ("split_k", "split_k"),
+            ("err_pallas", "pallas rel err"), ("split_k", "split_k"), ("tail_split", "tail split"),
             ("pallas_kernel_us", "pallas kernel us"), ("xla_kernel_us", "xla kernel us"),
-            ("kernel_speedup_vs_xla", "x vs xla (kernels)"), ("wave_ms", "one-wave ms"),
+            ("kernel_speedup_vs_xla", "x vs xla (kernels)"), ("one_launch_ms", "one-launch ms"),
+            ("one_launch_kernel_us", "one-launch kernel us"), ("one_launch_speedup_vs_xla", "one-launch x vs xla"),
+            ("wave_ms", "one-wave ms"),
             ("wave_block_k", "one-wave block_k"), ("wave_split_k", "one-wave split_k"),
             ("wave_speedup_vs_xla", "one-wave x vs xla"), ("fused_ms", "fused-combine ms"),
             ("fused_speedup_vs_xla", "fused x vs xla"), ("wave_fused_ms", "one-wave + fused ms"),
@@ -366,6 +370,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="override the widths W")
     parser.add_argument("--cudnn", action="store_true",
                         help="also time cuDNN's fused attention with the same mask (GPU only)")
+    parser.add_argument("--one-launch", action="store_true",
+                        help="also time the default tiling without its tail launch (tail_split=0)")
     parser.add_argument("--one-wave", action="store_true",
                         help="also time the kernel with wave_block_sizes' tiling (a candidate default)")
     parser.add_argument("--fused-combine", action="store_true",
@@ -406,7 +412,8 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             shape = Shape(1, ctx, width, q_heads, kv_heads, head_dim)
             impls = ("pallas", "xla", "cudnn", "reference") if args.cudnn else ("pallas", "xla", "reference")
-            candidates = (("wave",) if args.one_wave else ()) + (("fused",) if args.fused_combine else ())
+            candidates = ((("one_launch",) if args.one_launch else ()) + (("wave",) if args.one_wave else ())
+                          + (("fused",) if args.fused_combine else ()))
             if args.one_wave and args.fused_combine:
                 candidates += ("wave_fused",)
             impls = ("pallas",) + candidates + impls[1:]
