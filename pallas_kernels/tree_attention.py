@@ -166,6 +166,8 @@ def _next_pow2(n: int) -> int:
 
 # Hopper gives a block at most 227 KB of shared memory; keep some slack for Triton's scratch.
 _SMEM_BUDGET = 220 * 1024
+# An H100 / H200 SXM: 132 SMs with 228 KB of shared memory each.
+_NUM_SMS, _SM_SHARED_BYTES = 132, 228 * 1024
 
 
 def _shared_memory_bytes(block_q: int, block_k: int, head_dim: int, itemsize: int,
@@ -187,6 +189,12 @@ def default_block_sizes(batch: int, width: int, group: int, kv_heads: int, head_
     * more (tree verify): 64 x 128 tiles with 4 warps beat 128 x 64 with 8 warps by ~1.5x at
       W=256/512, and split-K lost once the grid has a program per SM (its float32 partials cost
       more than the idle SMs).
+
+    Split-K never makes the grid larger than one wave of resident programs (132 SMs, programs
+    per SM by `_shared_memory_bytes`): a 64 x 128 tile takes ~208 KB, one per SM, so W = 64's
+    split of 8-9 ran 2-3 waves; capped at 4 its kernel time went from 39 to 32 us at ctx 4K and
+    from 221 to 171 us at 32K (BENCHMARKS.md, seventh session). A grid just over a wave without
+    split-K gets a tail launch (`_tail_split`).
     """
     rows = width * group
     if rows <= _MIN_BLOCK:
@@ -202,20 +210,19 @@ def default_block_sizes(batch: int, width: int, group: int, kv_heads: int, head_
             num_stages -= 1
     block_k = min(block_k, max(_MIN_BLOCK, _next_pow2(max_len)))
     programs = batch * kv_heads * pl.cdiv(rows, block_q)
+    smem = _shared_memory_bytes(block_q, block_k, head_dim, itemsize, num_stages)
     tail_split = 0
     if programs >= 128:
         split_k = 1
-        smem = _shared_memory_bytes(block_q, block_k, head_dim, itemsize, num_stages)
         tail_split = _tail_split(batch * kv_heads, pl.cdiv(rows, block_q), smem, block_k, max_len)
     else:
+        resident = _NUM_SMS * max(1, _SM_SHARED_BYTES // smem)
         # Each split should still stream several key blocks, else the combine costs more.
-        split_k = max(1, min(pl.cdiv(target, programs), pl.cdiv(max_len, block_k) // 4))
+        split_k = max(1, min(pl.cdiv(target, programs), resident // programs,
+                             pl.cdiv(max_len, block_k) // 4))
     return BlockSizes(block_q=block_q, block_k=block_k, num_warps=num_warps,
                       num_stages=num_stages, split_k=split_k, tail_split=tail_split)
 
-
-# An H100 / H200 SXM: 132 SMs with 228 KB of shared memory each.
-_NUM_SMS, _SM_SHARED_BYTES = 132, 228 * 1024
 
 
 def _tail_split(heads: int, row_blocks: int, smem: int, block_k: int, max_len: int,
@@ -247,7 +254,10 @@ def one_wave_block_sizes(batch: int, width: int, group: int, kv_heads: int, head
     W = 64 then runs 256-288 programs as 2-3 waves, and W = 272 (budget 256) runs 136 programs
     as a full wave plus a wave of 4 (BENCHMARKS.md, sixth session). Here the key block shrinks
     until every program is resident at once, then split-K fills the free slots with whole
-    programs. Selected with ``impl="pallas-one-wave"``; not the default until measured.
+    programs. Selected with ``impl="pallas-one-wave"``. Measured in the seventh session: its
+    split-K cap won (W = 64) and is now in `default_block_sizes`; its smaller key blocks lost
+    (W = 272: 150 against 126 us at ctx 4K; W = 512: 177 against 137), and W = 272 now gets a
+    tail launch instead.
     """
     d = default_block_sizes(batch, width, group, kv_heads, head_dim, max_len, itemsize)
     programs = batch * kv_heads * pl.cdiv(width * group, d.block_q)

@@ -213,6 +213,9 @@ def test_default_block_sizes_are_valid():
                     # K and V tiles of every pipeline stage fit in Hopper's shared memory.
                     smem = (bs.num_stages * 2 * bs.block_k + bs.block_q) * 128 * itemsize
                     assert smem <= 220 * 1024 and bs.num_stages >= 1
+                    # A split grid stays within one wave of resident programs (132 SMs).
+                    programs = 8 * -(-width * group // bs.block_q) * bs.split_k
+                    assert bs.split_k == 1 or programs <= 132 * ((228 * 1024) // smem), (width, group, bs)
     # Decode at long context splits the keys; a big tree at short context does not.
     assert default_block_sizes(1, 1, 4, 8, 128, 32768).split_k > 1
     assert default_block_sizes(1, 512, 4, 8, 128, 1024).split_k == 1
