@@ -9,11 +9,12 @@
 # Phases, in the order the open issues need them:
 #   ar            AR decode vs the roofline: Qwen3-8B shape and SmolLM2, ctx 1K/8K, with profiles
 #   rounds        DFlash / DDTree round latency, 8 rounds per call (the decoding fast path)
-#   rounds-tiling DFlash / DDTree(64, 256) rounds at ctx 4K with tree attention's default tiling and
-#                 the candidates (`--attn-impl auto pallas-one-wave pallas-one-wave-fused`), side by side
+#   rounds-tiling DFlash / DDTree(64, 256) rounds at ctx 4K with tree attention's default tiling,
+#                 the single launch and the one-wave candidate (`--attn-impl auto pallas-one-launch
+#                 pallas-one-wave`), side by side
 #   rounds-split  the same with XLA command buffers off, for the per-stage split of each round
-#   kernel        tree attention vs XLA masked attention at ctx 4K and 32K, with the one-wave split-K
-#                 candidate and profiled kernel times (SWEEP_S=seconds adds a tiling sweep)
+#   kernel        tree attention vs XLA masked attention at ctx 1K-32K, W 1-512, beside the single
+#                 launch, with profiled kernel times (SWEEP_S=seconds adds a tiling sweep)
 #   drafter       SmolLM2 drafter: make-data (4 samples per prompt), train with a 2% validation split,
 #                 export the best-validation drafter (GGUF=path, DATA=dir, STEPS, TRAIN_S, GEN_S).
 #                 TRAIN_DP=2 trains data-parallel over 2 GPUs (`train --dp`; the batch of 32 is split);
@@ -74,6 +75,8 @@ fi
 phase=$phases
 limit=${LIMIT:-560}
 mkdir -p "$out"
+# /tmp/site: where BUILD.md installs the carried wheels (gguf, dflash) on the device.
+[ -d /tmp/site ] && PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/site"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 dry=${DRY:-0}
 data=${DATA:-.data}
@@ -137,10 +140,10 @@ rounds)
     step rounds "$limit" python -m dflash_jax.bench.spec_round $(spec_args) --dot-merger default off --no-profile \
         --out "$out/rounds.json" ;;
 rounds-tiling)
-    # Rounds with tree attention's default tiling and the one-wave candidate, side by side
-    # (`one_wave_block_sizes`: W 272 in one wave of two programs per SM, W 64 split 4).
+    # Rounds with tree attention's default tiling (split-K capped at one wave, a tail launch at
+    # W 272), beside the single launch and the one-wave candidate (BENCHMARKS.md, seventh session).
     if [ "$dry" = 1 ]; then set -- --model tiny --ctx 64 --budgets 16 --ddtree-ctx 128 --attn-impl auto
-    else set -- --ctx 4096 --budgets 64 256 --dot-merger off --attn-impl auto pallas-one-wave pallas-one-wave-fused; fi
+    else set -- --ctx 4096 --budgets 64 256 --dot-merger off --attn-impl auto pallas-one-launch pallas-one-wave; fi
     step rounds_tiling "$limit" python -m dflash_jax.bench.spec_round "$@" --no-profile --out "$out/rounds_tiling.json" ;;
 rounds-split)
     export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="
@@ -148,11 +151,11 @@ rounds-split)
     step rounds_split "$limit" python -m dflash_jax.bench.spec_round $(spec_args) --dump-hlo "$out/hlo" \
         --out "$out/rounds_split.json" ;;
 kernel)
-    # The default tiling beside the one-wave split-K candidate (W = 64 runs 2-3 waves of one
-    # program per SM: BENCHMARKS.md, sixth session), with GPU kernel times from a profile.
+    # Issue 4's grid (ctx 1K-32K, W 16-512, plus W 1 and 272) with today's defaults, beside the
+    # single launch (`--one-launch`) and XLA, with GPU kernel times from a profile.
     if [ "$dry" = 1 ]; then set -- --interpret
-    else set -- --contexts 4096 32768 --widths 1 16 64 256 272 512 --reps 3 --budget 450 --profile /tmp/kernel_profile; fi
-    step kernel "$limit" python -m dflash_jax.bench.tree_attention_bench "$@" --one-wave --fused-combine \
+    else set -- --contexts 1024 4096 16384 32768 --widths 1 16 64 256 272 512 --reps 5 --budget 480 --profile /tmp/kernel_profile; fi
+    step kernel "$limit" python -m dflash_jax.bench.tree_attention_bench "$@" --one-launch \
         --out "$out/kernel.json"
     # SWEEP_S=seconds adds a random tiling sweep at W = 64 and 272 (ctx 4K and 32K).
     [ "$dry" = 1 ] || [ -z "${SWEEP_S:-}" ] || step kernel_sweep "$SWEEP_S" \
