@@ -33,8 +33,8 @@ Impl = Literal["auto", "pallas", "pallas-one-launch", "pallas-one-wave", "pallas
                "pallas-one-wave-fused", "reference", "interpret"]
 # The kernel's variants: (tiling, how split-K partials merge). "pallas" is the default; the
 # others are what benchmarks time beside it (BENCHMARKS.md, sixth and seventh sessions).
-# Tilings: "default" (`default_block_sizes`), "one-launch" (the same without its tail launch,
-# the default before the seventh session), "one-wave" (`one_wave_block_sizes`).
+# Tilings: "default" (`default_block_sizes`), "one-launch" (the same without its tail launch:
+# at W 272, the default before the seventh session), "one-wave" (`one_wave_block_sizes`).
 PALLAS_VARIANTS = {"pallas": ("default", "xla"), "pallas-one-launch": ("one-launch", "xla"),
                    "pallas-one-wave": ("one-wave", "xla"), "pallas-fused": ("default", "kernel"),
                    "pallas-one-wave-fused": ("one-wave", "kernel")}
@@ -149,8 +149,8 @@ class BlockSizes:
     block_q: rows per program (rows = query tokens x the group's q heads); a power of two >= 16.
     block_k: keys per loop step; a power of two >= 16.
     split_k: programs sharing one row block's keys (flash-decoding); 1 = no split.
-    tail_split: 0, or (with split_k 1) the split-K of each kv head's last row block, run as a
-      second launch after the others: see `_tail_split`.
+    tail_split: 0 or 1 for one launch; more (with split_k 1): the split-K of each kv head's
+      last row block, run as a second launch after the others (see `_tail_split`).
     """
     block_q: int
     block_k: int
@@ -222,7 +222,6 @@ def default_block_sizes(batch: int, width: int, group: int, kv_heads: int, head_
                              pl.cdiv(max_len, block_k) // 4))
     return BlockSizes(block_q=block_q, block_k=block_k, num_warps=num_warps,
                       num_stages=num_stages, split_k=split_k, tail_split=tail_split)
-
 
 
 def _tail_split(heads: int, row_blocks: int, smem: int, block_k: int, max_len: int,

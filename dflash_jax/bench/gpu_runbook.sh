@@ -18,7 +18,8 @@
 #   drafter       SmolLM2 drafter: make-data (4 samples per prompt), train with a 2% validation split,
 #                 export the best-validation drafter (GGUF=path, DATA=dir, STEPS, TRAIN_S, GEN_S).
 #                 TRAIN_DP=2 trains data-parallel over 2 GPUs (`train --dp`; the batch of 32 is split);
-#                 LABELS=target, INIT=drafter; calling it again resumes the run
+#                 LABELS=target, INIT=drafter, SAMPLES=responses per prompt (4), LAYERS=drafter
+#                 layers (3; with INIT it must match); calling it again resumes the run
 #   drafter-ab    two drafters at once from one token file, GPU 0 --labels response, GPU 1 --labels
 #                 target; calling it again resumes both (STEPS spans the calls, TRAIN_S each);
 #                 INIT=drafter starts both from a trained drafter (`train --init`)
@@ -100,7 +101,7 @@ drafter_args() {  # make-data's and train's flags (gen, trn), and train_dp, of t
         gen=(--limit 4 --gen-tokens 16 --gen-batch 4 --samples-per-prompt 2)
         trn=(--steps 4 --batch 2 --seq-len 128 --blocks 4 --log-every 2 --val-fraction 0.25 --eval-every 2 --keep-best)
     else
-        gen=(--gen-batch 512 --samples-per-prompt 4)
+        gen=(--gen-batch 512 --samples-per-prompt "${SAMPLES:-4}")
         trn=(--steps "${STEPS:-10000}" --batch 32 --log-every 50 --val-fraction 0.02 --keep-best)
     fi
 }
@@ -172,7 +173,7 @@ drafter)
     make_tokens || exit 1
     start_args "$run_dir/run"
     step train "$(( ${TRAIN_S:-330} + 60 ))" python -m dflash_jax.cli train --target "$gguf" \
-        --data "$run_dir/tokens.npz" --out "$run_dir/run" --layers 3 --time-limit "${TRAIN_S:-330}" \
+        --data "$run_dir/tokens.npz" --out "$run_dir/run" --layers "${LAYERS:-3}" --time-limit "${TRAIN_S:-330}" \
         --labels "${LABELS:-response}" --dp "$train_dp" --export-dtype bfloat16 --no-progress "${start[@]}" \
         "${trn[@]}" || exit 1
     # The transfer back takes files of at most 16 MiB: the weights come in parts.
@@ -192,7 +193,7 @@ drafter-ab)
         start_args "$run_dir/$labels"
         (export CUDA_VISIBLE_DEVICES=$gpu XLA_PYTHON_CLIENT_PREALLOCATE=false
          step "train_$labels" "$(( ${TRAIN_S:-330} + 60 ))" python -m dflash_jax.cli train --target "$gguf" \
-             --data "$run_dir/tokens.npz" --out "$run_dir/$labels" --layers 3 --time-limit "${TRAIN_S:-330}" \
+             --data "$run_dir/tokens.npz" --out "$run_dir/$labels" --layers "${LAYERS:-3}" --time-limit "${TRAIN_S:-330}" \
              --labels "$labels" --export-dtype bfloat16 --no-progress "${start[@]}" "${trn[@]}") &
         gpu=$((gpu + 1))
     done

@@ -206,7 +206,7 @@ def bench_shape(shape: Shape, dtype, *, interpret: bool, iters: int, reps: int,
         "cudnn": functools.partial(cudnn_masked_attention, mask=mask),
         "reference": tree_attention_reference,
         "wave": functools.partial(tree_attention_pallas, interpret=interpret, **{**wave, **kernel_args}),
-        # The default tiling as one launch (no tail launch): the default before the seventh session.
+        # The default tiling as one launch (no tail launch): at W 272, the default before the seventh session.
         "one_launch": functools.partial(tree_attention_pallas, interpret=interpret, **{"tail_split": 0, **kernel_args}),
         # The split-K partials merged by one Pallas kernel (combine="kernel") instead of jnp.
         "fused": functools.partial(tree_attention_pallas, interpret=interpret, combine="kernel", **kernel_args),
