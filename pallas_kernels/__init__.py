@@ -1,8 +1,11 @@
 """Pallas (Triton backend) kernels, each with its pure-JAX reference beside it."""
 
 from pallas_kernels.tree_attention import (
+    H200,
     BlockSizes,
+    GpuLimits,
     default_block_sizes,
+    gpu_limits,
     key_visibility,
     one_wave_block_sizes,
     resolve_impl,
@@ -12,8 +15,11 @@ from pallas_kernels.tree_attention import (
 )
 
 __all__ = [
+    "H200",
     "BlockSizes",
+    "GpuLimits",
     "default_block_sizes",
+    "gpu_limits",
     "key_visibility",
     "one_wave_block_sizes",
     "resolve_impl",

@@ -10,7 +10,8 @@ This file holds, side by side:
 * ``tree_attention_reference``: plain jnp, a masked softmax over every cache slot.
 * ``tree_attention_pallas``: a Pallas kernel on the Triton GPU backend (flash attention with an
   online softmax, GQA heads folded into rows, optional split-K over the prefix).
-* ``default_block_sizes``: the block sizes the dispatcher uses for a shape, and
+* ``default_block_sizes``: the block sizes the dispatcher uses for a shape on a GPU
+  (``GpuLimits``: its SMs and shared memory, read from the device), and
   ``one_wave_block_sizes``, a candidate that keeps the grid in one wave (``impl="pallas-one-wave"``).
 * ``_combine_splits`` (jnp) and ``_combine_splits_kernel`` (a candidate, ``impl="pallas-fused"``):
   the split-K merge.
@@ -164,10 +165,52 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-# Hopper gives a block at most 227 KB of shared memory; keep some slack for Triton's scratch.
-_SMEM_BUDGET = 220 * 1024
-# An H100 / H200 SXM: 132 SMs with 228 KB of shared memory each.
-_NUM_SMS, _SM_SHARED_BYTES = 132, 228 * 1024
+@dataclasses.dataclass(frozen=True)
+class GpuLimits:
+    """What the tiling needs to know of a GPU: SMs, and shared memory (bytes) a block may opt in
+    to and an SM holds."""
+    num_sms: int
+    smem_per_block: int
+    smem_per_sm: int
+
+    @property
+    def smem_budget(self) -> int:
+        """Shared memory a program's tiles may take; the rest is slack for Triton's scratch."""
+        return self.smem_per_block - 7 * 1024
+
+
+# An H100 / H200 SXM, where the defaults were tuned; also the limits assumed without a GPU.
+H200 = GpuLimits(num_sms=132, smem_per_block=227 * 1024, smem_per_sm=228 * 1024)
+# Opt-in shared memory per block and per SM, in KB, by compute capability (CUDA programming
+# guide). Consumer Ampere, Ada (the 48 GB L40S / RTX 6000 class) and consumer Blackwell have
+# less than half of Hopper's, so Hopper's tiles would not compile there.
+_SHARED_KB = {(8, 0): (163, 164), (8, 6): (99, 100), (8, 7): (163, 164), (8, 9): (99, 100),
+              (9, 0): (227, 228), (10, 0): (227, 228), (12, 0): (99, 100)}
+
+
+def limits_of(device) -> GpuLimits:
+    """GpuLimits of a jax GPU device, from its compute capability and SM count.
+
+    An architecture not in the table gets the smallest shared memory listed, which compiles
+    everywhere at some cost in speed.
+    """
+    try:
+        arch = tuple(int(x) for x in str(device.compute_capability).split(".")[:2])
+    except (AttributeError, ValueError):  # e.g. ROCm's gfx names
+        arch = None
+    per_block, per_sm = _SHARED_KB.get(arch, (99, 100))
+    num_sms = getattr(device, "core_count", None) or H200.num_sms
+    return GpuLimits(num_sms=int(num_sms), smem_per_block=per_block * 1024, smem_per_sm=per_sm * 1024)
+
+
+@functools.cache
+def gpu_limits() -> GpuLimits:
+    """The local GPU's limits; an H200's where there is none (CPU tests, lowering for cuda)."""
+    try:
+        device = jax.local_devices(backend="gpu")[0]
+    except RuntimeError:
+        return H200
+    return limits_of(device)
 
 
 def _shared_memory_bytes(block_q: int, block_k: int, head_dim: int, itemsize: int,
@@ -177,8 +220,9 @@ def _shared_memory_bytes(block_q: int, block_k: int, head_dim: int, itemsize: in
 
 
 def default_block_sizes(batch: int, width: int, group: int, kv_heads: int, head_dim: int,
-                        max_len: int, itemsize: int = 2) -> BlockSizes:
+                        max_len: int, itemsize: int = 2, limits: GpuLimits | None = None) -> BlockSizes:
     """Block sizes for a shape. The prefix length is dynamic, so max_len stands in for it.
+    limits: the GPU's (default: `gpu_limits()`); tiles shrink to fit its shared memory.
 
     Tuned on an H200 (jax 0.11.2, bf16, 32/8 heads x 128, `python -m
     dflash_jax.bench.tree_attention_bench --sweep`). Rows per kv head are width * group:
@@ -196,6 +240,7 @@ def default_block_sizes(batch: int, width: int, group: int, kv_heads: int, head_
     from 221 to 171 us at 32K (BENCHMARKS.md, seventh session). A grid just over a wave without
     split-K gets a tail launch (`_tail_split`).
     """
+    limits = limits or gpu_limits()
     rows = width * group
     if rows <= _MIN_BLOCK:
         block_q, block_k, num_warps, num_stages, target = _MIN_BLOCK, 64, 4, 2, 512
@@ -203,7 +248,7 @@ def default_block_sizes(batch: int, width: int, group: int, kv_heads: int, head_
         block_q, block_k, num_warps, num_stages, target = _next_pow2(rows), 64, 4, 3, 264
     else:
         block_q, block_k, num_warps, num_stages, target = 64, 128, 4, 3, 264
-    while _shared_memory_bytes(block_q, block_k, head_dim, itemsize, num_stages) > _SMEM_BUDGET:
+    while _shared_memory_bytes(block_q, block_k, head_dim, itemsize, num_stages) > limits.smem_budget:
         if block_k > 32:
             block_k //= 2
         else:
@@ -214,9 +259,9 @@ def default_block_sizes(batch: int, width: int, group: int, kv_heads: int, head_
     tail_split = 0
     if programs >= 128:
         split_k = 1
-        tail_split = _tail_split(batch * kv_heads, pl.cdiv(rows, block_q), smem, block_k, max_len)
+        tail_split = _tail_split(batch * kv_heads, pl.cdiv(rows, block_q), smem, block_k, max_len, limits)
     else:
-        resident = _NUM_SMS * max(1, _SM_SHARED_BYTES // smem)
+        resident = limits.num_sms * max(1, limits.smem_per_sm // smem)
         # Each split should still stream several key blocks, else the combine costs more.
         split_k = max(1, min(pl.cdiv(target, programs), resident // programs,
                              pl.cdiv(max_len, block_k) // 4))
@@ -225,18 +270,18 @@ def default_block_sizes(batch: int, width: int, group: int, kv_heads: int, head_
 
 
 def _tail_split(heads: int, row_blocks: int, smem: int, block_k: int, max_len: int,
-                num_sms: int = _NUM_SMS) -> int:
+                limits: GpuLimits) -> int:
     """Split-K for each head's last row block when running it as its own launch saves a wave.
 
     heads: batch * kv_heads; every head has row_blocks blocks of rows. The grid runs in waves of
-    num_sms * (programs resident per SM). W = 272 (budget 256, group 4, 8 kv heads) has 136
+    SMs x (programs resident per SM). W = 272 (budget 256, group 4, 8 kv heads) has 136
     programs: a full wave plus a wave of 4 that takes as long as the first, so its kernel time
     is twice W = 256's (126 against 60 us at ctx 4K, BENCHMARKS.md, seventh session). Without
     the last block of each head the rest fits one wave fewer, and the `heads` tail programs,
     split over the keys, fill the SMs for a fraction of a program's time. Returns 0 when that
     saves no wave or the keys are too short to split.
     """
-    slots = num_sms * max(1, _SM_SHARED_BYTES // smem)
+    slots = limits.num_sms * max(1, limits.smem_per_sm // smem)
     programs = heads * row_blocks
     if row_blocks < 2 or pl.cdiv(programs - heads, slots) == pl.cdiv(programs, slots):
         return 0
@@ -245,7 +290,7 @@ def _tail_split(heads: int, row_blocks: int, smem: int, block_k: int, max_len: i
 
 
 def one_wave_block_sizes(batch: int, width: int, group: int, kv_heads: int, head_dim: int,
-                         max_len: int, itemsize: int = 2, num_sms: int = _NUM_SMS) -> BlockSizes:
+                         max_len: int, itemsize: int = 2, limits: GpuLimits | None = None) -> BlockSizes:
     """A candidate tiling that runs the whole grid in one wave of resident programs.
 
     `default_block_sizes` aims at ~264 programs, two per SM. But at more than 64 rows its
@@ -258,12 +303,13 @@ def one_wave_block_sizes(batch: int, width: int, group: int, kv_heads: int, head
     (W = 272: 150 against 126 us at ctx 4K; W = 512: 177 against 137), and W = 272 now gets a
     tail launch instead.
     """
-    d = default_block_sizes(batch, width, group, kv_heads, head_dim, max_len, itemsize)
+    limits = limits or gpu_limits()
+    d = default_block_sizes(batch, width, group, kv_heads, head_dim, max_len, itemsize, limits)
     programs = batch * kv_heads * pl.cdiv(width * group, d.block_q)
     for block_k, stages in ((d.block_k, d.num_stages), (64, 3), (64, 2), (32, 3)):
         block_k = min(block_k, d.block_k)
         smem = _shared_memory_bytes(d.block_q, block_k, head_dim, itemsize, stages)
-        slots = num_sms * max(1, _SM_SHARED_BYTES // smem)
+        slots = limits.num_sms * max(1, limits.smem_per_sm // smem)
         if programs <= slots:
             split = max(1, min(slots // programs, pl.cdiv(max_len, block_k) // 4))
             return BlockSizes(block_q=d.block_q, block_k=block_k, num_warps=d.num_warps,

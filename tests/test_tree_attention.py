@@ -15,7 +15,10 @@ import pytest
 
 from dflash_jax.bench.tree_attention_bench import random_tree_visibility as random_trees
 from pallas_kernels import (
+    H200,
+    GpuLimits,
     default_block_sizes,
+    gpu_limits,
     one_wave_block_sizes,
     resolve_impl,
     tree_attention,
@@ -360,3 +363,50 @@ def test_tail_launch_lowers_and_validates():
     case = make_case(0, 1, 20, 2, 4, 64, 64, [5], jnp.float32, False)
     with pytest.raises(ValueError, match="tail_split=2 .* needs split_k=1"):
         tree_attention_pallas(*case[:4], split_k=2, tail_split=2, interpret=True)
+
+
+ADA = GpuLimits(num_sms=142, smem_per_block=99 * 1024, smem_per_sm=100 * 1024)  # L40S-class
+
+
+def test_limits_read_from_the_device():
+    """Compute capability and SM count pick the shared-memory limits; without a GPU the tiling
+    assumes an H200, where it was tuned."""
+    from types import SimpleNamespace
+
+    from pallas_kernels.tree_attention import limits_of
+
+    assert limits_of(SimpleNamespace(compute_capability="8.9", core_count=142)) == ADA
+    assert limits_of(SimpleNamespace(compute_capability="9.0", core_count=132)) == H200
+    # Unknown architectures (or ROCm names) get the smallest shared memory in the table.
+    assert limits_of(SimpleNamespace(compute_capability="gfx942", core_count=304)).smem_per_block == 99 * 1024
+    if not ON_GPU:
+        assert gpu_limits() == H200
+
+
+@pytest.mark.parametrize("itemsize", [2, 4])
+def test_default_tiles_fit_a_smaller_gpu(itemsize):
+    """On a 99 KB-per-block GPU (Ada) every default tile fits its shared memory (Hopper's 208 KB
+    tiles would not compile there), and split grids stay within one wave of its 142 SMs."""
+    for width in (1, 16, 64, 80, 256, 272, 512):
+        for group in (1, 4, 8):
+            for max_len in (1000, 4096 + width, 32768 + width):
+                bs = default_block_sizes(1, width, group, 8, 128, max_len, itemsize, limits=ADA)
+                smem = (bs.num_stages * 2 * bs.block_k + bs.block_q) * 128 * itemsize
+                assert smem <= ADA.smem_budget, (width, group, max_len, bs)
+                programs = 8 * -(-width * group // bs.block_q) * bs.split_k
+                assert bs.split_k == 1 or programs <= 142 * (ADA.smem_per_sm // smem), (width, group, bs)
+                wave = one_wave_block_sizes(1, width, group, 8, 128, max_len, itemsize, limits=ADA)
+                assert (wave.num_stages * 2 * wave.block_k + wave.block_q) * 128 * itemsize <= ADA.smem_budget
+    # The same shapes on an H200 keep Hopper's larger tiles.
+    assert default_block_sizes(1, 272, 4, 8, 128, 4368, limits=H200).block_k == 128
+    assert default_block_sizes(1, 272, 4, 8, 128, 4368, limits=ADA).block_k < 128
+
+
+def test_smaller_gpu_tiling_matches_reference():
+    """The Ada tiling (smaller key blocks) computes the same attention (interpret mode)."""
+    import dataclasses
+
+    q, k, v, lens, visible = make_case(31, 2, 48, 2, 4, 64, 400, [0, 311], jnp.bfloat16, True)
+    blocks = default_block_sizes(2, 48, 4, 2, 64, 400, 2, limits=ADA)
+    out = tree_attention_pallas(q, k, v, lens, visible, interpret=True, **dataclasses.asdict(blocks))
+    assert rel_err(out, tree_attention_reference(q, k, v, lens, visible)) < tolerance(jnp.bfloat16)
