@@ -17,7 +17,8 @@ from dflash_jax.config import ModelConfig
 from dflash_jax.kv_cache import KVCache, gather_rows, write_rows
 from dflash_jax.params import EMBED, HEAD_DIM, KV_HEADS, MLP, Q_HEADS, VOCAB, Spec, init_from_specs
 from dflash_jax.rope import apply_rope, rope_tables
-from dflash_jax.sharding import BATCH, attention, constrain, constrain_cache, embed_lookup, row_parallel_chunks
+from dflash_jax.sharding import (BATCH, attention, constrain, constrain_cache, embed_lookup, row_groups,
+                                 row_parallel_chunks)
 
 dataclass = dataclasses.dataclass
 
@@ -200,6 +201,20 @@ def embed_tokens(params: ModelParams, tokens: jax.Array) -> jax.Array:
 
 # ----------------------------------------------------------------------------- forward
 
+def _after_attention(lp: LayerParams, cfg: ModelConfig, x: jax.Array, attn: jax.Array) -> jax.Array:
+    """x + o_proj(attn), then + MLP; x: [batch, W, embed], attn: [batch, W, q_heads, head_dim].
+
+    Under `sharding.overlap_row_groups` the rows run as independent groups, each with its own
+    two all-reduces, so that one group's all-reduce may overlap the next group's products.
+    """
+    parts = []
+    for start, stop in row_groups(x.shape[1]):
+        xg, ag = (x, attn) if (start, stop) == (0, x.shape[1]) else (x[:, start:stop], attn[:, start:stop])
+        xg = xg + output_projection(lp.attn, ag)
+        parts.append(xg + mlp(lp.mlp, rms_norm(xg, lp.mlp_norm, cfg.rms_norm_eps)))
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+
+
 @jax.tree_util.register_dataclass
 @dataclass
 class ForwardOutput:
@@ -236,8 +251,7 @@ def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions:
         k_buf = constrain_cache(write_rows(cache.k[i], k, starts))
         v_buf = constrain_cache(write_rows(cache.v[i], v, starts))
         attn = attention(q, k_buf, v_buf, starts, visible, impl=attn_impl)  # shard_map under a mesh
-        x = x + output_projection(lp.attn, attn)
-        x = x + mlp(lp.mlp, rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps))
+        x = _after_attention(lp, cfg, x, attn)
         new_k.append(k_buf)
         new_v.append(v_buf)
         if i in tap_layers:

@@ -301,6 +301,47 @@ def row_parallel_chunks(rows: int, batch: int, row_bytes: int) -> list[int]:
     return [rows // n + (i < rows % n) for i in range(n)]
 
 
+# Row groups of each decoder layer's work after attention, while tracing; see `overlap_row_groups`.
+_row_groups: int = 1
+
+
+@contextlib.contextmanager
+def overlap_row_groups(groups: int):
+    """While tracing in this context under tp > 1, each target decoder layer's work after
+    attention (o_proj and its all-reduce, the MLP and its all-reduce) runs as `groups`
+    independent groups of rows (`row_groups`).
+
+    Why: at batch 1 each all-reduce costs ~20 us however small, and at tp = 2 the 32B shape's
+    DDTree(256) round spends 3.2 ms per GPU in them (BENCHMARKS.md, seventh session). One row
+    group's all-reduce does not depend on the next group's products, so an async collective
+    can run while they compute, if the compiler schedules it that way. The benchmark variant
+    `bench.collectives.ALL_REDUCE["nccl-overlap"]` turns on XLA's latency-hiding scheduler and
+    turns off the all-reduce combiner, which would join the groups' all-reduces again. Exact:
+    after attention the rows do not interact. Programs already traced keep their grouping.
+    """
+    global _row_groups
+    if groups < 1:
+        raise ValueError(f"overlap_row_groups: groups must be >= 1, got {groups}")
+    old, _row_groups = _row_groups, groups
+    try:
+        yield
+    finally:
+        _row_groups = old
+
+
+def row_groups(rows: int) -> list[tuple[int, int]]:
+    """[start, stop) ranges of near-equal row groups for a layer's post-attention work.
+
+    One range without a mesh, at tp = 1, outside `overlap_row_groups`, or with fewer rows than
+    groups.
+    """
+    groups = _row_groups
+    if groups == 1 or mesh_sizes()[1] == 1 or rows < groups:
+        return [(0, rows)]
+    bounds = [rows * g // groups for g in range(groups + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     """Lays an activation out by its logical axes on the active mesh; a no-op without one."""
     mesh = active_mesh()

@@ -216,6 +216,32 @@ def test_chunked_all_reduce_splits_large_row_parallel_results(saved):
             pass
 
 
+def test_row_groups_split_the_post_attention_all_reduces(saved):
+    """Under overlap_row_groups(2) each layer's o_proj and MLP run on two row groups, each with
+    its own all-reduce: the same logits, twice the layer all-reduces on half the rows each, and
+    one group when no mesh is active or there are fewer rows than groups."""
+    kind, directory, cfg, _ = saved
+    mesh, sharded, tokens, fwd = tp2_prefill(directory, cfg)
+    with sh.use_mesh(mesh):
+        plain = jax.jit(fwd).lower(sharded, tokens).compile()
+        with sh.overlap_row_groups(2):
+            assert sh.row_groups(17) == [(0, 8), (8, 17)]
+            assert sh.row_groups(1) == [(0, 1)]  # an AR step: nothing to overlap
+            grouped = jax.jit(functools.partial(fwd)).lower(sharded, tokens).compile(
+                compiler_options={"xla_gpu_all_reduce_combine_threshold_bytes": 0})
+    from dflash_jax.bench.tensor_parallel import hlo_collectives
+    shapes = lambda exe: sorted(s for kind, _, s in hlo_collectives(exe.as_text()) if s[-1] == cfg.hidden_size)  # noqa: E731
+    layers, h = 2 * cfg.num_layers, cfg.hidden_size
+    embed = [(4, 17, h)] * (cfg.vocab_size % 2 == 0)
+    assert shapes(grouped) == sorted([(4, 8, h)] * layers + [(4, 9, h)] * layers + embed), kind
+    assert rel_err(grouped(sharded, tokens), plain(sharded, tokens)) <= 1e-6, kind
+    with sh.overlap_row_groups(2):
+        assert sh.row_groups(17) == [(0, 17)]  # no mesh
+    with pytest.raises(ValueError, match="groups must be >= 1"):
+        with sh.overlap_row_groups(0):
+            pass
+
+
 # ----------------------------------------------------------------------------- rules
 
 def test_heads_that_do_not_divide_are_errors(tmp_path):

@@ -50,11 +50,17 @@ ALL_REDUCE = {"nccl": None, "nccl-sync": {"xla_gpu_disable_async_collectives": "
               "one-shot-split": {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True,
                                  "xla_gpu_all_reduce_combine_threshold_bytes": 0},
               "nccl-graph": {"xla_gpu_enable_command_buffer": ",".join(COMMAND_BUFFER_DEFAULT + ("COLLECTIVES",))},
-              "nccl-no-graph": {"xla_gpu_enable_command_buffer": ""}}
+              "nccl-no-graph": {"xla_gpu_enable_command_buffer": ""},
+              "nccl-overlap": {"xla_gpu_enable_latency_hiding_scheduler": True,
+                               "xla_gpu_all_reduce_combine_threshold_bytes": 0}}
 # "one-shot-split" also traces the model under `sharding.all_reduce_max_bytes(2 MiB)`: row-parallel
 # results over XLA's 2 MB kernel limit are all-reduced in row chunks that fit it (and the
 # combiner, which would join the chunks again, is off). Here, one op at a time, it equals one-shot.
 ALL_REDUCE_MAX_BYTES = {"one-shot-split": 2 * 2 ** 20}
+# "nccl-overlap" also traces the model under `sharding.overlap_row_groups(2)`: each layer's work
+# after attention in two row groups, whose all-reduces the latency-hiding scheduler may overlap
+# with the other group's products (the combiner, which would join them, is off).
+ROW_GROUPS = {"nccl-overlap": 2}
 NCCL_PROTOS = ("LL", "LL128", "Simple")
 
 

@@ -266,6 +266,8 @@ tp)
     tag=$(echo "${TP_MODELS:-all}" | tr ' ' '_')
     # TP_ALL_REDUCE="nccl one-shot": tp = 2 also with XLA's own all-reduce kernel for the small
     # all-reduces (NCCL costs ~20 us each however small: BENCHMARKS.md), in the same process.
+    # TP_ALL_REDUCE="nccl nccl-overlap": also with each layer's post-attention work in two row
+    # groups whose all-reduces may overlap the other group's products (`overlap_row_groups`).
     # shellcheck disable=SC2086
     step "tp_$tag" "$limit" python -m dflash_jax.bench.tensor_parallel "$@" --all-reduce ${TP_ALL_REDUCE:-nccl} \
         --out "$out/tp_$tag.json" ;;

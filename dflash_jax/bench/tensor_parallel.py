@@ -14,7 +14,8 @@ Random bf16 weights of each shape, drawn straight into their shards. For every m
     `--ctx`, with a 5-layer drafter of the target's width (the shape of z-lab's drafters),
     compiled as DDTree decoding compiles it (XLA's dot merger off);
   * at tp > 1, once per `--all-reduce` variant (`bench.collectives.ALL_REDUCE`: NCCL, NCCL on
-    the compute stream, XLA's one-shot kernel, chunked, or in CUDA graphs), as compiler options
+    the compute stream, XLA's one-shot kernel, chunked, in CUDA graphs, or overlapped with row
+    groups), as compiler options
     of the same programs, so the weights and caches are shared;
   * collectives: every collective in the compiled step / round (from its HLO) is replayed
     alone, in order and with the same shapes, as a `shard_map` program; its time over the
@@ -45,7 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from dflash_jax import drafter as dr
 from dflash_jax import sharding as sh
 from dflash_jax.bench.ar_decode import make_decoder, random_cache
-from dflash_jax.bench.collectives import ALL_REDUCE, ALL_REDUCE_MAX_BYTES
+from dflash_jax.bench.collectives import ALL_REDUCE, ALL_REDUCE_MAX_BYTES, ROW_GROUPS
 from dflash_jax.bench.common import SHAPES, environment, time_fn, write_json
 from dflash_jax.config import ModelConfig, RopeConfig
 from dflash_jax.stage_times import STAGES
@@ -262,7 +263,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--all-reduce", nargs="+", choices=sorted(ALL_REDUCE), default=["nccl"],
                     help="tp > 1 only: NCCL, NCCL on the compute stream (nccl-sync), XLA's one-shot "
                          "all-reduce kernel for small all-reduces, or that kernel with large row-parallel "
-                         "results all-reduced in chunks that fit it (one-shot-split; see bench.collectives)")
+                         "results all-reduced in chunks that fit it (one-shot-split), or NCCL with each "
+                         "layer's post-attention work in two overlappable row groups (nccl-overlap; see "
+                         "bench.collectives)")
     ap.add_argument("--profile", help="directory for profiler traces (adds a trace-based collective share)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on fake CPU devices (a smoke test)")
     ap.add_argument("--out")
@@ -293,7 +296,8 @@ def main(argv: list[str] | None = None) -> None:
                 for ar_impl in (args.all_reduce if tp > 1 else args.all_reduce[:1]):
                     options = ALL_REDUCE[ar_impl]
                     round_program.cache_clear()  # traced afresh under this variant's chunking
-                    with sh.all_reduce_max_bytes(ALL_REDUCE_MAX_BYTES.get(ar_impl) if tp > 1 else None):
+                    with (sh.all_reduce_max_bytes(ALL_REDUCE_MAX_BYTES.get(ar_impl) if tp > 1 else None),
+                          sh.overlap_row_groups(ROW_GROUPS.get(ar_impl, 1))):
                         row = {"model": name, "tp": tp, "ctx": args.ctx,
                                "all_reduce": ar_impl if tp > 1 else None,
                                "weights_gb_per_device": param_bytes(target) / GB / tp,
