@@ -237,10 +237,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="(default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--remat", action="store_true", default=None, help="recompute layers in the backward pass")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--labels", choices=("response", "target"), default=None,
+    p.add_argument("--labels", choices=("response", "target", "target-soft"), default=None,
                    help="what block row k learns: the response's token (default, the recipe) or the "
                         "target's own greedy token after the same prefix (what greedy decoding accepts; "
-                        "differs from the response where it was sampled at T=1)")
+                        "differs from the response where it was sampled at T=1), or target-soft: the "
+                        "target's whole next-token distribution there, loss KL(target || drafter)")
     p.add_argument("--dp", type=int, default=None,
                    help="data-parallel devices: each step's --batch sequences are split over them, the "
                         "drafter and optimizer state replicated (--batch must divide by it; default 1, "

@@ -68,7 +68,7 @@ def default_gamma(block_size: int) -> float:
     return 7.0 * block_size / 16
 
 
-LABELS = ("response", "target")
+LABELS = ("response", "target", "target-soft")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +93,9 @@ class TrainConfig:
     # What block row k (at position p+k) learns to predict: "response", the data's token at p+k
     # (the recipe); "target", the target's own greedy token after positions <= p+k-1, from the
     # same forward that makes the taps. Greedy decoding accepts a draft token iff it equals
-    # that greedy token, and for responses sampled at T = 1 the two differ.
+    # that greedy token, and for responses sampled at T = 1 the two differ. "target-soft": the
+    # target's whole next-token distribution there, loss KL(target || drafter) (distillation;
+    # costs the target's logits at every position).
     labels: str = "response"
 
     def __post_init__(self) -> None:
@@ -200,20 +202,26 @@ def choose_mask_token(tokenizer: Any, vocab_size: int) -> int:
 # ----------------------------------------------------------------------------- the packed pass
 
 def target_taps(target: ModelParams, cfg: ModelConfig, tokens: jax.Array, tap_layers: tuple[int, ...],
-                attn_impl: str = "auto", *, greedy: bool = False) -> tuple[jax.Array, jax.Array | None]:
-    """The target's tap features of every position, and optionally its greedy next tokens.
+                attn_impl: str = "auto", *, labels: str = "response") -> tuple[jax.Array, jax.Array | None]:
+    """The target's tap features of every position, and what `labels` needs from the target.
 
-    tokens [batch, T] -> (taps [batch, T, taps*embed], greedy [batch, T] int32 or None), where
-    greedy[t] is the target's argmax after positions <= t. One causal target forward; the LM
-    head runs only when `greedy`. Constant for the drafter (stop_gradient).
+    tokens [batch, T] -> (taps [batch, T, taps*embed], source), where source is None for
+    "response"; for "target", greedy [batch, T] int32, greedy[t] the target's argmax after
+    positions <= t; for "target-soft", the logits [batch, T, vocab] behind that argmax. One
+    causal target forward; the LM head runs only for target labels. Constant for the drafter
+    (stop_gradient).
     """
     batch, seq = tokens.shape
     cache = KVCache.create(cfg.num_layers, batch, seq, cfg.num_kv_heads, cfg.head_dim, target.embed.dtype)
     positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
     out = forward(target, cfg, tokens, positions, cache, None, tap_layers=tuple(tap_layers),
-                  compute_logits=greedy, attn_impl=attn_impl)
-    nxt = jnp.argmax(out.logits, -1).astype(jnp.int32) if greedy else None
-    return jax.lax.stop_gradient(out.taps), nxt
+                  compute_logits=labels != "response", attn_impl=attn_impl)
+    source = None
+    if labels == "target":
+        source = jnp.argmax(out.logits, -1).astype(jnp.int32)
+    elif labels == "target-soft":
+        source = jax.lax.stop_gradient(out.logits.astype(target.embed.dtype))
+    return jax.lax.stop_gradient(out.taps), source
 
 
 def sample_anchors(key: jax.Array, prompt_lens: jax.Array, total_lens: jax.Array, seq_len: int,
@@ -349,6 +357,30 @@ def block_targets(tokens: jax.Array, anchors: jax.Array, valid: jax.Array, total
     return targets.reshape(pos.shape), mask
 
 
+def block_rows(per_position: jax.Array, anchors: jax.Array, block_size: int) -> jax.Array:
+    """[B, T, ...] values at positions p+k-1 for block rows k = 1..bs-1 -> [B, N, bs-1, ...].
+
+    Row k of the block at anchor p predicts the token at p+k, so the target's prediction for it
+    sits at position p+k-1 (as `block_targets` takes greedy[p+k-1]).
+    """
+    b, seq = per_position.shape[:2]
+    at = jnp.clip(anchors[:, :, None] + jnp.arange(block_size - 1, dtype=jnp.int32), 0, seq - 1)
+    flat = at.reshape(b, -1).reshape((b, -1) + (1,) * (per_position.ndim - 2))
+    rows = jnp.take_along_axis(per_position, flat, axis=1)
+    return rows.reshape(at.shape + per_position.shape[2:])
+
+
+def soft_label_kl(draft_logits: jax.Array, target_logits: jax.Array) -> jax.Array:
+    """KL(target || drafter) per row, in float32: [..., vocab] x 2 -> [...].
+
+    Its gradient is that of the cross-entropy against the target's distribution; the target's
+    entropy is subtracted so that a drafter matching the target scores 0.
+    """
+    log_q = jax.nn.log_softmax(draft_logits.astype(jnp.float32), -1)
+    log_p = jax.nn.log_softmax(target_logits.astype(jnp.float32), -1)
+    return jnp.sum(jnp.exp(log_p) * (log_p - log_q), -1)
+
+
 def position_weights(block_size: int, gamma: float) -> jax.Array:
     """exp(-(k-1)/gamma) for block rows k = 1..bs-1: early rows matter most (they gate acceptance)."""
     return jnp.exp(-jnp.arange(block_size - 1, dtype=jnp.float32) / gamma)
@@ -356,13 +388,15 @@ def position_weights(block_size: int, gamma: float) -> jax.Array:
 
 def block_scores(dparams: dr.DraftParams, target: ModelParams, taps: jax.Array, batch: dict[str, jax.Array],
                  key: jax.Array, *, dcfg: dr.DraftConfig, tc: TrainConfig,
-                 greedy: jax.Array | None = None) -> dict[str, jax.Array]:
+                 source: jax.Array | None = None) -> dict[str, jax.Array]:
     """Per block row: cross-entropy, loss weight, mask and correctness, per block: valid and chain run.
 
-    dparams are float32 masters, cast here. The anchors are drawn with `key`. `greedy` [B, T]:
-    the target's greedy next tokens, the labels when tc.labels == "target". Keys: ce, w
-    (position weight x mask), m (mask, float), correct [B, N, bs-1]; valid, run [B, N] (run =
-    leading correct rows of the block: the greedy chain's accepted draft tokens).
+    dparams are float32 masters, cast here. The anchors are drawn with `key`. `source`: what
+    `target_taps` gives for tc.labels (greedy tokens [B, T], or logits [B, T, vocab] for
+    "target-soft"). Keys: ce (for "target-soft", KL(target || drafter)), w (position weight x
+    mask), m (mask, float), correct [B, N, bs-1] (against the target's greedy token for target
+    labels); valid, run [B, N] (run = leading correct rows of the block: the greedy chain's
+    accepted draft tokens).
     """
     tokens, prompt_lens, total_lens = batch["tokens"], batch["prompt_lens"], batch["total_lens"]
     bs = dcfg.block_size
@@ -371,8 +405,13 @@ def block_scores(dparams: dr.DraftParams, target: ModelParams, taps: jax.Array, 
     hidden = packed_forward(params, dcfg, target, taps, tokens, anchors, remat=tc.remat)
     b, n = anchors.shape
     logits = dr.draft_logits(params, dcfg, target, hidden.reshape(b * n, bs, -1)).reshape(b, n, bs - 1, -1)
+    soft = tc.labels == "target-soft"
+    greedy = jnp.argmax(source, -1).astype(jnp.int32) if soft else source
     targets, mask = block_targets(tokens, anchors, valid, total_lens, bs, greedy)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    if soft:
+        ce = soft_label_kl(logits, block_rows(source, anchors, bs))
+    else:
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
     m = mask.astype(jnp.float32)
     correct = (jnp.argmax(logits, -1) == targets) & mask
     return {"ce": ce, "w": position_weights(bs, tc.gamma or default_gamma(bs)) * m, "m": m, "correct": correct,
@@ -381,9 +420,9 @@ def block_scores(dparams: dr.DraftParams, target: ModelParams, taps: jax.Array, 
 
 def loss_fn(dparams: dr.DraftParams, target: ModelParams, taps: jax.Array, batch: dict[str, jax.Array],
             key: jax.Array, *, dcfg: dr.DraftConfig, tc: TrainConfig,
-            greedy: jax.Array | None = None) -> tuple[jax.Array, dict[str, Any]]:
-    """Weighted block cross-entropy and metrics. dparams are float32 masters, cast here."""
-    s = block_scores(dparams, target, taps, batch, key, dcfg=dcfg, tc=tc, greedy=greedy)
+            source: jax.Array | None = None) -> tuple[jax.Array, dict[str, Any]]:
+    """Weighted block cross-entropy (or KL) and metrics. dparams are float32 masters, cast here."""
+    s = block_scores(dparams, target, taps, batch, key, dcfg=dcfg, tc=tc, source=source)
     ce, w, m, correct, valid = s["ce"], s["w"], s["m"], s["correct"], s["valid"]
     loss = jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1e-6)
     per_pos = jnp.maximum(jnp.sum(m, (0, 1)), 1.0)
@@ -425,10 +464,10 @@ def train_step(state: TrainState, target: ModelParams, batch: dict[str, jax.Arra
     target: the frozen target, already in compute dtype; batch: tokens [B, T] int32,
     prompt_lens / total_lens [B] int32. Pure: the result depends only on the arguments.
     """
-    taps, greedy = target_taps(target, cfg, batch["tokens"], dcfg.target_layer_ids, tc.attn_impl,
-                               greedy=tc.labels == "target")
+    taps, source = target_taps(target, cfg, batch["tokens"], dcfg.target_layer_ids, tc.attn_impl,
+                               labels=tc.labels)
     key = jax.random.fold_in(state.rng, state.step)
-    grad_fn = jax.value_and_grad(functools.partial(loss_fn, dcfg=dcfg, tc=tc, greedy=greedy), has_aux=True)
+    grad_fn = jax.value_and_grad(functools.partial(loss_fn, dcfg=dcfg, tc=tc, source=source), has_aux=True)
     (_, metrics), grads = grad_fn(state.params, target, taps, batch, key)
     updates, opt_state = make_optimizer(tc).update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -501,9 +540,9 @@ def eval_step(params: dr.DraftParams, target: ModelParams, batch: dict[str, jax.
 
     The same blocks, loss and chain-acceptance rules as `loss_fn`; the anchors come from `key`.
     """
-    taps, greedy = target_taps(target, cfg, batch["tokens"], dcfg.target_layer_ids, tc.attn_impl,
-                               greedy=tc.labels == "target")
-    s = block_scores(params, target, taps, batch, key, dcfg=dcfg, tc=tc, greedy=greedy)
+    taps, source = target_taps(target, cfg, batch["tokens"], dcfg.target_layer_ids, tc.attn_impl,
+                               labels=tc.labels)
+    s = block_scores(params, target, taps, batch, key, dcfg=dcfg, tc=tc, source=source)
     return {"loss_sum": jnp.sum(s["ce"] * s["w"]), "weight_sum": jnp.sum(s["w"]),
             "correct_by_pos": jnp.sum(s["correct"], (0, 1)).astype(jnp.float32),
             "tokens_by_pos": jnp.sum(s["m"], (0, 1)),
@@ -874,7 +913,7 @@ def time_step_parts(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig,
     if mesh is not None:
         target, state = place_replicated((target, state), mesh)
     batch = place_batch(data.batch(batch_indices(len(data), tc.batch_size, 0, tc.seed)), mesh)
-    taps_fn = jax.jit(functools.partial(target_taps, greedy=tc.labels == "target"), static_argnums=(1, 3, 4))
+    taps_fn = jax.jit(functools.partial(target_taps, labels=tc.labels), static_argnums=(1, 3, 4))
     out: dict[str, float] = {}
     for name, fn in (("taps_s", lambda: taps_fn(target, cfg, batch["tokens"], dcfg.target_layer_ids, tc.attn_impl)),
                      ("step_s", lambda: train_step(state, target, batch, cfg=cfg, dcfg=dcfg, tc=tc))):

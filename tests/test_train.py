@@ -449,11 +449,67 @@ def test_target_labels_equal_the_response_on_a_greedy_response(target):
     gen = generate_ar(params, cfg, prompt, jnp.array([6, 6], jnp.int32), jax.random.key(0),
                       max_new_tokens=12, max_len=24)
     tokens = jnp.concatenate([prompt, jnp.asarray(gen.tokens)], 1)
-    _, greedy = tr.target_taps(params, cfg, tokens, (1, 2), greedy=True)
+    _, greedy = tr.target_taps(params, cfg, tokens, (1, 2), labels="target")
     # greedy[t] predicts token t+1: from the last prompt position to the second-last token.
     np.testing.assert_array_equal(np.asarray(greedy)[:, 5:17], np.asarray(tokens)[:, 6:18])
     taps_only, none = tr.target_taps(params, cfg, tokens, (1, 2))
     assert none is None and taps_only.shape == (2, 18, 2 * cfg.hidden_size)
+
+
+def test_soft_labels_are_the_kl_to_the_target_at_each_rows_position(target):
+    """labels="target-soft": row k of the block at p scores KL(softmax(target logits at p+k-1) ||
+    drafter), checked against numpy on the same logits; with a near one-hot target it is the
+    hard cross-entropy against the target's greedy token, and `correct` and the mask are those
+    of labels="target"."""
+    _, cfg, params = target
+    dcfg = make_dcfg(cfg)
+    dparams = numpy_init(dcfg)
+    data = toy_sequences()
+    batch = {k: jnp.asarray(v) for k, v in data.batch(np.arange(TC.batch_size)).items()}
+    tc_soft = dataclasses.replace(TC, labels="target-soft", compute_dtype="float32")
+    tc_hard = dataclasses.replace(tc_soft, labels="target")
+    taps, logits = tr.target_taps(params, cfg, batch["tokens"], dcfg.target_layer_ids, labels="target-soft")
+    assert logits.shape == batch["tokens"].shape + (cfg.vocab_size,)
+    key = jax.random.key(3)
+    soft = tr.block_scores(dparams, params, taps, batch, key, dcfg=dcfg, tc=tc_soft, source=logits)
+    # The drafter's own row logits, recomputed the way block_scores makes them.
+    anchors, _ = tr.sample_anchors(key, batch["prompt_lens"], batch["total_lens"], batch["tokens"].shape[1],
+                                   TC.num_blocks)
+    hidden = tr.packed_forward(dparams, dcfg, params, taps, batch["tokens"], anchors)
+    b, n = anchors.shape
+    q = np.asarray(dr.draft_logits(dparams, dcfg, params, hidden.reshape(b * n, dcfg.block_size, -1)),
+                   np.float64).reshape(b, n, dcfg.block_size - 1, -1)
+    lg, an = np.asarray(logits, np.float64), np.asarray(anchors)
+    seq = lg.shape[1]
+    expected = np.zeros(q.shape[:3])
+    for i in range(b):
+        for j in range(n):
+            for k in range(1, dcfg.block_size):
+                p = np.exp(lg[i, min(an[i, j] + k - 1, seq - 1)] - lg[i, min(an[i, j] + k - 1, seq - 1)].max())
+                p /= p.sum()
+                lq = q[i, j, k - 1] - q[i, j, k - 1].max()
+                lq -= np.log(np.exp(lq).sum())
+                expected[i, j, k - 1] = np.sum(p * (np.log(p + 1e-300) - lq))
+    m = np.asarray(soft["m"]) > 0
+    np.testing.assert_allclose(np.asarray(soft["ce"])[m], expected[m], rtol=1e-4, atol=1e-5)
+    # A near one-hot target: KL -> the hard cross-entropy on the target's greedy tokens.
+    sharp = 1e3 * jax.nn.one_hot(jnp.argmax(logits, -1), cfg.vocab_size)
+    soft_sharp = tr.block_scores(dparams, params, taps, batch, key, dcfg=dcfg, tc=tc_soft, source=sharp)
+    hard = tr.block_scores(dparams, params, taps, batch, key, dcfg=dcfg, tc=tc_hard,
+                           source=jnp.argmax(logits, -1).astype(jnp.int32))
+    np.testing.assert_allclose(np.asarray(soft_sharp["ce"])[m], np.asarray(hard["ce"])[m], rtol=1e-4, atol=1e-4)
+    for name in ("m", "correct", "run"):
+        np.testing.assert_array_equal(np.asarray(soft[name]), np.asarray(hard[name]), err_msg=name)
+
+
+def test_training_on_soft_labels_reduces_the_loss(target, tmp_path):
+    _, cfg, params = target
+    dcfg = make_dcfg(cfg)
+    tc = dataclasses.replace(TC, labels="target-soft", steps=8)
+    run = tr.train(params, cfg, dcfg, toy_sequences(), tc, tmp_path / "s", init_params=numpy_init(dcfg),
+                   log_every=1, progress=False, plots=False)
+    losses = [r["loss"] for r in run.history]
+    assert np.mean(losses[-3:]) < 0.8 * np.mean(losses[:3]), losses
 
 
 def test_training_on_target_labels_reduces_the_loss_and_resumes_old_records(target, tmp_path):

@@ -18,10 +18,11 @@
 #   drafter       SmolLM2 drafter: make-data (4 samples per prompt), train with a 2% validation split,
 #                 export the best-validation drafter (GGUF=path, DATA=dir, STEPS, TRAIN_S, GEN_S).
 #                 TRAIN_DP=2 trains data-parallel over 2 GPUs (`train --dp`; the batch of 32 is split);
-#                 LABELS=target, INIT=drafter, SAMPLES=responses per prompt (4), LAYERS=drafter
+#                 LABELS=target or target-soft, INIT=drafter, SAMPLES=responses per prompt (4), LAYERS=drafter
 #                 layers (3; with INIT it must match); calling it again resumes the run
 #   drafter-ab    two drafters at once from one token file, GPU 0 --labels response, GPU 1 --labels
-#                 target; calling it again resumes both (STEPS spans the calls, TRAIN_S each);
+#                 target (AB_LABELS="a b" picks two others, e.g. "target target-soft"); calling it
+#                 again resumes both (STEPS spans the calls, TRAIN_S each);
 #                 INIT=drafter starts both from a trained drafter (`train --init`)
 #   eval-ab       gsm8k tau (128 prompts) of both drafter-ab drafters at once, DFlash and DDTree(64)
 #   eval-pick     after eval-ab: the one with the higher DFlash tau (OUT_DIR/winner.txt), then its
@@ -83,6 +84,7 @@ dry=${DRY:-0}
 data=${DATA:-.data}
 gguf=${GGUF:-smollm2}
 run_dir=${RUN_DIR:-/root/run}
+read -r -a ab_labels <<< "${AB_LABELS:-response target}"  # drafter-ab / eval-ab / eval-pick: one per GPU
 [ "$dry" = 1 ] && run_dir=$out/run
 
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUT_DIR/NAME.log
@@ -180,16 +182,17 @@ drafter)
     split -b 15M "$run_dir/run/drafter/model.safetensors" "$out/drafter.safetensors.part_"
     tar czf "$out/drafter_run.tgz" -C "$run_dir/run" train_run.json log.jsonl plots drafter/config.json ;;
 drafter-ab)
-    # Two drafters from the same responses at once, one per GPU: GPU 0 learns the response tokens
-    # (--labels response), GPU 1 the target's own greedy tokens (--labels target), in
-    # RUN_DIR/response and RUN_DIR/target. The token file is made once. Calling the phase again
+    # Two drafters from the same responses at once, one per GPU: by default GPU 0 learns the
+    # response tokens (--labels response), GPU 1 the target's own greedy tokens (--labels target),
+    # in RUN_DIR/response and RUN_DIR/target; AB_LABELS="target target-soft" picks other two
+    # `train --labels` values (the same for eval-ab and eval-pick). The token file is made once. Calling the phase again
     # resumes both runs (the machine keeps RUN_DIR between back-to-back calls), so STEPS may span
     # several calls of TRAIN_S seconds each. INIT=drafter (a directory or "smollm2", the shipped
     # one) starts both runs from that drafter's weights instead of random ones (`train --init`).
     drafter_args
     make_tokens || exit 1
     gpu=0
-    for labels in response target; do
+    for labels in "${ab_labels[@]}"; do
         start_args "$run_dir/$labels"
         (export CUDA_VISIBLE_DEVICES=$gpu XLA_PYTHON_CLIENT_PREALLOCATE=false
          step "train_$labels" "$(( ${TRAIN_S:-330} + 60 ))" python -m dflash_jax.cli train --target "$gguf" \
@@ -198,16 +201,18 @@ drafter-ab)
         gpu=$((gpu + 1))
     done
     wait
-    for labels in response target; do
+    records=()
+    for labels in "${ab_labels[@]}"; do
         split -b 15M "$run_dir/$labels/drafter/model.safetensors" "$out/$labels.safetensors.part_"
+        records+=("$labels"/{train_run.json,log.jsonl,plots,drafter/config.json})
     done
-    tar czf "$out/drafter_ab.tgz" -C "$run_dir" {response,target}/{train_run.json,log.jsonl,plots,drafter/config.json} ;;
+    tar czf "$out/drafter_ab.tgz" -C "$run_dir" "${records[@]}" ;;
 eval-ab)
-    # gsm8k tau of drafter-ab's two drafters at once (GPU 0: response labels, GPU 1: target
-    # labels), DFlash and DDTree(64): the one to ship, before the full eval / speed phases.
+    # gsm8k tau of drafter-ab's two drafters at once (GPU 0: the first of AB_LABELS, GPU 1: the
+    # second), DFlash and DDTree(64): the one to ship, before the full eval / speed phases.
     eval_args
     gpu=0
-    for labels in response target; do
+    for labels in "${ab_labels[@]}"; do
         (export CUDA_VISIBLE_DEVICES=$gpu XLA_PYTHON_CLIENT_PREALLOCATE=false
          step "tau_$labels" 240 python -m dflash_jax.cli bench --target "$gguf" --draft "$run_dir/$labels/drafter" \
              --method dflash ddtree "${ab[@]}" --prompts "$data/gsm8k/test.jsonl" --no-progress \
@@ -216,13 +221,13 @@ eval-ab)
     done
     wait ;;
 eval-pick)
-    # After eval-ab: the drafter with the higher gsm8k DFlash tau (RUN_DIR/response or /target),
-    # named in OUT_DIR/winner.txt, then its full eval split over the GPUs (gsm8k on GPU 0,
-    # spec_bench on GPU 1; OUT_DIR/gpu0.tgz and gpu1.tgz).
-    winner=$(python - "$out" <<'PY'
+    # After eval-ab: the drafter with the higher gsm8k DFlash tau (RUN_DIR/<labels>), named in
+    # OUT_DIR/winner.txt, then its full eval split over the GPUs (gsm8k on GPU 0, spec_bench on
+    # GPU 1; OUT_DIR/gpu0.tgz and gpu1.tgz).
+    winner=$(python - "$out" "${ab_labels[@]}" <<'PY'
 import json, sys
 taus = {}
-for labels in ("response", "target"):
+for labels in sys.argv[2:]:
     methods = json.load(open(f"{sys.argv[1]}/tau_{labels}/report.json"))["methods"]
     taus[labels] = next(m["tau"] for name, m in methods.items() if name.startswith("dflash"))
 print(max(taus, key=taus.get), file=sys.stdout)
