@@ -178,6 +178,10 @@ class GpuLimits:
         """Shared memory a program's tiles may take; the rest is slack for Triton's scratch."""
         return self.smem_per_block - 7 * 1024
 
+    def resident_programs(self, smem: int) -> int:
+        """Programs of `smem` bytes each that run at once: one wave of the grid."""
+        return self.num_sms * max(1, self.smem_per_sm // smem)
+
 
 # An H100 / H200 SXM, where the defaults were tuned; also the limits assumed without a GPU.
 H200 = GpuLimits(num_sms=132, smem_per_block=227 * 1024, smem_per_sm=228 * 1024)
@@ -254,16 +258,16 @@ def default_block_sizes(batch: int, width: int, group: int, kv_heads: int, head_
         else:
             num_stages -= 1
     block_k = min(block_k, max(_MIN_BLOCK, _next_pow2(max_len)))
-    programs = batch * kv_heads * pl.cdiv(rows, block_q)
+    row_blocks = pl.cdiv(rows, block_q)
+    programs = batch * kv_heads * row_blocks
     smem = _shared_memory_bytes(block_q, block_k, head_dim, itemsize, num_stages)
     tail_split = 0
     if programs >= 128:
         split_k = 1
-        tail_split = _tail_split(batch * kv_heads, pl.cdiv(rows, block_q), smem, block_k, max_len, limits)
+        tail_split = _tail_split(batch * kv_heads, row_blocks, smem, block_k, max_len, limits)
     else:
-        resident = limits.num_sms * max(1, limits.smem_per_sm // smem)
         # Each split should still stream several key blocks, else the combine costs more.
-        split_k = max(1, min(pl.cdiv(target, programs), resident // programs,
+        split_k = max(1, min(pl.cdiv(target, programs), limits.resident_programs(smem) // programs,
                              pl.cdiv(max_len, block_k) // 4))
     return BlockSizes(block_q=block_q, block_k=block_k, num_warps=num_warps,
                       num_stages=num_stages, split_k=split_k, tail_split=tail_split)
@@ -281,7 +285,7 @@ def _tail_split(heads: int, row_blocks: int, smem: int, block_k: int, max_len: i
     split over the keys, fill the SMs for a fraction of a program's time. Returns 0 when that
     saves no wave or the keys are too short to split.
     """
-    slots = limits.num_sms * max(1, limits.smem_per_sm // smem)
+    slots = limits.resident_programs(smem)
     programs = heads * row_blocks
     if row_blocks < 2 or pl.cdiv(programs - heads, slots) == pl.cdiv(programs, slots):
         return 0
@@ -309,7 +313,7 @@ def one_wave_block_sizes(batch: int, width: int, group: int, kv_heads: int, head
     for block_k, stages in ((d.block_k, d.num_stages), (64, 3), (64, 2), (32, 3)):
         block_k = min(block_k, d.block_k)
         smem = _shared_memory_bytes(d.block_q, block_k, head_dim, itemsize, stages)
-        slots = limits.num_sms * max(1, limits.smem_per_sm // smem)
+        slots = limits.resident_programs(smem)
         if programs <= slots:
             split = max(1, min(slots // programs, pl.cdiv(max_len, block_k) // 4))
             return BlockSizes(block_q=d.block_q, block_k=block_k, num_warps=d.num_warps,
