@@ -122,6 +122,15 @@ start_args() {  # start_args RUN: --resume if RUN holds a run, else --init INIT 
     elif [ -n "${INIT:-}" ]; then start=(--init "$INIT"); fi
 }
 
+train_drafter() {  # train_drafter STEP RUN LABELS [FLAGS...]: train (or resume) a drafter into RUN
+    local name=$1 run=$2 labels=$3
+    shift 3
+    start_args "$run"
+    step "$name" "$(( ${TRAIN_S:-330} + 60 ))" python -m dflash_jax.cli train --target "$gguf" \
+        --data "$run_dir/tokens.npz" --out "$run" --layers "${LAYERS:-3}" --time-limit "${TRAIN_S:-330}" \
+        --labels "$labels" --export-dtype bfloat16 --no-progress "${start[@]}" "$@" "${trn[@]}"
+}
+
 eval_args() {  # the evaluation phases' prompt counts and limits
     if [ "$dry" = 1 ]; then n_gsm8k=2 lim=(--limit 2 --max-new-tokens 16) budgets=(16) ab=(--budget 16 --batch 2) fast=(--limit 2 --max-new-tokens 16)
     else n_gsm8k=128 lim=(--max-new-tokens 256) budgets=(16 64 256) ab=(--budget 64 --batch 64) fast=(--limit 10 --max-new-tokens 256); fi
@@ -173,31 +182,25 @@ drafter)
     # file made in the same call, TRAIN_S + 60 s + ~100 s stays under the 10-minute call.
     drafter_args
     make_tokens || exit 1
-    start_args "$run_dir/run"
-    step train "$(( ${TRAIN_S:-330} + 60 ))" python -m dflash_jax.cli train --target "$gguf" \
-        --data "$run_dir/tokens.npz" --out "$run_dir/run" --layers "${LAYERS:-3}" --time-limit "${TRAIN_S:-330}" \
-        --labels "${LABELS:-response}" --dp "$train_dp" --export-dtype bfloat16 --no-progress "${start[@]}" \
-        "${trn[@]}" || exit 1
+    train_drafter train "$run_dir/run" "${LABELS:-response}" --dp "$train_dp" || exit 1
     # The transfer back takes files of at most 16 MiB: the weights come in parts.
     split -b 15M "$run_dir/run/drafter/model.safetensors" "$out/drafter.safetensors.part_"
     tar czf "$out/drafter_run.tgz" -C "$run_dir/run" train_run.json log.jsonl plots drafter/config.json ;;
 drafter-ab)
     # Two drafters from the same responses at once, one per GPU: by default GPU 0 learns the
     # response tokens (--labels response), GPU 1 the target's own greedy tokens (--labels target),
-    # in RUN_DIR/response and RUN_DIR/target; AB_LABELS="target target-soft" picks other two
-    # `train --labels` values (the same for eval-ab and eval-pick). The token file is made once. Calling the phase again
-    # resumes both runs (the machine keeps RUN_DIR between back-to-back calls), so STEPS may span
-    # several calls of TRAIN_S seconds each. INIT=drafter (a directory or "smollm2", the shipped
-    # one) starts both runs from that drafter's weights instead of random ones (`train --init`).
+    # in RUN_DIR/response and RUN_DIR/target; AB_LABELS="target target-soft" picks two other
+    # `train --labels` values (the same for eval-ab and eval-pick). The token file is made once.
+    # Calling the phase again resumes both runs (the machine keeps RUN_DIR between back-to-back
+    # calls), so STEPS may span several calls of TRAIN_S seconds each. INIT=drafter (a directory
+    # or "smollm2", the shipped one) starts both runs from that drafter's weights instead of
+    # random ones (`train --init`).
     drafter_args
     make_tokens || exit 1
     gpu=0
     for labels in "${ab_labels[@]}"; do
-        start_args "$run_dir/$labels"
         (export CUDA_VISIBLE_DEVICES=$gpu XLA_PYTHON_CLIENT_PREALLOCATE=false
-         step "train_$labels" "$(( ${TRAIN_S:-330} + 60 ))" python -m dflash_jax.cli train --target "$gguf" \
-             --data "$run_dir/tokens.npz" --out "$run_dir/$labels" --layers "${LAYERS:-3}" --time-limit "${TRAIN_S:-330}" \
-             --labels "$labels" --export-dtype bfloat16 --no-progress "${start[@]}" "${trn[@]}") &
+         train_drafter "train_$labels" "$run_dir/$labels" "$labels") &
         gpu=$((gpu + 1))
     done
     wait

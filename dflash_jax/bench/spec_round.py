@@ -64,8 +64,6 @@ def reset(state: SpecState, ctx: Any) -> SpecState:
                                done=jnp.zeros_like(state.done))
 
 
-
-
 ROUNDS_PER_CALL = 8
 
 
@@ -179,8 +177,8 @@ def main() -> None:
     ap.add_argument("--dot-merger", nargs="+", choices=sorted(DOT_MERGER), default=["default"],
                     help="XLA's dot merger as is, or off (several: each is timed, side by side)")
     ap.add_argument("--attn-impl", nargs="+", choices=("auto", *sorted(PALLAS_VARIANTS)), default=["auto"],
-                    help="tree attention as is, or a candidate variant of the kernel (one-wave tiling, fused "
-                         "split-K merge; several: each is timed, side by side)")
+                    help="tree attention as is, or a variant of the kernel (single launch, one-wave tiling, "
+                         "fused split-K merge; several: each is timed, side by side)")
     ap.add_argument("--rounds-per-call", nargs="+", type=int, default=[ROUNDS_PER_CALL],
                     help="rounds per jitted call (several: each is timed, side by side)")
     ap.add_argument("--out")
@@ -201,6 +199,7 @@ def main() -> None:
     log("drafter weights ready")
     max_len = max(args.ctx + [args.ddtree_ctx]) + 1024
     profile = not args.no_profile
+
     def variants(**method):
         """Every side-by-side variant of one method: attention impl x rounds per call x dot merger."""
         for ai in args.attn_impl:
