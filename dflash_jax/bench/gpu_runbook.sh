@@ -48,16 +48,22 @@
 # step cut short still leaves what it measured; output is unbuffered (no filter in the pipe).
 set -uo pipefail
 
+need_two_gpus() {  # need_two_gpus PHASE HINT: one clear error instead of a CUDA failure on GPU 1
+    [ "${DRY:-0}" = 1 ] && return 0
+    local n
+    n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+    [ "$n" -ge 2 ] && return 0
+    echo "gpu_runbook.sh $1: needs 2 GPUs (one job per GPU), found $n; $2" >&2
+    exit 2
+}
+
 phases=${1:?usage: gpu_runbook.sh PHASE[,PHASE...] [OUT_DIR]  or  gpu_runbook.sh split PHASES0 PHASES1 [OUT_DIR]}
 if [ "$phases" = split ]; then
     # Two single-GPU phase lists at once, one per GPU of a 2-GPU machine; logs under OUT_DIR/gpu0
     # and OUT_DIR/gpu1 (made before either starts), packed at the end into OUT_DIR/gpu0.tgz and
     # OUT_DIR/gpu1.tgz. Neither process preallocates GPU memory.
     out=${4:-${OUT:-/tmp/runbook}}
-    if [ "${DRY:-0}" != 1 ] && [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -lt 2 ]; then
-        echo "gpu_runbook.sh split: needs 2 GPUs; run the phase lists one after another instead" >&2
-        exit 2
-    fi
+    need_two_gpus split "run the phase lists one after another instead"
     mkdir -p "$out/gpu0" "$out/gpu1"
     CUDA_VISIBLE_DEVICES=0 XLA_PYTHON_CLIENT_PREALLOCATE=false bash "$0" "${2:?PHASES0}" "$out/gpu0" \
         > "$out/gpu0/console.log" 2>&1 &
@@ -136,16 +142,6 @@ train_drafter() {  # train_drafter STEP RUN LABELS [FLAGS...]: train (or resume)
         --labels "$labels" --export-dtype bfloat16 --no-progress "${start[@]}" "$@" "${trn[@]}"
 }
 
-need_two_gpus() {  # need_two_gpus PHASE: one clear error instead of a CUDA failure on GPU 1
-    [ "$dry" = 1 ] && return 0
-    local n
-    n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
-    [ "$n" -ge 2 ] && return 0
-    echo "gpu_runbook.sh $1: needs 2 GPUs (one run per GPU), found $n; on one GPU run the" \
-        "drafter / eval phases with LABELS=... instead" >&2
-    exit 2
-}
-
 eval_args() {  # the evaluation phases' prompt counts and limits
     if [ "$dry" = 1 ]; then n_gsm8k=2 lim=(--limit 2 --max-new-tokens 16) budgets=(16) ab=(--budget 16 --batch 2) fast=(--limit 2 --max-new-tokens 16)
     else n_gsm8k=128 lim=(--max-new-tokens 256) budgets=(16 64 256) ab=(--budget 64 --batch 64) fast=(--limit 10 --max-new-tokens 256); fi
@@ -210,7 +206,7 @@ drafter-ab)
     # calls), so STEPS may span several calls of TRAIN_S seconds each. INIT=drafter (a directory
     # or "smollm2", the shipped one) starts both runs from that drafter's weights instead of
     # random ones (`train --init`).
-    need_two_gpus drafter-ab
+    need_two_gpus drafter-ab "on one GPU run the drafter / eval phases with LABELS=... instead"
     drafter_args
     make_tokens || exit 1
     gpu=0
@@ -229,7 +225,7 @@ drafter-ab)
 eval-ab)
     # gsm8k tau of drafter-ab's two drafters at once (GPU 0: the first of AB_LABELS, GPU 1: the
     # second), DFlash and DDTree(64): the one to ship, before the full eval / speed phases.
-    need_two_gpus eval-ab
+    need_two_gpus eval-ab "on one GPU run the drafter / eval phases with LABELS=... instead"
     eval_args
     gpu=0
     for labels in "${ab_labels[@]}"; do
