@@ -18,8 +18,13 @@ XLA read their environment once):
                  on NCCL). It reads the peers' buffers over NVLink; XLA emits it without multimem.
   one-shot-split one-shot with XLA's all-reduce combiner off (for tensor_parallel's chunked all-reduces);
   nccl-graph     NCCL, with the collectives recorded into XLA's CUDA graphs (command buffers);
-  nccl-no-graph  NCCL, with XLA's CUDA graphs off.
-NVLink multicast stays off (NCCL_NVLS_ENABLE=0) in all of them.
+  nccl-no-graph  NCCL, with XLA's CUDA graphs off;
+  nccl-symmetric NCCL on buffers XLA places in NCCL-registered symmetric memory windows, where
+                 NCCL has low-latency kernels that read and write the peer's window directly;
+  nccl-user-buffers  NCCL on buffers registered with NCCL (zero-copy for peer-to-peer transfers).
+The last two need a collective memory arena (`COLLECTIVE_ARENA_ENV`, set before jax starts).
+NVLink multicast stays off (NCCL_NVLS_ENABLE=0) in all of them: with it off NCCL creates no
+multicast object, also for symmetric windows (it uses multimem kernels only with NVLS support).
 """
 from __future__ import annotations
 
@@ -52,7 +57,13 @@ ALL_REDUCE = {"nccl": None, "nccl-sync": {"xla_gpu_disable_async_collectives": "
               "nccl-graph": {"xla_gpu_enable_command_buffer": ",".join(COMMAND_BUFFER_DEFAULT + ("COLLECTIVES",))},
               "nccl-no-graph": {"xla_gpu_enable_command_buffer": ""},
               "nccl-overlap": {"xla_gpu_enable_latency_hiding_scheduler": True,
-                               "xla_gpu_all_reduce_combine_threshold_bytes": 0}}
+                               "xla_gpu_all_reduce_combine_threshold_bytes": 0},
+              "nccl-symmetric": {"xla_gpu_experimental_enable_nccl_symmetric_buffers": True},
+              "nccl-user-buffers": {"xla_gpu_enable_nccl_user_buffers": True}}
+# Variants whose buffers live in collective memory, which the GPU client carves from an arena of
+# this many MB, sized when jax starts (so the whole process gets it; other variants don't use it).
+NEEDS_COLLECTIVE_ARENA = ("nccl-symmetric", "nccl-user-buffers")
+COLLECTIVE_ARENA_ENV = {"XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB": "1024"}
 # "one-shot-split" also traces the model under `sharding.all_reduce_max_bytes(2 MiB)`: row-parallel
 # results over XLA's 2 MB kernel limit are all-reduced in row chunks that fit it (and the
 # combiner, which would join the chunks again, is off). Here, one op at a time, it equals one-shot.
@@ -110,6 +121,8 @@ def variant_env(variant: str) -> dict[str, str]:
         env["NCCL_PROTO"] = variant
     elif variant in ALL_REDUCE:
         env["XLA_FLAGS"] = " ".join(filter(None, [env.get("XLA_FLAGS"), *xla_flags(ALL_REDUCE[variant] or {})]))
+        if variant in NEEDS_COLLECTIVE_ARENA:
+            env = {**COLLECTIVE_ARENA_ENV, **env}
     else:
         raise ValueError(f"--variants: unknown variant {variant!r} "
                          f"({', '.join([*ALL_REDUCE, *NCCL_PROTOS])})")

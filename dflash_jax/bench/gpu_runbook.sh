@@ -91,6 +91,9 @@ mkdir -p "$out"
 # /tmp/site: where BUILD.md installs the carried wheels (gguf, dflash) on the device.
 [ -d /tmp/site ] && PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/site"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# NVLink multicast stays off in every phase: a program that uses it can take the host's GPUs
+# out of service. With it off NCCL creates no multicast object (nccl-symmetric included).
+export NCCL_NVLS_ENABLE=0
 dry=${DRY:-0}
 data=${DATA:-.data}
 gguf=${GGUF:-smollm2}
@@ -289,6 +292,9 @@ tp)
     # all-reduces (NCCL costs ~20 us each however small: BENCHMARKS.md), in the same process.
     # TP_ALL_REDUCE="nccl nccl-overlap": also with each layer's post-attention work in two row
     # groups whose all-reduces may overlap the other group's products (`overlap_row_groups`).
+    # TP_ALL_REDUCE="nccl nccl-symmetric nccl-user-buffers": NCCL on symmetric-memory windows
+    # (its low-latency kernels) or on registered buffers; they need a collective memory arena,
+    # which tensor_parallel sizes itself.
     # shellcheck disable=SC2086
     step "tp_$tag" "$limit" python -m dflash_jax.bench.tensor_parallel "$@" --all-reduce ${TP_ALL_REDUCE:-nccl} \
         --out "$out/tp_$tag.json" ;;

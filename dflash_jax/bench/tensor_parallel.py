@@ -14,8 +14,8 @@ Random bf16 weights of each shape, drawn straight into their shards. For every m
     `--ctx`, with a 5-layer drafter of the target's width (the shape of z-lab's drafters),
     compiled as DDTree decoding compiles it (XLA's dot merger off);
   * at tp > 1, once per `--all-reduce` variant (`bench.collectives.ALL_REDUCE`: NCCL, NCCL on
-    the compute stream, XLA's one-shot kernel, chunked, in CUDA graphs, or overlapped with row
-    groups), as compiler options
+    the compute stream, XLA's one-shot kernel, chunked, in CUDA graphs, overlapped with row
+    groups, or on NCCL symmetric-memory / registered buffers), as compiler options
     of the same programs, so the weights and caches are shared;
   * collectives: every collective in the compiled step / round (from its HLO) is replayed
     alone, in order and with the same shapes, as a `shard_map` program; its time over the
@@ -46,7 +46,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from dflash_jax import drafter as dr
 from dflash_jax import sharding as sh
 from dflash_jax.bench.ar_decode import make_decoder, random_cache
-from dflash_jax.bench.collectives import ALL_REDUCE, ALL_REDUCE_MAX_BYTES, ROW_GROUPS
+from dflash_jax.bench.collectives import (ALL_REDUCE, ALL_REDUCE_MAX_BYTES, COLLECTIVE_ARENA_ENV,
+                                         NEEDS_COLLECTIVE_ARENA, ROW_GROUPS)
 from dflash_jax.bench.common import SHAPES, environment, time_fn, write_json
 from dflash_jax.config import ModelConfig, RopeConfig
 from dflash_jax.stage_times import STAGES
@@ -264,12 +265,16 @@ def main(argv: list[str] | None = None) -> None:
                     help="tp > 1 only: NCCL, NCCL on the compute stream (nccl-sync), XLA's one-shot "
                          "all-reduce kernel for small all-reduces, or that kernel with large row-parallel "
                          "results all-reduced in chunks that fit it (one-shot-split), or NCCL with each "
-                         "layer's post-attention work in two overlappable row groups (nccl-overlap; see "
-                         "bench.collectives)")
+                         "layer's post-attention work in two overlappable row groups (nccl-overlap), or "
+                         "NCCL on symmetric-memory or registered buffers (nccl-symmetric, nccl-user-buffers; "
+                         "see bench.collectives). A variant after the first that fails is recorded, not fatal")
     ap.add_argument("--profile", help="directory for profiler traces (adds a trace-based collective share)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on fake CPU devices (a smoke test)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    if any(v in NEEDS_COLLECTIVE_ARENA for v in args.all_reduce):
+        for k, v in COLLECTIVE_ARENA_ENV.items():  # read when jax starts its GPU client, below
+            os.environ.setdefault(k, v)
     if args.tiny:
         # Before any device is touched: enough fake CPU devices for the largest tp.
         jax.config.update("jax_num_cpu_devices", max(args.tps))
@@ -296,18 +301,23 @@ def main(argv: list[str] | None = None) -> None:
                 for ar_impl in (args.all_reduce if tp > 1 else args.all_reduce[:1]):
                     options = ALL_REDUCE[ar_impl]
                     round_program.cache_clear()  # traced afresh under this variant's chunking
-                    with (sh.all_reduce_max_bytes(ALL_REDUCE_MAX_BYTES.get(ar_impl) if tp > 1 else None),
-                          sh.overlap_row_groups(ROW_GROUPS.get(ar_impl, 1))):
-                        row = {"model": name, "tp": tp, "ctx": args.ctx,
-                               "all_reduce": ar_impl if tp > 1 else None,
-                               "weights_gb_per_device": param_bytes(target) / GB / tp,
-                               "ar": bench_ar(target, cfg, mesh, args.ctx, args.steps, max_len, options)}
-                        print(row, flush=True)
-                        row["ddtree"] = []
-                        for b in args.budgets:
-                            row["ddtree"].append(bench_round(target, dparams, cfg, dcfg, mesh, b, args.ctx,
-                                                             max_len, args.profile, options))
-                            print(row["ddtree"][-1], flush=True)
+                    row = {"model": name, "tp": tp, "ctx": args.ctx, "all_reduce": ar_impl if tp > 1 else None,
+                           "weights_gb_per_device": param_bytes(target) / GB / tp}
+                    try:
+                        with (sh.all_reduce_max_bytes(ALL_REDUCE_MAX_BYTES.get(ar_impl) if tp > 1 else None),
+                              sh.overlap_row_groups(ROW_GROUPS.get(ar_impl, 1))):
+                            row["ar"] = bench_ar(target, cfg, mesh, args.ctx, args.steps, max_len, options)
+                            print(row, flush=True)
+                            row["ddtree"] = []
+                            for b in args.budgets:
+                                row["ddtree"].append(bench_round(target, dparams, cfg, dcfg, mesh, b, args.ctx,
+                                                                 max_len, args.profile, options))
+                                print(row["ddtree"][-1], flush=True)
+                    except Exception as e:  # noqa: BLE001 - an experimental variant may not compile or run
+                        if tp == 1 or ar_impl == args.all_reduce[0]:
+                            raise  # the baselines must work
+                        row["error"] = f"{type(e).__name__}: {e}"[-2000:]
+                        print({"all_reduce": ar_impl, "error": row["error"]}, flush=True)
                     rows.append(row)
                     write_json(args.out, {"env": env, "rows": rows})
             del target, dparams
@@ -327,6 +337,10 @@ def print_tables(env: dict, rows: list[dict], memory: dict | None) -> None:
     print("|---|---|---|---|---|---|---|---|")
     base = {}
     for r in rows:
+        if "error" in r:
+            print(f"| {r['model']} | {r['tp']} | {r.get('all_reduce') or '-'} | failed: {r['error'][-200:]} "
+                  "| - | - | - | - |")
+            continue
         items = [("AR ms/token", r["ar"]["ms_per_token"], r["ar"])]
         items += [(f"DDTree round, budget {d['budget']}", d["round_ms"], d) for d in r["ddtree"]]
         for what, ms, d in items:
@@ -339,7 +353,7 @@ def print_tables(env: dict, rows: list[dict], memory: dict | None) -> None:
                   f"{f(ms, '.3f')} | "
                   f"{f(d.get('collective_ms'), '.3f')} | {f(None if share is None else 100 * share, '.0f')}% | "
                   f"{f(ratio)} |")
-    staged = [(r, d) for r in rows for d in r["ddtree"] if (d.get("profile") or {}).get("by_scope")]
+    staged = [(r, d) for r in rows for d in r.get("ddtree", []) if (d.get("profile") or {}).get("by_scope")]
     if staged:
         # Which stages scale with tp (needs XLA_FLAGS=--xla_gpu_enable_command_buffer= to attribute
         # kernels). The trace holds every device's kernels: per GPU is the sum over tp.
