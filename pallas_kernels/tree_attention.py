@@ -13,8 +13,8 @@ This file holds, side by side:
 * ``default_block_sizes``: the block sizes the dispatcher uses for a shape on a GPU
   (``GpuLimits``: its SMs and shared memory, read from the device), and
   ``one_wave_block_sizes``, a candidate that keeps the grid in one wave (``impl="pallas-one-wave"``).
-* ``_combine_splits``: the split-K merge (jnp; the partials are stored token-major, so it is
-  a reduction that lands in the output's layout, with no transpose).
+* ``_combine_splits`` (jnp) and ``_combine_splits_kernel`` (a candidate, ``impl="pallas-fused"``):
+  the split-K merge.
 * ``tree_attention``: the dispatcher.
 """
 
@@ -30,13 +30,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-Impl = Literal["auto", "pallas", "pallas-one-launch", "pallas-one-wave", "reference", "interpret"]
-# The kernel's tilings. "pallas" is the default; the others are what benchmarks time beside it
-# (BENCHMARKS.md, sixth and seventh sessions): "pallas-one-launch" is the default without its
-# tail launch (at W 272, the default before the seventh session), "pallas-one-wave" tiles with
-# `one_wave_block_sizes`. (A Pallas kernel for the split-K merge lost to jnp at every shape in
-# the seventh session and was removed in the ninth.)
-PALLAS_VARIANTS = {"pallas": "default", "pallas-one-launch": "one-launch", "pallas-one-wave": "one-wave"}
+Impl = Literal["auto", "pallas", "pallas-one-launch", "pallas-one-wave", "pallas-fused",
+               "pallas-one-wave-fused", "reference", "interpret"]
+# The kernel's variants: (tiling, how split-K partials merge). "pallas" is the default; the
+# others are what benchmarks time beside it (BENCHMARKS.md, sixth and seventh sessions).
+# Tilings: "default" (`default_block_sizes`), "one-launch" (the same without its tail launch:
+# at W 272, the default before the seventh session), "one-wave" (`one_wave_block_sizes`).
+PALLAS_VARIANTS = {"pallas": ("default", "xla"), "pallas-one-launch": ("one-launch", "xla"),
+                   "pallas-one-wave": ("one-wave", "xla"), "pallas-fused": ("default", "kernel"),
+                   "pallas-one-wave-fused": ("one-wave", "kernel")}
 
 # exp2 is the native GPU instruction; folding log2(e) into the score scale makes exp2 exact
 # replacement for exp.
@@ -323,9 +325,9 @@ def one_wave_block_sizes(batch: int, width: int, group: int, kv_heads: int, head
 # Pallas kernel
 # --------------------------------------------------------------------------------------------
 
-def _block_rows(row_block: jax.Array, kv_head: jax.Array, block_q: int, width: int,
-                group: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The rows of one program: (token, q head, row_ok), each [block_q].
+def _block_rows(row_block: jax.Array, kv_head: jax.Array, block_q: int, width: int, group: int,
+                head_dim: int) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...]]:
+    """The rows of one program: (token [block_q], row_ok [block_q], index into [width, q_heads, head_dim]).
 
     Row r of a kv head is token r // group, q head kv_head * group + r % group, so the group's
     heads share every K/V tile. Padding rows (past width * group) repeat real (token, head)
@@ -335,27 +337,21 @@ def _block_rows(row_block: jax.Array, kv_head: jax.Array, block_q: int, width: i
     row_ok = rows < width * group
     token = jnp.minimum(rows // group, width - 1)
     head = kv_head * group + rows % group
-    return token, head, row_ok
+    # All-integer indexers: interpret mode cannot mix index arrays with slices.
+    dims = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
+    return token, row_ok, (token[:, None], head[:, None], dims)
 
 
-def _row_index(token: jax.Array, head: jax.Array, head_dim: int) -> tuple[jax.Array, ...]:
-    """Index of a program's rows into a [tokens, q_heads, head_dim] ref: [block_q, head_dim] each.
-
-    All-integer indexers: interpret mode cannot mix index arrays with slices.
-    """
-    return token[:, None], head[:, None], jnp.arange(head_dim, dtype=jnp.int32)[None, :]
-
-
-def _store_rows(ref, index: tuple[jax.Array, ...], row_ok: jax.Array, out: jax.Array,
+def _store_rows(o_ref, q_index: tuple[jax.Array, ...], row_ok: jax.Array, out: jax.Array,
                 interpret: bool) -> None:
-    """Writes a program's rows, out [block_q, ...], into a token-major ref at `index`.
+    """Writes a program's [block_q, head_dim] rows into the [width, q_heads, head_dim] output.
 
     A padding row repeats a real row's (token, head) and holds the same values, so storing it
     too is harmless. Interpret mode needs that: its masked scatter writes the old contents back
     at masked duplicates, which could clobber the real row.
     """
-    mask = None if interpret else row_ok.reshape(row_ok.shape + (1,) * (out.ndim - 1))
-    plgpu.store(ref.at[index], out.astype(ref.dtype), mask=mask)
+    mask = None if interpret else row_ok[:, None]
+    plgpu.store(o_ref.at[q_index], out.astype(o_ref.dtype), mask=mask)
 
 
 def _tree_attention_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, width: int, group: int,
@@ -363,8 +359,7 @@ def _tree_attention_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, width: int, gro
                            has_visible: bool, interpret: bool):
     """One program: one sequence, one kv head, one block of rows, one split of the keys.
 
-    The grid's row blocks are first_block, first_block + 1, ... of the kv head's rows; with
-    split-K they start at token first_token = first_block * block_q // group.
+    The grid's row blocks are first_block, first_block + 1, ... of the kv head's rows.
 
     Refs (batch and head dims squeezed by the BlockSpecs):
       lens_ref: [1] int32 L_b.
@@ -372,10 +367,8 @@ def _tree_attention_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, width: int, gro
       k_ref, v_ref: [max_len, head_dim] this sequence's and kv head's cache.
       vis_ref (if has_visible): [width, width] int8 tree visibility.
       outputs, split_k == 1: o_ref [width, q_heads, head_dim].
-      outputs, split_k > 1, this split's partials of tokens first_token..width-1, token-major
-        so that the merge needs no transpose: acc_ref [width - first_token, q_heads, head_dim]
-        f32 (unnormalised), m_ref and l_ref [width - first_token, q_heads] f32 (running max in
-        log2 units and sum of exp2).
+      outputs, split_k > 1: acc_ref [block_q, head_dim] f32 (unnormalised), m_ref and l_ref
+        [block_q] f32 (running max in log2 units and sum of exp2).
     """
     if has_visible:
         vis_ref, *out_refs = refs
@@ -387,9 +380,8 @@ def _tree_attention_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, width: int, gro
     prefix_len = lens_ref[0]
     tree_end = prefix_len + width
 
-    head_dim = q_ref.shape[-1]
-    token, head, row_ok = _block_rows(row_block, kv_head, block_q, width, group)
-    q = q_ref[_row_index(token, head, head_dim)]  # [block_q, head_dim] gather
+    token, row_ok, q_index = _block_rows(row_block, kv_head, block_q, width, group, q_ref.shape[-1])
+    q = q_ref[q_index]  # [block_q, head_dim] gather
 
     # Key blocks [0, num_clean) lie wholly in the prefix and need no mask; the rest, up to the
     # end of the tree, are masked. Split s takes a contiguous share of all blocks.
@@ -437,6 +429,7 @@ def _tree_attention_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, width: int, gro
                              precision=precision, preferred_element_type=jnp.float32)
         return acc * alpha[:, None] + pv, m_next, l_next
 
+    head_dim = q_ref.shape[-1]
     carry = (jnp.zeros((block_q, head_dim), jnp.float32),
              jnp.full((block_q,), _M_INIT, jnp.float32),
              jnp.zeros((block_q,), jnp.float32))
@@ -448,13 +441,12 @@ def _tree_attention_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, width: int, gro
 
     if split_k == 1:
         (o_ref,) = out_refs
-        _store_rows(o_ref, _row_index(token, head, head_dim), row_ok, _normalise(acc, l_i), interpret)
+        _store_rows(o_ref, q_index, row_ok, _normalise(acc, l_i), interpret)
     else:
         acc_ref, m_ref, l_ref = out_refs
-        rel = token - first_block * block_q // group
-        _store_rows(acc_ref, _row_index(rel, head, head_dim), row_ok, acc, interpret)
-        _store_rows(m_ref, (rel, head), row_ok, m_i, interpret)
-        _store_rows(l_ref, (rel, head), row_ok, l_i, interpret)
+        acc_ref[...] = acc
+        m_ref[...] = m_i
+        l_ref[...] = l_i
 
 
 def _normalise(acc: jax.Array, l: jax.Array) -> jax.Array:
@@ -462,20 +454,78 @@ def _normalise(acc: jax.Array, l: jax.Array) -> jax.Array:
     return jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
 
 
-def _combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """Merges split-K partials of n tokens (all of them, or a tail launch's last n).
+def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, width: int, group: int, block_q: int,
+                    split_k: int, interpret: bool):
+    """One program merges the split-K partials of one (sequence, kv head, row block).
+
+    Refs: acc_ref [split_k, block_q, head_dim], m_ref and l_ref [split_k, block_q] (f32, m in
+    log2 units), o_ref [width, q_heads, head_dim], written in place: no transpose afterwards.
+    """
+    _, row_ok, q_index = _block_rows(pl.program_id(2), pl.program_id(1), block_q, width, group,
+                                     acc_ref.shape[-1])
+
+    def merge(s, carry):
+        acc, m_run, l_run = carry
+        m_s, l_s = m_ref[s], l_ref[s]
+        m_new = jnp.maximum(m_run, m_s)
+        # Empty splits have m = _M_INIT and l = 0; the running max starts there too, so their
+        # weight is finite and multiplies zeros.
+        a, b = jnp.exp2(m_run - m_new), jnp.exp2(m_s - m_new)
+        return acc * a[:, None] + acc_ref[s] * b[:, None], m_new, l_run * a + l_s * b
+
+    head_dim = acc_ref.shape[-1]
+    carry = (jnp.zeros((block_q, head_dim), jnp.float32), jnp.full((block_q,), _M_INIT, jnp.float32),
+             jnp.zeros((block_q,), jnp.float32))
+    acc, _, l = lax.fori_loop(0, split_k, merge, carry)
+    _store_rows(o_ref, q_index, row_ok, _normalise(acc, l), interpret)
+
+
+def _combine_splits_kernel(acc: jax.Array, m: jax.Array, l: jax.Array, width: int, group: int,
+                           block_q: int, dtype: jnp.dtype, interpret: bool) -> jax.Array:
+    """`_combine_splits` as one Pallas kernel: reads each partial once and writes the output in
+    place, where XLA's version takes three kernels (a max, the weighted sums, a transpose).
+
+    Same args as `_combine_splits`; returns [batch, width, kv_heads * group, head_dim].
+    """
+    batch, kv_heads, split_k, padded, head_dim = acc.shape
+    sq = _squeezed()
+    out_shape = jax.ShapeDtypeStruct((batch, width, kv_heads * group, head_dim), dtype)
+    return pl.pallas_call(
+        functools.partial(_combine_kernel, width=width, group=group, block_q=block_q, split_k=split_k,
+                          interpret=interpret),
+        grid=(batch, kv_heads, padded // block_q),
+        in_specs=[
+            pl.BlockSpec((sq, sq, split_k, block_q, head_dim), lambda b, h, i: (b, h, 0, i, 0)),
+            pl.BlockSpec((sq, sq, split_k, block_q), lambda b, h, i: (b, h, 0, i)),
+            pl.BlockSpec((sq, sq, split_k, block_q), lambda b, h, i: (b, h, 0, i)),
+        ],
+        out_specs=pl.BlockSpec((sq, width, kv_heads * group, head_dim), lambda b, h, i: (b, 0, 0, 0)),
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="tree_attention_combine",
+    )(acc, m, l)
+
+
+def _combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array, width: int, group: int,
+                    dtype: jnp.dtype) -> jax.Array:
+    """Merges split-K partials.
 
     Args:
-      acc: [batch, split_k, n, q_heads, head_dim] f32 unnormalised outputs.
-      m, l: [batch, split_k, n, q_heads] f32 running max (log2 units) and sum.
+      acc: [batch, kv_heads, split_k, rows_padded, head_dim] f32 unnormalised outputs of the
+        rows of `width` tokens (a tail launch: the last `width` tokens).
+      m, l: [batch, kv_heads, split_k, rows_padded] f32 running max (log2 units) and sum.
     Returns:
-      [batch, n, q_heads, head_dim] in dtype.
+      [batch, width, kv_heads * group, head_dim] in dtype.
     """
-    m_all = jnp.max(m, axis=1, keepdims=True)
+    m_all = jnp.max(m, axis=2, keepdims=True)
     w = jnp.exp2(m - m_all)  # empty splits have m = _M_INIT and l = 0: weight irrelevant
-    denom = jnp.sum(w * l, axis=1)
-    num = jnp.sum(w[..., None] * acc, axis=1)
+    denom = jnp.sum(w * l, axis=2)
+    num = jnp.sum(w[..., None] * acc, axis=2)
     out = jnp.where(denom[..., None] > 0, num / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
+    batch, kv_heads, _, head_dim = out.shape
+    out = out[:, :, :width * group].reshape(batch, kv_heads, width, group, head_dim)
+    out = jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(batch, width, kv_heads * group, head_dim)
     return out.astype(dtype)
 
 
@@ -487,8 +537,7 @@ def _kernel_call(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Arra
 
     Returns, split_k == 1: [batch, width, q_heads, head_dim] with those blocks' rows written
     (the others undefined); split_k > 1: the partials (acc, m, l) that `_combine_splits` takes,
-    of tokens first_token..width-1 (first_token = first_block * block_q // group, which must
-    be whole: the blocks before it hold whole tokens).
+    with rows_padded = row_blocks * block_q.
     """
     batch, width, q_heads, head_dim = q.shape
     max_len, kv_heads = k.shape[1], k.shape[2]
@@ -510,22 +559,16 @@ def _kernel_call(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Arra
         out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
         out_specs = pl.BlockSpec((sq, width, q_heads, head_dim), lambda b, h, i, s: (b, 0, 0, 0))
     else:
-        if (first_block * block_q) % group:
-            raise ValueError(f"a split-K launch must start at a whole token: row {first_block * block_q}, "
-                             f"group {group}")
-        n = width - first_block * block_q // group
-        # Token-major partials, one [n, q_heads, ...] block per (sequence, split) that all of
-        # its kv heads and row blocks write disjoint rows of: the merge then reduces over the
-        # split axis straight into the output's layout.
+        padded = row_blocks * block_q
         out_shape = (
-            jax.ShapeDtypeStruct((batch, split_k, n, q_heads, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((batch, split_k, n, q_heads), jnp.float32),
-            jax.ShapeDtypeStruct((batch, split_k, n, q_heads), jnp.float32),
+            jax.ShapeDtypeStruct((batch, kv_heads, split_k, padded, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, kv_heads, split_k, padded), jnp.float32),
+            jax.ShapeDtypeStruct((batch, kv_heads, split_k, padded), jnp.float32),
         )
         out_specs = (
-            pl.BlockSpec((sq, sq, n, q_heads, head_dim), lambda b, h, i, s: (b, s, 0, 0, 0)),
-            pl.BlockSpec((sq, sq, n, q_heads), lambda b, h, i, s: (b, s, 0, 0)),
-            pl.BlockSpec((sq, sq, n, q_heads), lambda b, h, i, s: (b, s, 0, 0)),
+            pl.BlockSpec((sq, sq, sq, block_q, head_dim), lambda b, h, i, s: (b, h, s, i, 0)),
+            pl.BlockSpec((sq, sq, sq, block_q), lambda b, h, i, s: (b, h, s, i)),
+            pl.BlockSpec((sq, sq, sq, block_q), lambda b, h, i, s: (b, h, s, i)),
         )
     kernel = functools.partial(
         _tree_attention_kernel, width=width, group=group, block_q=block_q, block_k=blocks.block_k,
@@ -548,14 +591,16 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens:
                           block_q: int | None = None, block_k: int | None = None,
                           num_warps: int | None = None, num_stages: int | None = None,
                           split_k: int | None = None, tail_split: int | None = None,
-                          interpret: bool = False) -> jax.Array:
+                          combine: str = "xla", interpret: bool = False) -> jax.Array:
     """Tree attention as a Pallas Triton kernel; same contract as ``tree_attention_reference``.
 
     Grid: (batch, kv_heads, row blocks, split_k). Block sizes left as None come from
     ``default_block_sizes``. tail_split > 1 (with split_k 1) runs each kv head's last row block
     as a second launch with that split-K; it is skipped when there is one row block, or when
     the last block does not start at a token boundary (block_q * blocks not a multiple of the
-    group). Split-K partials merge in `_combine_splits`.
+    group). combine: how split-K partials are merged, "xla" (jnp, the default) or "kernel"
+    (`_combine_splits_kernel`, one launch instead of three; a candidate); a tail always merges
+    with jnp.
     """
     batch, width, q_heads, kv_heads, head_dim, max_len = _check_shapes(q, k, v, prefix_lens,
                                                                        visible)
@@ -575,6 +620,8 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens:
     if blocks.tail_split < 0 or (blocks.tail_split > 1 and blocks.split_k > 1):
         raise ValueError(f"tail_split={blocks.tail_split} must be >= 0, and needs split_k=1 "
                          f"(got split_k={blocks.split_k})")
+    if combine not in ("xla", "kernel"):
+        raise ValueError(f"combine must be 'xla' or 'kernel', got {combine!r}")
     scale = head_dim ** -0.5 if scale is None else scale
 
     row_blocks = pl.cdiv(width * group, blocks.block_q)
@@ -585,12 +632,15 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens:
         out = call(first_block=0, row_blocks=row_blocks - 1, split_k=1)
         first_token = tail_rows // group
         partials = call(first_block=row_blocks - 1, row_blocks=1, split_k=blocks.tail_split)
-        tail = _combine_splits(*partials, dtype=q.dtype)
+        tail = _combine_splits(*partials, width=width - first_token, group=group, dtype=q.dtype)
         return lax.dynamic_update_slice(out, tail, (0, first_token, 0, 0))
     result = call(first_block=0, row_blocks=row_blocks, split_k=blocks.split_k)
     if blocks.split_k == 1:
         return result
-    return _combine_splits(*result, dtype=q.dtype)
+    if combine == "kernel":
+        return _combine_splits_kernel(*result, width=width, group=group, block_q=blocks.block_q,
+                                      dtype=q.dtype, interpret=interpret)
+    return _combine_splits(*result, width=width, group=group, dtype=q.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -620,14 +670,15 @@ def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Ar
       visible: [batch, width, width] bool, or None for causal among the new tokens.
       impl: "auto" (Pallas on GPU, reference elsewhere), "pallas", a candidate variant of it
         (PALLAS_VARIANTS: "-one-launch" without the tail launch, "-one-wave" tiles with
-        `one_wave_block_sizes`), "reference", "interpret".
+        `one_wave_block_sizes`, "-fused" merges split-K partials in a kernel), "reference",
+        "interpret".
     Returns:
       [batch, width, q_heads, head_dim] in q's dtype.
     """
     which = resolve_impl(impl)
     if which == "reference":
         return tree_attention_reference(q, k, v, prefix_lens, visible, scale=scale)
-    tiling = PALLAS_VARIANTS.get(which, "default")
+    tiling, combine = PALLAS_VARIANTS.get(which, ("default", "xla"))
     blocks = {}
     if tiling == "one-launch":
         blocks = {"tail_split": 0}
@@ -635,5 +686,5 @@ def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Ar
         batch, width, q_heads, kv_heads, head_dim, max_len = _check_shapes(q, k, v, prefix_lens, visible)
         blocks = dataclasses.asdict(one_wave_block_sizes(batch, width, q_heads // kv_heads, kv_heads, head_dim,
                                                          max_len, jnp.dtype(k.dtype).itemsize))
-    return tree_attention_pallas(q, k, v, prefix_lens, visible, scale=scale,
+    return tree_attention_pallas(q, k, v, prefix_lens, visible, scale=scale, combine=combine,
                                  interpret=which == "interpret", **blocks)

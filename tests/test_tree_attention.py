@@ -98,13 +98,14 @@ def test_interpret_kernel_matches_reference(batch, width, kv_heads, group, head_
     assert rel_err(out, ref) < tolerance(dtype)
 
 
-@pytest.mark.parametrize("split_k", [1, 2])
-def test_rows_without_visible_keys_are_zero(split_k):
+@pytest.mark.parametrize("split_k,combine", [(1, "xla"), (2, "xla"), (2, "kernel")])
+def test_rows_without_visible_keys_are_zero(split_k, combine):
     # Sequence 0 has an empty prefix and 3 padding nodes that see nothing: their rows must be
     # exactly 0, not NaN, while every other row stays a proper attention output.
     q, k, v, lens, visible = make_case(7, 2, 16, 1, 4, 64, 64, [0, 21], jnp.float32, True,
                                        num_padding=3)
-    out = tree_attention_pallas(q, k, v, lens, visible, split_k=split_k, interpret=True)
+    out = tree_attention_pallas(q, k, v, lens, visible, split_k=split_k, combine=combine,
+                                interpret=True)
     ref = tree_attention_reference(q, k, v, lens, visible)
     np.testing.assert_array_equal(np.asarray(out[0, -3:]), 0.0)
     np.testing.assert_array_equal(np.asarray(ref[0, -3:]), 0.0)
@@ -120,19 +121,23 @@ SPLIT_CASES = [c for c in CASES if c[9] > 1] + [
 
 @pytest.mark.parametrize(
     "batch,width,kv_heads,group,head_dim,max_len,lens,dtype,tree,split_k,blocks", SPLIT_CASES)
-def test_split_k_partials_merge_to_reference(batch, width, kv_heads, group, head_dim, max_len, lens,
-                                             dtype, tree, split_k, blocks):
-    """Split-K: every kv head and row block stores its partials token-major into one block per
-    (sequence, split), and the merge reduces over splits; padded rows (group 5) and several
-    kv heads must land on the right (token, head)."""
+def test_combine_kernel_matches_reference(batch, width, kv_heads, group, head_dim, max_len, lens,
+                                          dtype, tree, split_k, blocks):
+    """Split-K partials merged by the Pallas combine kernel (combine="kernel") instead of jnp."""
     q, k, v, prefix_lens, visible = make_case(
         len(lens) + width + group + head_dim + 1, batch, width, kv_heads, group, head_dim, max_len,
         lens, dtype, tree)
     block_q, block_k = blocks or (None, None)
     out = tree_attention_pallas(q, k, v, prefix_lens, visible, split_k=split_k, block_q=block_q,
-                                block_k=block_k, interpret=True)
+                                block_k=block_k, combine="kernel", interpret=True)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert rel_err(out, tree_attention_reference(q, k, v, prefix_lens, visible)) < tolerance(dtype)
+
+
+def test_bad_combine_is_rejected():
+    q, k, v, lens, _ = make_case(0, 1, 16, 1, 4, 64, 64, [5], jnp.float32, False)
+    with pytest.raises(ValueError, match="combine must be 'xla' or 'kernel'"):
+        tree_attention_pallas(q, k, v, lens, combine="triton", interpret=True)
 
 
 def numpy_tree_attention(q, k, v, lens, visible) -> np.ndarray:
@@ -179,15 +184,16 @@ LOWER_CASES = [
 
 @pytest.mark.parametrize("batch,width,q_heads,kv_heads,head_dim,max_len,dtype,tree,split_k",
                          LOWER_CASES)
+@pytest.mark.parametrize("combine", ["xla", "kernel"])
 def test_kernel_lowers_for_cuda(batch, width, q_heads, kv_heads, head_dim, max_len, dtype, tree,
-                                split_k):
+                                split_k, combine):
     q = jax.ShapeDtypeStruct((batch, width, q_heads, head_dim), dtype)
     kv = jax.ShapeDtypeStruct((batch, max_len, kv_heads, head_dim), dtype)
     lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
     args = [q, kv, kv, lens]
     if tree:
         args.append(jax.ShapeDtypeStruct((batch, width, width), jnp.bool_))
-    fn = functools.partial(tree_attention_pallas, split_k=split_k)
+    fn = functools.partial(tree_attention_pallas, split_k=split_k, combine=combine)
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text
 
@@ -254,13 +260,14 @@ GPU_CASES = [
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("combine", ["xla", "kernel"])
 @pytest.mark.parametrize("batch,width,kv_heads,group,head_dim,max_len,lens,dtype,tree,split_k",
                          GPU_CASES)
 def test_gpu_kernel_matches_reference(batch, width, kv_heads, group, head_dim, max_len, lens,
-                                      dtype, tree, split_k):
+                                      dtype, tree, split_k, combine):
     q, k, v, prefix_lens, visible = make_case(1, batch, width, kv_heads, group, head_dim,
                                               max_len, lens, dtype, tree, num_padding=2)
-    out = jax.jit(functools.partial(tree_attention_pallas, split_k=split_k))(
+    out = jax.jit(functools.partial(tree_attention_pallas, split_k=split_k, combine=combine))(
         q, k, v, prefix_lens, visible)
     ref = tree_attention_reference(q, k, v, prefix_lens, visible)
     assert rel_err(out, ref) < tolerance(dtype)
@@ -293,10 +300,12 @@ def test_one_wave_tiling_matches_reference_and_lowers():
     out = tree_attention_pallas(q, k, v, lens, visible, interpret=True, **dataclasses.asdict(blocks))
     assert rel_err(out, tree_attention_reference(q, k, v, lens, visible)) < 1e-5
     args = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, lens, visible)]
-    fn = functools.partial(tree_attention, impl="pallas-one-wave")
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 1  # the split-K merge is jnp, not a kernel
-    with pytest.raises(ValueError, match="pallas-one-wave, reference or interpret"):
+    for impl, kernels in (("pallas-one-wave", 1), ("pallas-one-wave-fused", 2), ("pallas-fused", 2)):
+        fn = functools.partial(tree_attention, impl=impl)
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        # The attention kernel, and the combine kernel where the partials merge in Pallas.
+        assert text.count("__gpu$xla.gpu.triton") == kernels, impl
+    with pytest.raises(ValueError, match="pallas-one-wave-fused"):
         resolve_impl("one-wave")
 
 

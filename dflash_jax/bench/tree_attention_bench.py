@@ -208,6 +208,10 @@ def bench_shape(shape: Shape, dtype, *, interpret: bool, iters: int, reps: int,
         "wave": functools.partial(tree_attention_pallas, interpret=interpret, **{**wave, **kernel_args}),
         # The default tiling as one launch (no tail launch): at W 272, the default before the seventh session.
         "one_launch": functools.partial(tree_attention_pallas, interpret=interpret, **{"tail_split": 0, **kernel_args}),
+        # The split-K partials merged by one Pallas kernel (combine="kernel") instead of jnp.
+        "fused": functools.partial(tree_attention_pallas, interpret=interpret, combine="kernel", **kernel_args),
+        "wave_fused": functools.partial(tree_attention_pallas, interpret=interpret, combine="kernel",
+                                        **{**wave, **kernel_args}),
     }
 
     row = dataclasses.asdict(shape)
@@ -258,7 +262,9 @@ def markdown_table(rows: list[dict]) -> str:
             ("one_launch_kernel_us", "one-launch kernel us"), ("one_launch_speedup_vs_xla", "one-launch x vs xla"),
             ("wave_ms", "one-wave ms"),
             ("wave_block_k", "one-wave block_k"), ("wave_split_k", "one-wave split_k"),
-            ("wave_speedup_vs_xla", "one-wave x vs xla"), ("pallas_unrolled_ms", "pallas unrolled ms"),
+            ("wave_speedup_vs_xla", "one-wave x vs xla"), ("fused_ms", "fused-combine ms"),
+            ("fused_speedup_vs_xla", "fused x vs xla"), ("wave_fused_ms", "one-wave + fused ms"),
+            ("wave_fused_speedup_vs_xla", "one-wave + fused x vs xla"), ("pallas_unrolled_ms", "pallas unrolled ms"),
             ("xla_unrolled_ms", "xla unrolled ms"), ("unrolled_speedup_vs_xla", "x vs xla (unrolled)")]
     cols = [c for c in cols if any(c[0] in r for r in rows)]
     lines = ["| " + " | ".join(h for _, h in cols) + " |",
@@ -368,6 +374,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="also time the default tiling without its tail launch (tail_split=0)")
     parser.add_argument("--one-wave", action="store_true",
                         help="also time the kernel with wave_block_sizes' tiling (a candidate default)")
+    parser.add_argument("--fused-combine", action="store_true",
+                        help="also time the kernel with its split-K partials merged by one Pallas kernel "
+                             "(with --one-wave, also both candidates together)")
     parser.add_argument("--unrolled", action="store_true",
                         help="also time every implementation with its calls unrolled (no loop overhead)")
     parser.add_argument("--iters", type=int, default=20)
@@ -403,7 +412,10 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             shape = Shape(1, ctx, width, q_heads, kv_heads, head_dim)
             impls = ("pallas", "xla", "cudnn", "reference") if args.cudnn else ("pallas", "xla", "reference")
-            candidates = (("one_launch",) if args.one_launch else ()) + (("wave",) if args.one_wave else ())
+            candidates = ((("one_launch",) if args.one_launch else ()) + (("wave",) if args.one_wave else ())
+                          + (("fused",) if args.fused_combine else ()))
+            if args.one_wave and args.fused_combine:
+                candidates += ("wave_fused",)
             impls = ("pallas",) + candidates + impls[1:]
             row = bench_shape(shape, dtype, interpret=args.interpret, iters=args.iters,
                               reps=args.reps, profile_dir=args.profile, impls=impls, unrolled=args.unrolled)
