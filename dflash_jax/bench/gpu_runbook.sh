@@ -14,7 +14,9 @@
 #                 pallas-one-wave`), side by side
 #   rounds-split  the same with XLA command buffers off, for the per-stage split of each round
 #   kernel        tree attention vs XLA masked attention at ctx 1K-32K, W 1-512, beside the single
-#                 launch, with profiled kernel times (SWEEP_S=seconds adds a tiling sweep)
+#                 launch, with profiled kernel times (SWEEP_S=seconds adds a tiling sweep after it)
+#   kernel-sweep  only the random tiling sweep, SWEEP_S seconds (default 300), at SWEEP_WIDTHS
+#                 (default "64 272") and SWEEP_CONTEXTS (default "4096 32768")
 #   drafter       SmolLM2 drafter: make-data (4 samples per prompt), train with a 2% validation split,
 #                 export the best-validation drafter (GGUF=path, DATA=dir, STEPS, TRAIN_S, GEN_S).
 #                 TRAIN_DP=2 trains data-parallel over 2 GPUs (`train --dp`; the batch of 32 is split);
@@ -187,6 +189,17 @@ kernel)
     [ "$dry" = 1 ] || [ -z "${SWEEP_S:-}" ] || step kernel_sweep "$SWEEP_S" \
         python -m dflash_jax.bench.tree_attention_bench --sweep --contexts 4096 32768 --widths 64 272 \
         --sweep-budget "$(( SWEEP_S - 30 ))" --out "$out/kernel_sweep.json" ;;
+kernel-sweep)
+    # The sweep alone: `kernel SWEEP_S=...` first times the whole grid, which takes most of a
+    # call (ninth session). Each configuration's median ms is printed as it finishes.
+    sweep_s=${SWEEP_S:-300}
+    if [ "$dry" = 1 ]; then set -- --interpret --contexts 64 --widths 16; sweep_s=120
+    else
+        # shellcheck disable=SC2086
+        set -- --contexts ${SWEEP_CONTEXTS:-4096 32768} --widths ${SWEEP_WIDTHS:-64 272}
+    fi
+    step kernel_sweep "$sweep_s" python -m dflash_jax.bench.tree_attention_bench --sweep "$@" \
+        --sweep-budget "$(( sweep_s - 30 ))" --out "$out/kernel_sweep.json" ;;
 drafter)
     # 4 responses per prompt (the first greedy or T=1, the others T=1); 2% of the prompts held out,
     # validated every 10 log records, and the drafter exported from the best validation tau.
@@ -307,7 +320,7 @@ collectives)
     step collectives "$limit" python -m dflash_jax.bench.collectives "$@" --variants nccl nccl-graph nccl-no-graph \
         --out "$out/collectives.json" ;;
 *)
-    echo "unknown phase: $phase (ar, rounds, rounds-tiling, rounds-split, kernel, drafter, drafter-ab, eval-ab, eval-pick, eval," \
+    echo "unknown phase: $phase (ar, rounds, rounds-tiling, rounds-split, kernel, kernel-sweep, drafter, drafter-ab, eval-ab, eval-pick, eval," \
         "eval-gsm8k, eval-spec-bench, speed," \
         "collectives, tp)" >&2
     exit 2 ;;

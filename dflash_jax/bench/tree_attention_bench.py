@@ -318,6 +318,8 @@ def sweep(shapes: list[tuple[int, int]], heads, dtype, iters: int,
                                       shape.max_len, itemsize)
         kernel = functools.partial(tree_attention_pallas, interpret=interpret)
         default_ms = time_ms(kernel, inputs, n, 3)
+        # Before the trials, so that a run cut short still says which shape they belong to.
+        print(f"ctx={ctx} W={width}: default {default_ms:.4f} ms {default}", flush=True)
         trials = []
         configs = sweep_configs(width, default.split_k)
         np.random.default_rng(0).shuffle(configs)
@@ -332,8 +334,8 @@ def sweep(shapes: list[tuple[int, int]], heads, dtype, iters: int,
             trials.append(dict(cfg, ms=round(ms, 5)))
             print(f"  {trials[-1]}", flush=True)  # as it goes: a run cut short keeps its trials
         trials.sort(key=lambda r: r["ms"])
-        print(f"ctx={ctx} W={width}: default {default_ms:.4f} ms {default} "
-              f"({len(trials)} tried, {time.perf_counter() - started:.0f} s)", flush=True)
+        print(f"ctx={ctx} W={width}: best of {len(trials)} tried "
+              f"({time.perf_counter() - started:.0f} s), against the default's {default_ms:.4f} ms:", flush=True)
         for t in trials[:5]:
             print(f"    {t}", flush=True)
         rows.append(dict(ctx=ctx, width=width, default_ms=default_ms, trials=trials))
