@@ -439,3 +439,34 @@ def test_tp_bench_ar_step_under_each_all_reduce_variant():
             row = tpb.bench_ar(target, cfg, mesh, ctx=16, steps=2, max_len=64, compiler_options=options)
             assert row["ms_per_token"] > 0, name
             assert row["collectives_per_step"] >= 2 * cfg.num_layers + 1, (name, row)
+
+
+def test_tp_bench_records_a_failing_variant_and_keeps_going(tmp_path, monkeypatch, capsys):
+    """A tp > 1 variant after the first that fails is written down (error row, table line) and
+    the run goes on; a failing baseline (the first variant) still ends the run."""
+    import json
+
+    from dflash_jax.bench import tensor_parallel as tpb
+    from dflash_jax.bench.collectives import ALL_REDUCE
+
+    def fake_ar(target, cfg, mesh, ctx, steps, max_len, options=None):
+        if options == ALL_REDUCE["nccl-symmetric"]:
+            raise RuntimeError("INTERNAL: symmetric window registration failed")
+        return {"ms_per_token": 1.0, "collectives_per_step": 0, "collective_ms": None, "collective_share": None}
+
+    def fake_round(target, dparams, cfg, dcfg, mesh, budget, *args, **kwargs):
+        return {"budget": budget, "width": budget + 16, "round_ms": 2.0, "collectives_per_round": 0,
+                "collective_ms": None, "collective_share": None}
+
+    monkeypatch.setattr(tpb, "bench_ar", fake_ar)
+    monkeypatch.setattr(tpb, "bench_round", fake_round)
+    out = tmp_path / "tp.json"
+    tpb.main(["--tiny", "--no-memory", "--all-reduce", "nccl", "nccl-symmetric", "nccl-sync", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["tp"], r["all_reduce"]) for r in rows] == [(1, None), (2, "nccl"), (2, "nccl-symmetric"),
+                                                          (2, "nccl-sync")]
+    assert "symmetric window registration failed" in rows[2]["error"] and "ar" not in rows[2]
+    assert all("error" not in r and len(r["ddtree"]) == 2 for r in rows[:2] + rows[3:])
+    assert "| tiny | 2 | nccl-symmetric | failed: RuntimeError: INTERNAL" in capsys.readouterr().out
+    with pytest.raises(RuntimeError, match="symmetric window"):
+        tpb.main(["--tiny", "--no-memory", "--all-reduce", "nccl-symmetric", "nccl", "--out", str(out)])
