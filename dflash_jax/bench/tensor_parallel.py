@@ -276,8 +276,14 @@ def main(argv: list[str] | None = None) -> None:
         for k, v in COLLECTIVE_ARENA_ENV.items():  # read when jax starts its GPU client, below
             os.environ.setdefault(k, v)
     if args.tiny:
-        # Before any device is touched: enough fake CPU devices for the largest tp.
-        jax.config.update("jax_num_cpu_devices", max(args.tps))
+        # Before any device is touched: enough fake CPU devices for the largest tp. Called in a
+        # process where jax has already started (a test, a notebook), the devices it has must do.
+        try:
+            jax.config.update("jax_num_cpu_devices", max(args.tps))
+        except RuntimeError:
+            if len(jax.devices("cpu")) < max(args.tps):
+                raise SystemExit(f"--tiny --tps {max(args.tps)}: jax started with "
+                                 f"{len(jax.devices('cpu'))} CPU devices; run it in a fresh process")
         if not args.memory_only:
             args.ctx, args.budgets, args.steps, args.memory_ctx = 64, [8, 16], 4, 256
     if args.memory_only:
