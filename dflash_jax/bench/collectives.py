@@ -35,6 +35,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterable, MutableMapping
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +67,13 @@ ALL_REDUCE = {"nccl": None, "nccl-sync": {"xla_gpu_disable_async_collectives": "
 # this many MB, sized when jax starts (so the whole process gets it; other variants don't use it).
 NEEDS_COLLECTIVE_ARENA = ("nccl-symmetric", "nccl-user-buffers")
 COLLECTIVE_ARENA_ENV = {"XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB": "1024"}
+
+
+def add_collective_arena(env: MutableMapping[str, str], variants: Iterable[str]) -> None:
+    """Sizes the collective memory arena in `env` (unless it already says) when a variant needs it."""
+    if any(v in NEEDS_COLLECTIVE_ARENA for v in variants):
+        for key, value in COLLECTIVE_ARENA_ENV.items():
+            env.setdefault(key, value)
 # "one-shot-split" also traces the model under `sharding.all_reduce_max_bytes(2 MiB)`: row-parallel
 # results over XLA's 2 MB kernel limit are all-reduced in row chunks that fit it (and the
 # combiner, which would join the chunks again, is off). Here, one op at a time, it equals one-shot.
@@ -123,8 +131,7 @@ def variant_env(variant: str) -> dict[str, str]:
         env["NCCL_PROTO"] = variant
     elif variant in ALL_REDUCE:
         env["XLA_FLAGS"] = " ".join(filter(None, [env.get("XLA_FLAGS"), *xla_flags(ALL_REDUCE[variant] or {})]))
-        if variant in NEEDS_COLLECTIVE_ARENA:
-            env = {**COLLECTIVE_ARENA_ENV, **env}
+        add_collective_arena(env, [variant])
     else:
         raise ValueError(f"--variants: unknown variant {variant!r} "
                          f"({', '.join([*ALL_REDUCE, *NCCL_PROTOS])})")

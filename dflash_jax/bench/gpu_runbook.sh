@@ -110,6 +110,11 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUT_DIR/
     timeout "$limit" "$@" 2>&1 | tee "$out/$name.log"
 }
 
+kernel_sweep() {  # kernel_sweep SECONDS ARGS...: the random tiling sweep, 30 s of it left for start-up
+    local seconds=$1; shift
+    step kernel_sweep "$seconds" python -m dflash_jax.bench.tree_attention_bench --sweep "$@" \
+        --sweep-budget "$(( seconds - 30 ))" --out "$out/kernel_sweep.json"
+}
 drafter_args() {  # make-data's and train's flags (gen, trn), and train_dp, of the drafter phases
     train_dp=${TRAIN_DP:-1}
     if [ "$dry" = 1 ]; then
@@ -186,20 +191,15 @@ kernel)
     step kernel "$limit" python -m dflash_jax.bench.tree_attention_bench "$@" --one-launch \
         --out "$out/kernel.json"
     # SWEEP_S=seconds adds a random tiling sweep at W = 64 and 272 (ctx 4K and 32K).
-    [ "$dry" = 1 ] || [ -z "${SWEEP_S:-}" ] || step kernel_sweep "$SWEEP_S" \
-        python -m dflash_jax.bench.tree_attention_bench --sweep --contexts 4096 32768 --widths 64 272 \
-        --sweep-budget "$(( SWEEP_S - 30 ))" --out "$out/kernel_sweep.json" ;;
+    [ "$dry" = 1 ] || [ -z "${SWEEP_S:-}" ] || kernel_sweep "$SWEEP_S" --contexts 4096 32768 --widths 64 272 ;;
 kernel-sweep)
     # The sweep alone: `kernel SWEEP_S=...` first times the whole grid, which takes most of a
     # call (ninth session). Each configuration's median ms is printed as it finishes.
-    sweep_s=${SWEEP_S:-300}
-    if [ "$dry" = 1 ]; then set -- --interpret --contexts 64 --widths 16; sweep_s=120
+    if [ "$dry" = 1 ]; then kernel_sweep 120 --interpret --contexts 64 --widths 16
     else
         # shellcheck disable=SC2086
-        set -- --contexts ${SWEEP_CONTEXTS:-4096 32768} --widths ${SWEEP_WIDTHS:-64 272}
-    fi
-    step kernel_sweep "$sweep_s" python -m dflash_jax.bench.tree_attention_bench --sweep "$@" \
-        --sweep-budget "$(( sweep_s - 30 ))" --out "$out/kernel_sweep.json" ;;
+        kernel_sweep "${SWEEP_S:-300}" --contexts ${SWEEP_CONTEXTS:-4096 32768} --widths ${SWEEP_WIDTHS:-64 272}
+    fi ;;
 drafter)
     # 4 responses per prompt (the first greedy or T=1, the others T=1); 2% of the prompts held out,
     # validated every 10 log records, and the drafter exported from the best validation tau.

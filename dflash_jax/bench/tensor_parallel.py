@@ -46,8 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from dflash_jax import drafter as dr
 from dflash_jax import sharding as sh
 from dflash_jax.bench.ar_decode import make_decoder, random_cache
-from dflash_jax.bench.collectives import (ALL_REDUCE, ALL_REDUCE_MAX_BYTES, COLLECTIVE_ARENA_ENV,
-                                         NEEDS_COLLECTIVE_ARENA, ROW_GROUPS)
+from dflash_jax.bench.collectives import ALL_REDUCE, ALL_REDUCE_MAX_BYTES, ROW_GROUPS, add_collective_arena
 from dflash_jax.bench.common import SHAPES, environment, time_fn, write_json
 from dflash_jax.config import ModelConfig, RopeConfig
 from dflash_jax.stage_times import STAGES
@@ -272,9 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on fake CPU devices (a smoke test)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    if any(v in NEEDS_COLLECTIVE_ARENA for v in args.all_reduce):
-        for k, v in COLLECTIVE_ARENA_ENV.items():  # read when jax starts its GPU client, below
-            os.environ.setdefault(k, v)
+    add_collective_arena(os.environ, args.all_reduce)  # read when jax starts its GPU client, below
     if args.tiny:
         # Before any device is touched: enough fake CPU devices for the largest tp. Called in a
         # process where jax has already started (a test, a notebook), the devices it has must do.
