@@ -13,8 +13,8 @@ This file holds, side by side:
 * ``default_block_sizes``: the block sizes the dispatcher uses for a shape on a GPU
   (``GpuLimits``: its SMs and shared memory, read from the device), and
   ``one_wave_block_sizes``, a candidate that keeps the grid in one wave (``impl="pallas-one-wave"``).
-* ``_combine_splits`` (jnp) and ``_combine_splits_kernel`` (a candidate, ``impl="pallas-fused"``):
-  the split-K merge.
+* the split-K merge: ``_merge_when_last`` inside the kernel (the default), and ``_combine_splits``
+  (jnp after the kernel; ``impl="pallas-xla-merge"``).
 * ``tree_attention``: the dispatcher.
 """
 
@@ -30,15 +30,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-Impl = Literal["auto", "pallas", "pallas-one-launch", "pallas-one-wave", "pallas-fused",
-               "pallas-one-wave-fused", "reference", "interpret"]
+Impl = Literal["auto", "pallas", "pallas-xla-merge", "pallas-one-launch", "pallas-one-wave",
+               "reference", "interpret"]
 # The kernel's variants: (tiling, how split-K partials merge). "pallas" is the default; the
 # others are what benchmarks time beside it (BENCHMARKS.md, sixth and seventh sessions).
 # Tilings: "default" (`default_block_sizes`), "one-launch" (the same without its tail launch:
 # at W 272, the default before the seventh session), "one-wave" (`one_wave_block_sizes`).
-PALLAS_VARIANTS = {"pallas": ("default", "xla"), "pallas-one-launch": ("one-launch", "xla"),
-                   "pallas-one-wave": ("one-wave", "xla"), "pallas-fused": ("default", "kernel"),
-                   "pallas-one-wave-fused": ("one-wave", "kernel")}
+PALLAS_VARIANTS = {"pallas": ("default", "in-kernel"), "pallas-xla-merge": ("default", "xla"),
+                   "pallas-one-launch": ("one-launch", "in-kernel"),
+                   "pallas-one-wave": ("one-wave", "in-kernel")}
+# How split-K partials merge: in the kernel (the last program of a row block), or by XLA after it.
+COMBINES = ("in-kernel", "xla")
 
 # exp2 is the native GPU instruction; folding log2(e) into the score scale makes exp2 exact
 # replacement for exp.
@@ -152,6 +154,7 @@ class BlockSizes:
     split_k: programs sharing one row block's keys (flash-decoding); 1 = no split.
     tail_split: 0 or 1 for one launch; more (with split_k 1): the split-K of each kv head's
       last row block, run as a second launch after the others (see `_tail_split`).
+    tail_block_k: keys per loop step of that second launch; 0 = block_k.
     """
     block_q: int
     block_k: int
@@ -159,6 +162,7 @@ class BlockSizes:
     num_stages: int
     split_k: int
     tail_split: int = 0
+    tail_block_k: int = 0
 
 
 def _next_pow2(n: int) -> int:
@@ -356,7 +360,7 @@ def _store_rows(o_ref, q_index: tuple[jax.Array, ...], row_ok: jax.Array, out: j
 
 def _tree_attention_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, width: int, group: int,
                            block_q: int, block_k: int, split_k: int, first_block: int, qk_scale: float,
-                           has_visible: bool, interpret: bool):
+                           has_visible: bool, merge: str, num_aliased: int, interpret: bool):
     """One program: one sequence, one kv head, one block of rows, one split of the keys.
 
     The grid's row blocks are first_block, first_block + 1, ... of the kv head's rows.
@@ -366,14 +370,16 @@ def _tree_attention_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, width: int, gro
       q_ref: [width, q_heads, head_dim] this sequence's queries.
       k_ref, v_ref: [max_len, head_dim] this sequence's and kv head's cache.
       vis_ref (if has_visible): [width, width] int8 tree visibility.
+      then num_aliased inputs that are also outputs (written through the output refs).
       outputs, split_k == 1: o_ref [width, q_heads, head_dim].
-      outputs, split_k > 1: acc_ref [block_q, head_dim] f32 (unnormalised), m_ref and l_ref
-        [block_q] f32 (running max in log2 units and sum of exp2).
+      outputs, split_k > 1, merge "xla": acc_ref [block_q, head_dim] f32 (unnormalised), m_ref
+        and l_ref [block_q] f32 (running max in log2 units and sum of exp2).
+      outputs, split_k > 1, merge "in-kernel": o_ref; acc_ref [split_k, block_q, head_dim],
+        m_ref and l_ref [split_k, block_q] (every split's partials of this row block), and
+        count_ref [1] int32 (how many of them have been stored; zero on entry).
     """
-    if has_visible:
-        vis_ref, *out_refs = refs
-    else:
-        vis_ref, out_refs = None, refs
+    vis_ref = refs[0] if has_visible else None
+    out_refs = refs[int(has_visible) + num_aliased:]
     kv_head = pl.program_id(1)
     row_block = pl.program_id(2) + first_block
     split = pl.program_id(3)
@@ -442,6 +448,9 @@ def _tree_attention_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, width: int, gro
     if split_k == 1:
         (o_ref,) = out_refs
         _store_rows(o_ref, q_index, row_ok, _normalise(acc, l_i), interpret)
+    elif merge == "in-kernel":
+        _merge_when_last(carry, *out_refs, split=split, q_index=q_index, row_ok=row_ok,
+                         split_k=split_k, interpret=interpret)
     else:
         acc_ref, m_ref, l_ref = out_refs
         acc_ref[...] = acc
@@ -454,57 +463,41 @@ def _normalise(acc: jax.Array, l: jax.Array) -> jax.Array:
     return jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
 
 
-def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, width: int, group: int, block_q: int,
-                    split_k: int, interpret: bool):
-    """One program merges the split-K partials of one (sequence, kv head, row block).
+def _merge_when_last(carry, o_ref, acc_ref, m_ref, l_ref, count_ref, *, split: jax.Array,
+                     q_index: tuple[jax.Array, ...], row_ok: jax.Array, split_k: int,
+                     interpret: bool) -> None:
+    """Split-K merged inside the kernel: every program stores its partials and counts itself in;
+    the row block's last program to arrive merges all split_k partials and writes the output.
 
-    Refs: acc_ref [split_k, block_q, head_dim], m_ref and l_ref [split_k, block_q] (f32, m in
-    log2 units), o_ref [width, q_heads, head_dim], written in place: no transpose afterwards.
+    This replaces the three XLA kernels of `_combine_splits` (a max, the weighted sums, a
+    transpose) by a few loads in one program per row block; the price is one atomic per program.
+    carry: this program's (acc [block_q, head_dim], m, l [block_q]).
     """
-    _, row_ok, q_index = _block_rows(pl.program_id(2), pl.program_id(1), block_q, width, group,
-                                     acc_ref.shape[-1])
+    acc, m_i, l_i = carry
+    acc_ref[split] = acc
+    m_ref[split] = m_i
+    l_ref[split] = l_i
+    if not interpret:
+        # Every thread's stores above come before the counter moves (the atomic is issued by
+        # one thread; its release at GPU scope then covers what the barrier ordered).
+        plgpu.debug_barrier()
+    # Acquire-release at GPU scope: the last arrival sees every other program's partials.
+    arrived = plgpu.atomic_add(count_ref, (jnp.int32(0),), jnp.int32(1))
 
-    def merge(s, carry):
-        acc, m_run, l_run = carry
-        m_s, l_s = m_ref[s], l_ref[s]
-        m_new = jnp.maximum(m_run, m_s)
-        # Empty splits have m = _M_INIT and l = 0; the running max starts there too, so their
-        # weight is finite and multiplies zeros.
-        a, b = jnp.exp2(m_run - m_new), jnp.exp2(m_s - m_new)
-        return acc * a[:, None] + acc_ref[s] * b[:, None], m_new, l_run * a + l_s * b
+    @pl.when(arrived == split_k - 1)
+    def _merge():
+        def step(s, run):
+            acc_run, m_run, l_run = run
+            m_s, l_s = m_ref[s], l_ref[s]
+            m_new = jnp.maximum(m_run, m_s)
+            # Empty splits have m = _M_INIT and l = 0; the running max starts there too, so
+            # their weight is finite and multiplies zeros.
+            a, b = jnp.exp2(m_run - m_new), jnp.exp2(m_s - m_new)
+            return acc_run * a[:, None] + acc_ref[s] * b[:, None], m_new, l_run * a + l_s * b
 
-    head_dim = acc_ref.shape[-1]
-    carry = (jnp.zeros((block_q, head_dim), jnp.float32), jnp.full((block_q,), _M_INIT, jnp.float32),
-             jnp.zeros((block_q,), jnp.float32))
-    acc, _, l = lax.fori_loop(0, split_k, merge, carry)
-    _store_rows(o_ref, q_index, row_ok, _normalise(acc, l), interpret)
-
-
-def _combine_splits_kernel(acc: jax.Array, m: jax.Array, l: jax.Array, width: int, group: int,
-                           block_q: int, dtype: jnp.dtype, interpret: bool) -> jax.Array:
-    """`_combine_splits` as one Pallas kernel: reads each partial once and writes the output in
-    place, where XLA's version takes three kernels (a max, the weighted sums, a transpose).
-
-    Same args as `_combine_splits`; returns [batch, width, kv_heads * group, head_dim].
-    """
-    batch, kv_heads, split_k, padded, head_dim = acc.shape
-    sq = _squeezed()
-    out_shape = jax.ShapeDtypeStruct((batch, width, kv_heads * group, head_dim), dtype)
-    return pl.pallas_call(
-        functools.partial(_combine_kernel, width=width, group=group, block_q=block_q, split_k=split_k,
-                          interpret=interpret),
-        grid=(batch, kv_heads, padded // block_q),
-        in_specs=[
-            pl.BlockSpec((sq, sq, split_k, block_q, head_dim), lambda b, h, i: (b, h, 0, i, 0)),
-            pl.BlockSpec((sq, sq, split_k, block_q), lambda b, h, i: (b, h, 0, i)),
-            pl.BlockSpec((sq, sq, split_k, block_q), lambda b, h, i: (b, h, 0, i)),
-        ],
-        out_specs=pl.BlockSpec((sq, width, kv_heads * group, head_dim), lambda b, h, i: (b, 0, 0, 0)),
-        out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
-        interpret=interpret,
-        name="tree_attention_combine",
-    )(acc, m, l)
+        init = (jnp.zeros_like(acc), jnp.full_like(m_i, _M_INIT), jnp.zeros_like(l_i))
+        total, _, denom = lax.fori_loop(0, split_k, step, init)
+        _store_rows(o_ref, q_index, row_ok, _normalise(total, denom), interpret)
 
 
 def _combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array, width: int, group: int,
@@ -531,13 +524,16 @@ def _combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array, width: int, grou
 
 def _kernel_call(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Array,
                  visible: jax.Array | None, *, group: int, blocks: BlockSizes, first_block: int,
-                 row_blocks: int, split_k: int, scale: float, interpret: bool):
+                 row_blocks: int, split_k: int, combine: str, scale: float, interpret: bool,
+                 into: jax.Array | None = None):
     """One launch of the kernel over row blocks [first_block, first_block + row_blocks) of every
     (sequence, kv head).
 
-    Returns, split_k == 1: [batch, width, q_heads, head_dim] with those blocks' rows written
-    (the others undefined); split_k > 1: the partials (acc, m, l) that `_combine_splits` takes,
-    with rows_padded = row_blocks * block_q.
+    into: an output [batch, width, q_heads, head_dim] to write the rows into (aliased, so that
+      a tail launch fills in what the main launch left); default a new one.
+    Returns [batch, width, q_heads, head_dim] with those blocks' rows written (the others as in
+    `into`, or undefined), except with split_k > 1 and combine "xla": the partials (acc, m, l)
+    that `_combine_splits` takes, with rows_padded = row_blocks * block_q.
     """
     batch, width, q_heads, head_dim = q.shape
     max_len, kv_heads = k.shape[1], k.shape[2]
@@ -554,36 +550,64 @@ def _kernel_call(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Arra
     if visible is not None:
         in_specs.append(pl.BlockSpec((sq, width, width), lambda b, h, i, s: (b, 0, 0)))
         args.append(visible.astype(jnp.int8))
+    # Programs of one sequence write disjoint rows of the same output block.
+    o_spec = pl.BlockSpec((sq, width, q_heads, head_dim), lambda b, h, i, s: (b, 0, 0, 0))
+    o_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    padded = row_blocks * block_q
+    partial_shapes = (
+        jax.ShapeDtypeStruct((batch, kv_heads, split_k, padded, head_dim), jnp.float32),
+        jax.ShapeDtypeStruct((batch, kv_heads, split_k, padded), jnp.float32),
+        jax.ShapeDtypeStruct((batch, kv_heads, split_k, padded), jnp.float32),
+    )
+    aliased = []  # (input, its spec, output index)
+    if into is not None:
+        aliased.append((into, o_spec, 0))
     if split_k == 1:
-        # Programs of one sequence write disjoint rows of the same output block.
-        out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
-        out_specs = pl.BlockSpec((sq, width, q_heads, head_dim), lambda b, h, i, s: (b, 0, 0, 0))
-    else:
-        padded = row_blocks * block_q
-        out_shape = (
-            jax.ShapeDtypeStruct((batch, kv_heads, split_k, padded, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((batch, kv_heads, split_k, padded), jnp.float32),
-            jax.ShapeDtypeStruct((batch, kv_heads, split_k, padded), jnp.float32),
-        )
-        out_specs = (
+        out_shape, out_specs = [o_shape], [o_spec]
+    elif combine == "xla":
+        out_shape = list(partial_shapes)
+        out_specs = [
             pl.BlockSpec((sq, sq, sq, block_q, head_dim), lambda b, h, i, s: (b, h, s, i, 0)),
             pl.BlockSpec((sq, sq, sq, block_q), lambda b, h, i, s: (b, h, s, i)),
             pl.BlockSpec((sq, sq, sq, block_q), lambda b, h, i, s: (b, h, s, i)),
-        )
+        ]
+    else:  # in-kernel: every split of a row block sees all of that block's partials
+        count_spec = pl.BlockSpec((sq, sq, 1), lambda b, h, i, s: (b, h, i))
+        counts = jnp.zeros((batch, kv_heads, row_blocks), jnp.int32)
+        out_shape = [o_shape, *partial_shapes, jax.ShapeDtypeStruct(counts.shape, counts.dtype)]
+        out_specs = [
+            o_spec,
+            pl.BlockSpec((sq, sq, split_k, block_q, head_dim), lambda b, h, i, s: (b, h, 0, i, 0)),
+            pl.BlockSpec((sq, sq, split_k, block_q), lambda b, h, i, s: (b, h, 0, i)),
+            pl.BlockSpec((sq, sq, split_k, block_q), lambda b, h, i, s: (b, h, 0, i)),
+            count_spec,
+        ]
+        aliased.append((counts, count_spec, 4))
+    if into is not None and split_k > 1 and combine == "xla":
+        raise ValueError("into= needs the output written by the kernel (split_k 1 or an in-kernel merge)")
+    aliases = {}
+    for array, spec, out_index in aliased:
+        aliases[len(args)] = out_index
+        args.append(array)
+        in_specs.append(spec)
     kernel = functools.partial(
         _tree_attention_kernel, width=width, group=group, block_q=block_q, block_k=blocks.block_k,
         split_k=split_k, first_block=first_block, qk_scale=float(scale) * _LOG2E,
-        has_visible=visible is not None, interpret=interpret)
-    return pl.pallas_call(
+        has_visible=visible is not None, merge=combine, num_aliased=len(aliased), interpret=interpret)
+    result = pl.pallas_call(
         kernel,
         grid=grid,
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret,
         name="tree_attention" if first_block == 0 else "tree_attention_tail",
     )(*args)
+    if split_k > 1 and combine == "xla":
+        return tuple(result)
+    return result[0]
 
 
 def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Array,
@@ -591,16 +615,19 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens:
                           block_q: int | None = None, block_k: int | None = None,
                           num_warps: int | None = None, num_stages: int | None = None,
                           split_k: int | None = None, tail_split: int | None = None,
-                          combine: str = "xla", interpret: bool = False) -> jax.Array:
+                          tail_block_k: int | None = None, combine: str = "in-kernel",
+                          interpret: bool = False) -> jax.Array:
     """Tree attention as a Pallas Triton kernel; same contract as ``tree_attention_reference``.
 
     Grid: (batch, kv_heads, row blocks, split_k). Block sizes left as None come from
     ``default_block_sizes``. tail_split > 1 (with split_k 1) runs each kv head's last row block
-    as a second launch with that split-K; it is skipped when there is one row block, or when
-    the last block does not start at a token boundary (block_q * blocks not a multiple of the
-    group). combine: how split-K partials are merged, "xla" (jnp, the default) or "kernel"
-    (`_combine_splits_kernel`, one launch instead of three; a candidate); a tail always merges
-    with jnp.
+    as a second launch with that split-K (and tail_block_k keys per step, default block_k),
+    writing into the first launch's output; it is skipped when there is one row block. combine: how split-K partials are merged, "in-kernel" (the
+    last program of a row block merges them, `_merge_when_last`) or "xla" (`_combine_splits`,
+    three XLA kernels after the launch; the default until the tenth session). With "xla" the
+    tail launch is also skipped when the last block does not start at a token boundary
+    (block_q * blocks not a multiple of the group).
+    visible may be bool or int8 (the kernel reads int8; passing int8 saves a convert per call).
     """
     batch, width, q_heads, kv_heads, head_dim, max_len = _check_shapes(q, k, v, prefix_lens,
                                                                        visible)
@@ -608,11 +635,13 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens:
     defaults = default_block_sizes(batch, width, group, kv_heads, head_dim, max_len,
                                    jnp.dtype(k.dtype).itemsize)
     given = dict(block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-                 split_k=split_k, tail_split=tail_split)
+                 split_k=split_k, tail_split=tail_split, tail_block_k=tail_block_k)
     if split_k is not None and tail_split is None:
         given["tail_split"] = 0  # an explicit tiling runs as one launch unless asked otherwise
     blocks = dataclasses.replace(defaults, **{k_: v_ for k_, v_ in given.items() if v_ is not None})
-    for name, size in (("block_q", blocks.block_q), ("block_k", blocks.block_k), ("head_dim", head_dim)):
+    tail_blocks = dataclasses.replace(blocks, block_k=blocks.tail_block_k or blocks.block_k)
+    for name, size in (("block_q", blocks.block_q), ("block_k", blocks.block_k),
+                       ("tail_block_k", tail_blocks.block_k), ("head_dim", head_dim)):
         if size < _MIN_BLOCK or size & (size - 1):
             raise ValueError(f"{name}={size} must be a power of two >= {_MIN_BLOCK} (Triton)")
     if blocks.split_k < 1:
@@ -620,27 +649,30 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens:
     if blocks.tail_split < 0 or (blocks.tail_split > 1 and blocks.split_k > 1):
         raise ValueError(f"tail_split={blocks.tail_split} must be >= 0, and needs split_k=1 "
                          f"(got split_k={blocks.split_k})")
-    if combine not in ("xla", "kernel"):
-        raise ValueError(f"combine must be 'xla' or 'kernel', got {combine!r}")
+    if combine not in COMBINES:
+        raise ValueError(f"combine must be one of {', '.join(COMBINES)}, got {combine!r}")
     scale = head_dim ** -0.5 if scale is None else scale
 
     row_blocks = pl.cdiv(width * group, blocks.block_q)
     call = functools.partial(_kernel_call, q, k, v, prefix_lens, visible, group=group, blocks=blocks,
-                             scale=scale, interpret=interpret)
+                             combine=combine, scale=scale, interpret=interpret)
     tail_rows = (row_blocks - 1) * blocks.block_q
-    if blocks.tail_split > 1 and row_blocks > 1 and tail_rows % group == 0:
-        out = call(first_block=0, row_blocks=row_blocks - 1, split_k=1)
-        first_token = tail_rows // group
-        partials = call(first_block=row_blocks - 1, row_blocks=1, split_k=blocks.tail_split)
-        tail = _combine_splits(*partials, width=width - first_token, group=group, dtype=q.dtype)
-        return lax.dynamic_update_slice(out, tail, (0, first_token, 0, 0))
+    if blocks.tail_split > 1 and row_blocks > 1:
+        tail = functools.partial(call, first_block=row_blocks - 1, row_blocks=1,
+                                 split_k=blocks.tail_split, blocks=tail_blocks)
+        if combine == "in-kernel":
+            out = call(first_block=0, row_blocks=row_blocks - 1, split_k=1)
+            return tail(into=out)
+        if tail_rows % group == 0:
+            out = call(first_block=0, row_blocks=row_blocks - 1, split_k=1)
+            first_token = tail_rows // group
+            partials = tail()
+            tail = _combine_splits(*partials, width=width - first_token, group=group, dtype=q.dtype)
+            return lax.dynamic_update_slice(out, tail, (0, first_token, 0, 0))
     result = call(first_block=0, row_blocks=row_blocks, split_k=blocks.split_k)
-    if blocks.split_k == 1:
-        return result
-    if combine == "kernel":
-        return _combine_splits_kernel(*result, width=width, group=group, block_q=blocks.block_q,
-                                      dtype=q.dtype, interpret=interpret)
-    return _combine_splits(*result, width=width, group=group, dtype=q.dtype)
+    if blocks.split_k > 1 and combine == "xla":
+        return _combine_splits(*result, width=width, group=group, dtype=q.dtype)
+    return result
 
 
 # --------------------------------------------------------------------------------------------
@@ -669,16 +701,16 @@ def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Ar
       prefix_lens: [batch] int32.
       visible: [batch, width, width] bool, or None for causal among the new tokens.
       impl: "auto" (Pallas on GPU, reference elsewhere), "pallas", a candidate variant of it
-        (PALLAS_VARIANTS: "-one-launch" without the tail launch, "-one-wave" tiles with
-        `one_wave_block_sizes`, "-fused" merges split-K partials in a kernel), "reference",
-        "interpret".
+        (PALLAS_VARIANTS: "-xla-merge" merges split-K partials with XLA after the kernel,
+        "-one-launch" without the tail launch, "-one-wave" tiles with `one_wave_block_sizes`),
+        "reference", "interpret".
     Returns:
       [batch, width, q_heads, head_dim] in q's dtype.
     """
     which = resolve_impl(impl)
     if which == "reference":
         return tree_attention_reference(q, k, v, prefix_lens, visible, scale=scale)
-    tiling, combine = PALLAS_VARIANTS.get(which, ("default", "xla"))
+    tiling, combine = PALLAS_VARIANTS.get(which, PALLAS_VARIANTS["pallas"])
     blocks = {}
     if tiling == "one-launch":
         blocks = {"tail_split": 0}

@@ -98,7 +98,7 @@ def test_interpret_kernel_matches_reference(batch, width, kv_heads, group, head_
     assert rel_err(out, ref) < tolerance(dtype)
 
 
-@pytest.mark.parametrize("split_k,combine", [(1, "xla"), (2, "xla"), (2, "kernel")])
+@pytest.mark.parametrize("split_k,combine", [(1, "in-kernel"), (2, "xla"), (2, "in-kernel")])
 def test_rows_without_visible_keys_are_zero(split_k, combine):
     # Sequence 0 has an empty prefix and 3 padding nodes that see nothing: their rows must be
     # exactly 0, not NaN, while every other row stays a proper attention output.
@@ -121,22 +121,23 @@ SPLIT_CASES = [c for c in CASES if c[9] > 1] + [
 
 @pytest.mark.parametrize(
     "batch,width,kv_heads,group,head_dim,max_len,lens,dtype,tree,split_k,blocks", SPLIT_CASES)
-def test_combine_kernel_matches_reference(batch, width, kv_heads, group, head_dim, max_len, lens,
-                                          dtype, tree, split_k, blocks):
-    """Split-K partials merged by the Pallas combine kernel (combine="kernel") instead of jnp."""
+def test_xla_merge_matches_reference(batch, width, kv_heads, group, head_dim, max_len, lens,
+                                     dtype, tree, split_k, blocks):
+    """Split-K partials merged by XLA after the kernel (combine="xla"; the default merges them
+    inside the kernel, which test_interpret_kernel_matches_reference covers)."""
     q, k, v, prefix_lens, visible = make_case(
         len(lens) + width + group + head_dim + 1, batch, width, kv_heads, group, head_dim, max_len,
         lens, dtype, tree)
     block_q, block_k = blocks or (None, None)
     out = tree_attention_pallas(q, k, v, prefix_lens, visible, split_k=split_k, block_q=block_q,
-                                block_k=block_k, combine="kernel", interpret=True)
+                                block_k=block_k, combine="xla", interpret=True)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert rel_err(out, tree_attention_reference(q, k, v, prefix_lens, visible)) < tolerance(dtype)
 
 
 def test_bad_combine_is_rejected():
     q, k, v, lens, _ = make_case(0, 1, 16, 1, 4, 64, 64, [5], jnp.float32, False)
-    with pytest.raises(ValueError, match="combine must be 'xla' or 'kernel'"):
+    with pytest.raises(ValueError, match="combine must be one of in-kernel, xla, got 'triton'"):
         tree_attention_pallas(q, k, v, lens, combine="triton", interpret=True)
 
 
@@ -184,7 +185,7 @@ LOWER_CASES = [
 
 @pytest.mark.parametrize("batch,width,q_heads,kv_heads,head_dim,max_len,dtype,tree,split_k",
                          LOWER_CASES)
-@pytest.mark.parametrize("combine", ["xla", "kernel"])
+@pytest.mark.parametrize("combine", ["in-kernel", "xla"])
 def test_kernel_lowers_for_cuda(batch, width, q_heads, kv_heads, head_dim, max_len, dtype, tree,
                                 split_k, combine):
     q = jax.ShapeDtypeStruct((batch, width, q_heads, head_dim), dtype)
@@ -260,7 +261,7 @@ GPU_CASES = [
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
-@pytest.mark.parametrize("combine", ["xla", "kernel"])
+@pytest.mark.parametrize("combine", ["in-kernel", "xla"])
 @pytest.mark.parametrize("batch,width,kv_heads,group,head_dim,max_len,lens,dtype,tree,split_k",
                          GPU_CASES)
 def test_gpu_kernel_matches_reference(batch, width, kv_heads, group, head_dim, max_len, lens,
@@ -300,12 +301,11 @@ def test_one_wave_tiling_matches_reference_and_lowers():
     out = tree_attention_pallas(q, k, v, lens, visible, interpret=True, **dataclasses.asdict(blocks))
     assert rel_err(out, tree_attention_reference(q, k, v, lens, visible)) < 1e-5
     args = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, lens, visible)]
-    for impl, kernels in (("pallas-one-wave", 1), ("pallas-one-wave-fused", 2), ("pallas-fused", 2)):
+    for impl in ("pallas-one-wave", "pallas-xla-merge", "pallas"):
         fn = functools.partial(tree_attention, impl=impl)
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        # The attention kernel, and the combine kernel where the partials merge in Pallas.
-        assert text.count("__gpu$xla.gpu.triton") == kernels, impl
-    with pytest.raises(ValueError, match="pallas-one-wave-fused"):
+        assert text.count("__gpu$xla.gpu.triton") == 1, impl  # one launch; the merge is in it or XLA's
+    with pytest.raises(ValueError, match="pallas-xla-merge"):
         resolve_impl("one-wave")
 
 
@@ -315,20 +315,24 @@ TAIL_CASES = [
     (1, 20, 2, 4, 64, 200, [150], jnp.bfloat16, False, 32, 4),     # causal, padded tail block
     (2, 17, 1, 5, 64, 160, [61, 0], jnp.float32, True, 16, 2),     # group 5: the tail starts at token 16
     (1, 64, 2, 4, 128, 300, [199], jnp.bfloat16, True, 64, 5),     # 4 row blocks of 64
+    (1, 20, 1, 5, 64, 160, [70], jnp.float32, True, 16, 3),        # the tail starts mid-token
 ]
 
 
+@pytest.mark.parametrize("combine", ["in-kernel", "xla"])
 @pytest.mark.parametrize(
     "batch,width,kv_heads,group,head_dim,max_len,lens,dtype,tree,block_q,tail_split", TAIL_CASES)
 def test_tail_launch_matches_reference(batch, width, kv_heads, group, head_dim, max_len, lens, dtype,
-                                       tree, block_q, tail_split):
+                                       tree, block_q, tail_split, combine):
     """The last row block of each kv head as a second, split-K launch (tail_split): every row is
-    written once by the right launch (interpret outputs start as NaN) and equals the reference."""
+    written once by the right launch (interpret outputs start as NaN) and equals the reference.
+    In-kernel, the tail writes into the main launch's output, even when it starts mid-token (row
+    96 of group 5); with the XLA merge such a tail runs as one launch instead."""
     q, k, v, prefix_lens, visible = make_case(
         width + group + head_dim + tail_split, batch, width, kv_heads, group, head_dim, max_len,
         lens, dtype, tree)
     out = tree_attention_pallas(q, k, v, prefix_lens, visible, block_q=block_q, block_k=32,
-                                tail_split=tail_split, interpret=True)
+                                tail_split=tail_split, combine=combine, interpret=True)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert rel_err(out, tree_attention_reference(q, k, v, prefix_lens, visible)) < tolerance(dtype)
 
@@ -410,3 +414,17 @@ def test_smaller_gpu_tiling_matches_reference():
     blocks = default_block_sizes(2, 48, 4, 2, 64, 400, 2, limits=ADA)
     out = tree_attention_pallas(q, k, v, lens, visible, interpret=True, **dataclasses.asdict(blocks))
     assert rel_err(out, tree_attention_reference(q, k, v, lens, visible)) < tolerance(jnp.bfloat16)
+
+
+def test_bench_tiling_specs():
+    """The kernel benchmark's --tiling values: parsed into the kernel's keyword arguments, and a
+    malformed one is refused with the flag's expected form."""
+    from dflash_jax.bench.tree_attention_bench import parse_tilings
+
+    assert parse_tilings(["64:128,64,8,2,8", "272:64,128,4,3,1,16,64"]) == [
+        (64, dict(block_q=128, block_k=64, num_warps=8, num_stages=2, split_k=8)),
+        (272, dict(block_q=64, block_k=128, num_warps=4, num_stages=3, split_k=1, tail_split=16,
+                   tail_block_k=64))]
+    for bad in ("64:128,64,8", "128,64,8,2,8", "64:a,64,8,2,8"):
+        with pytest.raises(SystemExit, match="--tiling .*expected W:block_q"):
+            parse_tilings([bad])

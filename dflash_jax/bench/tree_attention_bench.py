@@ -94,7 +94,9 @@ def make_inputs(shape: Shape, dtype: jnp.dtype, copies: int, seed: int = 0):
         visible = None
     else:
         rng = np.random.default_rng(seed)
-        visible = jnp.asarray(random_tree_visibility(rng, shape.batch, shape.width))
+        # int8, the kernel's own format: in the model, XLA's CSE leaves one bool -> int8 convert
+        # per forward, shared by every layer, as XLA's mask is computed once here.
+        visible = jnp.asarray(random_tree_visibility(rng, shape.batch, shape.width), jnp.int8)
     return q, ks, vs, lens, visible
 
 
@@ -185,8 +187,11 @@ def max_rel_err(out: jax.Array, ref: jax.Array) -> float:
 
 def bench_shape(shape: Shape, dtype, *, interpret: bool, iters: int, reps: int,
                 impls: tuple[str, ...] = ("pallas", "xla", "reference"), check: bool = True,
-                overrides: dict | None = None, profile_dir: str | None = None, unrolled: bool = False) -> dict:
+                overrides: dict | None = None, profile_dir: str | None = None, unrolled: bool = False,
+                tilings: list[dict] | None = None) -> dict:
     """Checks and times one shape. overrides: explicit kernel block sizes.
+
+    tilings: more explicit tilings of the kernel, timed as impls "tiling0", "tiling1", ...
 
     profile_dir: also record per-call GPU kernel time (``<impl>_kernel_us``) from a trace.
     unrolled: also time each implementation with the calls unrolled (``<impl>_unrolled_ms``).
@@ -208,11 +213,12 @@ def bench_shape(shape: Shape, dtype, *, interpret: bool, iters: int, reps: int,
         "wave": functools.partial(tree_attention_pallas, interpret=interpret, **{**wave, **kernel_args}),
         # The default tiling as one launch (no tail launch): at W 272, the default before the seventh session.
         "one_launch": functools.partial(tree_attention_pallas, interpret=interpret, **{"tail_split": 0, **kernel_args}),
-        # The split-K partials merged by one Pallas kernel (combine="kernel") instead of jnp.
-        "fused": functools.partial(tree_attention_pallas, interpret=interpret, combine="kernel", **kernel_args),
-        "wave_fused": functools.partial(tree_attention_pallas, interpret=interpret, combine="kernel",
-                                        **{**wave, **kernel_args}),
+        # Split-K partials (and the tail launch's) merged by XLA after the kernel: the default
+        # before the tenth session, which merges them inside the kernel.
+        "xla_merge": functools.partial(tree_attention_pallas, interpret=interpret, combine="xla", **kernel_args),
     }
+    for i, tiling in enumerate(tilings or ()):
+        fns[f"tiling{i}"] = functools.partial(tree_attention_pallas, interpret=interpret, **tiling)
 
     row = dataclasses.asdict(shape)
     blocks = default_block_sizes(shape.batch, shape.width, shape.q_heads // shape.kv_heads,
@@ -262,9 +268,8 @@ def markdown_table(rows: list[dict]) -> str:
             ("one_launch_kernel_us", "one-launch kernel us"), ("one_launch_speedup_vs_xla", "one-launch x vs xla"),
             ("wave_ms", "one-wave ms"),
             ("wave_block_k", "one-wave block_k"), ("wave_split_k", "one-wave split_k"),
-            ("wave_speedup_vs_xla", "one-wave x vs xla"), ("fused_ms", "fused-combine ms"),
-            ("fused_speedup_vs_xla", "fused x vs xla"), ("wave_fused_ms", "one-wave + fused ms"),
-            ("wave_fused_speedup_vs_xla", "one-wave + fused x vs xla"), ("pallas_unrolled_ms", "pallas unrolled ms"),
+            ("wave_speedup_vs_xla", "one-wave x vs xla"), ("xla_merge_ms", "xla-merge ms"),
+            ("xla_merge_kernel_us", "xla-merge kernel us"), ("pallas_unrolled_ms", "pallas unrolled ms"),
             ("xla_unrolled_ms", "xla unrolled ms"), ("unrolled_speedup_vs_xla", "x vs xla (unrolled)")]
     cols = [c for c in cols if any(c[0] in r for r in rows)]
     lines = ["| " + " | ".join(h for _, h in cols) + " |",
@@ -342,6 +347,24 @@ def sweep(shapes: list[tuple[int, int]], heads, dtype, iters: int,
     return rows
 
 
+def parse_tilings(specs: list[str]) -> list[tuple[int, dict]]:
+    """--tiling values "W:block_q,block_k,num_warps,num_stages,split_k[,tail_split[,tail_block_k]]"
+    as (W, tree_attention_pallas keyword arguments)."""
+    names = ("block_q", "block_k", "num_warps", "num_stages", "split_k", "tail_split", "tail_block_k")
+    out = []
+    for spec in specs:
+        try:
+            width, values = spec.split(":")
+            numbers = [int(x) for x in values.split(",")]
+            if not 5 <= len(numbers) <= len(names):
+                raise ValueError
+        except ValueError:
+            raise SystemExit(f"--tiling {spec!r}: expected W:block_q,block_k,num_warps,num_stages,split_k"
+                             f"[,tail_split[,tail_block_k]]") from None
+        out.append((int(width), dict(zip(names, numbers))))
+    return out
+
+
 def write_json(path: str, rows: list[dict], skipped: list[dict], started: float,
                args: argparse.Namespace, dtype) -> dict:
     result = dict(
@@ -376,9 +399,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="also time the default tiling without its tail launch (tail_split=0)")
     parser.add_argument("--one-wave", action="store_true",
                         help="also time the kernel with wave_block_sizes' tiling (a candidate default)")
-    parser.add_argument("--fused-combine", action="store_true",
-                        help="also time the kernel with its split-K partials merged by one Pallas kernel "
-                             "(with --one-wave, also both candidates together)")
+    parser.add_argument("--xla-merge", action="store_true",
+                        help="also time the kernel with its split-K partials merged by XLA after it "
+                             "(the default before the tenth session)")
+    parser.add_argument("--tiling", action="append", default=[], metavar="W:Q,K,WARPS,STAGES,SPLIT[,TAIL[,TAIL_K]]",
+                        help="also time this explicit tiling at width W (block_q, block_k, num_warps, "
+                             "num_stages, split_k, tail_split, tail_block_k); repeatable")
     parser.add_argument("--unrolled", action="store_true",
                         help="also time every implementation with its calls unrolled (no loop overhead)")
     parser.add_argument("--iters", type=int, default=20)
@@ -414,21 +440,25 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             shape = Shape(1, ctx, width, q_heads, kv_heads, head_dim)
             impls = ("pallas", "xla", "cudnn", "reference") if args.cudnn else ("pallas", "xla", "reference")
+            tilings = [t for w, t in parse_tilings(args.tiling) if w == width]
             candidates = ((("one_launch",) if args.one_launch else ()) + (("wave",) if args.one_wave else ())
-                          + (("fused",) if args.fused_combine else ()))
-            if args.one_wave and args.fused_combine:
-                candidates += ("wave_fused",)
+                          + (("xla_merge",) if args.xla_merge else ())
+                          + tuple(f"tiling{i}" for i in range(len(tilings))))
             impls = ("pallas",) + candidates + impls[1:]
             row = bench_shape(shape, dtype, interpret=args.interpret, iters=args.iters,
-                              reps=args.reps, profile_dir=args.profile, impls=impls, unrolled=args.unrolled)
+                              reps=args.reps, profile_dir=args.profile, impls=impls, unrolled=args.unrolled,
+                              tilings=tilings)
+            for i, tiling in enumerate(tilings):
+                row[f"tiling{i}"] = tiling
             row["speedup_vs_xla"] = row["xla_ms"] / row["pallas_ms"]
             if args.one_wave:
                 print(f"  one-wave tiling: block_k {row['wave_block_k']}, stages {row['wave_num_stages']}, "
                       f"split-K {row['wave_split_k']}", flush=True)
             for name in candidates:
                 row[f"{name}_speedup_vs_xla"] = row["xla_ms"] / row[f"{name}_ms"]
-                print(f"  {name}: {row[f'{name}_ms']:.4f} ms (err {row[f'err_{name}']:.2e}, "
-                      f"{row[f'{name}_speedup_vs_xla']:.2f}x xla)", flush=True)
+                kernel = f", kernel {row[f'{name}_kernel_us']:.1f} us" if args.profile else ""
+                print(f"  {name} {row.get(name, '')}: {row[f'{name}_ms']:.4f} ms{kernel} (err "
+                      f"{row[f'err_{name}']:.2e}, {row[f'{name}_speedup_vs_xla']:.2f}x xla)", flush=True)
             if args.unrolled:
                 row["unrolled_speedup_vs_xla"] = row["xla_unrolled_ms"] / row["pallas_unrolled_ms"]
                 print(f"  unrolled: pallas {row['pallas_unrolled_ms']:.4f} ms, xla {row['xla_unrolled_ms']:.4f} ms "
