@@ -13,8 +13,7 @@ This file holds, side by side:
 * ``default_block_sizes``: the block sizes the dispatcher uses for a shape on a GPU
   (``GpuLimits``: its SMs and shared memory, read from the device), and
   ``one_wave_block_sizes``, a candidate that keeps the grid in one wave (``impl="pallas-one-wave"``).
-* the split-K merge: ``_merge_when_last`` inside the kernel (the default), and ``_combine_splits``
-  (jnp after the kernel; ``impl="pallas-xla-merge"``).
+* ``_combine_splits``: the split-K merge (jnp, after the kernel).
 * ``tree_attention``: the dispatcher.
 """
 
@@ -30,17 +29,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-Impl = Literal["auto", "pallas", "pallas-xla-merge", "pallas-one-launch", "pallas-one-wave",
-               "reference", "interpret"]
-# The kernel's variants: (tiling, how split-K partials merge). "pallas" is the default; the
-# others are what benchmarks time beside it (BENCHMARKS.md, sixth and seventh sessions).
-# Tilings: "default" (`default_block_sizes`), "one-launch" (the same without its tail launch:
-# at W 272, the default before the seventh session), "one-wave" (`one_wave_block_sizes`).
-PALLAS_VARIANTS = {"pallas": ("default", "in-kernel"), "pallas-xla-merge": ("default", "xla"),
-                   "pallas-one-launch": ("one-launch", "in-kernel"),
-                   "pallas-one-wave": ("one-wave", "in-kernel")}
-# How split-K partials merge: in the kernel (the last program of a row block), or by XLA after it.
-COMBINES = ("in-kernel", "xla")
+Impl = Literal["auto", "pallas", "pallas-one-launch", "pallas-one-wave", "reference", "interpret"]
+# The kernel's variants, by tiling. "pallas" is the default; the others are what benchmarks
+# time beside it (BENCHMARKS.md, sixth and seventh sessions): "one-launch" is the default
+# without its tail launch (at W 272, the default before the seventh session), "one-wave" is
+# `one_wave_block_sizes`. Split-K partials always merge in XLA after the kernel: a Pallas merge
+# kernel (seventh session) and a merge inside the kernel by the last program of each row block
+# (tenth session) both lost (BENCHMARKS.md).
+PALLAS_VARIANTS = {"pallas": "default", "pallas-one-launch": "one-launch", "pallas-one-wave": "one-wave"}
 
 # exp2 is the native GPU instruction; folding log2(e) into the score scale makes exp2 exact
 # replacement for exp.
@@ -360,7 +356,7 @@ def _store_rows(o_ref, q_index: tuple[jax.Array, ...], row_ok: jax.Array, out: j
 
 def _tree_attention_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, width: int, group: int,
                            block_q: int, block_k: int, split_k: int, first_block: int, qk_scale: float,
-                           has_visible: bool, merge: str, num_aliased: int, interpret: bool):
+                           has_visible: bool, interpret: bool):
     """One program: one sequence, one kv head, one block of rows, one split of the keys.
 
     The grid's row blocks are first_block, first_block + 1, ... of the kv head's rows.
@@ -370,16 +366,14 @@ def _tree_attention_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, width: int, gro
       q_ref: [width, q_heads, head_dim] this sequence's queries.
       k_ref, v_ref: [max_len, head_dim] this sequence's and kv head's cache.
       vis_ref (if has_visible): [width, width] int8 tree visibility.
-      then num_aliased inputs that are also outputs (written through the output refs).
       outputs, split_k == 1: o_ref [width, q_heads, head_dim].
-      outputs, split_k > 1, merge "xla": acc_ref [block_q, head_dim] f32 (unnormalised), m_ref
-        and l_ref [block_q] f32 (running max in log2 units and sum of exp2).
-      outputs, split_k > 1, merge "in-kernel": o_ref; acc_ref [split_k, block_q, head_dim],
-        m_ref and l_ref [split_k, block_q] (every split's partials of this row block), and
-        count_ref [1] int32 (how many of them have been stored; zero on entry).
+      outputs, split_k > 1: acc_ref [block_q, head_dim] f32 (unnormalised), m_ref and l_ref
+        [block_q] f32 (running max in log2 units and sum of exp2).
     """
-    vis_ref = refs[0] if has_visible else None
-    out_refs = refs[int(has_visible) + num_aliased:]
+    if has_visible:
+        vis_ref, *out_refs = refs
+    else:
+        vis_ref, out_refs = None, refs
     kv_head = pl.program_id(1)
     row_block = pl.program_id(2) + first_block
     split = pl.program_id(3)
@@ -448,9 +442,6 @@ def _tree_attention_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, width: int, gro
     if split_k == 1:
         (o_ref,) = out_refs
         _store_rows(o_ref, q_index, row_ok, _normalise(acc, l_i), interpret)
-    elif merge == "in-kernel":
-        _merge_when_last(carry, *out_refs, split=split, q_index=q_index, row_ok=row_ok,
-                         split_k=split_k, interpret=interpret)
     else:
         acc_ref, m_ref, l_ref = out_refs
         acc_ref[...] = acc
@@ -461,43 +452,6 @@ def _tree_attention_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, width: int, gro
 def _normalise(acc: jax.Array, l: jax.Array) -> jax.Array:
     """acc / l per row; a row that saw no key (l = 0) is 0, not NaN."""
     return jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
-
-
-def _merge_when_last(carry, o_ref, acc_ref, m_ref, l_ref, count_ref, *, split: jax.Array,
-                     q_index: tuple[jax.Array, ...], row_ok: jax.Array, split_k: int,
-                     interpret: bool) -> None:
-    """Split-K merged inside the kernel: every program stores its partials and counts itself in;
-    the row block's last program to arrive merges all split_k partials and writes the output.
-
-    This replaces the three XLA kernels of `_combine_splits` (a max, the weighted sums, a
-    transpose) by a few loads in one program per row block; the price is one atomic per program.
-    carry: this program's (acc [block_q, head_dim], m, l [block_q]).
-    """
-    acc, m_i, l_i = carry
-    acc_ref[split] = acc
-    m_ref[split] = m_i
-    l_ref[split] = l_i
-    if not interpret:
-        # Every thread's stores above come before the counter moves (the atomic is issued by
-        # one thread; its release at GPU scope then covers what the barrier ordered).
-        plgpu.debug_barrier()
-    # Acquire-release at GPU scope: the last arrival sees every other program's partials.
-    arrived = plgpu.atomic_add(count_ref, (jnp.int32(0),), jnp.int32(1))
-
-    @pl.when(arrived == split_k - 1)
-    def _merge():
-        def step(s, run):
-            acc_run, m_run, l_run = run
-            m_s, l_s = m_ref[s], l_ref[s]
-            m_new = jnp.maximum(m_run, m_s)
-            # Empty splits have m = _M_INIT and l = 0; the running max starts there too, so
-            # their weight is finite and multiplies zeros.
-            a, b = jnp.exp2(m_run - m_new), jnp.exp2(m_s - m_new)
-            return acc_run * a[:, None] + acc_ref[s] * b[:, None], m_new, l_run * a + l_s * b
-
-        init = (jnp.zeros_like(acc), jnp.full_like(m_i, _M_INIT), jnp.zeros_like(l_i))
-        total, _, denom = lax.fori_loop(0, split_k, step, init)
-        _store_rows(o_ref, q_index, row_ok, _normalise(total, denom), interpret)
 
 
 def _combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array, width: int, group: int,
@@ -524,16 +478,13 @@ def _combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array, width: int, grou
 
 def _kernel_call(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Array,
                  visible: jax.Array | None, *, group: int, blocks: BlockSizes, first_block: int,
-                 row_blocks: int, split_k: int, combine: str, scale: float, interpret: bool,
-                 into: jax.Array | None = None):
+                 row_blocks: int, split_k: int, scale: float, interpret: bool):
     """One launch of the kernel over row blocks [first_block, first_block + row_blocks) of every
     (sequence, kv head).
 
-    into: an output [batch, width, q_heads, head_dim] to write the rows into (aliased, so that
-      a tail launch fills in what the main launch left); default a new one.
-    Returns [batch, width, q_heads, head_dim] with those blocks' rows written (the others as in
-    `into`, or undefined), except with split_k > 1 and combine "xla": the partials (acc, m, l)
-    that `_combine_splits` takes, with rows_padded = row_blocks * block_q.
+    Returns, split_k == 1: [batch, width, q_heads, head_dim] with those blocks' rows written
+    (the others undefined); split_k > 1: the partials (acc, m, l) that `_combine_splits` takes,
+    with rows_padded = row_blocks * block_q.
     """
     batch, width, q_heads, head_dim = q.shape
     max_len, kv_heads = k.shape[1], k.shape[2]
@@ -550,64 +501,36 @@ def _kernel_call(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Arra
     if visible is not None:
         in_specs.append(pl.BlockSpec((sq, width, width), lambda b, h, i, s: (b, 0, 0)))
         args.append(visible.astype(jnp.int8))
-    # Programs of one sequence write disjoint rows of the same output block.
-    o_spec = pl.BlockSpec((sq, width, q_heads, head_dim), lambda b, h, i, s: (b, 0, 0, 0))
-    o_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
-    padded = row_blocks * block_q
-    partial_shapes = (
-        jax.ShapeDtypeStruct((batch, kv_heads, split_k, padded, head_dim), jnp.float32),
-        jax.ShapeDtypeStruct((batch, kv_heads, split_k, padded), jnp.float32),
-        jax.ShapeDtypeStruct((batch, kv_heads, split_k, padded), jnp.float32),
-    )
-    aliased = []  # (input, its spec, output index)
-    if into is not None:
-        aliased.append((into, o_spec, 0))
     if split_k == 1:
-        out_shape, out_specs = [o_shape], [o_spec]
-    elif combine == "xla":
-        out_shape = list(partial_shapes)
-        out_specs = [
+        # Programs of one sequence write disjoint rows of the same output block.
+        out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+        out_specs = pl.BlockSpec((sq, width, q_heads, head_dim), lambda b, h, i, s: (b, 0, 0, 0))
+    else:
+        padded = row_blocks * block_q
+        out_shape = (
+            jax.ShapeDtypeStruct((batch, kv_heads, split_k, padded, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, kv_heads, split_k, padded), jnp.float32),
+            jax.ShapeDtypeStruct((batch, kv_heads, split_k, padded), jnp.float32),
+        )
+        out_specs = (
             pl.BlockSpec((sq, sq, sq, block_q, head_dim), lambda b, h, i, s: (b, h, s, i, 0)),
             pl.BlockSpec((sq, sq, sq, block_q), lambda b, h, i, s: (b, h, s, i)),
             pl.BlockSpec((sq, sq, sq, block_q), lambda b, h, i, s: (b, h, s, i)),
-        ]
-    else:  # in-kernel: every split of a row block sees all of that block's partials
-        count_spec = pl.BlockSpec((sq, sq, 1), lambda b, h, i, s: (b, h, i))
-        counts = jnp.zeros((batch, kv_heads, row_blocks), jnp.int32)
-        out_shape = [o_shape, *partial_shapes, jax.ShapeDtypeStruct(counts.shape, counts.dtype)]
-        out_specs = [
-            o_spec,
-            pl.BlockSpec((sq, sq, split_k, block_q, head_dim), lambda b, h, i, s: (b, h, 0, i, 0)),
-            pl.BlockSpec((sq, sq, split_k, block_q), lambda b, h, i, s: (b, h, 0, i)),
-            pl.BlockSpec((sq, sq, split_k, block_q), lambda b, h, i, s: (b, h, 0, i)),
-            count_spec,
-        ]
-        aliased.append((counts, count_spec, 4))
-    if into is not None and split_k > 1 and combine == "xla":
-        raise ValueError("into= needs the output written by the kernel (split_k 1 or an in-kernel merge)")
-    aliases = {}
-    for array, spec, out_index in aliased:
-        aliases[len(args)] = out_index
-        args.append(array)
-        in_specs.append(spec)
+        )
     kernel = functools.partial(
         _tree_attention_kernel, width=width, group=group, block_q=block_q, block_k=blocks.block_k,
         split_k=split_k, first_block=first_block, qk_scale=float(scale) * _LOG2E,
-        has_visible=visible is not None, merge=combine, num_aliased=len(aliased), interpret=interpret)
-    result = pl.pallas_call(
+        has_visible=visible is not None, interpret=interpret)
+    return pl.pallas_call(
         kernel,
         grid=grid,
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret,
         name="tree_attention" if first_block == 0 else "tree_attention_tail",
     )(*args)
-    if split_k > 1 and combine == "xla":
-        return tuple(result)
-    return result[0]
 
 
 def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Array,
@@ -615,19 +538,16 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens:
                           block_q: int | None = None, block_k: int | None = None,
                           num_warps: int | None = None, num_stages: int | None = None,
                           split_k: int | None = None, tail_split: int | None = None,
-                          tail_block_k: int | None = None, combine: str = "in-kernel",
-                          interpret: bool = False) -> jax.Array:
+                          tail_block_k: int | None = None, interpret: bool = False) -> jax.Array:
     """Tree attention as a Pallas Triton kernel; same contract as ``tree_attention_reference``.
 
     Grid: (batch, kv_heads, row blocks, split_k). Block sizes left as None come from
     ``default_block_sizes``. tail_split > 1 (with split_k 1) runs each kv head's last row block
-    as a second launch with that split-K (and tail_block_k keys per step, default block_k),
-    writing into the first launch's output; it is skipped when there is one row block. combine: how split-K partials are merged, "in-kernel" (the
-    last program of a row block merges them, `_merge_when_last`) or "xla" (`_combine_splits`,
-    three XLA kernels after the launch; the default until the tenth session). With "xla" the
-    tail launch is also skipped when the last block does not start at a token boundary
-    (block_q * blocks not a multiple of the group).
-    visible may be bool or int8 (the kernel reads int8; passing int8 saves a convert per call).
+    as a second launch with that split-K (and tail_block_k keys per step, default block_k); it
+    is skipped when there is one row block, or when the last block does not start at a token
+    boundary (block_q * blocks not a multiple of the group). Split-K partials merge in XLA
+    (`_combine_splits`).
+    visible may be bool or int8 (the kernel reads int8; int8 saves a convert per call).
     """
     batch, width, q_heads, kv_heads, head_dim, max_len = _check_shapes(q, k, v, prefix_lens,
                                                                        visible)
@@ -649,30 +569,23 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens:
     if blocks.tail_split < 0 or (blocks.tail_split > 1 and blocks.split_k > 1):
         raise ValueError(f"tail_split={blocks.tail_split} must be >= 0, and needs split_k=1 "
                          f"(got split_k={blocks.split_k})")
-    if combine not in COMBINES:
-        raise ValueError(f"combine must be one of {', '.join(COMBINES)}, got {combine!r}")
     scale = head_dim ** -0.5 if scale is None else scale
 
     row_blocks = pl.cdiv(width * group, blocks.block_q)
     call = functools.partial(_kernel_call, q, k, v, prefix_lens, visible, group=group, blocks=blocks,
-                             combine=combine, scale=scale, interpret=interpret)
+                             scale=scale, interpret=interpret)
     tail_rows = (row_blocks - 1) * blocks.block_q
-    if blocks.tail_split > 1 and row_blocks > 1:
-        tail = functools.partial(call, first_block=row_blocks - 1, row_blocks=1,
-                                 split_k=blocks.tail_split, blocks=tail_blocks)
-        if combine == "in-kernel":
-            out = call(first_block=0, row_blocks=row_blocks - 1, split_k=1)
-            return tail(into=out)
-        if tail_rows % group == 0:
-            out = call(first_block=0, row_blocks=row_blocks - 1, split_k=1)
-            first_token = tail_rows // group
-            partials = tail()
-            tail = _combine_splits(*partials, width=width - first_token, group=group, dtype=q.dtype)
-            return lax.dynamic_update_slice(out, tail, (0, first_token, 0, 0))
+    if blocks.tail_split > 1 and row_blocks > 1 and tail_rows % group == 0:
+        out = call(first_block=0, row_blocks=row_blocks - 1, split_k=1)
+        first_token = tail_rows // group
+        partials = call(first_block=row_blocks - 1, row_blocks=1, split_k=blocks.tail_split,
+                        blocks=tail_blocks)
+        tail = _combine_splits(*partials, width=width - first_token, group=group, dtype=q.dtype)
+        return lax.dynamic_update_slice(out, tail, (0, first_token, 0, 0))
     result = call(first_block=0, row_blocks=row_blocks, split_k=blocks.split_k)
-    if blocks.split_k > 1 and combine == "xla":
-        return _combine_splits(*result, width=width, group=group, dtype=q.dtype)
-    return result
+    if blocks.split_k == 1:
+        return result
+    return _combine_splits(*result, width=width, group=group, dtype=q.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -701,16 +614,15 @@ def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Ar
       prefix_lens: [batch] int32.
       visible: [batch, width, width] bool, or None for causal among the new tokens.
       impl: "auto" (Pallas on GPU, reference elsewhere), "pallas", a candidate variant of it
-        (PALLAS_VARIANTS: "-xla-merge" merges split-K partials with XLA after the kernel,
-        "-one-launch" without the tail launch, "-one-wave" tiles with `one_wave_block_sizes`),
-        "reference", "interpret".
+        (PALLAS_VARIANTS: "-one-launch" without the tail launch, "-one-wave" tiles with
+        `one_wave_block_sizes`), "reference", "interpret".
     Returns:
       [batch, width, q_heads, head_dim] in q's dtype.
     """
     which = resolve_impl(impl)
     if which == "reference":
         return tree_attention_reference(q, k, v, prefix_lens, visible, scale=scale)
-    tiling, combine = PALLAS_VARIANTS.get(which, PALLAS_VARIANTS["pallas"])
+    tiling = PALLAS_VARIANTS.get(which, "default")
     blocks = {}
     if tiling == "one-launch":
         blocks = {"tail_split": 0}
@@ -718,5 +630,5 @@ def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Ar
         batch, width, q_heads, kv_heads, head_dim, max_len = _check_shapes(q, k, v, prefix_lens, visible)
         blocks = dataclasses.asdict(one_wave_block_sizes(batch, width, q_heads // kv_heads, kv_heads, head_dim,
                                                          max_len, jnp.dtype(k.dtype).itemsize))
-    return tree_attention_pallas(q, k, v, prefix_lens, visible, scale=scale, combine=combine,
+    return tree_attention_pallas(q, k, v, prefix_lens, visible, scale=scale,
                                  interpret=which == "interpret", **blocks)

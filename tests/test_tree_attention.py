@@ -98,47 +98,18 @@ def test_interpret_kernel_matches_reference(batch, width, kv_heads, group, head_
     assert rel_err(out, ref) < tolerance(dtype)
 
 
-@pytest.mark.parametrize("split_k,combine", [(1, "in-kernel"), (2, "xla"), (2, "in-kernel")])
-def test_rows_without_visible_keys_are_zero(split_k, combine):
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_rows_without_visible_keys_are_zero(split_k):
     # Sequence 0 has an empty prefix and 3 padding nodes that see nothing: their rows must be
     # exactly 0, not NaN, while every other row stays a proper attention output.
     q, k, v, lens, visible = make_case(7, 2, 16, 1, 4, 64, 64, [0, 21], jnp.float32, True,
                                        num_padding=3)
-    out = tree_attention_pallas(q, k, v, lens, visible, split_k=split_k, combine=combine,
-                                interpret=True)
+    out = tree_attention_pallas(q, k, v, lens, visible, split_k=split_k, interpret=True)
     ref = tree_attention_reference(q, k, v, lens, visible)
     np.testing.assert_array_equal(np.asarray(out[0, -3:]), 0.0)
     np.testing.assert_array_equal(np.asarray(ref[0, -3:]), 0.0)
     assert np.all(np.abs(np.asarray(out[0, :-3])).sum(-1) > 0)
     assert rel_err(out, ref) < 1e-5
-
-
-SPLIT_CASES = [c for c in CASES if c[9] > 1] + [
-    (1, 64, 2, 4, 64, 2048, [1900], jnp.float32, True, 5, None),   # 5 splits, 2 kv heads
-    (2, 48, 2, 5, 64, 512, [0, 400], jnp.bfloat16, True, 3, None),  # group 5, padded rows
-]
-
-
-@pytest.mark.parametrize(
-    "batch,width,kv_heads,group,head_dim,max_len,lens,dtype,tree,split_k,blocks", SPLIT_CASES)
-def test_xla_merge_matches_reference(batch, width, kv_heads, group, head_dim, max_len, lens,
-                                     dtype, tree, split_k, blocks):
-    """Split-K partials merged by XLA after the kernel (combine="xla"; the default merges them
-    inside the kernel, which test_interpret_kernel_matches_reference covers)."""
-    q, k, v, prefix_lens, visible = make_case(
-        len(lens) + width + group + head_dim + 1, batch, width, kv_heads, group, head_dim, max_len,
-        lens, dtype, tree)
-    block_q, block_k = blocks or (None, None)
-    out = tree_attention_pallas(q, k, v, prefix_lens, visible, split_k=split_k, block_q=block_q,
-                                block_k=block_k, combine="xla", interpret=True)
-    assert out.shape == q.shape and out.dtype == q.dtype
-    assert rel_err(out, tree_attention_reference(q, k, v, prefix_lens, visible)) < tolerance(dtype)
-
-
-def test_bad_combine_is_rejected():
-    q, k, v, lens, _ = make_case(0, 1, 16, 1, 4, 64, 64, [5], jnp.float32, False)
-    with pytest.raises(ValueError, match="combine must be one of in-kernel, xla, got 'triton'"):
-        tree_attention_pallas(q, k, v, lens, combine="triton", interpret=True)
 
 
 def numpy_tree_attention(q, k, v, lens, visible) -> np.ndarray:
@@ -185,16 +156,15 @@ LOWER_CASES = [
 
 @pytest.mark.parametrize("batch,width,q_heads,kv_heads,head_dim,max_len,dtype,tree,split_k",
                          LOWER_CASES)
-@pytest.mark.parametrize("combine", ["in-kernel", "xla"])
 def test_kernel_lowers_for_cuda(batch, width, q_heads, kv_heads, head_dim, max_len, dtype, tree,
-                                split_k, combine):
+                                split_k):
     q = jax.ShapeDtypeStruct((batch, width, q_heads, head_dim), dtype)
     kv = jax.ShapeDtypeStruct((batch, max_len, kv_heads, head_dim), dtype)
     lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
     args = [q, kv, kv, lens]
     if tree:
         args.append(jax.ShapeDtypeStruct((batch, width, width), jnp.bool_))
-    fn = functools.partial(tree_attention_pallas, split_k=split_k, combine=combine)
+    fn = functools.partial(tree_attention_pallas, split_k=split_k)
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text
 
@@ -261,14 +231,13 @@ GPU_CASES = [
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
-@pytest.mark.parametrize("combine", ["in-kernel", "xla"])
 @pytest.mark.parametrize("batch,width,kv_heads,group,head_dim,max_len,lens,dtype,tree,split_k",
                          GPU_CASES)
 def test_gpu_kernel_matches_reference(batch, width, kv_heads, group, head_dim, max_len, lens,
-                                      dtype, tree, split_k, combine):
+                                      dtype, tree, split_k):
     q, k, v, prefix_lens, visible = make_case(1, batch, width, kv_heads, group, head_dim,
                                               max_len, lens, dtype, tree, num_padding=2)
-    out = jax.jit(functools.partial(tree_attention_pallas, split_k=split_k, combine=combine))(
+    out = jax.jit(functools.partial(tree_attention_pallas, split_k=split_k))(
         q, k, v, prefix_lens, visible)
     ref = tree_attention_reference(q, k, v, prefix_lens, visible)
     assert rel_err(out, ref) < tolerance(dtype)
@@ -301,11 +270,11 @@ def test_one_wave_tiling_matches_reference_and_lowers():
     out = tree_attention_pallas(q, k, v, lens, visible, interpret=True, **dataclasses.asdict(blocks))
     assert rel_err(out, tree_attention_reference(q, k, v, lens, visible)) < 1e-5
     args = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, lens, visible)]
-    for impl in ("pallas-one-wave", "pallas-xla-merge", "pallas"):
+    for impl in ("pallas-one-wave", "pallas-one-launch", "pallas"):
         fn = functools.partial(tree_attention, impl=impl)
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        assert text.count("__gpu$xla.gpu.triton") == 1, impl  # one launch; the merge is in it or XLA's
-    with pytest.raises(ValueError, match="pallas-xla-merge"):
+        assert text.count("__gpu$xla.gpu.triton") == 1, impl  # one launch; XLA merges the splits
+    with pytest.raises(ValueError, match="pallas-one-wave"):
         resolve_impl("one-wave")
 
 
@@ -315,24 +284,32 @@ TAIL_CASES = [
     (1, 20, 2, 4, 64, 200, [150], jnp.bfloat16, False, 32, 4),     # causal, padded tail block
     (2, 17, 1, 5, 64, 160, [61, 0], jnp.float32, True, 16, 2),     # group 5: the tail starts at token 16
     (1, 64, 2, 4, 128, 300, [199], jnp.bfloat16, True, 64, 5),     # 4 row blocks of 64
-    (1, 20, 1, 5, 64, 160, [70], jnp.float32, True, 16, 3),        # the tail starts mid-token
 ]
 
 
-@pytest.mark.parametrize("combine", ["in-kernel", "xla"])
+def test_tail_launch_with_its_own_key_block():
+    """tail_block_k: the tail launch steps through the keys in blocks of its own size (16 here,
+    64 in the main launch), and the result is still the reference's."""
+    q, k, v, lens, visible = make_case(41, 2, 20, 2, 4, 64, 300, [0, 237], jnp.float32, True)
+    out = tree_attention_pallas(q, k, v, lens, visible, block_q=16, block_k=64, tail_split=4,
+                                tail_block_k=16, interpret=True)
+    assert rel_err(out, tree_attention_reference(q, k, v, lens, visible)) < 1e-5
+    with pytest.raises(ValueError, match="tail_block_k=24 must be a power of two"):
+        tree_attention_pallas(q, k, v, lens, visible, block_q=16, tail_split=4, tail_block_k=24,
+                              interpret=True)
+
+
 @pytest.mark.parametrize(
     "batch,width,kv_heads,group,head_dim,max_len,lens,dtype,tree,block_q,tail_split", TAIL_CASES)
 def test_tail_launch_matches_reference(batch, width, kv_heads, group, head_dim, max_len, lens, dtype,
-                                       tree, block_q, tail_split, combine):
+                                       tree, block_q, tail_split):
     """The last row block of each kv head as a second, split-K launch (tail_split): every row is
-    written once by the right launch (interpret outputs start as NaN) and equals the reference.
-    In-kernel, the tail writes into the main launch's output, even when it starts mid-token (row
-    96 of group 5); with the XLA merge such a tail runs as one launch instead."""
+    written once by the right launch (interpret outputs start as NaN) and equals the reference."""
     q, k, v, prefix_lens, visible = make_case(
         width + group + head_dim + tail_split, batch, width, kv_heads, group, head_dim, max_len,
         lens, dtype, tree)
     out = tree_attention_pallas(q, k, v, prefix_lens, visible, block_q=block_q, block_k=32,
-                                tail_split=tail_split, combine=combine, interpret=True)
+                                tail_split=tail_split, interpret=True)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert rel_err(out, tree_attention_reference(q, k, v, prefix_lens, visible)) < tolerance(dtype)
 

@@ -10,11 +10,10 @@
 #   ar            AR decode vs the roofline: Qwen3-8B shape and SmolLM2, ctx 1K/8K, with profiles
 #   rounds        DFlash / DDTree round latency, 8 rounds per call (the decoding fast path)
 #   rounds-tiling DFlash / DDTree(64, 256) rounds at ctx 4K with tree attention as it is and beside
-#                 its candidates (ROUNDS_IMPLS, default `auto pallas-xla-merge`: the split-K merge by
-#                 XLA), side by side
+#                 its candidates (ROUNDS_IMPLS, default `auto pallas-one-launch`), side by side
 #   rounds-split  the same with XLA command buffers off, for the per-stage split of each round
 #   kernel        tree attention vs XLA masked attention at ctx 1K-32K, W 1-512, beside the single
-#                 launch and the XLA split-K merge, with profiled kernel times (KERNEL_CONTEXTS,
+#                 launch, with profiled kernel times (KERNEL_CONTEXTS,
 #                 KERNEL_WIDTHS, KERNEL_TILINGS; SWEEP_S=seconds adds a tiling sweep after it)
 #   kernel-tests  the GPU-only parity tests of the kernel against the reference
 #   kernel-sweep  only the random tiling sweep, SWEEP_S seconds (default 300), at SWEEP_WIDTHS
@@ -179,7 +178,7 @@ rounds-tiling)
     # seventh and ninth sessions ran `auto pallas-one-launch pallas-one-wave`).
     # shellcheck disable=SC2086
     if [ "$dry" = 1 ]; then set -- --model tiny --ctx 64 --budgets 16 --ddtree-ctx 128 --attn-impl auto
-    else set -- --ctx 4096 --budgets 64 256 --dot-merger off --attn-impl ${ROUNDS_IMPLS:-auto pallas-xla-merge}; fi
+    else set -- --ctx 4096 --budgets 64 256 --dot-merger off --attn-impl ${ROUNDS_IMPLS:-auto pallas-one-launch}; fi
     step rounds_tiling "$limit" python -m dflash_jax.bench.spec_round "$@" --no-profile --out "$out/rounds_tiling.json" ;;
 rounds-split)
     export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="
@@ -188,8 +187,7 @@ rounds-split)
         --out "$out/rounds_split.json" ;;
 kernel)
     # Issue 4's grid (ctx 1K-32K, W 16-512, plus W 1 and 272) with today's defaults, beside the
-    # single launch (`--one-launch`), the split-K merge by XLA (`--xla-merge`) and XLA, with GPU
-    # kernel times from a profile. KERNEL_CONTEXTS / KERNEL_WIDTHS narrow the grid; KERNEL_TILINGS
+    # single launch (`--one-launch`) and XLA, with GPU kernel times from a profile. KERNEL_CONTEXTS / KERNEL_WIDTHS narrow the grid; KERNEL_TILINGS
     # adds explicit tilings ("W:block_q,block_k,warps,stages,split[,tail[,tail_k]]" ...).
     tilings=()
     for t in ${KERNEL_TILINGS:-}; do tilings+=(--tiling "$t"); done
@@ -199,7 +197,7 @@ kernel)
         set -- --contexts ${KERNEL_CONTEXTS:-1024 4096 16384 32768} --widths ${KERNEL_WIDTHS:-1 16 64 256 272 512} \
             --reps 5 --budget 480 --profile /tmp/kernel_profile
     fi
-    step kernel "$limit" python -m dflash_jax.bench.tree_attention_bench "$@" --one-launch --xla-merge \
+    step kernel "$limit" python -m dflash_jax.bench.tree_attention_bench "$@" --one-launch \
         "${tilings[@]}" --out "$out/kernel.json"
     # SWEEP_S=seconds adds a random tiling sweep at W = 64 and 272 (ctx 4K and 32K).
     [ "$dry" = 1 ] || [ -z "${SWEEP_S:-}" ] || kernel_sweep "$SWEEP_S" --contexts 4096 32768 --widths 64 272 ;;

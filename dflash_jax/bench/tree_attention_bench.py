@@ -213,9 +213,6 @@ def bench_shape(shape: Shape, dtype, *, interpret: bool, iters: int, reps: int,
         "wave": functools.partial(tree_attention_pallas, interpret=interpret, **{**wave, **kernel_args}),
         # The default tiling as one launch (no tail launch): at W 272, the default before the seventh session.
         "one_launch": functools.partial(tree_attention_pallas, interpret=interpret, **{"tail_split": 0, **kernel_args}),
-        # Split-K partials (and the tail launch's) merged by XLA after the kernel: the default
-        # before the tenth session, which merges them inside the kernel.
-        "xla_merge": functools.partial(tree_attention_pallas, interpret=interpret, combine="xla", **kernel_args),
     }
     for i, tiling in enumerate(tilings or ()):
         fns[f"tiling{i}"] = functools.partial(tree_attention_pallas, interpret=interpret, **tiling)
@@ -268,8 +265,7 @@ def markdown_table(rows: list[dict]) -> str:
             ("one_launch_kernel_us", "one-launch kernel us"), ("one_launch_speedup_vs_xla", "one-launch x vs xla"),
             ("wave_ms", "one-wave ms"),
             ("wave_block_k", "one-wave block_k"), ("wave_split_k", "one-wave split_k"),
-            ("wave_speedup_vs_xla", "one-wave x vs xla"), ("xla_merge_ms", "xla-merge ms"),
-            ("xla_merge_kernel_us", "xla-merge kernel us"), ("pallas_unrolled_ms", "pallas unrolled ms"),
+            ("wave_speedup_vs_xla", "one-wave x vs xla"), ("pallas_unrolled_ms", "pallas unrolled ms"),
             ("xla_unrolled_ms", "xla unrolled ms"), ("unrolled_speedup_vs_xla", "x vs xla (unrolled)")]
     cols = [c for c in cols if any(c[0] in r for r in rows)]
     lines = ["| " + " | ".join(h for _, h in cols) + " |",
@@ -399,9 +395,6 @@ def main(argv: list[str] | None = None) -> None:
                         help="also time the default tiling without its tail launch (tail_split=0)")
     parser.add_argument("--one-wave", action="store_true",
                         help="also time the kernel with wave_block_sizes' tiling (a candidate default)")
-    parser.add_argument("--xla-merge", action="store_true",
-                        help="also time the kernel with its split-K partials merged by XLA after it "
-                             "(the default before the tenth session)")
     parser.add_argument("--tiling", action="append", default=[], metavar="W:Q,K,WARPS,STAGES,SPLIT[,TAIL[,TAIL_K]]",
                         help="also time this explicit tiling at width W (block_q, block_k, num_warps, "
                              "num_stages, split_k, tail_split, tail_block_k); repeatable")
@@ -442,7 +435,6 @@ def main(argv: list[str] | None = None) -> None:
             impls = ("pallas", "xla", "cudnn", "reference") if args.cudnn else ("pallas", "xla", "reference")
             tilings = [t for w, t in parse_tilings(args.tiling) if w == width]
             candidates = ((("one_launch",) if args.one_launch else ()) + (("wave",) if args.one_wave else ())
-                          + (("xla_merge",) if args.xla_merge else ())
                           + tuple(f"tiling{i}" for i in range(len(tilings))))
             impls = ("pallas",) + candidates + impls[1:]
             row = bench_shape(shape, dtype, interpret=args.interpret, iters=args.iters,
