@@ -11,8 +11,7 @@ This file holds, side by side:
 * ``tree_attention_pallas``: a Pallas kernel on the Triton GPU backend (flash attention with an
   online softmax, GQA heads folded into rows, optional split-K over the prefix).
 * ``default_block_sizes``: the block sizes the dispatcher uses for a shape on a GPU
-  (``GpuLimits``: its SMs and shared memory, read from the device), and
-  ``one_wave_block_sizes``, a candidate that keeps the grid in one wave (``impl="pallas-one-wave"``).
+  (``GpuLimits``: its SMs and shared memory, read from the device).
 * ``_combine_splits``: the split-K merge (jnp, after the kernel).
 * ``tree_attention``: the dispatcher.
 """
@@ -29,14 +28,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-Impl = Literal["auto", "pallas", "pallas-one-launch", "pallas-one-wave", "reference", "interpret"]
-# The kernel's variants, by tiling. "pallas" is the default; the others are what benchmarks
-# time beside it (BENCHMARKS.md, sixth and seventh sessions): "one-launch" is the default
-# without its tail launch (at W 272, the default before the seventh session), "one-wave" is
-# `one_wave_block_sizes`. Split-K partials always merge in XLA after the kernel: a Pallas merge
-# kernel (seventh session) and a merge inside the kernel by the last program of each row block
-# (tenth session) both lost (BENCHMARKS.md).
-PALLAS_VARIANTS = {"pallas": "default", "pallas-one-launch": "one-launch", "pallas-one-wave": "one-wave"}
+Impl = Literal["auto", "pallas", "pallas-one-launch", "reference", "interpret"]
+# The kernel as it is ("pallas"), and the variant benchmarks time beside it: "pallas-one-launch",
+# the default tiling without its tail launch (at W 272, the default before the seventh session).
+# Candidates that lost were removed after measuring them (BENCHMARKS.md): a one-wave tiling
+# (seventh session; its split-K cap is in the default), a Pallas kernel merging the split-K
+# partials (seventh) and a merge inside the kernel by the last program of each row block (tenth).
+PALLAS_VARIANTS = ("pallas", "pallas-one-launch")
 
 # exp2 is the native GPU instruction; folding log2(e) into the score scale makes exp2 exact
 # replacement for exp.
@@ -46,6 +44,9 @@ _LOG2E = 1.4426950408889634
 _M_INIT = -1e30
 # Triton's dot needs at least 16 rows and 16 columns per operand.
 _MIN_BLOCK = 16
+# Programs that count as filling an H200's 132 SMs without split-K (W = 256 at 8 kv heads has
+# 128 programs of 64 rows).
+_FULL_GRID = 128
 
 
 def _squeezed():
@@ -150,7 +151,6 @@ class BlockSizes:
     split_k: programs sharing one row block's keys (flash-decoding); 1 = no split.
     tail_split: 0 or 1 for one launch; more (with split_k 1): the split-K of each kv head's
       last row block, run as a second launch after the others (see `_tail_split`).
-    tail_block_k: keys per loop step of that second launch; 0 = block_k.
     """
     block_q: int
     block_k: int
@@ -158,7 +158,6 @@ class BlockSizes:
     num_stages: int
     split_k: int
     tail_split: int = 0
-    tail_block_k: int = 0
 
 
 def _next_pow2(n: int) -> int:
@@ -234,9 +233,13 @@ def default_block_sizes(batch: int, width: int, group: int, kv_heads: int, head_
     * <= 16 rows (AR decode): a pure K/V stream. 16-row blocks (Triton's minimum for a dot),
       64-key blocks, and split-K to ~512 programs: 8 kv heads alone would use 8 of 132 SMs.
     * <= 64 rows (chains): one row block per kv head, split-K to ~2 programs per SM.
-    * more (tree verify): 64 x 128 tiles with 4 warps beat 128 x 64 with 8 warps by ~1.5x at
-      W=256/512, and split-K lost once the grid has a program per SM (its float32 partials cost
-      more than the idle SMs).
+    * more (tree verify), with a 64-row program per SM or more: 64 x 128 tiles with 4 warps beat
+      128 x 64 with 8 warps by ~1.5x at W=256/512, and split-K lost once the grid has a program
+      per SM (its float32 partials cost more than the idle SMs).
+    * more, but fewer 64-row blocks than SMs (W = 64 and 80 at 8 kv heads): 128 x 64 tiles with
+      8 warps (two warpgroups share each K/V tile, halving the K/V reads), split-K to one program
+      per SM. At ctx 4K / 16K / 32K, W = 64 took 25.8 / 76.5 / 136.8 us of kernel time against
+      31.4 / 92.0 / 171.0 with the 64 x 128 tiles split 4 ways (BENCHMARKS.md, tenth session).
 
     Split-K never makes the grid larger than one wave of resident programs (132 SMs, programs
     per SM by `_shared_memory_bytes`): a 64 x 128 tile takes ~208 KB, one per SM, so W = 64's
@@ -250,8 +253,10 @@ def default_block_sizes(batch: int, width: int, group: int, kv_heads: int, head_
         block_q, block_k, num_warps, num_stages, target = _MIN_BLOCK, 64, 4, 2, 512
     elif rows <= 64:
         block_q, block_k, num_warps, num_stages, target = _next_pow2(rows), 64, 4, 3, 264
-    else:
+    elif batch * kv_heads * pl.cdiv(rows, 64) >= _FULL_GRID:
         block_q, block_k, num_warps, num_stages, target = 64, 128, 4, 3, 264
+    else:
+        block_q, block_k, num_warps, num_stages, target = 128, 64, 8, 2, limits.num_sms
     while _shared_memory_bytes(block_q, block_k, head_dim, itemsize, num_stages) > limits.smem_budget:
         if block_k > 32:
             block_k //= 2
@@ -262,12 +267,12 @@ def default_block_sizes(batch: int, width: int, group: int, kv_heads: int, head_
     programs = batch * kv_heads * row_blocks
     smem = _shared_memory_bytes(block_q, block_k, head_dim, itemsize, num_stages)
     tail_split = 0
-    if programs >= 128:
+    if programs >= _FULL_GRID:
         split_k = 1
         tail_split = _tail_split(batch * kv_heads, row_blocks, smem, block_k, max_len, limits)
     else:
         # Each split should still stream several key blocks, else the combine costs more.
-        split_k = max(1, min(pl.cdiv(target, programs), limits.resident_programs(smem) // programs,
+        split_k = max(1, min(target // programs, limits.resident_programs(smem) // programs,
                              pl.cdiv(max_len, block_k) // 4))
     return BlockSizes(block_q=block_q, block_k=block_k, num_warps=num_warps,
                       num_stages=num_stages, split_k=split_k, tail_split=tail_split)
@@ -283,42 +288,16 @@ def _tail_split(heads: int, row_blocks: int, smem: int, block_k: int, max_len: i
     is twice W = 256's (126 against 60 us at ctx 4K, BENCHMARKS.md, seventh session). Without
     the last block of each head the rest fits one wave fewer, and the `heads` tail programs,
     split over the keys, fill the SMs for a fraction of a program's time. Returns 0 when that
-    saves no wave or the keys are too short to split.
+    saves no wave or the keys are too short to split. Each split streams at least 2 key blocks:
+    at ctx 4K that lets W = 272's tail split 16 ways, not 8 (tail 15.1 against 21.5 us of
+    kernel time, BENCHMARKS.md, tenth session).
     """
     slots = limits.resident_programs(smem)
     programs = heads * row_blocks
     if row_blocks < 2 or pl.cdiv(programs - heads, slots) == pl.cdiv(programs, slots):
         return 0
-    split = min(max(1, slots // heads), pl.cdiv(max_len, block_k) // 4)
+    split = min(max(1, slots // heads), pl.cdiv(max_len, block_k) // 2)
     return split if split >= 2 else 0
-
-
-def one_wave_block_sizes(batch: int, width: int, group: int, kv_heads: int, head_dim: int,
-                         max_len: int, itemsize: int = 2, limits: GpuLimits | None = None) -> BlockSizes:
-    """A candidate tiling that runs the whole grid in one wave of resident programs.
-
-    `default_block_sizes` aims at ~264 programs, two per SM. But at more than 64 rows its
-    64 x 128 tiles with 3 stages take ~208 KB of shared memory, so one program fills an SM:
-    W = 64 then runs 256-288 programs as 2-3 waves, and W = 272 (budget 256) runs 136 programs
-    as a full wave plus a wave of 4 (BENCHMARKS.md, sixth session). Here the key block shrinks
-    until every program is resident at once, then split-K fills the free slots with whole
-    programs. Selected with ``impl="pallas-one-wave"``. Measured in the seventh session: its
-    split-K cap won (W = 64) and is now in `default_block_sizes`; its smaller key blocks lost
-    (W = 272: 150 against 126 us at ctx 4K; W = 512: 177 against 137), and W = 272 now gets a
-    tail launch instead.
-    """
-    limits = limits or gpu_limits()
-    d = default_block_sizes(batch, width, group, kv_heads, head_dim, max_len, itemsize, limits)
-    programs = batch * kv_heads * pl.cdiv(width * group, d.block_q)
-    for block_k, stages in ((d.block_k, d.num_stages), (64, 3), (64, 2), (32, 3)):
-        block_k = min(block_k, d.block_k)
-        smem = _shared_memory_bytes(d.block_q, block_k, head_dim, itemsize, stages)
-        slots = limits.resident_programs(smem)
-        if programs <= slots:
-            split = max(1, min(slots // programs, pl.cdiv(max_len, block_k) // 4))
-            return BlockSizes(block_q=d.block_q, block_k=block_k, num_warps=d.num_warps,
-                              num_stages=stages, split_k=split)
-    return d
 
 
 # --------------------------------------------------------------------------------------------
@@ -538,13 +517,12 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens:
                           block_q: int | None = None, block_k: int | None = None,
                           num_warps: int | None = None, num_stages: int | None = None,
                           split_k: int | None = None, tail_split: int | None = None,
-                          tail_block_k: int | None = None, interpret: bool = False) -> jax.Array:
+                          interpret: bool = False) -> jax.Array:
     """Tree attention as a Pallas Triton kernel; same contract as ``tree_attention_reference``.
 
     Grid: (batch, kv_heads, row blocks, split_k). Block sizes left as None come from
     ``default_block_sizes``. tail_split > 1 (with split_k 1) runs each kv head's last row block
-    as a second launch with that split-K (and tail_block_k keys per step, default block_k); it
-    is skipped when there is one row block, or when the last block does not start at a token
+    as a second launch with that split-K; it is skipped when there is one row block, or when the last block does not start at a token
     boundary (block_q * blocks not a multiple of the group). Split-K partials merge in XLA
     (`_combine_splits`).
     visible may be bool or int8 (the kernel reads int8; int8 saves a convert per call).
@@ -555,13 +533,11 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens:
     defaults = default_block_sizes(batch, width, group, kv_heads, head_dim, max_len,
                                    jnp.dtype(k.dtype).itemsize)
     given = dict(block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-                 split_k=split_k, tail_split=tail_split, tail_block_k=tail_block_k)
+                 split_k=split_k, tail_split=tail_split)
     if split_k is not None and tail_split is None:
         given["tail_split"] = 0  # an explicit tiling runs as one launch unless asked otherwise
     blocks = dataclasses.replace(defaults, **{k_: v_ for k_, v_ in given.items() if v_ is not None})
-    tail_blocks = dataclasses.replace(blocks, block_k=blocks.tail_block_k or blocks.block_k)
-    for name, size in (("block_q", blocks.block_q), ("block_k", blocks.block_k),
-                       ("tail_block_k", tail_blocks.block_k), ("head_dim", head_dim)):
+    for name, size in (("block_q", blocks.block_q), ("block_k", blocks.block_k), ("head_dim", head_dim)):
         if size < _MIN_BLOCK or size & (size - 1):
             raise ValueError(f"{name}={size} must be a power of two >= {_MIN_BLOCK} (Triton)")
     if blocks.split_k < 1:
@@ -578,8 +554,7 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens:
     if blocks.tail_split > 1 and row_blocks > 1 and tail_rows % group == 0:
         out = call(first_block=0, row_blocks=row_blocks - 1, split_k=1)
         first_token = tail_rows // group
-        partials = call(first_block=row_blocks - 1, row_blocks=1, split_k=blocks.tail_split,
-                        blocks=tail_blocks)
+        partials = call(first_block=row_blocks - 1, row_blocks=1, split_k=blocks.tail_split)
         tail = _combine_splits(*partials, width=width - first_token, group=group, dtype=q.dtype)
         return lax.dynamic_update_slice(out, tail, (0, first_token, 0, 0))
     result = call(first_block=0, row_blocks=row_blocks, split_k=blocks.split_k)
@@ -614,21 +589,14 @@ def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Ar
       prefix_lens: [batch] int32.
       visible: [batch, width, width] bool, or None for causal among the new tokens.
       impl: "auto" (Pallas on GPU, reference elsewhere), "pallas", a candidate variant of it
-        (PALLAS_VARIANTS: "-one-launch" without the tail launch, "-one-wave" tiles with
-        `one_wave_block_sizes`), "reference", "interpret".
+        ("pallas-one-launch": without the tail launch), "reference", "interpret".
     Returns:
       [batch, width, q_heads, head_dim] in q's dtype.
     """
     which = resolve_impl(impl)
     if which == "reference":
         return tree_attention_reference(q, k, v, prefix_lens, visible, scale=scale)
-    tiling = PALLAS_VARIANTS.get(which, "default")
-    blocks = {}
-    if tiling == "one-launch":
-        blocks = {"tail_split": 0}
-    elif tiling == "one-wave":
-        batch, width, q_heads, kv_heads, head_dim, max_len = _check_shapes(q, k, v, prefix_lens, visible)
-        blocks = dataclasses.asdict(one_wave_block_sizes(batch, width, q_heads // kv_heads, kv_heads, head_dim,
-                                                         max_len, jnp.dtype(k.dtype).itemsize))
+    # "pallas-one-launch": the default tiling without its tail launch.
+    blocks = {"tail_split": 0} if which == "pallas-one-launch" else {}
     return tree_attention_pallas(q, k, v, prefix_lens, visible, scale=scale,
                                  interpret=which == "interpret", **blocks)

@@ -19,7 +19,6 @@ from pallas_kernels import (
     GpuLimits,
     default_block_sizes,
     gpu_limits,
-    one_wave_block_sizes,
     resolve_impl,
     tree_attention,
     tree_attention_pallas,
@@ -196,6 +195,20 @@ def test_default_block_sizes_are_valid():
     assert default_block_sizes(1, 256, 4, 8, 128, 32768).split_k == 1
 
 
+def test_small_trees_split_128_row_blocks_over_the_sms():
+    """Trees with fewer 64-row blocks than a full grid (W 32-128 at the 8B heads: DDTree budgets
+    16-64) take 128-row blocks with two warpgroups (8 warps) and split the keys until there is
+    about one program per SM, never more; W 256 (128 blocks of 64 rows) keeps 64-row blocks."""
+    for width in (32, 48, 64, 80, 128):
+        for ctx in (4096, 32768):
+            bs = default_block_sizes(1, width, 4, 8, 128, ctx + width)
+            programs = 8 * -(-width * 4 // bs.block_q) * bs.split_k
+            assert (bs.block_q, bs.num_warps) == (128, 8), (width, bs)
+            assert 132 // 2 < programs <= 132, (width, ctx, bs)
+    wide = default_block_sizes(1, 256, 4, 8, 128, 4096 + 256)
+    assert (wide.block_q, wide.num_warps, wide.split_k) == (64, 4, 1)
+
+
 def test_dispatcher_uses_reference_on_cpu(monkeypatch):
     if ON_GPU:
         pytest.skip("CPU-only check")
@@ -227,6 +240,8 @@ GPU_CASES = [
     (2, 272, 8, 4, 128, 5000, [4001, 77], jnp.bfloat16, True, 1),
     (1, 64, 2, 8, 64, 700, [300], jnp.float32, False, 3),
     (2, 48, 8, 5, 128, 900, [500, 0], jnp.bfloat16, True, None),
+    (1, 64, 8, 4, 128, 4200, [4100], jnp.bfloat16, True, None),    # 128-row blocks, split 8
+    (1, 80, 8, 4, 128, 3000, [2900], jnp.float32, True, None),
 ]
 
 
@@ -243,38 +258,16 @@ def test_gpu_kernel_matches_reference(batch, width, kv_heads, group, head_dim, m
     assert rel_err(out, ref) < tolerance(dtype)
 
 
-def test_one_wave_block_sizes_fit_one_wave():
-    """The candidate tiling (impl="pallas-one-wave"): valid block sizes, and every program
-    resident at once on an H200 by the same shared-memory count."""
-    for width in (1, 16, 64, 256, 272, 512):
-        for ctx in (4096, 32768):
-            bs = one_wave_block_sizes(1, width, 4, 8, 128, ctx + width)
-            for size in (bs.block_q, bs.block_k):
-                assert size >= 16 and size & (size - 1) == 0
-            smem = (bs.num_stages * 2 * bs.block_k + bs.block_q) * 128 * 2
-            programs = 8 * -(-width * 4 // bs.block_q) * bs.split_k
-            assert programs <= 132 * ((228 * 1024) // smem), (width, ctx, bs)
-    # The two cases it exists for: W 64 splits to one wave of 128; W 272 fits two programs per SM.
-    assert one_wave_block_sizes(1, 64, 4, 8, 128, 4160).split_k == 4
-    assert one_wave_block_sizes(1, 272, 4, 8, 128, 4368).block_k == 64
-
-
-def test_one_wave_tiling_matches_reference_and_lowers():
-    """impl="pallas-one-wave" is the same kernel with other block sizes: equal to the reference
-    (interpret mode, with a split), and it lowers for cuda through the dispatcher."""
-    import dataclasses
-
-    q, k, v, lens, visible = make_case(21, 1, 64, 2, 4, 64, 2048, [1900], jnp.float32, True)
-    blocks = one_wave_block_sizes(1, 64, 4, 2, 64, 2048, 4)
-    assert blocks.split_k > 1
-    out = tree_attention_pallas(q, k, v, lens, visible, interpret=True, **dataclasses.asdict(blocks))
-    assert rel_err(out, tree_attention_reference(q, k, v, lens, visible)) < 1e-5
-    args = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, lens, visible)]
-    for impl in ("pallas-one-wave", "pallas-one-launch", "pallas"):
+def test_dispatcher_variants_lower_as_one_launch():
+    """impl="pallas-one-launch" drops the tail launch that the default has at W 272."""
+    q = jax.ShapeDtypeStruct((1, 272, 32, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 4368, 8, 128), jnp.bfloat16)
+    args = [q, kv, kv, jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1, 272, 272), jnp.bool_)]
+    for impl, launches in (("pallas", 2), ("pallas-one-launch", 1)):
         fn = functools.partial(tree_attention, impl=impl)
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        assert text.count("__gpu$xla.gpu.triton") == 1, impl  # one launch; XLA merges the splits
-    with pytest.raises(ValueError, match="pallas-one-wave"):
+        assert text.count("__gpu$xla.gpu.triton") == launches, impl
+    with pytest.raises(ValueError, match="pallas-one-launch"):
         resolve_impl("one-wave")
 
 
@@ -285,18 +278,6 @@ TAIL_CASES = [
     (2, 17, 1, 5, 64, 160, [61, 0], jnp.float32, True, 16, 2),     # group 5: the tail starts at token 16
     (1, 64, 2, 4, 128, 300, [199], jnp.bfloat16, True, 64, 5),     # 4 row blocks of 64
 ]
-
-
-def test_tail_launch_with_its_own_key_block():
-    """tail_block_k: the tail launch steps through the keys in blocks of its own size (16 here,
-    64 in the main launch), and the result is still the reference's."""
-    q, k, v, lens, visible = make_case(41, 2, 20, 2, 4, 64, 300, [0, 237], jnp.float32, True)
-    out = tree_attention_pallas(q, k, v, lens, visible, block_q=16, block_k=64, tail_split=4,
-                                tail_block_k=16, interpret=True)
-    assert rel_err(out, tree_attention_reference(q, k, v, lens, visible)) < 1e-5
-    with pytest.raises(ValueError, match="tail_block_k=24 must be a power of two"):
-        tree_attention_pallas(q, k, v, lens, visible, block_q=16, tail_split=4, tail_block_k=24,
-                              interpret=True)
 
 
 @pytest.mark.parametrize(
@@ -376,8 +357,6 @@ def test_default_tiles_fit_a_smaller_gpu(itemsize):
                 assert smem <= ADA.smem_budget, (width, group, max_len, bs)
                 programs = 8 * -(-width * group // bs.block_q) * bs.split_k
                 assert bs.split_k == 1 or programs <= 142 * (ADA.smem_per_sm // smem), (width, group, bs)
-                wave = one_wave_block_sizes(1, width, group, 8, 128, max_len, itemsize, limits=ADA)
-                assert (wave.num_stages * 2 * wave.block_k + wave.block_q) * 128 * itemsize <= ADA.smem_budget
     # The same shapes on an H200 keep Hopper's larger tiles.
     assert default_block_sizes(1, 272, 4, 8, 128, 4368, limits=H200).block_k == 128
     assert default_block_sizes(1, 272, 4, 8, 128, 4368, limits=ADA).block_k < 128
@@ -398,10 +377,9 @@ def test_bench_tiling_specs():
     malformed one is refused with the flag's expected form."""
     from dflash_jax.bench.tree_attention_bench import parse_tilings
 
-    assert parse_tilings(["64:128,64,8,2,8", "272:64,128,4,3,1,16,64"]) == [
+    assert parse_tilings(["64:128,64,8,2,8", "272:64,128,4,3,1,16"]) == [
         (64, dict(block_q=128, block_k=64, num_warps=8, num_stages=2, split_k=8)),
-        (272, dict(block_q=64, block_k=128, num_warps=4, num_stages=3, split_k=1, tail_split=16,
-                   tail_block_k=64))]
-    for bad in ("64:128,64,8", "128,64,8,2,8", "64:a,64,8,2,8"):
+        (272, dict(block_q=64, block_k=128, num_warps=4, num_stages=3, split_k=1, tail_split=16))]
+    for bad in ("64:128,64,8", "128,64,8,2,8", "64:a,64,8,2,8", "272:64,128,4,3,1,16,64"):
         with pytest.raises(SystemExit, match="--tiling .*expected W:block_q"):
             parse_tilings([bad])

@@ -175,7 +175,7 @@ rounds)
         --out "$out/rounds.json" ;;
 rounds-tiling)
     # Rounds with tree attention as it is, beside candidate variants of it (ROUNDS_IMPLS; the
-    # seventh and ninth sessions ran `auto pallas-one-launch pallas-one-wave`).
+    # seventh and ninth sessions also ran a one-wave tiling, since removed).
     # shellcheck disable=SC2086
     if [ "$dry" = 1 ]; then set -- --model tiny --ctx 64 --budgets 16 --ddtree-ctx 128 --attn-impl auto
     else set -- --ctx 4096 --budgets 64 256 --dot-merger off --attn-impl ${ROUNDS_IMPLS:-auto pallas-one-launch}; fi
@@ -188,7 +188,7 @@ rounds-split)
 kernel)
     # Issue 4's grid (ctx 1K-32K, W 16-512, plus W 1 and 272) with today's defaults, beside the
     # single launch (`--one-launch`) and XLA, with GPU kernel times from a profile. KERNEL_CONTEXTS / KERNEL_WIDTHS narrow the grid; KERNEL_TILINGS
-    # adds explicit tilings ("W:block_q,block_k,warps,stages,split[,tail[,tail_k]]" ...).
+    # adds explicit tilings ("W:block_q,block_k,warps,stages,split[,tail]" ...).
     tilings=()
     for t in ${KERNEL_TILINGS:-}; do tilings+=(--tiling "$t"); done
     if [ "$dry" = 1 ]; then set -- --interpret

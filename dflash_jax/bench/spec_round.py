@@ -177,8 +177,8 @@ def main() -> None:
     ap.add_argument("--dot-merger", nargs="+", choices=sorted(DOT_MERGER), default=["default"],
                     help="XLA's dot merger as is, or off (several: each is timed, side by side)")
     ap.add_argument("--attn-impl", nargs="+", choices=("auto", *sorted(PALLAS_VARIANTS)), default=["auto"],
-                    help="tree attention as is, or a variant of the kernel (single launch, one-wave tiling; "
-                         "several: each is timed, side by side)")
+                    help="tree attention as is, or the kernel without its tail launch (several: each is "
+                         "timed, side by side)")
     ap.add_argument("--rounds-per-call", nargs="+", type=int, default=[ROUNDS_PER_CALL],
                     help="rounds per jitted call (several: each is timed, side by side)")
     ap.add_argument("--out")

@@ -31,10 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.tree_attention import (
-    BlockSizes,
     default_block_sizes,
     key_visibility,
-    one_wave_block_sizes,
     tree_attention_pallas,
     tree_attention_reference,
 )
@@ -113,12 +111,6 @@ def cudnn_masked_attention(q, k, v, prefix_lens, visible, *, mask: jax.Array) ->
     """The same masked attention through cuDNN's fused attention (GPU only): a second baseline."""
     del prefix_lens, visible
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
-
-
-def wave_block_sizes(shape: Shape, itemsize: int) -> BlockSizes:
-    """`one_wave_block_sizes` for a benchmark shape (the `--one-wave` column)."""
-    return one_wave_block_sizes(shape.batch, shape.width, shape.q_heads // shape.kv_heads, shape.kv_heads,
-                                shape.head_dim, shape.max_len, itemsize)
 
 
 def timed_program(attn: AttnFn, iters: int, copies: int, unrolled: bool = False):
@@ -204,13 +196,11 @@ def bench_shape(shape: Shape, dtype, *, interpret: bool, iters: int, reps: int,
     q, ks, vs, lens, visible = inputs
     kernel_args = dict(overrides or {})
     mask = key_visibility(lens, visible, shape.width, shape.max_len)[:, None]
-    wave = dataclasses.asdict(wave_block_sizes(shape, itemsize))
     fns = {
         "pallas": functools.partial(tree_attention_pallas, interpret=interpret, **kernel_args),
         "xla": functools.partial(xla_masked_attention, mask=mask),
         "cudnn": functools.partial(cudnn_masked_attention, mask=mask),
         "reference": tree_attention_reference,
-        "wave": functools.partial(tree_attention_pallas, interpret=interpret, **{**wave, **kernel_args}),
         # The default tiling as one launch (no tail launch): at W 272, the default before the seventh session.
         "one_launch": functools.partial(tree_attention_pallas, interpret=interpret, **{"tail_split": 0, **kernel_args}),
     }
@@ -223,8 +213,6 @@ def bench_shape(shape: Shape, dtype, *, interpret: bool, iters: int, reps: int,
     row.update(dataclasses.asdict(blocks))
     row.update(kernel_args)
     row.update(copies=copies, iters=iters)
-    if "wave" in impls:
-        row.update({f"wave_{k}": v for k, v in wave.items()})
     if check:
         # Kernel (and XLA) against the reference on the same inputs; the reference computes in
         # float32 internally, and reusing its bf16 signature saves a compile per shape.
@@ -263,9 +251,7 @@ def markdown_table(rows: list[dict]) -> str:
             ("pallas_kernel_us", "pallas kernel us"), ("xla_kernel_us", "xla kernel us"),
             ("kernel_speedup_vs_xla", "x vs xla (kernels)"), ("one_launch_ms", "one-launch ms"),
             ("one_launch_kernel_us", "one-launch kernel us"), ("one_launch_speedup_vs_xla", "one-launch x vs xla"),
-            ("wave_ms", "one-wave ms"),
-            ("wave_block_k", "one-wave block_k"), ("wave_split_k", "one-wave split_k"),
-            ("wave_speedup_vs_xla", "one-wave x vs xla"), ("pallas_unrolled_ms", "pallas unrolled ms"),
+            ("pallas_unrolled_ms", "pallas unrolled ms"),
             ("xla_unrolled_ms", "xla unrolled ms"), ("unrolled_speedup_vs_xla", "x vs xla (unrolled)")]
     cols = [c for c in cols if any(c[0] in r for r in rows)]
     lines = ["| " + " | ".join(h for _, h in cols) + " |",
@@ -344,9 +330,9 @@ def sweep(shapes: list[tuple[int, int]], heads, dtype, iters: int,
 
 
 def parse_tilings(specs: list[str]) -> list[tuple[int, dict]]:
-    """--tiling values "W:block_q,block_k,num_warps,num_stages,split_k[,tail_split[,tail_block_k]]"
-    as (W, tree_attention_pallas keyword arguments)."""
-    names = ("block_q", "block_k", "num_warps", "num_stages", "split_k", "tail_split", "tail_block_k")
+    """--tiling values "W:block_q,block_k,num_warps,num_stages,split_k[,tail_split]" as
+    (W, tree_attention_pallas keyword arguments)."""
+    names = ("block_q", "block_k", "num_warps", "num_stages", "split_k", "tail_split")
     out = []
     for spec in specs:
         try:
@@ -356,7 +342,7 @@ def parse_tilings(specs: list[str]) -> list[tuple[int, dict]]:
                 raise ValueError
         except ValueError:
             raise SystemExit(f"--tiling {spec!r}: expected W:block_q,block_k,num_warps,num_stages,split_k"
-                             f"[,tail_split[,tail_block_k]]") from None
+                             f"[,tail_split]") from None
         out.append((int(width), dict(zip(names, numbers))))
     return out
 
@@ -393,11 +379,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="also time cuDNN's fused attention with the same mask (GPU only)")
     parser.add_argument("--one-launch", action="store_true",
                         help="also time the default tiling without its tail launch (tail_split=0)")
-    parser.add_argument("--one-wave", action="store_true",
-                        help="also time the kernel with wave_block_sizes' tiling (a candidate default)")
-    parser.add_argument("--tiling", action="append", default=[], metavar="W:Q,K,WARPS,STAGES,SPLIT[,TAIL[,TAIL_K]]",
+    parser.add_argument("--tiling", action="append", default=[], metavar="W:Q,K,WARPS,STAGES,SPLIT[,TAIL]",
                         help="also time this explicit tiling at width W (block_q, block_k, num_warps, "
-                             "num_stages, split_k, tail_split, tail_block_k); repeatable")
+                             "num_stages, split_k, tail_split); repeatable")
     parser.add_argument("--unrolled", action="store_true",
                         help="also time every implementation with its calls unrolled (no loop overhead)")
     parser.add_argument("--iters", type=int, default=20)
@@ -434,7 +418,7 @@ def main(argv: list[str] | None = None) -> None:
             shape = Shape(1, ctx, width, q_heads, kv_heads, head_dim)
             impls = ("pallas", "xla", "cudnn", "reference") if args.cudnn else ("pallas", "xla", "reference")
             tilings = [t for w, t in parse_tilings(args.tiling) if w == width]
-            candidates = ((("one_launch",) if args.one_launch else ()) + (("wave",) if args.one_wave else ())
+            candidates = ((("one_launch",) if args.one_launch else ())
                           + tuple(f"tiling{i}" for i in range(len(tilings))))
             impls = ("pallas",) + candidates + impls[1:]
             row = bench_shape(shape, dtype, interpret=args.interpret, iters=args.iters,
@@ -443,9 +427,6 @@ def main(argv: list[str] | None = None) -> None:
             for i, tiling in enumerate(tilings):
                 row[f"tiling{i}"] = tiling
             row["speedup_vs_xla"] = row["xla_ms"] / row["pallas_ms"]
-            if args.one_wave:
-                print(f"  one-wave tiling: block_k {row['wave_block_k']}, stages {row['wave_num_stages']}, "
-                      f"split-K {row['wave_split_k']}", flush=True)
             for name in candidates:
                 row[f"{name}_speedup_vs_xla"] = row["xla_ms"] / row[f"{name}_ms"]
                 kernel = f", kernel {row[f'{name}_kernel_us']:.1f} us" if args.profile else ""
