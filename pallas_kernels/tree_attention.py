@@ -236,10 +236,11 @@ def default_block_sizes(batch: int, width: int, group: int, kv_heads: int, head_
     * more (tree verify), with a 64-row program per SM or more: 64 x 128 tiles with 4 warps beat
       128 x 64 with 8 warps by ~1.5x at W=256/512, and split-K lost once the grid has a program
       per SM (its float32 partials cost more than the idle SMs).
-    * more, but fewer 64-row blocks than SMs (W = 64 and 80 at 8 kv heads): 128 x 64 tiles with
-      8 warps (two warpgroups share each K/V tile, halving the K/V reads), split-K to one program
-      per SM. At ctx 4K / 16K / 32K, W = 64 took 25.8 / 76.5 / 136.8 us of kernel time against
-      31.4 / 92.0 / 171.0 with the 64 x 128 tiles split 4 ways (BENCHMARKS.md, tenth session).
+    * more, but fewer 64-row blocks than a full grid (W = 32 to 128 at 8 kv heads): 128 x 64
+      tiles with 8 warps (two warpgroups share each K/V tile, halving the K/V reads), split-K to
+      one program per SM. At ctx 4K / 16K / 32K, W = 64 took 25.8 / 75.3 / 136.7 us of kernel
+      time against 31.3 / 90.4 / 170.2 with the 64 x 128 tiles split 4 ways, side by side
+      (BENCHMARKS.md, tenth session); W = 32 at 4K lost 1.6 us and won 13 us at 32K.
 
     Split-K never makes the grid larger than one wave of resident programs (132 SMs, programs
     per SM by `_shared_memory_bytes`): a 64 x 128 tile takes ~208 KB, one per SM, so W = 64's

@@ -13,8 +13,8 @@
 #                 its candidates (ROUNDS_IMPLS, default `auto pallas-one-launch`), side by side
 #   rounds-split  the same with XLA command buffers off, for the per-stage split of each round
 #   kernel        tree attention vs XLA masked attention at ctx 1K-32K, W 1-512, beside the single
-#                 launch, with profiled kernel times (KERNEL_CONTEXTS,
-#                 KERNEL_WIDTHS, KERNEL_TILINGS; SWEEP_S=seconds adds a tiling sweep after it)
+#                 launch, with profiled kernel times (KERNEL_CONTEXTS, KERNEL_WIDTHS,
+#                 KERNEL_TILINGS; SWEEP_S=seconds adds a tiling sweep after it)
 #   kernel-tests  the GPU-only parity tests of the kernel against the reference
 #   kernel-sweep  only the random tiling sweep, SWEEP_S seconds (default 300), at SWEEP_WIDTHS
 #                 (default "64 272") and SWEEP_CONTEXTS (default "4096 32768")
@@ -187,8 +187,9 @@ rounds-split)
         --out "$out/rounds_split.json" ;;
 kernel)
     # Issue 4's grid (ctx 1K-32K, W 16-512, plus W 1 and 272) with today's defaults, beside the
-    # single launch (`--one-launch`) and XLA, with GPU kernel times from a profile. KERNEL_CONTEXTS / KERNEL_WIDTHS narrow the grid; KERNEL_TILINGS
-    # adds explicit tilings ("W:block_q,block_k,warps,stages,split[,tail]" ...).
+    # single launch (`--one-launch`) and XLA, with GPU kernel times from a profile.
+    # KERNEL_CONTEXTS / KERNEL_WIDTHS narrow the grid; KERNEL_TILINGS adds explicit tilings
+    # ("W:block_q,block_k,warps,stages,split[,tail]" ...), each timed beside the default.
     tilings=()
     for t in ${KERNEL_TILINGS:-}; do tilings+=(--tiling "$t"); done
     if [ "$dry" = 1 ]; then set -- --interpret
