@@ -523,9 +523,9 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens:
 
     Grid: (batch, kv_heads, row blocks, split_k). Block sizes left as None come from
     ``default_block_sizes``. tail_split > 1 (with split_k 1) runs each kv head's last row block
-    as a second launch with that split-K; it is skipped when there is one row block, or when the last block does not start at a token
-    boundary (block_q * blocks not a multiple of the group). Split-K partials merge in XLA
-    (`_combine_splits`).
+    as a second launch with that split-K; it is skipped when there is one row block, or when
+    the last block does not start at a token boundary (block_q * blocks not a multiple of the
+    group). Split-K partials merge in XLA (`_combine_splits`).
     visible may be bool or int8 (the kernel reads int8; int8 saves a convert per call).
     """
     batch, width, q_heads, kv_heads, head_dim, max_len = _check_shapes(q, k, v, prefix_lens,

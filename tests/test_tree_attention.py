@@ -79,6 +79,8 @@ CASES = [
     (1, 64, 2, 1, 128, 96, [29], jnp.bfloat16, False, 2, None),
     (2, 256, 1, 1, 64, 288, [0, 19], jnp.float32, True, 1, None),
     (1, 256, 1, 4, 64, 272, [13], jnp.bfloat16, False, 3, None),
+    (1, 64, 2, 4, 64, 2048, [1900], jnp.float32, True, 5, None),   # 5 splits, 2 kv heads
+    (2, 48, 2, 5, 64, 512, [0, 400], jnp.bfloat16, True, 3, None),  # group 5, padded rows, split
 ]
 
 
@@ -258,7 +260,7 @@ def test_gpu_kernel_matches_reference(batch, width, kv_heads, group, head_dim, m
     assert rel_err(out, ref) < tolerance(dtype)
 
 
-def test_dispatcher_variants_lower_as_one_launch():
+def test_one_launch_variant_drops_the_tail_launch():
     """impl="pallas-one-launch" drops the tail launch that the default has at W 272."""
     q = jax.ShapeDtypeStruct((1, 272, 32, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 4368, 8, 128), jnp.bfloat16)
