@@ -24,7 +24,7 @@ from dflash_jax.generate import PAD, Generation, is_stop, prefill
 from dflash_jax.kv_cache import KVCache, gather_rows, write_rows
 from dflash_jax.model import ModelParams, forward
 from dflash_jax.sampling import SamplingParams, sample, sample_from_probs, sampling_probs
-from dflash_jax.tree import Tree, build_tree, chain_tree, tree_width
+from dflash_jax.tree import TOP_K_CHUNK, Tree, build_tree, chain_tree, tree_width
 
 METHODS = ("dflash", "ddtree")
 
@@ -40,6 +40,7 @@ class SpecSettings:
     max_new_tokens: int = 256
     stop_tokens: tuple[int, ...] = ()
     attn_impl: str = "auto"
+    top_k_chunk: int = TOP_K_CHUNK  # DDTree's vocabulary top_k in chunks (tree.chunked_top_k); 0: one top_k
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -125,7 +126,7 @@ def propose(state: SpecState, logits: jax.Array, s: SpecSettings) -> tuple[Draft
             probs = sampling_probs(logits, s.sampling)
             log_probs = jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)), -jnp.inf)
         with jax.named_scope("tree"):  # a scope of its own, so profiles can split it from the drafter pass
-            tree = build_tree(log_probs, state.root, s.budget, s.width)
+            tree = build_tree(log_probs, state.root, s.budget, s.width, s.top_k_chunk)
     return Draft(tree=tree, draft_probs=draft_probs, limit=_block_limit(state, s)), key
 
 

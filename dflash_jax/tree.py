@@ -24,6 +24,8 @@ import numpy as np
 
 # Row block of the tree-attention kernel: the tree width is padded to a multiple of it.
 ROW_BLOCK = 16
+# Vocabulary chunk of the two-stage top_k (`chunked_top_k`); 0 = one top_k over the whole row.
+TOP_K_CHUNK = 2048
 
 
 @jax.tree_util.register_dataclass
@@ -169,7 +171,7 @@ def _check_draft_inputs(log_probs: Any, root_tokens: Any) -> None:
 
 
 def build_tree(log_probs: jax.Array, root_tokens: jax.Array, budget: int,
-               width: int | None = None) -> Tree:
+               width: int | None = None, top_k_chunk: int = TOP_K_CHUNK) -> Tree:
     """DDTree: the root plus the `budget` most probable draft prefixes.
 
     log_probs:   [batch, depth, vocab] float, log q_d for draft depths 1..depth (the drafter's
@@ -178,6 +180,8 @@ def build_tree(log_probs: jax.Array, root_tokens: jax.Array, budget: int,
     root_tokens: [batch] int, the last bonus token of each sequence.
     budget:      static int >= 1, drafted nodes per tree (the root is extra).
     width:       static int >= 1 + budget, node slots (default `tree_width(budget)`).
+    top_k_chunk: static int >= 0, the vocabulary chunk of `chunked_top_k` (0: one top_k);
+                 the tree is the same for every value.
 
     Node scores are summed log-probs along the path. Ties are broken by lower depth, then by
     rank within the depth (lower parent rank, then lower token rank, token ranks coming from a
@@ -188,10 +192,38 @@ def build_tree(log_probs: jax.Array, root_tokens: jax.Array, budget: int,
     _check_draft_inputs(log_probs, root_tokens)
     budget = _check_int("budget", budget, 1)
     width = tree_width(budget) if width is None else _check_int("width", width, 1 + budget)
-    return _build_tree(log_probs, root_tokens, budget=budget, width=width)
+    top_k_chunk = _check_int("top_k_chunk", top_k_chunk, 0)
+    return _build_tree(log_probs, root_tokens, budget=budget, width=width, top_k_chunk=top_k_chunk)
 
 
-def _per_depth_best(log_probs: jax.Array, budget: int
+def chunked_top_k(rows: jax.Array, k: int, chunk: int = TOP_K_CHUNK) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k(rows, k)` (values and indices, same order and tie-break) in two stages.
+
+    rows: [n, length]; k <= length. Stage 1 takes the top k of every `chunk` entries, stage 2
+    the top k of those n_chunks * k candidates: each of the row's top k is among its chunk's
+    top k, so the result is exact. Ties keep top_k's stable order (lower index first) because
+    candidates are laid out chunk by chunk, each chunk in its own stable order, so among equal
+    values a lower candidate position means a lower index.
+    Why: on GPU XLA sorts the whole row for a large k; at [15, 151936] and k = 256 that sort
+    took 0.55 ms of a 13.2 ms DDTree(256) round (BENCHMARKS.md, eleventh session). Sorting
+    2048-long rows and one 19200-long row per depth is cheaper.
+    Falls back to one top_k when chunk is 0, smaller than k, or the row is short.
+    """
+    n, length = rows.shape
+    if chunk <= 0 or chunk < k or length <= 2 * chunk:
+        return jax.lax.top_k(rows, k)
+    n_chunks = -(-length // chunk)
+    # Padding is -inf at the highest indices: a real -inf entry always ranks before it.
+    padded = jnp.pad(rows, ((0, 0), (0, n_chunks * chunk - length)), constant_values=-jnp.inf)
+    local_val, local_idx = jax.lax.top_k(padded.reshape(n * n_chunks, chunk), k)
+    cand_val = local_val.reshape(n, n_chunks * k)
+    cand_idx = (local_idx.reshape(n, n_chunks, k)
+                + (jnp.arange(n_chunks, dtype=local_idx.dtype) * chunk)[None, :, None]).reshape(n, n_chunks * k)
+    val, pos = jax.lax.top_k(cand_val, k)
+    return val, jnp.take_along_axis(cand_idx, pos, axis=1)
+
+
+def _per_depth_best(log_probs: jax.Array, budget: int, chunk: int = TOP_K_CHUNK
                     ) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
     """Best `budget` nodes of every depth, each depth in rank order.
 
@@ -204,7 +236,7 @@ def _per_depth_best(log_probs: jax.Array, budget: int
     # Stable top_k: equal log-probs rank by lower token id, the tie-break the tests assume.
     # On rows ([batch * depth, vocab]): XLA lowers a rank-2 top_k to its TopK kernel, but a
     # rank-3 one to a full sort of the vocabulary (measured: 220 of a 340 ms CPU round).
-    token_lp, token_ids = jax.lax.top_k(log_probs.reshape(batch * depth, vocab), n_tokens)
+    token_lp, token_ids = chunked_top_k(log_probs.reshape(batch * depth, vocab), n_tokens, chunk)
     token_lp = token_lp.reshape(batch, depth, n_tokens)
     token_ids = token_ids.reshape(batch, depth, n_tokens)
 
@@ -223,9 +255,10 @@ def _per_depth_best(log_probs: jax.Array, budget: int
     return scores, tokens, parent_rank
 
 
-def _build_tree_impl(log_probs: jax.Array, root_tokens: jax.Array, budget: int, width: int) -> Tree:
+def _build_tree_impl(log_probs: jax.Array, root_tokens: jax.Array, budget: int, width: int,
+                     top_k_chunk: int = TOP_K_CHUNK) -> Tree:
     batch, depth, _ = log_probs.shape
-    scores, tokens, parent_rank = _per_depth_best(_sanitize(log_probs), budget)
+    scores, tokens, parent_rank = _per_depth_best(_sanitize(log_probs), budget, top_k_chunk)
 
     # Concatenate the depths: flat index = offset[d] + rank, so a lower flat index means lower
     # depth, then lower rank -- exactly the tie-break, which stable top_k applies for free.
@@ -269,7 +302,7 @@ def _build_tree_impl(log_probs: jax.Array, root_tokens: jax.Array, budget: int, 
                 visible=visible, scores=out_scores)
 
 
-_build_tree = jax.jit(_build_tree_impl, static_argnames=("budget", "width"))
+_build_tree = jax.jit(_build_tree_impl, static_argnames=("budget", "width", "top_k_chunk"))
 
 
 def chain_tree(block_tokens: jax.Array, width: int | None = None) -> Tree:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.tree import Tree, ancestors_visible, build_tree, chain_tree, tree_width
+from dflash_jax.tree import Tree, ancestors_visible, build_tree, chain_tree, chunked_top_k, tree_width
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,6 +168,32 @@ def test_ties_are_deterministic_and_prefix_closed(seed: int, budget: int) -> Non
         np.testing.assert_array_equal([s for _, s in got], [s for _, s in want])
 
 
+@pytest.mark.parametrize("k,chunk,length", [(8, 8, 61), (5, 16, 100), (16, 16, 48), (3, 8, 17)])
+def test_chunked_top_k_equals_top_k_with_ties(k: int, chunk: int, length: int) -> None:
+    # Few distinct values (and -inf) across chunks, so ties straddle chunk borders; the last
+    # chunk is partial except at length 48.
+    rng = np.random.default_rng(k * 1000 + chunk * 10 + length)
+    rows = rng.choice(np.array([-0.25, -1.0, -2.0, -np.inf], np.float32), size=(5, length))
+    rows[1] = -np.inf  # nothing but -inf: the real entries still beat the padding
+    rows[2] = -1.0
+    want_val, want_idx = jax.lax.top_k(jnp.asarray(rows), k)
+    got_val, got_idx = chunked_top_k(jnp.asarray(rows), k, chunk)
+    np.testing.assert_array_equal(np.asarray(got_idx), np.asarray(want_idx))
+    np.testing.assert_array_equal(np.asarray(got_val), np.asarray(want_val))
+
+
+@pytest.mark.parametrize("budget", [5, 8])
+def test_chunked_vocabulary_top_k_equals_brute_force_with_ties(budget: int) -> None:
+    depth, vocab = 3, 24
+    rng = np.random.default_rng(budget)
+    lp = rng.choice(np.array([0.0, -0.5, -1.0, -np.inf], np.float32), size=(2, depth, vocab))
+    tree = build_tree(jnp.asarray(lp), jnp.array([1, 2], jnp.int32), budget, top_k_chunk=8)
+    for b in range(2):
+        got = tree_paths(tree, b)
+        want = brute_force(lp[b], budget)
+        assert [p for p, _ in got] == [p for p, _ in want]
+
+
 def test_parent_wins_tie_with_child_even_for_negative_zero() -> None:
     # top_k orders -0.0 below +0.0; the child (-0.0 + 0.0 = +0.0) must still not beat its parent.
     lp = jnp.array([[[-0.0, -1.0], [0.0, -1.0]]], jnp.float32)
@@ -185,10 +211,11 @@ def test_nan_and_positive_log_probs_keep_the_tree_closed() -> None:
     check_structure(tree, 21)
 
 
-def test_equals_best_first_heap_realistic_shapes() -> None:
+@pytest.mark.parametrize("top_k_chunk", [0, 256])  # one top_k over the vocabulary; 4 chunks
+def test_equals_best_first_heap_realistic_shapes(top_k_chunk: int) -> None:
     batch, depth, vocab, budget = 2, 15, 1000, 256
     lp = random_log_probs(11, (batch, depth, vocab), sharpness=4.0)
-    tree = build_tree(jnp.asarray(lp), jnp.array([3, 4], jnp.int32), budget)
+    tree = build_tree(jnp.asarray(lp), jnp.array([3, 4], jnp.int32), budget, top_k_chunk=top_k_chunk)
     assert tree.width == 272
     check_structure(tree, 1 + budget)
     for b in range(batch):
@@ -263,6 +290,8 @@ def test_bad_arguments_name_the_argument() -> None:
         build_tree(lp, roots, jnp.int32(4))
     with pytest.raises(ValueError, match="width"):
         build_tree(lp, roots, 16, width=16)
+    with pytest.raises(ValueError, match="top_k_chunk"):
+        build_tree(lp, roots, 4, top_k_chunk=-1)
     with pytest.raises(ValueError, match="log_probs"):
         build_tree(lp[0], roots, 4)
     with pytest.raises(ValueError, match="log_probs"):

@@ -90,11 +90,14 @@ def scope_of(op_name: str, scopes: Sequence[str]) -> str:
 
 
 def profile_program(fn: Callable[[], Any], hlo_text: str, calls: int = 5,
-                    scopes: Sequence[str] = (), log_dir: str | None = None) -> dict[str, Any]:
+                    scopes: Sequence[str] = (), log_dir: str | None = None,
+                    table: int = 0) -> dict[str, Any]:
     """Device time per call of `fn()` (already compiled and warm), split by scope and by kind.
 
     Returns {"device_ms": kernel time per call, "by_scope": {scope: ms}, "by_kind": {kind: ms},
     "top_kernels": [(name, ms)], "unmapped_ms": kernel time whose instruction was not found}.
+    table > 0 adds "kernels": the `table` costliest kernels as [name, ms, launches, kind, op_name]
+    per call, to see which op each one serves.
     Never raises: a benchmark aid must not stop the run (errors come back as {"error": ...}).
     """
     try:
@@ -112,6 +115,8 @@ def profile_program(fn: Callable[[], Any], hlo_text: str, calls: int = 5,
         by_scope: dict[str, float] = {}
         by_kind: dict[str, float] = {}
         by_kernel: dict[str, float] = {}
+        launches: dict[str, int] = {}
+        first_op: dict[str, tuple[str, str]] = {}
         unmapped = total = 0.0
         for e in events:
             ms = float(e.get("dur", 0.0)) / 1e3 / calls
@@ -126,11 +131,16 @@ def profile_program(fn: Callable[[], Any], hlo_text: str, calls: int = 5,
             kind = classify(name, op)
             by_kind[kind] = by_kind.get(kind, 0.0) + ms
             by_kernel[name] = by_kernel.get(name, 0.0) + ms
+            launches[name] = launches.get(name, 0) + 1
+            first_op.setdefault(name, (kind, op))
         top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:8]
         rnd = lambda d: {k: round(v, 4) for k, v in sorted(d.items(), key=lambda kv: -kv[1])}  # noqa: E731
         out = {"device_ms": round(total, 4), "by_scope": rnd(by_scope), "by_kind": rnd(by_kind),
                "top_kernels": [(k[:80], round(v, 4)) for k, v in top], "unmapped_ms": round(unmapped, 4),
                "kernels_per_call": len(events) / calls}
+        if table > 0:
+            out["kernels"] = [[k[:80], round(v, 4), launches[k] / calls, *first_op[k]]
+                              for k, v in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:table]]
         if unmapped > 0.5 * total:
             out["diagnostic"] = _diagnose(events)
         return out
@@ -148,4 +158,6 @@ def scale_profile(profile: dict[str, Any], n: int) -> dict[str, Any]:
     for key in ("by_scope", "by_kind"):
         scaled[key] = {k: v / n for k, v in profile[key].items()}
     scaled["top_kernels"] = [(k, v / n) for k, v in profile["top_kernels"]]
+    if "kernels" in profile:
+        scaled["kernels"] = [[k, ms / n, count / n, *rest] for k, ms, count, *rest in profile["kernels"]]
     return scaled

@@ -30,6 +30,7 @@ from dflash_jax.config import default_tap_layers
 from dflash_jax.model import init_params
 from dflash_jax.speculative import DDTREE_COMPILER_OPTIONS, SpecSettings, SpecState, spec_round
 from dflash_jax.stage_times import STAGES  # the round's named scopes
+from dflash_jax.tree import TOP_K_CHUNK
 from pallas_kernels.tree_attention import PALLAS_VARIANTS
 
 
@@ -103,7 +104,7 @@ DOT_MERGER = {"default": None, "off": DDTREE_COMPILER_OPTIONS}
 
 
 def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool, rounds: int = ROUNDS_PER_CALL,
-                  compiler_options: dict[str, Any] | None = None):
+                  compiler_options: dict[str, Any] | None = None, table: int = 0):
     # Compiled ahead of time: the same executable is timed and profiled, and its HLO is at hand.
     t0 = time.perf_counter()
     start = jnp.array(state.cache.lengths)  # a copy: the state is donated
@@ -118,7 +119,8 @@ def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool, rounds: i
     t = time_fn(call_rounds, warmup=2, iters=10)
     where = None
     if profile:
-        where = scale_profile(profile_program(call_rounds, rnd.as_text(), calls=3, scopes=STAGES), rounds)
+        where = scale_profile(profile_program(call_rounds, rnd.as_text(), calls=3, scopes=STAGES, table=table),
+                              rounds)
     # Random weights can overflow to inf/NaN; say so, since such values would void the timing's realism.
     finite = all(bool(jnp.isfinite(x.astype(jnp.float32)).all()) for x in (box["state"].cache.k[-1],
                                                                             box["state"].cache.v[-1]))
@@ -127,17 +129,20 @@ def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool, rounds: i
 
 
 def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_len: int, profile: bool,
-                   hlo_dir: str | None = None, rounds: int = ROUNDS_PER_CALL, dot_merger: str = "default") -> dict:
+                   hlo_dir: str | None = None, rounds: int = ROUNDS_PER_CALL, dot_merger: str = "default",
+                   table: int = 0) -> dict:
     state = make_state(cfg, dcfg, ctx, max_len, s.max_new_tokens, target.embed.dtype)
-    ms, rnd, _, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile, rounds, DOT_MERGER[dot_merger])
-    dump_hlo(hlo_dir, f"round_{s.method}_b{s.budget}_ctx{ctx}_r{rounds}_dm-{dot_merger}_{s.attn_impl}", rnd.as_text())
+    ms, rnd, _, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile, rounds, DOT_MERGER[dot_merger],
+                                      table)
+    dump_hlo(hlo_dir, f"round_{s.method}_b{s.budget}_ctx{ctx}_r{rounds}_dm-{dot_merger}_{s.attn_impl}"
+                      f"_topk{s.top_k_chunk}", rnd.as_text())
     row = {"method": s.method, "budget": s.budget, "width": s.width, "ctx": ctx, "round_ms": ms,
-           "dot_merger": dot_merger, "attn_impl": s.attn_impl, **extra}
+           "dot_merger": dot_merger, "attn_impl": s.attn_impl, "top_k_chunk": s.top_k_chunk, **extra}
     log(row)
     return row
 
 
-def bench_ar(target, cfg, ctx: int, max_len: int, profile: bool) -> dict:
+def bench_ar(target, cfg, ctx: int, max_len: int, profile: bool, table: int = 0) -> dict:
     """AR decode steps (the W=1 forward) from `ctx` tokens in one on-device loop, as decoding runs."""
     cache = random_cache(cfg, 1, max_len, ctx, target.embed.dtype)
     tok = jnp.full((1,), 3, jnp.int32)
@@ -153,7 +158,8 @@ def bench_ar(target, cfg, ctx: int, max_len: int, profile: bool) -> dict:
     row = {"method": "ar", "ctx": ctx, "round_ms": t["median_ms"] / ROUNDS_PER_CALL,
            "compile_s": compile_s, "rounds_per_call": ROUNDS_PER_CALL}
     if profile:
-        row["profile"] = scale_profile(profile_program(call, steps.as_text(), calls=3), ROUNDS_PER_CALL)
+        row["profile"] = scale_profile(profile_program(call, steps.as_text(), calls=3, table=table),
+                                       ROUNDS_PER_CALL)
     log(row)
     return row
 
@@ -179,8 +185,12 @@ def main() -> None:
     ap.add_argument("--attn-impl", nargs="+", choices=("auto", *sorted(PALLAS_VARIANTS)), default=["auto"],
                     help="tree attention as is, or the kernel without its tail launch (several: each is "
                          "timed, side by side)")
+    ap.add_argument("--top-k-chunk", nargs="+", type=int, default=[TOP_K_CHUNK],
+                    help="DDTree's vocabulary top_k chunk, 0 = one top_k (several: each is timed, side by side)")
     ap.add_argument("--rounds-per-call", nargs="+", type=int, default=[ROUNDS_PER_CALL],
                     help="rounds per jitted call (several: each is timed, side by side)")
+    ap.add_argument("--kernel-table", type=int, default=0, metavar="N",
+                    help="with the profile: also list the N costliest kernels (launches, kind, op)")
     ap.add_argument("--out")
     args = ap.parse_args()
     env = environment()
@@ -201,29 +211,34 @@ def main() -> None:
     profile = not args.no_profile
 
     def variants(**method):
-        """Every side-by-side variant of one method: attention impl x rounds per call x dot merger."""
+        """Every side-by-side variant of one method: attention impl x top_k chunk (DDTree) x rounds
+        per call x dot merger."""
+        chunks = args.top_k_chunk if method["method"] == "ddtree" else [TOP_K_CHUNK]
         for ai in args.attn_impl:
-            s = SpecSettings(block_size=dcfg.block_size, max_new_tokens=512, attn_impl=ai, **method)
-            for r in args.rounds_per_call:
-                for dm in args.dot_merger:
-                    yield s, r, dm
+            for chunk in chunks:
+                s = SpecSettings(block_size=dcfg.block_size, max_new_tokens=512, attn_impl=ai,
+                                 top_k_chunk=chunk, **method)
+                for r in args.rounds_per_call:
+                    for dm in args.dot_merger:
+                        yield s, r, dm
 
     rows = []
     for ctx in args.ctx:
-        rows.append(bench_ar(target, cfg, ctx, max_len, profile))
+        rows.append(bench_ar(target, cfg, ctx, max_len, profile, args.kernel_table))
         for s, r, dm in variants(method="dflash"):
-            rows.append(bench_settings(target, cfg, dparams, dcfg, s, ctx, max_len, profile, args.dump_hlo, r, dm))
+            rows.append(bench_settings(target, cfg, dparams, dcfg, s, ctx, max_len, profile, args.dump_hlo, r, dm,
+                                       args.kernel_table))
         write_json(args.out, {"env": env, "rows": rows})
     for b in args.budgets:
         for s, r, dm in variants(method="ddtree", budget=b):
             rows.append(bench_settings(target, cfg, dparams, dcfg, s, args.ddtree_ctx, max_len, profile,
-                                       args.dump_hlo, r, dm))
+                                       args.dump_hlo, r, dm, args.kernel_table))
         write_json(args.out, {"env": env, "rows": rows})
     print(f"\n{env['device']}, jax {env['jax']}, {args.model} target + {dcfg.num_layers}-layer drafter, "
           f"{dtype.name}, batch 1")
-    print("| method | budget | W | ctx | rounds/call | dot merger | attention | round ms | device ms | draft | tree "
-          "| verify | accept | commit | other |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| method | budget | W | ctx | rounds/call | dot merger | attention | top_k chunk | round ms | device ms "
+          "| draft | tree | verify | accept | commit | other |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         prof = r.get("profile") or {}
         split = prof.get("by_scope", {})
@@ -231,7 +246,7 @@ def main() -> None:
         dev = f"{prof['device_ms']:.2f}" if "device_ms" in prof else "-"
         print(f"| {r['method']} | {r.get('budget', '-')} | {r.get('width', 1)} | {r['ctx']} | "
               f"{r['rounds_per_call']} | {r.get('dot_merger', '-')} | {r.get('attn_impl', 'auto')} | "
-              f"{r['round_ms']:.2f} | "
+              f"{r.get('top_k_chunk', '-') if r['method'] == 'ddtree' else '-'} | {r['round_ms']:.2f} | "
               f"{dev} | " + " | ".join(cells) + " |")
 
 
