@@ -63,13 +63,17 @@ def _default_dtype() -> str:
 
 
 def _load_target(name: str, dtype: Any, flag: str = "--model", **kwargs: Any) -> tuple[Any, Any, Any]:
-    """(cfg, params, tokenizer) of a target; every command that decodes text needs the tokenizer."""
+    """(cfg, params, tokenizer) of a target; every command that decodes text needs the tokenizer.
+
+    The params come in the decoding layout (`model.fuse_projections`: q/k/v and gate/up fused).
+    """
     from convert import load_model
+    from dflash_jax.model import fuse_projections
 
     cfg, params, tokenizer = load_model(name, dtype=dtype, **kwargs)
     if tokenizer is None:
         raise ValueError(f"{flag} {name}: no tokenizer found beside the weights")
-    return cfg, params, tokenizer
+    return cfg, fuse_projections(params, cfg, consume=True), tokenizer
 
 
 def _load_drafter_for(path: str, cfg: Any, dtype: Any, shardings: Any = None) -> tuple[Any, Any]:

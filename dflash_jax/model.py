@@ -28,24 +28,34 @@ dataclass = dataclasses.dataclass
 @jax.tree_util.register_dataclass
 @dataclass
 class AttentionParams:
-    q: Any  # [embed, q_heads, head_dim]
-    k: Any  # [embed, kv_heads, head_dim]
-    v: Any  # [embed, kv_heads, head_dim]
-    o: Any  # [q_heads, head_dim, embed]
+    """One attention block's weights, in one of two layouts.
+
+    As checkpoints store them (and the drafter always uses them): q, k, v, q_bias, k_bias,
+    v_bias. Fused for decoding (`fuse_projections`): qkv and qkv_bias, the others None.
+    """
+    q: Any = None  # [embed, q_heads, head_dim]
+    k: Any = None  # [embed, kv_heads, head_dim]
+    v: Any = None  # [embed, kv_heads, head_dim]
+    o: Any = None  # [q_heads, head_dim, embed]
     q_norm: Any = None  # [head_dim] (qwen3)
     k_norm: Any = None  # [head_dim] (qwen3)
     q_bias: Any = None  # [q_heads, head_dim] (attention_bias)
     k_bias: Any = None
     v_bias: Any = None
     o_bias: Any = None  # [embed]
+    # [embed, kv_heads, group + 2, head_dim]: per kv head, its `group` q heads, then k, then v.
+    qkv: Any = None
+    qkv_bias: Any = None  # [kv_heads, group + 2, head_dim]
 
 
 @jax.tree_util.register_dataclass
 @dataclass
 class MLPParams:
-    gate: Any  # [embed, mlp]
-    up: Any  # [embed, mlp]
-    down: Any  # [mlp, embed]
+    """gate and up as checkpoints store them, or fused into gate_up (`fuse_projections`)."""
+    gate: Any = None  # [embed, mlp]
+    up: Any = None  # [embed, mlp]
+    down: Any = None  # [mlp, embed]
+    gate_up: Any = None  # [embed, 2, mlp]: gate, then up
 
 
 @jax.tree_util.register_dataclass
@@ -91,25 +101,105 @@ def mlp_specs(cfg: ModelConfig) -> MLPParams:
                      down=Spec((m, e), (MLP, EMBED), fan_in=m))
 
 
-def layer_specs(cfg: ModelConfig) -> LayerParams:
+def fused_attention_specs(cfg: ModelConfig) -> AttentionParams:
+    """The decoding layout of `attention_specs`: q, k and v as one `qkv` weight.
+
+    Sharded by kv head, so each tensor-parallel shard holds its q heads with their k and v.
+    """
+    e, kvh, hd = cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim
+    rows = cfg.num_heads // kvh + 2
+    sep = attention_specs(cfg)
+    return AttentionParams(
+        o=sep.o, q_norm=sep.q_norm, k_norm=sep.k_norm, o_bias=sep.o_bias,
+        qkv=Spec((e, kvh, rows, hd), (EMBED, KV_HEADS, None, HEAD_DIM), fan_in=e),
+        qkv_bias=Spec((kvh, rows, hd), (KV_HEADS, None, HEAD_DIM), init="zeros") if cfg.attention_bias else None)
+
+
+def fused_mlp_specs(cfg: ModelConfig) -> MLPParams:
+    e, m = cfg.hidden_size, cfg.intermediate_size
+    return MLPParams(gate_up=Spec((e, 2, m), (EMBED, None, MLP), fan_in=e), down=mlp_specs(cfg).down)
+
+
+def layer_specs(cfg: ModelConfig, fused: bool = False) -> LayerParams:
     e = cfg.hidden_size
-    return LayerParams(attn_norm=Spec((e,), (EMBED,), init="ones"), attn=attention_specs(cfg),
-                       mlp_norm=Spec((e,), (EMBED,), init="ones"), mlp=mlp_specs(cfg))
+    attn, mlp_ = (fused_attention_specs(cfg), fused_mlp_specs(cfg)) if fused else (attention_specs(cfg), mlp_specs(cfg))
+    return LayerParams(attn_norm=Spec((e,), (EMBED,), init="ones"), attn=attn,
+                       mlp_norm=Spec((e,), (EMBED,), init="ones"), mlp=mlp_)
 
 
-def model_specs(cfg: ModelConfig) -> ModelParams:
+def model_specs(cfg: ModelConfig, fused: bool = False) -> ModelParams:
+    """The target's weights; fused=True: the decoding layout of `fuse_projections`."""
     e, v = cfg.hidden_size, cfg.vocab_size
     return ModelParams(
         embed=Spec((v, e), (VOCAB, EMBED), fan_in=1),
-        layers=tuple(layer_specs(cfg) for _ in range(cfg.num_layers)),
+        layers=tuple(layer_specs(cfg, fused) for _ in range(cfg.num_layers)),
         final_norm=Spec((e,), (EMBED,), init="ones"),
         lm_head=None if cfg.tie_word_embeddings else Spec((e, v), (EMBED, VOCAB), fan_in=e),
     )
 
 
-def init_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.float32) -> ModelParams:
-    """Random weights (for tests and benchmarks)."""
-    return init_from_specs(model_specs(cfg), key, dtype)
+def init_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.float32, fused: bool = False) -> ModelParams:
+    """Random weights (for tests and benchmarks); fused=True draws the decoding layout directly."""
+    return init_from_specs(model_specs(cfg, fused), key, dtype)
+
+
+# ----------------------------------------------------------------------------- fused projections
+
+def is_fused(params: ModelParams) -> bool:
+    return bool(params.layers) and params.layers[0].attn.qkv is not None
+
+
+def _fused_weights(q: jax.Array, k: jax.Array, v: jax.Array, q_bias: Any, k_bias: Any, v_bias: Any,
+                   gate: jax.Array, up: jax.Array) -> tuple[jax.Array, Any, jax.Array]:
+    """One layer's (qkv, qkv_bias or None, gate_up) from its separate weights."""
+    e, kvh, hd = k.shape
+    group = q.shape[1] // kvh
+    qkv = jnp.concatenate([q.reshape(e, kvh, group, hd), k[:, :, None], v[:, :, None]], axis=2)
+    qkv_bias = None
+    if q_bias is not None:
+        qkv_bias = jnp.concatenate([q_bias.reshape(kvh, group, hd), k_bias[:, None], v_bias[:, None]], axis=1)
+    return qkv, qkv_bias, jnp.stack([gate, up], axis=1)
+
+
+def fuse_projections(params: ModelParams, cfg: ModelConfig, consume: bool = False) -> ModelParams:
+    """The decoding layout: each layer's q/k/v as one `qkv` weight and gate/up as one `gate_up`.
+
+    Same values, one GEMM where there were three (and two). At Qwen3-8B's shape on an H200,
+    XLA ran the k and v projections of a 272-row tree as split-K GEMMs whose float32 partials
+    cost more than the products (BENCHMARKS.md, eleventh session).
+    consume: delete each layer's separate weights once its fused ones exist, so the peak memory
+    grows by one layer, not by a model; `params` is then unusable (the CLI's loaders do this).
+    Under tensor parallelism the fused weights follow the same rules (qkv by kv head, gate_up
+    by the MLP axis). When kv heads are replicated over tp (tp a multiple of them) the q heads
+    are split but k and v are not, so one weight cannot hold both: the params come back
+    unchanged. Already fused params come back as they are.
+    """
+    if is_fused(params):
+        return params
+    mesh = getattr(getattr(params.embed, "sharding", None), "mesh", None)
+    out_shardings = None
+    if mesh is not None and not getattr(mesh, "empty", False) and "tp" in mesh.axis_names:
+        from dflash_jax.sharding import kv_heads_sharded, mesh_sizes, specs_shardings
+        tp = mesh_sizes(mesh)[1]
+        if tp > 1 and not kv_heads_sharded(cfg.num_kv_heads, tp):
+            return params
+        fused = layer_specs(cfg, fused=True)
+        out_shardings = specs_shardings((fused.attn.qkv, fused.attn.qkv_bias, fused.mlp.gate_up), mesh)
+    fuse = jax.jit(_fused_weights, out_shardings=out_shardings)
+    layers = []
+    for lp in params.layers:
+        a, m = lp.attn, lp.mlp
+        separate = (a.q, a.k, a.v, a.q_bias, a.k_bias, a.v_bias, m.gate, m.up)
+        qkv, qkv_bias, gate_up = jax.block_until_ready(fuse(*separate))
+        layers.append(dataclasses.replace(
+            lp, attn=AttentionParams(o=a.o, q_norm=a.q_norm, k_norm=a.k_norm, o_bias=a.o_bias, qkv=qkv,
+                                     qkv_bias=qkv_bias),
+            mlp=MLPParams(gate_up=gate_up, down=m.down)))
+        if consume:
+            for x in separate:
+                if x is not None:
+                    x.delete()
+    return dataclasses.replace(params, layers=tuple(layers))
 
 
 # ----------------------------------------------------------------------------- building blocks
@@ -153,18 +243,39 @@ def project_qkv(p: AttentionParams, cfg: ModelConfig, x: jax.Array, kv_input: ja
     Per-head q/k norms (qwen3) are applied here, before RoPE. `kv_input` lets the drafter
     project keys/values from other rows than the queries.
     """
-    kv_src = x if kv_input is None else kv_input
-    q = _dot("bse,ehd->bshd", x, p.q)
-    k = _dot("bse,ehd->bshd", kv_src, p.k)
-    v = _dot("bse,ehd->bshd", kv_src, p.v)
-    if p.q_bias is not None:
-        q, k, v = q + p.q_bias.astype(q.dtype), k + p.k_bias.astype(k.dtype), v + p.v_bias.astype(v.dtype)
+    if p.qkv is not None:
+        if kv_input is not None:
+            raise ValueError("project_qkv: fused qkv weights project keys and values from the query rows; "
+                             "kv_input needs separate q/k/v weights")
+        q, k, v = _fused_qkv(p, x)
+    else:
+        kv_src = x if kv_input is None else kv_input
+        q = _dot("bse,ehd->bshd", x, p.q)
+        k = _dot("bse,ehd->bshd", kv_src, p.k)
+        v = _dot("bse,ehd->bshd", kv_src, p.v)
+        if p.q_bias is not None:
+            q, k, v = q + p.q_bias.astype(q.dtype), k + p.k_bias.astype(k.dtype), v + p.v_bias.astype(v.dtype)
     if p.q_norm is not None:
         q = rms_norm(q, p.q_norm, cfg.rms_norm_eps)
         k = rms_norm(k, p.k_norm, cfg.rms_norm_eps)
     # Tensor parallel: heads split over tp (no-ops without a mesh; see dflash_jax.sharding).
     kv_axes = (BATCH, None, KV_HEADS, None)
     return constrain(q, (BATCH, None, Q_HEADS, None)), constrain(k, kv_axes), constrain(v, kv_axes)
+
+
+def _fused_qkv(p: AttentionParams, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [batch, seq, embed] through `qkv` [embed, kv_heads, group + 2, head_dim] -> q, k, v.
+
+    The product's result is in the activation dtype (the GEMM still accumulates in float32), so
+    no float32 copy of it is written and read back.
+    """
+    qkv = jnp.einsum("bse,ekgd->bskgd", x, p.qkv, preferred_element_type=x.dtype)
+    if p.qkv_bias is not None:
+        qkv = qkv + p.qkv_bias.astype(qkv.dtype)
+    batch, seq, kv_heads, rows, head_dim = qkv.shape
+    group = rows - 2
+    q = qkv[:, :, :, :group].reshape(batch, seq, kv_heads * group, head_dim)
+    return q, qkv[:, :, :, group], qkv[:, :, :, group + 1]
 
 
 def output_projection(p: AttentionParams, attn: jax.Array) -> jax.Array:
@@ -175,8 +286,14 @@ def output_projection(p: AttentionParams, attn: jax.Array) -> jax.Array:
 
 
 def mlp(p: MLPParams, x: jax.Array) -> jax.Array:
-    gate = jnp.einsum("bse,em->bsm", x, p.gate, preferred_element_type=jnp.float32)
-    up = jnp.einsum("bse,em->bsm", x, p.up, preferred_element_type=jnp.float32)
+    if p.gate_up is not None:
+        # One GEMM for both; like HF's bf16 Linear layers, gate and up are rounded to the
+        # activation dtype before the SiLU (exact in float32).
+        both = jnp.einsum("bse,etm->bstm", x, p.gate_up, preferred_element_type=x.dtype).astype(jnp.float32)
+        gate, up = both[:, :, 0], both[:, :, 1]
+    else:
+        gate = jnp.einsum("bse,em->bsm", x, p.gate, preferred_element_type=jnp.float32)
+        up = jnp.einsum("bse,em->bsm", x, p.up, preferred_element_type=jnp.float32)
     act = constrain((jax.nn.silu(gate) * up).astype(x.dtype), (BATCH, None, MLP))
     # Row-parallel under tp: one all-reduce.
     return constrain(_row_parallel_dot("bsm,me->bse", act, p.down), (BATCH, None, None))

@@ -185,6 +185,9 @@ def main() -> None:
     ap.add_argument("--attn-impl", nargs="+", choices=("auto", *sorted(PALLAS_VARIANTS)), default=["auto"],
                     help="tree attention as is, or the kernel without its tail launch (several: each is "
                          "timed, side by side)")
+    ap.add_argument("--layout", nargs="+", choices=("fused", "separate"), default=["fused"],
+                    help="the target's projections: fused (qkv, gate_up; as decoding runs) or separate "
+                         "(several: each is timed, side by side)")
     ap.add_argument("--top-k-chunk", nargs="+", type=int, default=[TOP_K_CHUNK],
                     help="DDTree's vocabulary top_k chunk, 0 = one top_k (several: each is timed, side by side)")
     ap.add_argument("--rounds-per-call", nargs="+", type=int, default=[ROUNDS_PER_CALL],
@@ -197,8 +200,6 @@ def main() -> None:
     print(env, flush=True)
     cfg = SHAPES[args.model]
     dtype = jnp.dtype(args.dtype)
-    target = jax.block_until_ready(init_params(cfg, jax.random.key(0), dtype))
-    log("target weights drawn")
     if args.draft:  # a real drafter's shape and weights (the target stays random: timing only)
         from convert.dflash_drafter import load_drafter  # imports gguf; only this option needs it
         dcfg, dparams = load_drafter(args.draft, dtype)
@@ -223,28 +224,34 @@ def main() -> None:
                         yield s, r, dm
 
     rows = []
-    for ctx in args.ctx:
-        rows.append(bench_ar(target, cfg, ctx, max_len, profile, args.kernel_table))
-        for s, r, dm in variants(method="dflash"):
-            rows.append(bench_settings(target, cfg, dparams, dcfg, s, ctx, max_len, profile, args.dump_hlo, r, dm,
-                                       args.kernel_table))
+    for layout in args.layout:  # one target at a time: two 8B-shaped targets would be 33 GB
+        target = jax.block_until_ready(init_params(cfg, jax.random.key(0), dtype, fused=layout == "fused"))
+        log(f"target weights drawn ({layout} projections)")
+        first = len(rows)
+        for ctx in args.ctx:
+            rows.append(bench_ar(target, cfg, ctx, max_len, profile, args.kernel_table))
+            for s, r, dm in variants(method="dflash"):
+                rows.append(bench_settings(target, cfg, dparams, dcfg, s, ctx, max_len, profile, args.dump_hlo, r,
+                                           dm, args.kernel_table))
+        for b in args.budgets:
+            for s, r, dm in variants(method="ddtree", budget=b):
+                rows.append(bench_settings(target, cfg, dparams, dcfg, s, args.ddtree_ctx, max_len, profile,
+                                           args.dump_hlo, r, dm, args.kernel_table))
+        for row in rows[first:]:
+            row["layout"] = layout
         write_json(args.out, {"env": env, "rows": rows})
-    for b in args.budgets:
-        for s, r, dm in variants(method="ddtree", budget=b):
-            rows.append(bench_settings(target, cfg, dparams, dcfg, s, args.ddtree_ctx, max_len, profile,
-                                       args.dump_hlo, r, dm, args.kernel_table))
-        write_json(args.out, {"env": env, "rows": rows})
+        del target
     print(f"\n{env['device']}, jax {env['jax']}, {args.model} target + {dcfg.num_layers}-layer drafter, "
           f"{dtype.name}, batch 1")
-    print("| method | budget | W | ctx | rounds/call | dot merger | attention | top_k chunk | round ms | device ms "
-          "| draft | tree | verify | accept | commit | other |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| method | budget | W | ctx | layout | rounds/call | dot merger | attention | top_k chunk | round ms "
+          "| device ms | draft | tree | verify | accept | commit | other |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         prof = r.get("profile") or {}
         split = prof.get("by_scope", {})
         cells = [f"{split[k]:.2f}" if k in split else "-" for k in STAGES + ("other",)]
         dev = f"{prof['device_ms']:.2f}" if "device_ms" in prof else "-"
-        print(f"| {r['method']} | {r.get('budget', '-')} | {r.get('width', 1)} | {r['ctx']} | "
+        print(f"| {r['method']} | {r.get('budget', '-')} | {r.get('width', 1)} | {r['ctx']} | {r['layout']} | "
               f"{r['rounds_per_call']} | {r.get('dot_merger', '-')} | {r.get('attn_impl', 'auto')} | "
               f"{r.get('top_k_chunk', '-') if r['method'] == 'ddtree' else '-'} | {r['round_ms']:.2f} | "
               f"{dev} | " + " | ".join(cells) + " |")
