@@ -29,14 +29,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 Impl = Literal["auto", "pallas", "pallas-one-launch", "reference", "interpret"]
-# The kernel as it is ("pallas"), and the variants benchmarks time beside it: "pallas-one-launch",
-# the default tiling without splitting the last row block (at W 272, the default before the
-# seventh session), and "pallas-tail-launch", that block as a second launch (the default until
-# the eleventh session, when the other programs began to share it).
+# The kernel as it is ("pallas"), and the variant benchmarks time beside it: "pallas-one-launch",
+# the default tiling without its tail launch (at W 272, the default before the seventh session).
 # Candidates that lost were removed after measuring them (BENCHMARKS.md): a one-wave tiling
 # (seventh session; its split-K cap is in the default), a Pallas kernel merging the split-K
 # partials (seventh) and a merge inside the kernel by the last program of each row block (tenth).
-PALLAS_VARIANTS = ("pallas", "pallas-one-launch", "pallas-tail-launch")
+PALLAS_VARIANTS = ("pallas", "pallas-one-launch")
 
 # exp2 is the native GPU instruction; folding log2(e) into the score scale makes exp2 exact
 # replacement for exp.
@@ -151,10 +149,8 @@ class BlockSizes:
     block_q: rows per program (rows = query tokens x the group's q heads); a power of two >= 16.
     block_k: keys per loop step; a power of two >= 16.
     split_k: programs sharing one row block's keys (flash-decoding); 1 = no split.
-    tail_split: 0 or 1 for one launch; more (with split_k 1): each kv head's last row block is
-      split over its keys and merged after the kernel (see `_tail_split`).
-    shared_tail: with tail_split > 1, the other row blocks' programs share that block (program i
-      of a head takes split i; one launch); False runs it as a second launch split tail_split ways.
+    tail_split: 0 or 1 for one launch; more (with split_k 1): the split-K of each kv head's
+      last row block, run as a second launch after the others (see `_tail_split`).
     """
     block_q: int
     block_k: int
@@ -162,7 +158,6 @@ class BlockSizes:
     num_stages: int
     split_k: int
     tail_split: int = 0
-    shared_tail: bool = True
 
 
 def _next_pow2(n: int) -> int:
@@ -341,12 +336,10 @@ def _store_rows(o_ref, q_index: tuple[jax.Array, ...], row_ok: jax.Array, out: j
 
 def _tree_attention_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, width: int, group: int,
                            block_q: int, block_k: int, split_k: int, first_block: int, qk_scale: float,
-                           has_visible: bool, interpret: bool, tail_splits: int = 0):
+                           has_visible: bool, interpret: bool):
     """One program: one sequence, one kv head, one block of rows, one split of the keys.
 
     The grid's row blocks are first_block, first_block + 1, ... of the kv head's rows.
-    tail_splits > 0 (a shared tail; split_k 1, first_block 0): the grid leaves out each kv
-    head's last row block, and program i of a head also takes split i of that block's keys.
 
     Refs (batch and head dims squeezed by the BlockSpecs):
       lens_ref: [1] int32 L_b.
@@ -356,92 +349,84 @@ def _tree_attention_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, width: int, gro
       outputs, split_k == 1: o_ref [width, q_heads, head_dim].
       outputs, split_k > 1: acc_ref [block_q, head_dim] f32 (unnormalised), m_ref and l_ref
         [block_q] f32 (running max in log2 units and sum of exp2).
-      outputs, tail_splits > 0: o_ref, then the last block's partials as for split_k > 1.
     """
     if has_visible:
         vis_ref, *out_refs = refs
     else:
         vis_ref, out_refs = None, refs
     kv_head = pl.program_id(1)
+    row_block = pl.program_id(2) + first_block
+    split = pl.program_id(3)
     prefix_len = lens_ref[0]
     tree_end = prefix_len + width
-    head_dim = q_ref.shape[-1]
+
+    token, row_ok, q_index = _block_rows(row_block, kv_head, block_q, width, group, q_ref.shape[-1])
+    q = q_ref[q_index]  # [block_q, head_dim] gather
+
+    # Key blocks [0, num_clean) lie wholly in the prefix and need no mask; the rest, up to the
+    # end of the tree, are masked. Split s takes a contiguous share of all blocks.
+    num_clean = prefix_len // block_k
+    num_blocks = pl.cdiv(tree_end, block_k)
+    per_split = pl.cdiv(num_blocks, split_k)
+    lo = split * per_split
+    hi = jnp.minimum(lo + per_split, num_blocks)
     key_offsets = jnp.arange(block_k, dtype=jnp.int32)
+    # float32 inputs get true float32 products (newer jax defaults Triton dots to tf32).
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
 
-    def attend(row_block: jax.Array, split: jax.Array, n_splits: int):
-        """Online softmax of one row block over split `split` of `n_splits` of its keys."""
-        token, row_ok, q_index = _block_rows(row_block, kv_head, block_q, width, group, head_dim)
-        q = q_ref[q_index]  # [block_q, head_dim] gather
-        # Key blocks [0, num_clean) lie wholly in the prefix and need no mask; the rest, up to
-        # the end of the tree, are masked. Split s takes a contiguous share of all blocks.
-        num_clean = prefix_len // block_k
-        num_blocks = pl.cdiv(tree_end, block_k)
-        per_split = pl.cdiv(num_blocks, n_splits)
-        lo = split * per_split
-        hi = jnp.minimum(lo + per_split, num_blocks)
-        # float32 inputs get true float32 products (newer jax defaults Triton dots to tf32).
-        precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-
-        def step(block, carry, masked: bool):
-            acc, m_prev, l_prev = carry
-            start = block * block_k
-            keys = start + key_offsets
-            if masked:
-                # Slots at or past L+W may hold anything (even NaN); never read them.
-                in_range = (keys < tree_end)[:, None]
-                k_tile = plgpu.load(k_ref.at[pl.ds(start, block_k), :], mask=in_range, other=0.0)
-                v_tile = plgpu.load(v_ref.at[pl.ds(start, block_k), :], mask=in_range, other=0.0)
+    def step(block, carry, masked: bool):
+        acc, m_prev, l_prev = carry
+        start = block * block_k
+        keys = start + key_offsets
+        if masked:
+            # Slots at or past L+W may hold anything (even NaN); never read them.
+            in_range = (keys < tree_end)[:, None]
+            k_tile = plgpu.load(k_ref.at[pl.ds(start, block_k), :], mask=in_range, other=0.0)
+            v_tile = plgpu.load(v_ref.at[pl.ds(start, block_k), :], mask=in_range, other=0.0)
+        else:
+            # plgpu.load rather than ref[...]: its interpret-mode rule tolerates a block that
+            # runs past max_len (only ever traced then, never executed).
+            k_tile = plgpu.load(k_ref.at[pl.ds(start, block_k), :])
+            v_tile = plgpu.load(v_ref.at[pl.ds(start, block_k), :])
+        scores = lax.dot_general(q, k_tile, (((1,), (1,)), ((), ())), precision=precision,
+                                 preferred_element_type=jnp.float32) * qk_scale
+        if masked:
+            tree_pos = keys - prefix_len  # [block_k]; negative inside the prefix
+            if has_visible:
+                col = jnp.clip(tree_pos, 0, width - 1)
+                vis = vis_ref[token[:, None], col[None, :]] != 0  # [block_q, block_k] gather
+                in_tree = (tree_pos >= 0) & (keys < tree_end)
+                seen = (tree_pos < 0)[None, :] | (in_tree[None, :] & vis)
             else:
-                # plgpu.load rather than ref[...]: its interpret-mode rule tolerates a block that
-                # runs past max_len (only ever traced then, never executed).
-                k_tile = plgpu.load(k_ref.at[pl.ds(start, block_k), :])
-                v_tile = plgpu.load(v_ref.at[pl.ds(start, block_k), :])
-            scores = lax.dot_general(q, k_tile, (((1,), (1,)), ((), ())), precision=precision,
-                                     preferred_element_type=jnp.float32) * qk_scale
-            if masked:
-                tree_pos = keys - prefix_len  # [block_k]; negative inside the prefix
-                if has_visible:
-                    col = jnp.clip(tree_pos, 0, width - 1)
-                    vis = vis_ref[token[:, None], col[None, :]] != 0  # [block_q, block_k] gather
-                    in_tree = (tree_pos >= 0) & (keys < tree_end)
-                    seen = (tree_pos < 0)[None, :] | (in_tree[None, :] & vis)
-                else:
-                    # Causal: slot L+s is seen by token t iff s <= t (prefix slots have s < 0).
-                    seen = tree_pos[None, :] <= token[:, None]
-                scores = jnp.where(seen, scores, -jnp.inf)
-            m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1))
-            alpha = jnp.exp2(m_prev - m_next)
-            p = jnp.exp2(scores - m_next[:, None])
-            l_next = l_prev * alpha + jnp.sum(p, axis=1)
-            pv = lax.dot_general(p.astype(v_tile.dtype), v_tile, (((1,), (0,)), ((), ())),
-                                 precision=precision, preferred_element_type=jnp.float32)
-            return acc * alpha[:, None] + pv, m_next, l_next
+                # Causal: slot L+s is seen by token t iff s <= t (prefix slots have s < 0).
+                seen = tree_pos[None, :] <= token[:, None]
+            scores = jnp.where(seen, scores, -jnp.inf)
+        m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1))
+        alpha = jnp.exp2(m_prev - m_next)
+        p = jnp.exp2(scores - m_next[:, None])
+        l_next = l_prev * alpha + jnp.sum(p, axis=1)
+        pv = lax.dot_general(p.astype(v_tile.dtype), v_tile, (((1,), (0,)), ((), ())),
+                             precision=precision, preferred_element_type=jnp.float32)
+        return acc * alpha[:, None] + pv, m_next, l_next
 
-        carry = (jnp.zeros((block_q, head_dim), jnp.float32),
-                 jnp.full((block_q,), _M_INIT, jnp.float32),
-                 jnp.zeros((block_q,), jnp.float32))
-        carry = lax.fori_loop(lo, jnp.minimum(hi, num_clean),
-                              functools.partial(step, masked=False), carry)
-        carry = lax.fori_loop(jnp.maximum(lo, num_clean), hi,
-                              functools.partial(step, masked=True), carry)
-        return q_index, row_ok, carry
+    head_dim = q_ref.shape[-1]
+    carry = (jnp.zeros((block_q, head_dim), jnp.float32),
+             jnp.full((block_q,), _M_INIT, jnp.float32),
+             jnp.zeros((block_q,), jnp.float32))
+    carry = lax.fori_loop(lo, jnp.minimum(hi, num_clean),
+                          functools.partial(step, masked=False), carry)
+    carry = lax.fori_loop(jnp.maximum(lo, num_clean), hi,
+                          functools.partial(step, masked=True), carry)
+    acc, m_i, l_i = carry
 
-    q_index, row_ok, (acc, m_i, l_i) = attend(pl.program_id(2) + first_block, pl.program_id(3), split_k)
     if split_k == 1:
-        _store_rows(out_refs[0], q_index, row_ok, _normalise(acc, l_i), interpret)
+        (o_ref,) = out_refs
+        _store_rows(o_ref, q_index, row_ok, _normalise(acc, l_i), interpret)
     else:
-        _store_partials(out_refs, acc, m_i, l_i)
-    if tail_splits:
-        # The last row block sits right after this launch's pl.num_programs(2) blocks.
-        _, _, partials = attend(pl.num_programs(2), pl.program_id(2), tail_splits)
-        _store_partials(out_refs[1:], *partials)
-
-
-def _store_partials(refs, acc: jax.Array, m: jax.Array, l: jax.Array) -> None:
-    acc_ref, m_ref, l_ref = refs
-    acc_ref[...] = acc
-    m_ref[...] = m
-    l_ref[...] = l
+        acc_ref, m_ref, l_ref = out_refs
+        acc_ref[...] = acc
+        m_ref[...] = m_i
+        l_ref[...] = l_i
 
 
 def _normalise(acc: jax.Array, l: jax.Array) -> jax.Array:
@@ -473,15 +458,13 @@ def _combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array, width: int, grou
 
 def _kernel_call(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Array,
                  visible: jax.Array | None, *, group: int, blocks: BlockSizes, first_block: int,
-                 row_blocks: int, split_k: int, scale: float, interpret: bool, shared_tail: bool = False):
+                 row_blocks: int, split_k: int, scale: float, interpret: bool):
     """One launch of the kernel over row blocks [first_block, first_block + row_blocks) of every
     (sequence, kv head).
 
     Returns, split_k == 1: [batch, width, q_heads, head_dim] with those blocks' rows written
     (the others undefined); split_k > 1: the partials (acc, m, l) that `_combine_splits` takes,
-    with rows_padded = row_blocks * block_q. shared_tail (split_k 1, first_block 0): also the
-    next row block, split over the keys among the launch's `row_blocks` programs of each head;
-    returns (out, *that block's partials with split_k = row_blocks, rows_padded = block_q).
+    with rows_padded = row_blocks * block_q.
     """
     batch, width, q_heads, head_dim = q.shape
     max_len, kv_heads = k.shape[1], k.shape[2]
@@ -514,20 +497,10 @@ def _kernel_call(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Arra
             pl.BlockSpec((sq, sq, sq, block_q), lambda b, h, i, s: (b, h, s, i)),
             pl.BlockSpec((sq, sq, sq, block_q), lambda b, h, i, s: (b, h, s, i)),
         )
-    if shared_tail:
-        # Program i of a head writes split i of the tail block's partials.
-        out_shape = (out_shape,
-                     jax.ShapeDtypeStruct((batch, kv_heads, row_blocks, block_q, head_dim), jnp.float32),
-                     jax.ShapeDtypeStruct((batch, kv_heads, row_blocks, block_q), jnp.float32),
-                     jax.ShapeDtypeStruct((batch, kv_heads, row_blocks, block_q), jnp.float32))
-        out_specs = (out_specs,
-                     pl.BlockSpec((sq, sq, sq, block_q, head_dim), lambda b, h, i, s: (b, h, i, 0, 0)),
-                     pl.BlockSpec((sq, sq, sq, block_q), lambda b, h, i, s: (b, h, i, 0)),
-                     pl.BlockSpec((sq, sq, sq, block_q), lambda b, h, i, s: (b, h, i, 0)))
     kernel = functools.partial(
         _tree_attention_kernel, width=width, group=group, block_q=block_q, block_k=blocks.block_k,
         split_k=split_k, first_block=first_block, qk_scale=float(scale) * _LOG2E,
-        has_visible=visible is not None, interpret=interpret, tail_splits=row_blocks if shared_tail else 0)
+        has_visible=visible is not None, interpret=interpret)
     return pl.pallas_call(
         kernel,
         grid=grid,
@@ -545,17 +518,14 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens:
                           block_q: int | None = None, block_k: int | None = None,
                           num_warps: int | None = None, num_stages: int | None = None,
                           split_k: int | None = None, tail_split: int | None = None,
-                          shared_tail: bool | None = None,
                           interpret: bool = False) -> jax.Array:
     """Tree attention as a Pallas Triton kernel; same contract as ``tree_attention_reference``.
 
     Grid: (batch, kv_heads, row blocks, split_k). Block sizes left as None come from
-    ``default_block_sizes``. tail_split > 1 (with split_k 1) splits each kv head's last row
-    block over its keys: shared by the other row blocks' programs (shared_tail, the default;
-    one split each, so tail_split only switches it on) or as a second launch split tail_split
-    ways. It is skipped when there is one row block, or when the last block does not start at a
-    token boundary (block_q * blocks not a multiple of the group). Split-K partials merge in
-    XLA (`_combine_splits`).
+    ``default_block_sizes``. tail_split > 1 (with split_k 1) runs each kv head's last row block
+    as a second launch with that split-K; it is skipped when there is one row block, or when
+    the last block does not start at a token boundary (block_q * blocks not a multiple of the
+    group). Split-K partials merge in XLA (`_combine_splits`).
     visible may be bool or int8 (the kernel reads int8; int8 saves a convert per call).
     """
     batch, width, q_heads, kv_heads, head_dim, max_len = _check_shapes(q, k, v, prefix_lens,
@@ -564,7 +534,7 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens:
     defaults = default_block_sizes(batch, width, group, kv_heads, head_dim, max_len,
                                    jnp.dtype(k.dtype).itemsize)
     given = dict(block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-                 split_k=split_k, tail_split=tail_split, shared_tail=shared_tail)
+                 split_k=split_k, tail_split=tail_split)
     if split_k is not None and tail_split is None:
         given["tail_split"] = 0  # an explicit tiling runs as one launch unless asked otherwise
     blocks = dataclasses.replace(defaults, **{k_: v_ for k_, v_ in given.items() if v_ is not None})
@@ -583,12 +553,9 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens:
                              scale=scale, interpret=interpret)
     tail_rows = (row_blocks - 1) * blocks.block_q
     if blocks.tail_split > 1 and row_blocks > 1 and tail_rows % group == 0:
+        out = call(first_block=0, row_blocks=row_blocks - 1, split_k=1)
         first_token = tail_rows // group
-        if blocks.shared_tail:
-            out, *partials = call(first_block=0, row_blocks=row_blocks - 1, split_k=1, shared_tail=True)
-        else:
-            out = call(first_block=0, row_blocks=row_blocks - 1, split_k=1)
-            partials = call(first_block=row_blocks - 1, row_blocks=1, split_k=blocks.tail_split)
+        partials = call(first_block=row_blocks - 1, row_blocks=1, split_k=blocks.tail_split)
         tail = _combine_splits(*partials, width=width - first_token, group=group, dtype=q.dtype)
         return lax.dynamic_update_slice(out, tail, (0, first_token, 0, 0))
     result = call(first_block=0, row_blocks=row_blocks, split_k=blocks.split_k)
@@ -630,8 +597,7 @@ def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Ar
     which = resolve_impl(impl)
     if which == "reference":
         return tree_attention_reference(q, k, v, prefix_lens, visible, scale=scale)
-    # "pallas-one-launch": the default tiling without splitting the last row block;
-    # "pallas-tail-launch": that block as a second launch instead of shared by the first.
-    blocks = {"pallas-one-launch": {"tail_split": 0}, "pallas-tail-launch": {"shared_tail": False}}.get(which, {})
+    # "pallas-one-launch": the default tiling without its tail launch.
+    blocks = {"tail_split": 0} if which == "pallas-one-launch" else {}
     return tree_attention_pallas(q, k, v, prefix_lens, visible, scale=scale,
                                  interpret=which == "interpret", **blocks)

@@ -260,30 +260,15 @@ def test_gpu_kernel_matches_reference(batch, width, kv_heads, group, head_dim, m
     assert rel_err(out, ref) < tolerance(dtype)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
-def test_gpu_tail_as_a_second_launch_matches_reference():
-    """The default at W 272 shares the last row block (GPU_CASES); this is the second launch."""
-    q, k, v, prefix_lens, visible = make_case(2, 2, 272, 8, 4, 128, 5000, [4001, 77], jnp.bfloat16, True,
-                                              num_padding=2)
-    out = jax.jit(functools.partial(tree_attention_pallas, shared_tail=False))(q, k, v, prefix_lens, visible)
-    assert rel_err(out, tree_attention_reference(q, k, v, prefix_lens, visible)) < tolerance(jnp.bfloat16)
-
-
-def _pallas_calls(fn, *args) -> list[int]:
-    """The number of outputs of each pallas_call that tracing `fn` makes."""
-    jaxpr = jax.make_jaxpr(fn)(*args)
-    return [len(e.outvars) for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
-
-
-def test_variants_split_the_last_row_block_their_own_way():
-    """At W 272 the default shares the last row block among the other programs (one launch, with
-    that block's split-K partials as three more outputs); "pallas-tail-launch" runs it as a
-    second launch; "pallas-one-launch" does not split it."""
+def test_one_launch_variant_drops_the_tail_launch():
+    """impl="pallas-one-launch" drops the tail launch that the default has at W 272."""
     q = jax.ShapeDtypeStruct((1, 272, 32, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 4368, 8, 128), jnp.bfloat16)
     args = [q, kv, kv, jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1, 272, 272), jnp.bool_)]
-    for impl, calls in (("pallas", [4]), ("pallas-tail-launch", [1, 3]), ("pallas-one-launch", [1])):
-        assert _pallas_calls(functools.partial(tree_attention, impl=impl), *args) == calls, impl
+    for impl, launches in (("pallas", 2), ("pallas-one-launch", 1)):
+        fn = functools.partial(tree_attention, impl=impl)
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == launches, impl
     with pytest.raises(ValueError, match="pallas-one-launch"):
         resolve_impl("one-wave")
 
@@ -297,19 +282,17 @@ TAIL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("shared_tail", [True, False])
 @pytest.mark.parametrize(
     "batch,width,kv_heads,group,head_dim,max_len,lens,dtype,tree,block_q,tail_split", TAIL_CASES)
 def test_tail_launch_matches_reference(batch, width, kv_heads, group, head_dim, max_len, lens, dtype,
-                                       tree, block_q, tail_split, shared_tail):
-    """The last row block of each kv head split over its keys (tail_split), shared by the other
-    programs or as a second launch: every row is written by the right program (interpret
-    outputs start as NaN) and equals the reference."""
+                                       tree, block_q, tail_split):
+    """The last row block of each kv head as a second, split-K launch (tail_split): every row is
+    written once by the right launch (interpret outputs start as NaN) and equals the reference."""
     q, k, v, prefix_lens, visible = make_case(
         width + group + head_dim + tail_split, batch, width, kv_heads, group, head_dim, max_len,
         lens, dtype, tree)
     out = tree_attention_pallas(q, k, v, prefix_lens, visible, block_q=block_q, block_k=32,
-                                tail_split=tail_split, shared_tail=shared_tail, interpret=True)
+                                tail_split=tail_split, interpret=True)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert rel_err(out, tree_attention_reference(q, k, v, prefix_lens, visible)) < tolerance(dtype)
 
@@ -340,9 +323,6 @@ def test_tail_launch_lowers_and_validates():
     kv = jax.ShapeDtypeStruct((1, 4368, 8, 128), jnp.bfloat16)
     args = [q, kv, kv, jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1, 272, 272), jnp.bool_)]
     text = jax.jit(tree_attention_pallas).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 1  # the last row block shared by the others
-    separate = functools.partial(tree_attention_pallas, shared_tail=False)
-    text = jax.jit(separate).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 2  # the main launch and the tail's
     case = make_case(0, 1, 20, 2, 4, 64, 64, [5], jnp.float32, False)
     with pytest.raises(ValueError, match="tail_split=2 .* needs split_k=1"):

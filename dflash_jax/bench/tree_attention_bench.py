@@ -204,9 +204,6 @@ def bench_shape(shape: Shape, dtype, *, interpret: bool, iters: int, reps: int,
         "reference": tree_attention_reference,
         # The default tiling as one launch (no tail launch): at W 272, the default before the seventh session.
         "one_launch": functools.partial(tree_attention_pallas, interpret=interpret, **{"tail_split": 0, **kernel_args}),
-        # The last row block as a second launch: at W 272, the default before the eleventh session.
-        "tail_launch": functools.partial(tree_attention_pallas, interpret=interpret,
-                                         **{"shared_tail": False, **kernel_args}),
     }
     for i, tiling in enumerate(tilings or ()):
         fns[f"tiling{i}"] = functools.partial(tree_attention_pallas, interpret=interpret, **tiling)
@@ -255,7 +252,6 @@ def markdown_table(rows: list[dict]) -> str:
             ("pallas_kernel_us", "pallas kernel us"), ("xla_kernel_us", "xla kernel us"),
             ("kernel_speedup_vs_xla", "x vs xla (kernels)"), ("one_launch_ms", "one-launch ms"),
             ("one_launch_kernel_us", "one-launch kernel us"), ("one_launch_speedup_vs_xla", "one-launch x vs xla"),
-            ("tail_launch_ms", "tail-launch ms"), ("tail_launch_kernel_us", "tail-launch kernel us"),
             ("pallas_unrolled_ms", "pallas unrolled ms"),
             ("xla_unrolled_ms", "xla unrolled ms"), ("unrolled_speedup_vs_xla", "x vs xla (unrolled)")]
     cols = [c for c in cols if any(c[0] in r for r in rows)]
@@ -383,9 +379,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cudnn", action="store_true",
                         help="also time cuDNN's fused attention with the same mask (GPU only)")
     parser.add_argument("--one-launch", action="store_true",
-                        help="also time the default tiling without splitting the last row block (tail_split=0)")
-    parser.add_argument("--tail-launch", action="store_true",
-                        help="also time the last row block as a second launch instead of shared (shared_tail=False)")
+                        help="also time the default tiling without its tail launch (tail_split=0)")
     parser.add_argument("--tiling", action="append", default=[], metavar="W:Q,K,WARPS,STAGES,SPLIT[,TAIL]",
                         help="also time this explicit tiling at width W (block_q, block_k, num_warps, "
                              "num_stages, split_k, tail_split); repeatable")
@@ -425,7 +419,7 @@ def main(argv: list[str] | None = None) -> None:
             shape = Shape(1, ctx, width, q_heads, kv_heads, head_dim)
             impls = ("pallas", "xla", "cudnn", "reference") if args.cudnn else ("pallas", "xla", "reference")
             tilings = [t for w, t in parse_tilings(args.tiling) if w == width]
-            candidates = ((("one_launch",) if args.one_launch else ()) + (("tail_launch",) if args.tail_launch else ())
+            candidates = ((("one_launch",) if args.one_launch else ())
                           + tuple(f"tiling{i}" for i in range(len(tilings))))
             impls = ("pallas",) + candidates + impls[1:]
             row = bench_shape(shape, dtype, interpret=args.interpret, iters=args.iters,
