@@ -70,7 +70,10 @@ def sharded_jit_init(fn, mesh, *args):
 
 
 def make_models(cfg: ModelConfig, dcfg: dr.DraftConfig, mesh, dtype) -> tuple[Any, Any]:
-    target = sh.init_sharded(model_specs(cfg), jax.random.key(0), dtype, mesh)
+    """The target in the decoding layout (`model.fuse_projections`) where tp allows it."""
+    tp = sh.mesh_sizes(mesh)[1]
+    fused = tp == 1 or cfg.num_kv_heads % tp == 0
+    target = sh.init_sharded(model_specs(cfg, fused=fused), jax.random.key(0), dtype, mesh)
     dparams = sh.init_sharded(dr.draft_specs(dcfg), jax.random.key(1), dtype, mesh)
     return target, dparams
 
