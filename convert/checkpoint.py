@@ -21,7 +21,7 @@ import orbax.checkpoint as ocp
 
 from convert.layout import ConversionError, ShardingsArg, sharding_lookup
 from dflash_jax.config import ModelConfig, RopeConfig
-from dflash_jax.model import ModelParams, model_specs
+from dflash_jax.model import ModelParams, is_fused, model_specs
 from dflash_jax.params import is_spec, path_str
 
 MARKER = "dflash_jax_model.json"
@@ -64,6 +64,11 @@ def _dtype_name(params: ModelParams) -> str:
 def save_checkpoint(path: str | Path, cfg: ModelConfig, params: ModelParams, tokenizer: Any = None,
                     *, overwrite: bool = False) -> Path:
     """Writes params (orbax), config (JSON) and optionally the tokenizer to directory `path`."""
+    if is_fused(params):
+        # load_checkpoint restores `model_specs(cfg)`, the layout checkpoints and converters share.
+        raise ConversionError(f"{path}: these params are in the decoding layout (model.fuse_projections: "
+                              f"layers.N.attn.qkv, layers.N.mlp.gate_up); a checkpoint stores the separate "
+                              f"q/k/v and gate/up weights, so save the params as they were loaded")
     path = Path(path).absolute()  # orbax wants absolute paths
     if path.exists() and any(path.iterdir()):
         if not overwrite:

@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from convert import ConversionError, convert_command, load_model, resolve_source
 from convert.checkpoint import MARKER, load_checkpoint, save_checkpoint
 from dflash_jax.config import ModelConfig, RopeConfig
-from dflash_jax.model import model_specs
+from dflash_jax.model import fuse_projections, model_specs
 from dflash_jax.params import REPLICATED, is_spec, shardings_for
 
 CFG = ModelConfig("qwen3", vocab_size=61, hidden_size=24, intermediate_size=40, num_layers=2, num_heads=6,
@@ -70,6 +70,14 @@ def test_refuses_to_clobber(tmp_path):
         save_checkpoint(tmp_path / "other", CFG, params, overwrite=True)
     save_checkpoint(tmp_path / "ck", CFG, params)
     save_checkpoint(tmp_path / "ck", CFG, params, overwrite=True)  # our own checkpoint: allowed
+
+
+def test_refuses_the_decoding_layout(tmp_path):
+    """Fused params would save, then fail to restore into model_specs: refused up front."""
+    fused = fuse_projections(init_params(CFG, 0), CFG)
+    with pytest.raises(ConversionError, match=r"decoding layout .*layers\.N\.attn\.qkv"):
+        save_checkpoint(tmp_path / "ck", CFG, fused)
+    assert not (tmp_path / "ck").exists()
 
 
 def test_marker_is_required_and_checked(tmp_path):
