@@ -191,11 +191,12 @@ def specs_shardings(specs: Any, mesh: Mesh, rules: ShardingRules = TENSOR_PARALL
     return jax.tree_util.tree_unflatten(treedef, [spec_sharding(s, mesh, rules, path_str(p)) for p, s in flat])
 
 
-def param_shardings(cfg: Any, mesh: Mesh) -> Any:
-    """Shardings of a target's parameters (`model.model_specs(cfg)`)."""
+def param_shardings(cfg: Any, mesh: Mesh, fused: bool = False) -> Any:
+    """Shardings of a target's parameters (`model.model_specs(cfg, fused)`; fused: the decoding
+    layout of `model.fuse_projections`)."""
     from dflash_jax.model import model_specs
     check_model(cfg, mesh_sizes(mesh)[1])
-    return specs_shardings(model_specs(cfg), mesh)
+    return specs_shardings(model_specs(cfg, fused), mesh)
 
 
 def draft_param_shardings(dcfg: Any, mesh: Mesh) -> Any:

@@ -152,6 +152,9 @@ def test_fused_under_tp_is_sharded_by_kv_head_and_gives_the_same_logits(tmp_path
     # One kv head per device, with its two q heads, its k and its v; half of gate and of up.
     assert {s.data.shape for s in lp.attn.qkv.addressable_shards} == {(32, 1, 4, 8)}
     assert {s.data.shape for s in lp.mlp.gate_up.addressable_shards} == {(32, 2, 24)}
+    declared = sh.param_shardings(cfg, mesh, fused=True).layers[0]
+    assert lp.attn.qkv.sharding.is_equivalent_to(declared.attn.qkv, 4)
+    assert lp.mlp.gate_up.sharding.is_equivalent_to(declared.mlp.gate_up, 3)
     with sh.use_mesh(mesh):
         got = jax.jit(forward, static_argnums=1)(fused, cfg, tokens, positions, cache).logits
     assert rel_err(got, ref) <= 1e-5
