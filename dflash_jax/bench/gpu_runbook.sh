@@ -7,11 +7,14 @@
 # each benchmark step of the ar / rounds / rounds-split / kernel / tp phases (default 560).
 #
 # Phases, in the order the open issues need them:
-#   ar            AR decode vs the roofline: Qwen3-8B shape and SmolLM2, ctx 1K/8K, with profiles
-#   rounds        DFlash / DDTree round latency, 8 rounds per call (the decoding fast path)
+#   ar            AR decode vs the roofline: Qwen3-8B shape and SmolLM2, ctx 1K/8K, with profiles,
+#                 fused and separate projections side by side
+#   rounds        DFlash / DDTree round latency, 8 rounds per call (the decoding fast path), fused
+#                 and separate projections side by side
 #   rounds-tiling DFlash / DDTree(64, 256) rounds at ctx 4K with tree attention as it is and beside
 #                 its candidates (ROUNDS_IMPLS, default `auto pallas-one-launch`), side by side
-#   rounds-split  the same with XLA command buffers off, for the per-stage split of each round
+#   rounds-split  the rounds with XLA command buffers off, for the per-stage split of each round
+#                 and its 40 costliest kernels
 #   kernel        tree attention vs XLA masked attention at ctx 1K-32K, W 1-512, beside the single
 #                 launch, with profiled kernel times (KERNEL_CONTEXTS, KERNEL_WIDTHS,
 #                 KERNEL_TILINGS; SWEEP_S=seconds adds a tiling sweep after it)
@@ -167,12 +170,15 @@ case $phase in
 ar)
     if [ "$dry" = 1 ]; then set -- --models tiny --contexts 64 256 --steps 8 --copy-gb 0.05 --impls reference
     else set -- --models smollm2-135m qwen3-8b --contexts 1024 8192 --impls pallas --gemm default cublas; fi
-    step ar "$limit" python -m dflash_jax.bench.ar_decode "$@" --profile --dump-hlo "$out/hlo" --out "$out/ar.json" ;;
+    # The target's projections fused (as decoding runs) and separate, side by side.
+    step ar "$limit" python -m dflash_jax.bench.ar_decode "$@" --layout fused separate --profile --dump-hlo "$out/hlo" \
+        --out "$out/ar.json" ;;
 rounds)
     # shellcheck disable=SC2046
-    # XLA's dot merger as is and off, side by side (it copies q/k/v weights every round at wide trees)
-    step rounds "$limit" python -m dflash_jax.bench.spec_round $(spec_args) --dot-merger default off --no-profile \
-        --out "$out/rounds.json" ;;
+    # The target's projections fused (as decoding runs) and separate, side by side; XLA's dot
+    # merger off, as DDTree decoding compiles it.
+    step rounds "$limit" python -m dflash_jax.bench.spec_round $(spec_args) --dot-merger off --layout fused separate \
+        --no-profile --out "$out/rounds.json" ;;
 rounds-tiling)
     # Rounds with tree attention as it is, beside candidate variants of it (ROUNDS_IMPLS; the
     # seventh and ninth sessions also ran a one-wave tiling, since removed).
@@ -183,8 +189,8 @@ rounds-tiling)
 rounds-split)
     export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="
     # shellcheck disable=SC2046
-    step rounds_split "$limit" python -m dflash_jax.bench.spec_round $(spec_args) --dump-hlo "$out/hlo" \
-        --out "$out/rounds_split.json" ;;
+    step rounds_split "$limit" python -m dflash_jax.bench.spec_round $(spec_args) --dot-merger off --kernel-table 40 \
+        --dump-hlo "$out/hlo" --out "$out/rounds_split.json" ;;
 kernel)
     # Issue 4's grid (ctx 1K-32K, W 16-512, plus W 1 and 272) with today's defaults, beside the
     # single launch (`--one-launch`) and XLA, with GPU kernel times from a profile.
