@@ -12,7 +12,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dflash_jax.config import ModelConfig
 from dflash_jax.kv_cache import KVCache, gather_rows, write_rows
@@ -264,53 +263,19 @@ def project_qkv(p: AttentionParams, cfg: ModelConfig, x: jax.Array, kv_input: ja
     return constrain(q, (BATCH, None, Q_HEADS, None)), constrain(k, kv_axes), constrain(v, kv_axes)
 
 
-def _fused_product(p: AttentionParams, x: jax.Array) -> jax.Array:
-    """x [batch, seq, embed] through `qkv` -> [batch, seq, kv_heads, group + 2, head_dim].
+def _fused_qkv(p: AttentionParams, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [batch, seq, embed] through `qkv` [embed, kv_heads, group + 2, head_dim] -> q, k, v.
 
     The product's result is in the activation dtype (the GEMM still accumulates in float32), so
     no float32 copy of it is written and read back.
     """
     qkv = jnp.einsum("bse,ekgd->bskgd", x, p.qkv, preferred_element_type=x.dtype)
-    return qkv + p.qkv_bias.astype(qkv.dtype) if p.qkv_bias is not None else qkv
-
-
-def _split_qkv(qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """[batch, seq, kv_heads, group + 2, head_dim] -> q [batch, seq, q_heads, head_dim], k, v."""
+    if p.qkv_bias is not None:
+        qkv = qkv + p.qkv_bias.astype(qkv.dtype)
     batch, seq, kv_heads, rows, head_dim = qkv.shape
     group = rows - 2
     q = qkv[:, :, :, :group].reshape(batch, seq, kv_heads * group, head_dim)
     return q, qkv[:, :, :, group], qkv[:, :, :, group + 1]
-
-
-def _fused_qkv(p: AttentionParams, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    return _split_qkv(_fused_product(p, x))
-
-
-def attention_inputs(p: AttentionParams, cfg: ModelConfig, x: jax.Array, cos: jax.Array, sin: jax.Array
-                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """q, k, v as attention takes them: projected, q/k-normed (qwen3) and rotated (RoPE).
-
-    x: [batch, seq, embed]; cos, sin: [batch, seq, head_dim]. With fused weights the norms and
-    RoPE run over the whole qkv product at once (one weight row per q/k/v row), before it is
-    split, instead of over q and k apart; v rows pass through unchanged. Same operations per
-    element as the separate path.
-    """
-    if p.qkv is None:
-        q, k, v = project_qkv(p, cfg, x)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-    qkv = _fused_product(p, x)
-    batch, seq, kv_heads, rows, head_dim = qkv.shape
-    flat = qkv.reshape(batch, seq, kv_heads * rows, head_dim)
-    out = flat
-    if p.q_norm is not None:
-        ones = jnp.ones((1, head_dim), p.q_norm.dtype)
-        per_row = jnp.concatenate([jnp.broadcast_to(p.q_norm, (rows - 2, head_dim)), p.k_norm[None], ones])
-        out = rms_norm(flat, jnp.tile(per_row, (kv_heads, 1)), cfg.rms_norm_eps)
-    is_v = np.tile(np.arange(rows) == rows - 1, kv_heads)[:, None]
-    out = jnp.where(is_v, flat, apply_rope(out, cos, sin))
-    q, k, v = _split_qkv(out.reshape(qkv.shape))
-    kv_axes = (BATCH, None, KV_HEADS, None)
-    return constrain(q, (BATCH, None, Q_HEADS, None)), constrain(k, kv_axes), constrain(v, kv_axes)
 
 
 def output_projection(p: AttentionParams, attn: jax.Array) -> jax.Array:
@@ -398,7 +363,8 @@ def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions:
     new_k, new_v, taps = [], [], {}
     for i, lp in enumerate(params.layers):
         h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-        q, k, v = attention_inputs(lp.attn, cfg, h, cos, sin)
+        q, k, v = project_qkv(lp.attn, cfg, h)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_buf = constrain_cache(write_rows(cache.k[i], k, starts))
         v_buf = constrain_cache(write_rows(cache.v[i], v, starts))
         attn = attention(q, k_buf, v_buf, starts, visible, impl=attn_impl)  # shard_map under a mesh
