@@ -17,8 +17,8 @@ from dflash_jax.config import ModelConfig
 from dflash_jax.kv_cache import KVCache, gather_rows, write_rows
 from dflash_jax.params import EMBED, HEAD_DIM, KV_HEADS, MLP, Q_HEADS, VOCAB, Spec, init_from_specs
 from dflash_jax.rope import apply_rope, rope_tables
-from dflash_jax.sharding import (BATCH, attention, constrain, constrain_cache, embed_lookup, row_groups,
-                                 row_parallel_chunks)
+from dflash_jax.sharding import (BATCH, attention, constrain, constrain_cache, embed_lookup, kv_heads_sharded,
+                                 mesh_sizes, row_groups, row_parallel_chunks, specs_shardings)
 
 dataclass = dataclasses.dataclass
 
@@ -149,6 +149,16 @@ def is_fused(params: ModelParams) -> bool:
     return bool(params.layers) and params.layers[0].attn.qkv is not None
 
 
+def can_fuse(cfg: ModelConfig, tp: int) -> bool:
+    """Whether `fuse_projections` applies at tensor parallelism `tp`: kv heads split over tp.
+
+    When kv heads are replicated (tp a multiple of them) the q heads are split but k and v are
+    not, so one weight cannot hold both. Raises like `sharding.kv_heads_sharded` when the kv
+    heads fit tp neither way.
+    """
+    return tp == 1 or kv_heads_sharded(cfg.num_kv_heads, tp)
+
+
 def _fused_weights(q: jax.Array, k: jax.Array, v: jax.Array, q_bias: Any, k_bias: Any, v_bias: Any,
                    gate: jax.Array, up: jax.Array) -> tuple[jax.Array, Any, jax.Array]:
     """One layer's (qkv, qkv_bias or None, gate_up) from its separate weights."""
@@ -170,18 +180,15 @@ def fuse_projections(params: ModelParams, cfg: ModelConfig, consume: bool = Fals
     consume: delete each layer's separate weights once its fused ones exist, so the peak memory
     grows by one layer, not by a model; `params` is then unusable (the CLI's loaders do this).
     Under tensor parallelism the fused weights follow the same rules (qkv by kv head, gate_up
-    by the MLP axis). When kv heads are replicated over tp (tp a multiple of them) the q heads
-    are split but k and v are not, so one weight cannot hold both: the params come back
-    unchanged. Already fused params come back as they are.
+    by the MLP axis). Where they cannot be fused (`can_fuse`) the params come back unchanged,
+    and so do params that are already fused.
     """
     if is_fused(params):
         return params
     mesh = getattr(getattr(params.embed, "sharding", None), "mesh", None)
     out_shardings = None
-    if mesh is not None and not getattr(mesh, "empty", False) and "tp" in mesh.axis_names:
-        from dflash_jax.sharding import kv_heads_sharded, mesh_sizes, specs_shardings
-        tp = mesh_sizes(mesh)[1]
-        if tp > 1 and not kv_heads_sharded(cfg.num_kv_heads, tp):
+    if mesh is not None and not getattr(mesh, "empty", False):
+        if not can_fuse(cfg, mesh_sizes(mesh)[1]):
             return params
         fused = layer_specs(cfg, fused=True)
         out_shardings = specs_shardings((fused.attn.qkv, fused.attn.qkv_bias, fused.mlp.gate_up), mesh)

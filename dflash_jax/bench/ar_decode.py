@@ -18,7 +18,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.bench.common import SHAPES, copy_bandwidth, dump_hlo, environment, log, time_fn, write_json
+from dflash_jax.bench.common import (LAYOUTS, SHAPES, copy_bandwidth, dump_hlo, environment, log, time_fn,
+                                     write_json)
 from dflash_jax.bench.profile import profile_program, scale_profile
 from dflash_jax.kv_cache import KVCache
 from dflash_jax.model import forward, init_params
@@ -130,7 +131,7 @@ def main() -> None:
     ap.add_argument("--impls", nargs="+", default=["pallas", "reference"])
     ap.add_argument("--gemm", nargs="+", choices=sorted(GEMM_OPTIONS), default=["default"],
                     help="XLA GEMM backend options to compare side by side")
-    ap.add_argument("--layout", nargs="+", choices=("fused", "separate"), default=["fused"],
+    ap.add_argument("--layout", nargs="+", choices=LAYOUTS, default=["fused"],
                     help="q/k/v and gate/up fused (as decoding runs) or separate, side by side")
     ap.add_argument("--copy-gb", type=float, default=4.0)
     ap.add_argument("--profile", action="store_true", help="split each step's device time by kind of work")

@@ -133,14 +133,15 @@ def profile_program(fn: Callable[[], Any], hlo_text: str, calls: int = 5,
             by_kernel[name] = by_kernel.get(name, 0.0) + ms
             launches[name] = launches.get(name, 0) + 1
             first_op.setdefault(name, (kind, op))
-        top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:8]
+        ranked = sorted(by_kernel.items(), key=lambda kv: -kv[1])
+        top = ranked[:8]
         rnd = lambda d: {k: round(v, 4) for k, v in sorted(d.items(), key=lambda kv: -kv[1])}  # noqa: E731
         out = {"device_ms": round(total, 4), "by_scope": rnd(by_scope), "by_kind": rnd(by_kind),
                "top_kernels": [(k[:80], round(v, 4)) for k, v in top], "unmapped_ms": round(unmapped, 4),
                "kernels_per_call": len(events) / calls}
         if table > 0:
             out["kernels"] = [[k[:80], round(v, 4), launches[k] / calls, *first_op[k]]
-                              for k, v in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:table]]
+                              for k, v in ranked[:table]]
         if unmapped > 0.5 * total:
             out["diagnostic"] = _diagnose(events)
         return out

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from dflash_jax import drafter as dr
 from dflash_jax.bench.ar_decode import layer_buffers, make_decoder, random_cache
-from dflash_jax.bench.common import SHAPES, dump_hlo, environment, log, time_fn, write_json
+from dflash_jax.bench.common import LAYOUTS, SHAPES, dump_hlo, environment, log, time_fn, write_json
 from dflash_jax.bench.profile import profile_program, scale_profile
 from dflash_jax.config import default_tap_layers
 from dflash_jax.model import init_params
@@ -185,7 +185,7 @@ def main() -> None:
     ap.add_argument("--attn-impl", nargs="+", choices=("auto", *sorted(PALLAS_VARIANTS)), default=["auto"],
                     help="tree attention as is, or the kernel without its tail launch (several: each is "
                          "timed, side by side)")
-    ap.add_argument("--layout", nargs="+", choices=("fused", "separate"), default=["fused"],
+    ap.add_argument("--layout", nargs="+", choices=LAYOUTS, default=["fused"],
                     help="the target's projections: fused (qkv, gate_up; as decoding runs) or separate "
                          "(several: each is timed, side by side)")
     ap.add_argument("--top-k-chunk", nargs="+", type=int, default=[TOP_K_CHUNK],
