@@ -28,13 +28,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-Impl = Literal["auto", "pallas", "pallas-one-launch", "reference", "interpret"]
-# The kernel as it is ("pallas"), and the variant benchmarks time beside it: "pallas-one-launch",
-# the default tiling without its tail launch (at W 272, the default before the seventh session).
+from pallas_kernels import tree_attention_hopper as hopper
+
+Impl = Literal["auto", "pallas", "pallas-triton", "pallas-one-launch", "reference", "interpret"]
+# The kernels as dispatched ("pallas": on Hopper, `tree_attention_hopper` where it applies), and
+# the variants benchmarks time beside it: "pallas-triton", the Triton kernel alone, and
+# "pallas-one-launch", its default tiling without the tail launch (at W 272, the default before
+# the seventh session).
 # Candidates that lost were removed after measuring them (BENCHMARKS.md): a one-wave tiling
 # (seventh session; its split-K cap is in the default), a Pallas kernel merging the split-K
 # partials (seventh) and a merge inside the kernel by the last program of each row block (tenth).
-PALLAS_VARIANTS = ("pallas", "pallas-one-launch")
+PALLAS_VARIANTS = ("pallas", "pallas-triton", "pallas-one-launch")
 
 # exp2 is the native GPU instruction; folding log2(e) into the score scale makes exp2 exact
 # replacement for exp.
@@ -565,6 +569,25 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens:
 
 
 # --------------------------------------------------------------------------------------------
+# Hopper
+# --------------------------------------------------------------------------------------------
+
+# Rows per kv head (width x group) from which "pallas" takes the Hopper kernel on sm_90.
+HOPPER_MIN_ROWS = 64
+
+
+def hopper_applies(q: jax.Array, k: jax.Array) -> bool:
+    """Whether "pallas" runs `tree_attention_hopper` for these shapes on this machine: a GPU of
+    compute capability 9.x, bf16/f16, head_dim 64 or 128, a cache length that is a multiple of
+    8 (the TMA's tiling) and at least HOPPER_MIN_ROWS rows per kv head."""
+    _, width, q_heads, head_dim = q.shape
+    max_len, kv_heads = k.shape[1], k.shape[2]
+    return (q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == q.dtype and head_dim in (64, 128)
+            and max_len % 8 == 0 and width * (q_heads // kv_heads) >= HOPPER_MIN_ROWS
+            and hopper.available())
+
+
+# --------------------------------------------------------------------------------------------
 # Dispatcher
 # --------------------------------------------------------------------------------------------
 
@@ -589,14 +612,20 @@ def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Ar
         prefix_lens[b] .. prefix_lens[b]+width-1.
       prefix_lens: [batch] int32.
       visible: [batch, width, width] bool, or None for causal among the new tokens.
-      impl: "auto" (Pallas on GPU, reference elsewhere), "pallas", a candidate variant of it
-        ("pallas-one-launch": without the tail launch), "reference", "interpret".
+      impl: "auto" (Pallas on GPU, reference elsewhere), "pallas" (on Hopper, the Mosaic GPU
+        kernel where `hopper_applies`, else the Triton one), a variant of it ("pallas-triton": the Triton kernel alone;
+        "pallas-one-launch": that without its tail launch), "reference", "interpret".
     Returns:
       [batch, width, q_heads, head_dim] in q's dtype.
     """
     which = resolve_impl(impl)
     if which == "reference":
         return tree_attention_reference(q, k, v, prefix_lens, visible, scale=scale)
+    if which == "pallas" and hopper_applies(q, k):
+        _check_shapes(q, k, v, prefix_lens, visible)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return hopper.tree_attention_hopper(q, k, v, prefix_lens, visible, scale=scale,
+                                            num_sms=gpu_limits().num_sms)
     # "pallas-one-launch": the default tiling without its tail launch.
     blocks = {"tail_split": 0} if which == "pallas-one-launch" else {}
     return tree_attention_pallas(q, k, v, prefix_lens, visible, scale=scale,

@@ -1,0 +1,401 @@
+"""Tree attention on Hopper (sm_90): a Pallas Mosaic GPU kernel.
+
+The Triton kernel (`tree_attention.py`) reaches about a third of an H200's bf16 tensor rate on
+the rows of a 256-node tree. This kernel puts the rows of one kv head (W tokens x the group's q
+heads, so the group shares every K/V tile) through `wgmma`, with K/V streamed by the tensor
+memory accelerator (TMA), in a warp-specialised block:
+
+* two compute warpgroups, 64 rows each (128 rows per block), each running an online softmax in
+  registers;
+* one memory warpgroup streaming K/V tiles into a ring of `stages` shared-memory slots, each
+  slot freed by a barrier that both compute warpgroups arrive at.
+
+Keys come in blocks of `block_k` aligned to block_k (TMA into tiled shared memory needs starts
+the compiler can prove aligned). The blocks before floor(L / block_k) lie in the committed
+prefix and need no mask; the rest carry an additive bf16 bias of 0 / -inf (`tree_bias`): the
+prefix's tail, then the tree (slots L..L+W-1) under each row's visibility.
+
+Grid (`Schedule`): the rows of each kv head, padded to whole 128-row blocks, are split over the
+keys flash-decoding style so that one launch fills the SMs: the full blocks `main_split` ways,
+a last partial block (at W 272 x group 4: 64 real rows) `tail_split` ways. Each program writes
+its output normalised with its log-sum-exp; `merge` combines them in jnp.
+
+Needs: bf16/f16, head_dim 64 or 128, a cache length (max_len) that is a multiple of 8, and cache
+slots from L+W to the end of the last key block that hold finite values (the TMA reads them
+unmasked and the bias hides them; the model's caches start as zeros). `tree_attention.py`
+checks the first three before dispatching here.
+
+This file holds, side by side: the schedule, the bias, the kernel (`_kernel`), its launch
+(`hopper_partials`), the merge, and `tree_attention_hopper`. The reference is
+`tree_attention.tree_attention_reference`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+try:  # Mosaic GPU ships with jaxlib; absent on some builds.
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # pragma: no cover - depends on the jaxlib build
+    plgpu = None
+
+ROWS_PER_WG = 64  # wgmma's M per warpgroup
+COMPUTE_WGS = 2
+ROWS_PER_BLOCK = ROWS_PER_WG * COMPUTE_WGS
+_LOG2E = 1.4426950408889634
+# Finite, so a row with no visible key in a step never computes (-inf) - (-inf).
+_M_INIT = -1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """The programs of one (sequence, kv head): `full_blocks` blocks of 128 rows, each split
+    `main_split` ways over the keys, then (if `tail`) one partial block split `tail_split` ways.
+    block_k: keys per step (a multiple of 64); stages: K/V slots in flight.
+    """
+    full_blocks: int
+    main_split: int
+    tail: bool
+    tail_split: int
+    block_k: int = 128
+    stages: int = 2
+
+    @property
+    def main_programs(self) -> int:
+        return self.full_blocks * self.main_split
+
+    @property
+    def programs(self) -> int:
+        return self.main_programs + (self.tail_split if self.tail else 0)
+
+    @property
+    def padded_rows(self) -> int:
+        return (self.full_blocks + self.tail) * ROWS_PER_BLOCK
+
+
+def schedule(batch: int, kv_heads: int, rows: int, max_len: int, num_sms: int = 132,
+             block_k: int = 128) -> Schedule:
+    """The schedule for `rows` rows per kv head.
+
+    A 128-row block takes all of an SM's tensor cores, so the full blocks split over the keys
+    until the grid has one program per SM and no more; a partial block splits further, so
+    that its programs fill the SMs the full ones leave and end with them. Each split keeps at
+    least 2 key blocks of the cache.
+    """
+    heads = batch * kv_heads
+    full, tail = divmod(rows, ROWS_PER_BLOCK)
+    cap = max(1, pl.cdiv(max_len, block_k) // 2)
+    main_split = max(1, min(num_sms // max(heads * full, 1), cap)) if full else 1
+    tail_split = max(1, min(num_sms // heads, cap)) if tail else 1
+    return Schedule(full_blocks=full, main_split=main_split, tail=bool(tail), tail_split=tail_split,
+                    block_k=block_k)
+
+
+def available() -> bool:
+    """Whether the local backend can run the kernel: a GPU of compute capability 9.x."""
+    if plgpu is None or jax.default_backend() != "gpu":
+        return False
+    cap = str(getattr(jax.local_devices(backend="gpu")[0], "compute_capability", ""))
+    return cap.startswith("9.")
+
+
+def bias_columns(width: int, block_k: int) -> int:
+    """Columns of the bias: the key blocks that can hold tree slots, whatever L is."""
+    return pl.cdiv(block_k - 1 + width, block_k) * block_k
+
+
+def tree_bias(visible: jax.Array | None, prefix_lens: jax.Array, width: int, group: int,
+              rows: int, block_k: int) -> jax.Array:
+    """The additive mask of the key blocks from floor(L / block_k) on: [batch, rows, columns] bf16.
+
+    TMA copies into tiled shared memory need block starts the compiler can prove aligned, so the
+    kernel's key blocks are aligned to block_k and the tree (slots L..L+W-1) starts inside one.
+    Column x is key slot floor(L / block_k) * block_k + x: 0 where row r (token r // group) sees
+    it (a prefix slot, or a tree slot that `visible` allows), -inf otherwise (past the tree).
+    visible: [batch, width, width] bool/int8, or None for causal.
+    """
+    columns = bias_columns(width, block_k)
+    batch = prefix_lens.shape[0]
+    offset = prefix_lens.astype(jnp.int32) % block_k  # where the tree starts in the first block
+    slot = jnp.arange(columns)[None, :] - offset[:, None]  # [batch, columns] tree slot index
+    in_tree = (slot >= 0) & (slot < width)
+    token = jnp.minimum(jnp.arange(rows) // group, width - 1)  # padding rows: any real token
+    index = jnp.broadcast_to(jnp.clip(slot, 0, width - 1)[:, None, :], (batch, rows, columns))
+    if visible is None:
+        allowed = index <= token[None, :, None]
+    else:
+        allowed = jnp.take_along_axis(visible.astype(bool)[:, token, :], index, axis=2)
+    seen = (slot < 0)[:, None, :] | (in_tree[:, None, :] & allowed)
+    return jnp.where(seen, 0.0, -jnp.inf).astype(jnp.bfloat16)
+
+
+def _transposed(ref):
+    """ref viewed as its transpose (the API moved between jax releases)."""
+    if hasattr(plgpu, "transpose_ref"):
+        return plgpu.transpose_ref(ref, (1, 0))
+    return ref.transpose((1, 0))
+
+
+def _program(sched: Schedule) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """This program's (row block, split, number of splits) from its index on the "program" axis."""
+    c = lax.axis_index("program")
+    if not sched.tail:
+        return lax.div(c, jnp.int32(sched.main_split)), lax.rem(c, jnp.int32(sched.main_split)), \
+            jnp.int32(sched.main_split)
+    if not sched.full_blocks:
+        return jnp.int32(0), c, jnp.int32(sched.tail_split)
+    in_tail = c >= sched.main_programs
+    row_block = jnp.where(in_tail, sched.full_blocks, lax.div(c, jnp.int32(sched.main_split)))
+    split = jnp.where(in_tail, c - sched.main_programs, lax.rem(c, jnp.int32(sched.main_split)))
+    return row_block, split, jnp.where(in_tail, sched.tail_split, sched.main_split).astype(jnp.int32)
+
+
+def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, *, sched: Schedule,
+            width: int, qk_scale: float):
+    """One program: one sequence, one kv head, 128 rows, one split of the key blocks.
+
+    Key block j holds slots j*block_k .. (j+1)*block_k - 1, for j < cdiv(L + W, block_k). The
+    blocks before floor(L / block_k) are wholly in the prefix and need no mask; the others take
+    the bias (`tree_bias`).
+
+    Refs (GMEM): lens_ref [batch] int32; q_ref [batch, kv_heads, rows, head_dim];
+    k_ref, v_ref [batch, max_len, kv_heads, head_dim]; bias_ref [batch, rows, columns];
+    out_ref [batch, kv_heads, programs, 128, head_dim] (normalised per program);
+    lse_ref [batch, kv_heads, programs, 128] f32 (log2 units; -inf where a split saw nothing).
+    """
+    block_k, stages = sched.block_k, sched.stages
+    (q_smem, k_smem, v_smem, bias_smem, lse_smem), barriers = scratch
+    k_ready, v_ready, q_ready, bias_ready, k_free, v_free = barriers
+    b = lax.axis_index("batch")
+    head = lax.axis_index("kv_head")
+    program = lax.axis_index("program")
+    row_block, split, split_k = _program(sched)
+    wg = lax.axis_index("wg")
+    dtype = q_smem.dtype
+
+    prefix_len = lens_ref[b]
+    n_clean = lax.div(prefix_len, jnp.int32(block_k))
+    total = lax.div(prefix_len + width + block_k - 1, jnp.int32(block_k))
+    per_split = lax.div(total + split_k - 1, split_k)
+    lo = jnp.minimum(split * per_split, total)
+    hi = jnp.minimum(lo + per_split, total)
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        row0 = row_block * ROWS_PER_BLOCK + wg * ROWS_PER_WG
+        q_tile = q_smem.at[wg]
+        bias_tile = bias_smem.at[wg]
+        plgpu.copy_gmem_to_smem(q_ref.at[b, head, pl.ds(row0, ROWS_PER_WG)], q_tile, q_ready.at[wg])
+        first_masked = jnp.maximum(lo, n_clean)
+
+        def load_bias(step):
+            cols = pl.ds((step - n_clean) * block_k, block_k)
+            plgpu.copy_gmem_to_smem(bias_ref.at[b, pl.ds(row0, ROWS_PER_WG), cols], bias_tile,
+                                    bias_ready.at[wg])
+
+        pl.when(first_masked < hi)(lambda: load_bias(first_masked))
+        plgpu.barrier_wait(q_ready.at[wg])
+
+        wgmma_layout = plgpu.Layout.WGMMA
+        row_layout = wgmma_layout.reduce(1)
+        m_i = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), _M_INIT, jnp.float32), row_layout)
+        l_i = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), 0.0, jnp.float32), row_layout)
+        acc = plgpu.layout_cast(jnp.full((ROWS_PER_WG, q_tile.shape[-1]), 0.0, jnp.float32),
+                                wgmma_layout)
+
+        def step(i, carry, masked: bool):
+            acc, m_i, l_i = carry
+            slot = lax.rem(i - lo, jnp.int32(stages))
+            plgpu.barrier_wait(k_ready.at[slot])
+
+            def scores(acc_ref):
+                plgpu.wgmma(acc_ref, q_tile, _transposed(k_smem.at[slot]))
+                return acc_ref[...]
+
+            s = pl.run_scoped(scores, plgpu.ACC((ROWS_PER_WG, block_k), jnp.float32))
+            plgpu.barrier_arrive(k_free.at[slot])
+            s = s * qk_scale
+            if masked:
+                plgpu.barrier_wait(bias_ready.at[wg])
+                s = s + bias_tile[...].astype(jnp.float32)
+                pl.when(i + 1 < hi)(lambda: load_bias(i + 1))
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            l_i = l_i * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p16 = p.astype(dtype)
+            plgpu.barrier_wait(v_ready.at[slot])
+
+            def values(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+            acc = pl.run_state(values)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_new, l_i
+
+        carry = (acc, m_i, l_i)
+        carry = lax.fori_loop(lo, jnp.minimum(hi, n_clean), functools.partial(step, masked=False), carry)
+        acc, m_i, l_i = lax.fori_loop(first_masked, hi, functools.partial(step, masked=True), carry)
+
+        seen = l_i > 0
+        inv = 1.0 / jnp.where(seen, l_i, 1.0)
+        q_tile[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+        lse_smem.at[wg][...] = jnp.where(seen, m_i + jnp.log2(jnp.where(seen, l_i, 1.0)), -jnp.inf)
+        plgpu.commit_smem()
+        out_rows = pl.ds(wg * ROWS_PER_WG, ROWS_PER_WG)
+        plgpu.copy_smem_to_gmem(q_tile, out_ref.at[b, head, program, out_rows])
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, head, program, out_rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def issue(i, slot):
+            keys = pl.ds(i * block_k, block_k)
+            plgpu.copy_gmem_to_smem(k_ref.at[b, keys, head], k_smem.at[slot], k_ready.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[b, keys, head], v_smem.at[slot], v_ready.at[slot])
+
+        for j in range(stages):
+            pl.when(lo + j < hi)(functools.partial(issue, lo + j, j))
+
+        @pl.loop(lo + stages, hi)
+        def _stream(i):
+            slot = lax.rem(i - lo, jnp.int32(stages))
+            keys = pl.ds(i * block_k, block_k)
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.copy_gmem_to_smem(k_ref.at[b, keys, head], k_smem.at[slot], k_ready.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[b, keys, head], v_smem.at[slot], v_ready.at[slot])
+
+
+def hopper_partials(q_rows: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Array,
+                    bias: jax.Array, *, width: int, scale: float, sched: Schedule
+                    ) -> tuple[jax.Array, jax.Array]:
+    """Runs the kernel.
+
+    Args:
+      q_rows: [batch, kv_heads, sched.padded_rows, head_dim] bf16/f16; row r of a kv head is
+        token r // group, q head kv_head * group + r % group.
+      k, v: [batch, max_len, kv_heads, head_dim] the layer's cache, tree K/V at L..L+W-1.
+      prefix_lens: [batch] int32.
+      bias: [batch, sched.padded_rows, bias_columns(width, block_k)] from `tree_bias`.
+    Returns:
+      (out [batch, kv_heads, programs, 128, head_dim] normalised per program,
+       lse [batch, kv_heads, programs, 128] f32 in log2 units), for `merge`.
+    """
+    if plgpu is None:
+        raise RuntimeError("tree attention on Hopper needs jax's Mosaic GPU backend")
+    batch, kv_heads, rows, head_dim = q_rows.shape
+    bk, stages = sched.block_k, sched.stages
+    if rows != sched.padded_rows or head_dim % 64 or bk % 64 or k.shape[1] % 8:
+        raise ValueError(f"hopper_partials: rows={rows} must be {sched.padded_rows}, head_dim={head_dim} "
+                         f"and block_k={bk} multiples of 64, max_len={k.shape[1]} a multiple of 8")
+    columns = bias_columns(width, bk)
+    if bias.shape != (batch, rows, columns):
+        raise ValueError(f"hopper_partials: bias {bias.shape} != {(batch, rows, columns)}")
+    dtype = q_rows.dtype
+    swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+    def entry(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref):
+        smem = (
+            plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, head_dim), dtype, transforms=swizzled),
+            plgpu.SMEM((stages, bk, head_dim), dtype, transforms=swizzled),
+            plgpu.SMEM((stages, bk, head_dim), dtype, transforms=swizzled),
+            plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, bk), jnp.bfloat16, transforms=swizzled),
+            plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG), jnp.float32),
+        )
+        barriers = (
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=COMPUTE_WGS),
+            plgpu.Barrier(num_barriers=COMPUTE_WGS),
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+        )
+        pl.run_scoped(
+            lambda *scratch: _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref,
+                                     scratch, sched=sched, width=width,
+                                     qk_scale=float(scale) * _LOG2E),
+            smem, barriers, collective_axes="wg")
+
+    programs = sched.programs
+    out_type = (jax.ShapeDtypeStruct((batch, kv_heads, programs, ROWS_PER_BLOCK, head_dim), dtype),
+                jax.ShapeDtypeStruct((batch, kv_heads, programs, ROWS_PER_BLOCK), jnp.float32))
+    call = plgpu.kernel(
+        entry,
+        out_type=out_type,
+        grid=(programs, kv_heads, batch),
+        grid_names=("program", "kv_head", "batch"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )
+    return call(prefix_lens.astype(jnp.int32), q_rows, k, v, bias)
+
+
+def _merge_splits(out: jax.Array, lse: jax.Array) -> jax.Array:
+    """[..., splits, 128, head_dim] + lse [..., splits, 128] -> [..., 128, head_dim] in float32."""
+    top = jnp.max(lse, axis=-2, keepdims=True)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    w = jnp.exp2(lse - top)  # 0 for a split that saw nothing
+    total = jnp.sum(w, axis=-2)
+    num = jnp.sum(w[..., None] * out.astype(jnp.float32), axis=-3)
+    return num / jnp.where(total > 0, total, 1.0)[..., None]
+
+
+def merge(out: jax.Array, lse: jax.Array, sched: Schedule) -> jax.Array:
+    """The programs' partials -> [batch, kv_heads, padded_rows, head_dim] in out's dtype."""
+    batch, kv_heads, _, block, head_dim = out.shape
+    parts = []
+    if sched.full_blocks:
+        n, s = sched.full_blocks, sched.main_split
+        o = out[:, :, :sched.main_programs].reshape(batch, kv_heads, n, s, block, head_dim)
+        m = lse[:, :, :sched.main_programs].reshape(batch, kv_heads, n, s, block)
+        parts.append(_merge_splits(o, m).reshape(batch, kv_heads, n * block, head_dim))
+    if sched.tail:
+        parts.append(_merge_splits(out[:, :, sched.main_programs:], lse[:, :, sched.main_programs:]))
+    merged = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=2)
+    return merged.astype(out.dtype)
+
+
+def rows_of(q: jax.Array, kv_heads: int, padded_rows: int) -> jax.Array:
+    """[batch, width, q_heads, head_dim] -> [batch, kv_heads, padded_rows, head_dim] (zero padded)."""
+    batch, width, q_heads, head_dim = q.shape
+    group = q_heads // kv_heads
+    q5 = q.reshape(batch, width, kv_heads, group, head_dim)
+    rows = jnp.transpose(q5, (0, 2, 1, 3, 4)).reshape(batch, kv_heads, width * group, head_dim)
+    return jnp.pad(rows, ((0, 0), (0, 0), (0, padded_rows - width * group), (0, 0)))
+
+
+def tokens_of(out_rows: jax.Array, width: int, group: int) -> jax.Array:
+    """[batch, kv_heads, padded_rows, head_dim] -> [batch, width, kv_heads * group, head_dim]."""
+    batch, kv_heads, _, head_dim = out_rows.shape
+    o5 = out_rows[:, :, :width * group].reshape(batch, kv_heads, width, group, head_dim)
+    return jnp.transpose(o5, (0, 2, 1, 3, 4)).reshape(batch, width, kv_heads * group, head_dim)
+
+
+def tree_attention_hopper(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Array,
+                          visible: jax.Array | None, *, scale: float, num_sms: int = 132,
+                          sched: Schedule | None = None) -> jax.Array:
+    """Tree attention (the contract of `tree_attention.tree_attention_reference`) in one launch.
+
+    q: [batch, width, q_heads, head_dim]; returns the same shape. See the module docstring for
+    what the caller must guarantee.
+    """
+    batch, width, q_heads, head_dim = q.shape
+    max_len, kv_heads = k.shape[1], k.shape[2]
+    group = q_heads // kv_heads
+    sched = sched or schedule(batch, kv_heads, width * group, max_len, num_sms)
+    bias = tree_bias(visible, prefix_lens, width, group, sched.padded_rows, sched.block_k)
+    out, lse = hopper_partials(rows_of(q, kv_heads, sched.padded_rows), k, v, prefix_lens, bias,
+                               width=width, scale=scale, sched=sched)
+    return tokens_of(merge(out, lse, sched), width, group)

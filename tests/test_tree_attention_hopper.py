@@ -1,0 +1,200 @@
+"""The Hopper (Mosaic GPU) tree-attention kernel.
+
+On CPU: its mask (the bias of the aligned key blocks) against `key_visibility`, its split-K
+merge against the reference, its schedule, and its lowering for cuda. On an H100/H200: the
+kernel itself against the jnp reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax.bench.tree_attention_bench import random_tree_visibility
+from pallas_kernels import key_visibility, tree_attention, tree_attention_reference
+
+hopper = importlib.import_module("pallas_kernels.tree_attention_hopper")
+dispatch = importlib.import_module("pallas_kernels.tree_attention")
+
+ON_HOPPER = hopper.available()
+
+
+def make_case(seed: int, batch: int, width: int, kv_heads: int, group: int, head_dim: int,
+              max_len: int, lens: list[int], dtype, tree: bool):
+    """Random q/k/v, lens and visibility. Slots past L+W hold large finite garbage: the kernel
+    reads the rest of its last key block unmasked (its documented contract), and the bias must
+    hide them."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((batch, width, kv_heads * group, head_dim))
+    k = rng.standard_normal((batch, max_len, kv_heads, head_dim))
+    v = rng.standard_normal((batch, max_len, kv_heads, head_dim))
+    for b, l in enumerate(lens):
+        k[b, l + width:] *= 50.0
+        v[b, l + width:] *= 50.0
+    visible = jnp.asarray(random_tree_visibility(rng, batch, width)) if tree else None
+    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+            jnp.asarray(lens, jnp.int32), visible)
+
+
+def rel_err(out, ref) -> float:
+    out64, ref64 = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.all(np.isfinite(out64)), "non-finite output"
+    return float(np.max(np.abs(out64 - ref64)) / np.max(np.abs(ref64)))
+
+
+@pytest.mark.parametrize("batch,width,group,lens,tree,block_k", [
+    (2, 272, 4, [4096, 1000], True, 128),
+    (1, 144, 4, [77], False, 128),
+    (3, 256, 8, [0, 128, 131], True, 64),
+    (1, 16, 4, [5], True, 128),
+])
+def test_bias_of_the_aligned_key_blocks_is_the_visibility(batch, width, group, lens, tree, block_k):
+    """Blocks before floor(L / block_k) are all seen; the bias gives exactly the visibility of
+    every later slot, and hides every slot past the tree."""
+    rng = np.random.default_rng(width)
+    visible = jnp.asarray(random_tree_visibility(rng, batch, width)) if tree else None
+    prefix_lens = jnp.asarray(lens, jnp.int32)
+    max_len = max(lens) + width + 3 * block_k
+    sched = hopper.schedule(batch, 8, width * group, max_len, block_k=block_k)
+    rows = sched.padded_rows
+    bias = np.asarray(hopper.tree_bias(visible, prefix_lens, width, group, rows, block_k), np.float32)
+    assert bias.shape == (batch, rows, hopper.bias_columns(width, block_k))
+    assert set(np.unique(bias)) <= {0.0, -np.inf}
+    want = np.asarray(key_visibility(prefix_lens, visible, width, max_len))
+    for b, l in enumerate(lens):
+        start = l // block_k * block_k
+        end = -(-(l + width) // block_k) * block_k  # the kernel's last key block ends here
+        got = np.zeros((width * group, max_len), bool)
+        got[:, :start] = True
+        got[:, start:end] = bias[b, :width * group, :end - start] == 0
+        np.testing.assert_array_equal(got, want[b][np.arange(width * group) // group])
+        assert np.all(bias[b, :, end - start:] == -np.inf)
+
+
+def _split_partials(q, k, v, prefix_lens, visible, sched: hopper.Schedule):
+    """What the kernel's programs write, computed with the reference: each program's share of
+    the key blocks (as `_kernel` splits them), normalised, and its log2-sum-exp."""
+    batch, width, q_heads, head_dim = q.shape
+    max_len, kv_heads = k.shape[1], k.shape[2]
+    group = q_heads // kv_heads
+    scale = head_dim ** -0.5
+    seen_all = np.asarray(key_visibility(prefix_lens, visible, width, max_len))  # [b, W, S]
+    rows = hopper.rows_of(q, kv_heads, sched.padded_rows).astype(jnp.float32)
+    outs = np.zeros((batch, kv_heads, sched.programs, 128, head_dim), np.float32)
+    lses = np.full((batch, kv_heads, sched.programs, 128), -np.inf, np.float32)
+    for b in range(batch):
+        total = -(-(int(prefix_lens[b]) + width) // sched.block_k)
+        for p in range(sched.programs):
+            if p < sched.main_programs:
+                block, split, n = p // sched.main_split, p % sched.main_split, sched.main_split
+            else:
+                block, split, n = sched.full_blocks, p - sched.main_programs, sched.tail_split
+            per = -(-total // n)
+            lo, hi = min(split * per, total) * sched.block_k, min(split * per + per, total) * sched.block_k
+            r = np.arange(block * 128, block * 128 + 128)
+            token = np.minimum(r // group, width - 1)
+            mask = np.zeros((128, max_len), bool)
+            mask[:, lo:min(hi, max_len)] = seen_all[b][token][:, lo:min(hi, max_len)]
+            for h in range(kv_heads):
+                s = np.asarray(rows[b, h, r]) @ np.asarray(k[b, :, h], np.float32).T * scale
+                s = np.where(mask, s, -np.inf)
+                m = s.max(axis=1, keepdims=True)
+                ok = np.isfinite(m[:, 0])
+                e = np.where(mask, np.exp(s - np.where(np.isfinite(m), m, 0)), 0.0)
+                l = e.sum(axis=1)
+                o = e @ np.asarray(v[b, :, h], np.float32) / np.where(ok, l, 1)[:, None]
+                outs[b, h, p] = o
+                lses[b, h, p] = np.where(ok, (m[:, 0] + np.log(np.where(ok, l, 1))) / np.log(2), -np.inf)
+    return jnp.asarray(outs), jnp.asarray(lses)
+
+
+@pytest.mark.parametrize("batch,width,lens,tree", [
+    (2, 80, [300, 40], True),   # 2 full blocks + a partial one per kv head, split both ways
+    (1, 16, [200], False),      # only a partial block (a DFlash chain)
+])
+def test_merge_of_split_partials_is_the_reference(batch, width, lens, tree):
+    """Partials split over the keys the way the kernel splits them, merged by `merge`, give the
+    reference's attention (float32)."""
+    kv_heads, group, head_dim, max_len = 2, 4, 64, 512
+    q, k, v, prefix_lens, visible = make_case(3, batch, width, kv_heads, group, head_dim, max_len,
+                                              lens, jnp.float32, tree)
+    sched = hopper.schedule(batch, kv_heads, width * group, max_len, num_sms=24, block_k=64)
+    assert sched.tail and (sched.main_split > 1 or not sched.full_blocks) and sched.tail_split > 1
+    out, lse = _split_partials(q, k, v, prefix_lens, visible, sched)
+    got = hopper.tokens_of(hopper.merge(out, lse, sched), width, group)
+    ref = tree_attention_reference(q, k, v, prefix_lens, visible)
+    assert rel_err(got, ref) < 1e-5
+
+
+def test_schedule_fills_one_wave():
+    """Budget 256 at the 8B head shape: 8 full blocks per kv head split twice (128 programs) and
+    the partial block split 16 ways; W 512 needs no split; a chain is one partial block."""
+    s = hopper.schedule(1, 8, 272 * 4, 5120)
+    assert (s.full_blocks, s.main_split, s.tail, s.tail_split, s.padded_rows) == (8, 2, True, 16, 1152)
+    s = hopper.schedule(1, 8, 512 * 4, 5120)
+    assert (s.full_blocks, s.main_split, s.tail) == (16, 1, False)
+    s = hopper.schedule(1, 8, 16 * 4, 5120)
+    assert (s.full_blocks, s.tail, s.tail_split, s.programs) == (0, True, 16, 16)
+    # Short caches: each split keeps at least 2 key blocks.
+    assert hopper.schedule(1, 8, 16 * 4, 300).tail_split == 1
+
+
+def test_hopper_kernel_lowers_for_cuda():
+    """The Mosaic GPU kernel traces and lowers for cuda without a GPU (one custom call)."""
+    q = jax.ShapeDtypeStruct((1, 272, 32, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 5120, 8, 128), jnp.bfloat16)
+    args = [q, kv, kv, jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1, 272, 272), jnp.bool_)]
+    fn = functools.partial(hopper.tree_attention_hopper, scale=128 ** -0.5)
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 1
+
+
+def test_hopper_partials_validate_shapes():
+    sched = hopper.schedule(1, 2, 64 * 4, 512)
+    q = jnp.zeros((1, 2, sched.padded_rows, 64), jnp.bfloat16)
+    k = jnp.zeros((1, 510, 2, 64), jnp.bfloat16)  # max_len not a multiple of 8
+    bias = jnp.zeros((1, sched.padded_rows, hopper.bias_columns(64, 128)), jnp.bfloat16)
+    with pytest.raises(ValueError, match="max_len=510"):
+        hopper.hopper_partials(q, k, k, jnp.zeros((1,), jnp.int32), bias, width=64, scale=1.0, sched=sched)
+
+
+def test_dispatch_needs_hopper_and_an_aligned_cache(monkeypatch):
+    monkeypatch.setattr(hopper, "available", lambda: True)
+    q = jnp.zeros((1, 272, 32, 128), jnp.bfloat16)
+    assert dispatch.hopper_applies(q, jnp.zeros((1, 5120, 8, 128), jnp.bfloat16))
+    assert not dispatch.hopper_applies(q, jnp.zeros((1, 5121, 8, 128), jnp.bfloat16))
+    assert not dispatch.hopper_applies(q.astype(jnp.float32), jnp.zeros((1, 5120, 8, 128), jnp.float32))
+    assert not dispatch.hopper_applies(q[:, :1], jnp.zeros((1, 5120, 8, 128), jnp.bfloat16))  # AR decode
+    monkeypatch.setattr(hopper, "available", lambda: False)
+    assert not dispatch.hopper_applies(q, jnp.zeros((1, 5120, 8, 128), jnp.bfloat16))
+
+
+# (batch, width, kv_heads, group, head_dim, max_len, lens, tree)
+GPU_CASES = [
+    (1, 272, 8, 4, 128, 5120, [4096], True),     # budget 256: full blocks + a partial one
+    (2, 272, 8, 4, 128, 4400, [1000, 3077], True),
+    (1, 256, 8, 4, 128, 512, [131], True),       # whole blocks only
+    (1, 512, 8, 4, 128, 4616, [4096], True),
+    (1, 272, 8, 4, 128, 4376, [4096], False),    # causal
+    (1, 272, 8, 4, 128, 280, [0], True),         # no prefix
+    (3, 144, 8, 4, 128, 2424, [77, 500, 2000], True),
+    (1, 16, 8, 4, 128, 4224, [4100], False),     # a DFlash chain: one partial block
+    (2, 64, 2, 8, 64, 704, [300, 5], True),      # head_dim 64, group 8
+]
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("batch,width,kv_heads,group,head_dim,max_len,lens,tree", GPU_CASES)
+def test_gpu_hopper_kernel_matches_reference(batch, width, kv_heads, group, head_dim, max_len, lens, tree):
+    q, k, v, prefix_lens, visible = make_case(7, batch, width, kv_heads, group, head_dim, max_len,
+                                              lens, jnp.bfloat16, tree)
+    assert dispatch.hopper_applies(q, k)
+    out = jax.jit(functools.partial(tree_attention, impl="pallas"))(q, k, v, prefix_lens, visible)
+    ref = tree_attention_reference(q, k, v, prefix_lens, visible)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert rel_err(out, ref) < 1.5e-2
