@@ -573,7 +573,7 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens:
 # --------------------------------------------------------------------------------------------
 
 # Rows per kv head (width x group) from which "pallas" takes the Hopper kernel on sm_90.
-HOPPER_MIN_ROWS = 64
+HOPPER_MIN_ROWS = 128
 
 
 def hopper_applies(q: jax.Array, k: jax.Array) -> bool:

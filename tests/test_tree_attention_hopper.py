@@ -169,7 +169,7 @@ def test_dispatch_needs_hopper_and_an_aligned_cache(monkeypatch):
     assert dispatch.hopper_applies(q, jnp.zeros((1, 5120, 8, 128), jnp.bfloat16))
     assert not dispatch.hopper_applies(q, jnp.zeros((1, 5121, 8, 128), jnp.bfloat16))
     assert not dispatch.hopper_applies(q.astype(jnp.float32), jnp.zeros((1, 5120, 8, 128), jnp.float32))
-    assert not dispatch.hopper_applies(q[:, :1], jnp.zeros((1, 5120, 8, 128), jnp.bfloat16))  # AR decode
+    assert not dispatch.hopper_applies(q[:, :16], jnp.zeros((1, 5120, 8, 128), jnp.bfloat16))  # DFlash, AR
     monkeypatch.setattr(hopper, "available", lambda: False)
     assert not dispatch.hopper_applies(q, jnp.zeros((1, 5120, 8, 128), jnp.bfloat16))
 
@@ -183,7 +183,7 @@ GPU_CASES = [
     (1, 272, 8, 4, 128, 4376, [4096], False),    # causal
     (1, 272, 8, 4, 128, 280, [0], True),         # no prefix
     (3, 144, 8, 4, 128, 2424, [77, 500, 2000], True),
-    (1, 16, 8, 4, 128, 4224, [4100], False),     # a DFlash chain: one partial block
+    (1, 48, 8, 4, 128, 4224, [4100], False),     # a chain of 48 (192 rows): a full block and a partial one
     (2, 64, 2, 8, 64, 704, [300, 5], True),      # head_dim 64, group 8
 ]
 
