@@ -12,7 +12,7 @@
 #   rounds        DFlash / DDTree round latency, 8 rounds per call (the decoding fast path), fused
 #                 and separate projections side by side
 #   rounds-tiling DFlash / DDTree(64, 256) rounds at ctx 4K with tree attention as it is and beside
-#                 its candidates (ROUNDS_IMPLS, default `auto pallas-one-launch`), side by side
+#                 its candidates (ROUNDS_IMPLS, default `auto pallas-triton`), side by side
 #   rounds-split  the rounds with XLA command buffers off, for the per-stage split of each round
 #                 and its 40 costliest kernels
 #   kernel        tree attention vs XLA masked attention at ctx 1K-32K, W 1-512, beside the single
@@ -184,7 +184,7 @@ rounds-tiling)
     # seventh and ninth sessions also ran a one-wave tiling, since removed).
     # shellcheck disable=SC2086
     if [ "$dry" = 1 ]; then set -- --model tiny --ctx 64 --budgets 16 --ddtree-ctx 128 --attn-impl auto
-    else set -- --ctx 4096 --budgets 64 256 --dot-merger off --attn-impl ${ROUNDS_IMPLS:-auto pallas-one-launch}; fi
+    else set -- --ctx 4096 --budgets 64 256 --dot-merger off --attn-impl ${ROUNDS_IMPLS:-auto pallas-triton}; fi
     step rounds_tiling "$limit" python -m dflash_jax.bench.spec_round "$@" --no-profile --out "$out/rounds_tiling.json" ;;
 rounds-split)
     export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="
@@ -193,7 +193,8 @@ rounds-split)
         --dump-hlo "$out/hlo" --out "$out/rounds_split.json" ;;
 kernel)
     # Issue 4's grid (ctx 1K-32K, W 16-512, plus W 1 and 272) with today's defaults, beside the
-    # single launch (`--one-launch`) and XLA, with GPU kernel times from a profile.
+    # single launch (`--one-launch`), the kernels as dispatched (`--hopper`: the Mosaic GPU kernel
+    # on sm_90 where it applies) and XLA, with GPU kernel times from a profile.
     # KERNEL_CONTEXTS / KERNEL_WIDTHS narrow the grid; KERNEL_TILINGS adds explicit tilings
     # ("W:block_q,block_k,warps,stages,split[,tail]" ...), each timed beside the default.
     tilings=()
@@ -204,14 +205,15 @@ kernel)
         set -- --contexts ${KERNEL_CONTEXTS:-1024 4096 16384 32768} --widths ${KERNEL_WIDTHS:-1 16 64 256 272 512} \
             --reps 5 --budget 480 --profile /tmp/kernel_profile
     fi
-    step kernel "$limit" python -m dflash_jax.bench.tree_attention_bench "$@" --one-launch \
+    step kernel "$limit" python -m dflash_jax.bench.tree_attention_bench "$@" --one-launch --hopper \
         "${tilings[@]}" --out "$out/kernel.json"
     # SWEEP_S=seconds adds a random tiling sweep at W = 64 and 272 (ctx 4K and 32K).
     [ "$dry" = 1 ] || [ -z "${SWEEP_S:-}" ] || kernel_sweep "$SWEEP_S" --contexts 4096 32768 --widths 64 272 ;;
 kernel-tests)
     # tests/conftest.py keeps jax on the CPU unless JAX_PLATFORMS says otherwise.
     if [ "$dry" = 1 ]; then echo "kernel-tests: GPU only (nothing to run with DRY=1)"
-    else JAX_PLATFORMS=cuda step kernel_tests "$limit" python -m pytest -q tests/test_tree_attention.py -k gpu_kernel; fi ;;
+    else JAX_PLATFORMS=cuda step kernel_tests "$limit" python -m pytest -q tests/test_tree_attention_hopper.py \
+        tests/test_tree_attention.py -k gpu_; fi ;;
 kernel-sweep)
     # The sweep alone: `kernel SWEEP_S=...` first times the whole grid, which takes most of a
     # call (ninth session). Each configuration's median ms is printed as it finishes.

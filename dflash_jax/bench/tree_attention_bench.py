@@ -33,6 +33,7 @@ import numpy as np
 from pallas_kernels.tree_attention import (
     default_block_sizes,
     key_visibility,
+    tree_attention,
     tree_attention_pallas,
     tree_attention_reference,
 )
@@ -204,6 +205,8 @@ def bench_shape(shape: Shape, dtype, *, interpret: bool, iters: int, reps: int,
         "reference": tree_attention_reference,
         # The default tiling as one launch (no tail launch): at W 272, the default before the seventh session.
         "one_launch": functools.partial(tree_attention_pallas, interpret=interpret, **{"tail_split": 0, **kernel_args}),
+        # As the model dispatches it: the Hopper (Mosaic GPU) kernel where it applies.
+        "hopper": functools.partial(tree_attention, impl="interpret" if interpret else "pallas"),
     }
     for i, tiling in enumerate(tilings or ()):
         fns[f"tiling{i}"] = functools.partial(tree_attention_pallas, interpret=interpret, **tiling)
@@ -252,6 +255,8 @@ def markdown_table(rows: list[dict]) -> str:
             ("pallas_kernel_us", "pallas kernel us"), ("xla_kernel_us", "xla kernel us"),
             ("kernel_speedup_vs_xla", "x vs xla (kernels)"), ("one_launch_ms", "one-launch ms"),
             ("one_launch_kernel_us", "one-launch kernel us"), ("one_launch_speedup_vs_xla", "one-launch x vs xla"),
+            ("hopper_ms", "hopper ms"), ("hopper_kernel_us", "hopper kernel us"),
+            ("hopper_speedup_vs_xla", "hopper x vs xla"), ("err_hopper", "hopper rel err"),
             ("pallas_unrolled_ms", "pallas unrolled ms"),
             ("xla_unrolled_ms", "xla unrolled ms"), ("unrolled_speedup_vs_xla", "x vs xla (unrolled)")]
     cols = [c for c in cols if any(c[0] in r for r in rows)]
@@ -380,6 +385,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="also time cuDNN's fused attention with the same mask (GPU only)")
     parser.add_argument("--one-launch", action="store_true",
                         help="also time the default tiling without its tail launch (tail_split=0)")
+    parser.add_argument("--hopper", action="store_true",
+                        help="also time the kernels as the model dispatches them (the Hopper kernel on "
+                             "sm_90 where it applies; pallas_kernels.tree_attention.hopper_applies)")
     parser.add_argument("--tiling", action="append", default=[], metavar="W:Q,K,WARPS,STAGES,SPLIT[,TAIL]",
                         help="also time this explicit tiling at width W (block_q, block_k, num_warps, "
                              "num_stages, split_k, tail_split); repeatable")
@@ -419,7 +427,7 @@ def main(argv: list[str] | None = None) -> None:
             shape = Shape(1, ctx, width, q_heads, kv_heads, head_dim)
             impls = ("pallas", "xla", "cudnn", "reference") if args.cudnn else ("pallas", "xla", "reference")
             tilings = [t for w, t in parse_tilings(args.tiling) if w == width]
-            candidates = ((("one_launch",) if args.one_launch else ())
+            candidates = ((("one_launch",) if args.one_launch else ()) + (("hopper",) if args.hopper else ())
                           + tuple(f"tiling{i}" for i in range(len(tilings))))
             impls = ("pallas",) + candidates + impls[1:]
             row = bench_shape(shape, dtype, interpret=args.interpret, iters=args.iters,
