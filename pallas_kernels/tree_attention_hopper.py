@@ -146,8 +146,8 @@ def _program(sched: Schedule) -> tuple[jax.Array, jax.Array, jax.Array]:
     """This program's (row block, split, number of splits) from its index on the "program" axis."""
     c = lax.axis_index("program")
     if not sched.tail:
-        return lax.div(c, jnp.int32(sched.main_split)), lax.rem(c, jnp.int32(sched.main_split)), \
-            jnp.int32(sched.main_split)
+        n = jnp.int32(sched.main_split)
+        return lax.div(c, n), lax.rem(c, n), n
     if not sched.full_blocks:
         return jnp.int32(0), c, jnp.int32(sched.tail_split)
     in_tail = c >= sched.main_programs
