@@ -183,8 +183,9 @@ def main() -> None:
     ap.add_argument("--dot-merger", nargs="+", choices=sorted(DOT_MERGER), default=["default"],
                     help="XLA's dot merger as is, or off (several: each is timed, side by side)")
     ap.add_argument("--attn-impl", nargs="+", choices=("auto", *sorted(PALLAS_VARIANTS)), default=["auto"],
-                    help="tree attention as is, or the kernel without its tail launch (several: each is "
-                         "timed, side by side)")
+                    help="tree attention as dispatched (auto/pallas: the Hopper kernel on sm_90 where it "
+                         "applies), the Triton kernel alone (pallas-triton), or that without its tail "
+                         "launch (several: each is timed, side by side)")
     ap.add_argument("--layout", nargs="+", choices=LAYOUTS, default=["fused"],
                     help="the target's projections: fused (qkv, gate_up; as decoding runs) or separate "
                          "(several: each is timed, side by side)")
