@@ -574,17 +574,21 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens:
 
 # Rows per kv head (width x group) from which "pallas" takes the Hopper kernel on sm_90.
 HOPPER_MIN_ROWS = 128
+# Widths up to which it does: its mask is a [batch, W x group, ~W] bias, 9 MB per sequence at
+# W 1024 x group 4 but 138 MB at a 4096-token prefill, which keeps the Triton kernel.
+HOPPER_MAX_WIDTH = 1024
 
 
 def hopper_applies(q: jax.Array, k: jax.Array) -> bool:
     """Whether "pallas" runs `tree_attention_hopper` for these shapes on this machine: a GPU of
     compute capability 9.x, bf16/f16, head_dim 64 or 128, a cache length that is a multiple of
-    8 (the TMA's tiling) and at least HOPPER_MIN_ROWS rows per kv head."""
+    8 (the TMA's tiling), at least HOPPER_MIN_ROWS rows per kv head and at most HOPPER_MAX_WIDTH
+    new tokens."""
     _, width, q_heads, head_dim = q.shape
     max_len, kv_heads = k.shape[1], k.shape[2]
     return (q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == q.dtype and head_dim in (64, 128)
             and max_len % 8 == 0 and width * (q_heads // kv_heads) >= HOPPER_MIN_ROWS
-            and hopper.available())
+            and width <= HOPPER_MAX_WIDTH and hopper.available())
 
 
 # --------------------------------------------------------------------------------------------

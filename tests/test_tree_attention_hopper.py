@@ -170,6 +170,8 @@ def test_dispatch_needs_hopper_and_an_aligned_cache(monkeypatch):
     assert not dispatch.hopper_applies(q, jnp.zeros((1, 5121, 8, 128), jnp.bfloat16))
     assert not dispatch.hopper_applies(q.astype(jnp.float32), jnp.zeros((1, 5120, 8, 128), jnp.float32))
     assert not dispatch.hopper_applies(q[:, :16], jnp.zeros((1, 5120, 8, 128), jnp.bfloat16))  # DFlash, AR
+    long = jnp.zeros((1, dispatch.HOPPER_MAX_WIDTH + 16, 32, 128), jnp.bfloat16)  # a long prefill
+    assert not dispatch.hopper_applies(long, jnp.zeros((1, 5120, 8, 128), jnp.bfloat16))
     monkeypatch.setattr(hopper, "available", lambda: False)
     assert not dispatch.hopper_applies(q, jnp.zeros((1, 5120, 8, 128), jnp.bfloat16))
 
