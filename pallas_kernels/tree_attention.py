@@ -13,6 +13,8 @@ This file holds, side by side:
 * ``default_block_sizes``: the block sizes the dispatcher uses for a shape on a GPU
   (``GpuLimits``: its SMs and shared memory, read from the device).
 * ``_combine_splits``: the split-K merge (jnp, after the kernel).
+* ``hopper_applies``: where the dispatcher takes the Hopper kernel instead
+  (``tree_attention_hopper.py``: Mosaic GPU, for wide trees on sm_90).
 * ``tree_attention``: the dispatcher.
 """
 
@@ -617,8 +619,9 @@ def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Ar
       prefix_lens: [batch] int32.
       visible: [batch, width, width] bool, or None for causal among the new tokens.
       impl: "auto" (Pallas on GPU, reference elsewhere), "pallas" (on Hopper, the Mosaic GPU
-        kernel where `hopper_applies`, else the Triton one), a variant of it ("pallas-triton": the Triton kernel alone;
-        "pallas-one-launch": that without its tail launch), "reference", "interpret".
+        kernel where `hopper_applies`, else the Triton one), a variant of it ("pallas-triton":
+        the Triton kernel alone; "pallas-one-launch": that without its tail launch),
+        "reference", "interpret".
     Returns:
       [batch, width, q_heads, head_dim] in q's dtype.
     """
