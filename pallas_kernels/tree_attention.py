@@ -576,8 +576,9 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens:
 
 # Rows per kv head (width x group) from which "pallas" takes the Hopper kernel on sm_90.
 HOPPER_MIN_ROWS = 128
-# Widths up to which it does: its mask is a [batch, W x group, ~W] bias, 9 MB per sequence at
-# W 1024 x group 4 but 138 MB at a 4096-token prefill, which keeps the Triton kernel.
+# Widths up to which it does: its mask is a [batch, W x group, ~W] bf16 bias, by its shape 9 MB
+# per sequence at W 1024 x group 4 but 138 MB at a 4096-token prefill (sizes computed, not
+# measured), which keeps the Triton kernel.
 HOPPER_MAX_WIDTH = 1024
 
 
