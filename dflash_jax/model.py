@@ -19,6 +19,8 @@ from dflash_jax.params import EMBED, HEAD_DIM, KV_HEADS, MLP, Q_HEADS, VOCAB, Sp
 from dflash_jax.rope import apply_rope, rope_tables
 from dflash_jax.sharding import (BATCH, attention, constrain, constrain_cache, embed_lookup, kv_heads_sharded,
                                  mesh_sizes, row_groups, row_parallel_chunks, specs_shardings)
+from pallas_kernels import qkv_epilogue as epilogue
+from pallas_kernels.tree_attention import rows_schedule, tree_attention_rows
 
 dataclass = dataclasses.dataclass
 
@@ -285,6 +287,40 @@ def _fused_qkv(p: AttentionParams, x: jax.Array) -> tuple[jax.Array, jax.Array, 
     return q, qkv[:, :, :, group], qkv[:, :, :, group + 1]
 
 
+def epilogue_schedule(params: ModelParams, cfg: ModelConfig, batch: int, width: int, cache: KVCache,
+                      dtype: Any, attn_impl: str):
+    """The Hopper kernel's schedule when this forward runs `attend_fused` in every layer, else None.
+
+    That needs the fused projections, no mesh (under tp each shard attends in a shard_map), a
+    cache in the activation dtype, and a shape both kernels take.
+    """
+    if not is_fused(params) or mesh_sizes() != (1, 1) or cache.k[0].dtype != jnp.dtype(dtype):
+        return None
+    if not epilogue.applies(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim):
+        return None
+    return rows_schedule(batch, width, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cache.max_len, dtype,
+                         attn_impl)
+
+
+def attend_fused(p: AttentionParams, cfg: ModelConfig, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                 k_cache: jax.Array, v_cache: jax.Array, starts: jax.Array, visible: jax.Array | None,
+                 sched: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One layer's attention on the fused path: the qkv product, then one kernel for its norms,
+    RoPE and cache writes (`qkv_epilogue`), then the Hopper kernel on q in its row layout.
+
+    Same values as `project_qkv` + `apply_rope` + `write_rows` + `attention`, with 8 fewer
+    kernels per layer. x: [batch, W, embed] -> (attn [batch, W, q_heads, head_dim], k_cache, v_cache).
+    """
+    qkv = jnp.einsum("bse,ekgd->bskgd", x, p.qkv, preferred_element_type=x.dtype)
+    if p.qkv_bias is not None:
+        qkv = qkv + p.qkv_bias.astype(qkv.dtype)
+    q_rows, k_cache, v_cache = epilogue.qkv_epilogue(qkv, p.q_norm, p.k_norm, cos, sin, k_cache, v_cache, starts,
+                                                     eps=cfg.rms_norm_eps, padded_rows=sched.padded_rows)
+    attn = tree_attention_rows(q_rows, k_cache, v_cache, starts, visible, width=x.shape[1],
+                               group=cfg.num_heads // cfg.num_kv_heads, sched=sched)
+    return attn, k_cache, v_cache
+
+
 def output_projection(p: AttentionParams, attn: jax.Array) -> jax.Array:
     """attn: [batch, seq, q_heads, head_dim] -> [batch, seq, embed]."""
     out = _row_parallel_dot("bshd,hde->bse", attn, p.o)  # row-parallel under tp: one all-reduce
@@ -367,14 +403,19 @@ def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions:
     x = embed_tokens(params, tokens)
     cos, sin = rope_tables(positions, cfg.rope, cfg.head_dim)
     starts = cache.lengths
+    sched = epilogue_schedule(params, cfg, tokens.shape[0], tokens.shape[1], cache, x.dtype, attn_impl)
     new_k, new_v, taps = [], [], {}
     for i, lp in enumerate(params.layers):
         h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-        q, k, v = project_qkv(lp.attn, cfg, h)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_buf = constrain_cache(write_rows(cache.k[i], k, starts))
-        v_buf = constrain_cache(write_rows(cache.v[i], v, starts))
-        attn = attention(q, k_buf, v_buf, starts, visible, impl=attn_impl)  # shard_map under a mesh
+        if sched is not None:
+            attn, k_buf, v_buf = attend_fused(lp.attn, cfg, h, cos, sin, cache.k[i], cache.v[i], starts, visible,
+                                              sched)
+        else:
+            q, k, v = project_qkv(lp.attn, cfg, h)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            k_buf = constrain_cache(write_rows(cache.k[i], k, starts))
+            v_buf = constrain_cache(write_rows(cache.v[i], v, starts))
+            attn = attention(q, k_buf, v_buf, starts, visible, impl=attn_impl)  # shard_map under a mesh
         x = _after_attention(lp, cfg, x, attn)
         new_k.append(k_buf)
         new_v.append(v_buf)

@@ -32,15 +32,17 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import tree_attention_hopper as hopper
 
-Impl = Literal["auto", "pallas", "pallas-triton", "pallas-one-launch", "reference", "interpret"]
-# The kernels as dispatched ("pallas": on Hopper, `tree_attention_hopper` where it applies), and
-# the variants benchmarks time beside it: "pallas-triton", the Triton kernel alone, and
+Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-triton", "pallas-one-launch", "reference", "interpret"]
+# The kernels as dispatched ("pallas": on Hopper, `tree_attention_hopper` where it applies, fed
+# by the model's fused qkv epilogue), and the variants benchmarks time beside it:
+# "pallas-unfused", the same kernels with the model's epilogue in XLA; "pallas-triton", the
+# Triton kernel alone; and
 # "pallas-one-launch", its default tiling without the tail launch (at W 272, the default before
 # the seventh session).
 # Candidates that lost were removed after measuring them (BENCHMARKS.md): a one-wave tiling
 # (seventh session; its split-K cap is in the default), a Pallas kernel merging the split-K
 # partials (seventh) and a merge inside the kernel by the last program of each row block (tenth).
-PALLAS_VARIANTS = ("pallas", "pallas-triton", "pallas-one-launch")
+PALLAS_VARIANTS = ("pallas", "pallas-unfused", "pallas-triton", "pallas-one-launch")
 
 # exp2 is the native GPU instruction; folding log2(e) into the score scale makes exp2 exact
 # replacement for exp.
@@ -582,16 +584,45 @@ HOPPER_MIN_ROWS = 128
 HOPPER_MAX_WIDTH = 1024
 
 
-def hopper_applies(q: jax.Array, k: jax.Array) -> bool:
-    """Whether "pallas" runs `tree_attention_hopper` for these shapes on this machine: a GPU of
+def hopper_takes(width: int, q_heads: int, kv_heads: int, head_dim: int, max_len: int, dtype) -> bool:
+    """Whether "pallas" runs `tree_attention_hopper` for this shape on this machine: a GPU of
     compute capability 9.x, bf16/f16, head_dim 64 or 128, a cache length that is a multiple of
     8 (the TMA's tiling), at least HOPPER_MIN_ROWS rows per kv head and at most HOPPER_MAX_WIDTH
     new tokens."""
-    _, width, q_heads, head_dim = q.shape
-    max_len, kv_heads = k.shape[1], k.shape[2]
-    return (q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == q.dtype and head_dim in (64, 128)
+    return (jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim in (64, 128)
             and max_len % 8 == 0 and width * (q_heads // kv_heads) >= HOPPER_MIN_ROWS
             and width <= HOPPER_MAX_WIDTH and hopper.available())
+
+
+def hopper_applies(q: jax.Array, k: jax.Array) -> bool:
+    """`hopper_takes` for these arrays (and k in q's dtype)."""
+    _, width, q_heads, head_dim = q.shape
+    return k.dtype == q.dtype and hopper_takes(width, q_heads, k.shape[2], head_dim, k.shape[1], q.dtype)
+
+
+def rows_schedule(batch: int, width: int, q_heads: int, kv_heads: int, head_dim: int, max_len: int,
+                  dtype, impl: Impl = "auto") -> hopper.Schedule | None:
+    """The Hopper kernel's schedule where `impl` runs it for this shape, else None.
+
+    A caller that gets one may hand q over already in the kernel's row layout
+    (`tree_attention_rows`), e.g. straight from `qkv_epilogue`, instead of [batch, W, heads, dim].
+    """
+    if resolve_impl(impl) != "pallas" or not hopper_takes(width, q_heads, kv_heads, head_dim, max_len, dtype):
+        return None
+    return hopper.schedule(batch, kv_heads, width * (q_heads // kv_heads), max_len, gpu_limits().num_sms)
+
+
+def tree_attention_rows(q_rows: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Array,
+                        visible: jax.Array | None, *, width: int, group: int, sched: hopper.Schedule,
+                        scale: float | None = None) -> jax.Array:
+    """`tree_attention` on q given as the Hopper kernel's rows (a `rows_schedule` said so).
+
+    q_rows: [batch, kv_heads, sched.padded_rows, head_dim], row = token * group + head in the
+    group. Returns [batch, width, q_heads, head_dim].
+    """
+    scale = q_rows.shape[-1] ** -0.5 if scale is None else scale
+    return hopper.attend_rows(q_rows, k, v, prefix_lens, visible, width=width, group=group, scale=scale,
+                              sched=sched)
 
 
 # --------------------------------------------------------------------------------------------
@@ -620,7 +651,8 @@ def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Ar
       prefix_lens: [batch] int32.
       visible: [batch, width, width] bool, or None for causal among the new tokens.
       impl: "auto" (Pallas on GPU, reference elsewhere), "pallas" (on Hopper, the Mosaic GPU
-        kernel where `hopper_applies`, else the Triton one), a variant of it ("pallas-triton":
+        kernel where `hopper_applies`, else the Triton one), a variant of it ("pallas-unfused":
+        the same here, but the model does not feed it from `qkv_epilogue`; "pallas-triton":
         the Triton kernel alone; "pallas-one-launch": that without its tail launch),
         "reference", "interpret".
     Returns:
@@ -629,7 +661,7 @@ def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Ar
     which = resolve_impl(impl)
     if which == "reference":
         return tree_attention_reference(q, k, v, prefix_lens, visible, scale=scale)
-    if which == "pallas" and hopper_applies(q, k):
+    if which in ("pallas", "pallas-unfused") and hopper_applies(q, k):
         _check_shapes(q, k, v, prefix_lens, visible)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         return hopper.tree_attention_hopper(q, k, v, prefix_lens, visible, scale=scale,

@@ -383,6 +383,22 @@ def tokens_of(out_rows: jax.Array, width: int, group: int) -> jax.Array:
     return jnp.transpose(o5, (0, 2, 1, 3, 4)).reshape(batch, width, kv_heads * group, head_dim)
 
 
+def attend_rows(q_rows: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Array,
+                visible: jax.Array | None, *, width: int, group: int, scale: float, sched: Schedule
+                ) -> jax.Array:
+    """The kernel on q given as rows, its merge, and the move back to tokens.
+
+    q_rows: [batch, kv_heads, sched.padded_rows, head_dim] (`rows_of`, or the qkv epilogue's);
+    returns [batch, width, kv_heads * group, head_dim].
+    """
+    if q_rows.shape[1] != k.shape[2] or sched.padded_rows < width * group:
+        raise ValueError(f"attend_rows: q_rows {q_rows.shape} must be [batch, kv_heads={k.shape[2]}, "
+                         f"rows >= width * group = {width * group}, head_dim]")
+    bias = tree_bias(visible, prefix_lens, width, group, sched.padded_rows, sched.block_k)
+    out, lse = hopper_partials(q_rows, k, v, prefix_lens, bias, width=width, scale=scale, sched=sched)
+    return tokens_of(merge(out, lse, sched), width, group)
+
+
 def tree_attention_hopper(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Array,
                           visible: jax.Array | None, *, scale: float, num_sms: int = 132,
                           sched: Schedule | None = None) -> jax.Array:
@@ -395,7 +411,5 @@ def tree_attention_hopper(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens:
     max_len, kv_heads = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
     sched = sched or schedule(batch, kv_heads, width * group, max_len, num_sms)
-    bias = tree_bias(visible, prefix_lens, width, group, sched.padded_rows, sched.block_k)
-    out, lse = hopper_partials(rows_of(q, kv_heads, sched.padded_rows), k, v, prefix_lens, bias,
-                               width=width, scale=scale, sched=sched)
-    return tokens_of(merge(out, lse, sched), width, group)
+    return attend_rows(rows_of(q, kv_heads, sched.padded_rows), k, v, prefix_lens, visible, width=width,
+                       group=group, scale=scale, sched=sched)

@@ -173,7 +173,7 @@ def _ar_decoder(cfg):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-8b", choices=sorted(SHAPES))
-    ap.add_argument("--ctx", nargs="+", type=int, default=[512, 4096])
+    ap.add_argument("--ctx", nargs="*", type=int, default=[512, 4096], help="AR and DFlash contexts (none: DDTree only)")
     ap.add_argument("--budgets", nargs="*", type=int, default=[16, 64, 256, 512])
     ap.add_argument("--ddtree-ctx", type=int, default=4096)
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
@@ -184,8 +184,9 @@ def main() -> None:
                     help="XLA's dot merger as is, or off (several: each is timed, side by side)")
     ap.add_argument("--attn-impl", nargs="+", choices=("auto", *sorted(PALLAS_VARIANTS)), default=["auto"],
                     help="tree attention as dispatched (auto/pallas: the Hopper kernel on sm_90 where it "
-                         "applies), the Triton kernel alone (pallas-triton), or that without its tail "
-                         "launch (several: each is timed, side by side)")
+                         "applies, fed by the fused qkv epilogue), the same with the epilogue in XLA "
+                         "(pallas-unfused), the Triton kernel alone (pallas-triton), or that without its "
+                         "tail launch (several: each is timed, side by side)")
     ap.add_argument("--layout", nargs="+", choices=LAYOUTS, default=["fused"],
                     help="the target's projections: fused (qkv, gate_up; as decoding runs) or separate "
                          "(several: each is timed, side by side)")

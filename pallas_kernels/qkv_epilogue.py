@@ -1,0 +1,191 @@
+"""The epilogue of the fused qkv projection in one launch (Pallas, Triton backend).
+
+After the `qkv` GEMM of a layer, XLA ran eight small kernels per layer on a 272-token tree
+(BENCHMARKS.md, thirteenth session): slices of q and k, the per-head RMS norms, RoPE, the move
+of q into the Hopper kernel's row layout, its zero padding, and two cache writes, about 21 us
+of kernels per layer. This kernel does all of it per (sequence, kv head, block of tokens):
+
+* q: RMS norm (qwen3), RoPE, written as rows [batch, kv_heads, tokens_padded, group, head_dim],
+  which is the Hopper kernel's [batch, kv_heads, rows, head_dim] (row = token * group + head in
+  the group) with zero padding rows;
+* k: RMS norm, RoPE, written into the layer's K cache at slots L .. L+W-1, in place;
+* v: written into the V cache at the same slots, in place.
+
+The rounding follows the jnp path (`model.rms_norm`, `rope.apply_rope`): the norm in float32,
+rounded to the activation dtype, RoPE in float32, rounded again.
+
+`qkv_epilogue_reference` is the same contract in jnp, from the model's own functions.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+# Rows (tokens x group) per program: one 128-row block of the Hopper kernel or less.
+_MAX_ROWS = 128
+_MAX_TOKENS = 16
+
+
+def token_block(group: int) -> int:
+    """Tokens per program: 16, or fewer so that tokens x group stays within 128 rows."""
+    return min(_MAX_TOKENS, _MAX_ROWS // group)
+
+
+def applies(group: int, head_dim: int) -> bool:
+    """Whether the kernel takes this shape: Triton blocks need power-of-two extents."""
+    pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
+    return pow2(group) and group <= _MAX_ROWS and pow2(head_dim) and head_dim >= 32
+
+
+def _kernel(starts_ref, qkv_ref, cos_ref, sin_ref, q_norm_ref, k_norm_ref, k_in_ref, v_in_ref,
+            q_ref, k_ref, v_ref, *, width: int, group: int, tokens: int, eps: float, norm: bool):
+    """One program: one sequence, one kv head, `tokens` tokens.
+
+    Refs (batch and kv head squeezed): starts_ref [1] int32; qkv_ref [width, group + 2, head_dim];
+    cos_ref, sin_ref [width, head_dim] f32; q_norm_ref, k_norm_ref [1, head_dim];
+    q_ref [tokens, group, head_dim] (this block's rows); k_ref, v_ref [max_len, 1, head_dim]
+    (the caches, aliased with k_in_ref / v_in_ref, which are not read).
+    """
+    del k_in_ref, v_in_ref
+    t0 = pl.program_id(2) * tokens
+    head_dim = qkv_ref.shape[-1]
+    half = head_dim // 2
+    ok = (t0 + jnp.arange(tokens, dtype=jnp.int32)) < width  # padding tokens load as 0
+    lo, hi = pl.ds(0, half), pl.ds(half, half)
+    rows = pl.ds(t0, tokens)
+    dtype = q_ref.dtype
+
+    def load(ref, heads, cols):
+        return plgpu.load(ref.at[rows, heads, cols], mask=ok[:, None, None], other=0).astype(jnp.float32)
+
+    cos_lo, cos_hi, sin_lo, sin_hi = (
+        plgpu.load(ref.at[rows, cols], mask=ok[:, None], other=0)[:, None, :]
+        for ref in (cos_ref, sin_ref) for cols in (lo, hi))
+
+    def norm_rope(heads, weight_ref):
+        """[tokens, n, head_dim] halves after the RMS norm and RoPE, rounded as the jnp path."""
+        x_lo, x_hi = load(qkv_ref, heads, lo), load(qkv_ref, heads, hi)
+        if norm:
+            mean_sq = (jnp.sum(x_lo * x_lo, axis=-1) + jnp.sum(x_hi * x_hi, axis=-1)) / head_dim
+            inv = jax.lax.rsqrt(mean_sq + eps)[..., None]
+            w_lo = weight_ref[:, lo].astype(jnp.float32)[None]
+            w_hi = weight_ref[:, hi].astype(jnp.float32)[None]
+            x_lo = (w_lo * (x_lo * inv)).astype(dtype).astype(jnp.float32)
+            x_hi = (w_hi * (x_hi * inv)).astype(dtype).astype(jnp.float32)
+        return x_lo * cos_lo - x_hi * sin_lo, x_hi * cos_hi + x_lo * sin_hi
+
+    q_lo, q_hi = norm_rope(pl.ds(0, group), q_norm_ref)
+    plgpu.store(q_ref.at[:, :, lo], q_lo.astype(dtype))
+    plgpu.store(q_ref.at[:, :, hi], q_hi.astype(dtype))
+
+    # The cache rows of this block; stores past the tree are masked off.
+    slots = pl.ds(starts_ref[0] + t0, tokens)
+    k_lo, k_hi = norm_rope(pl.ds(group, 1), k_norm_ref)
+    plgpu.store(k_ref.at[slots, :, lo], k_lo.astype(k_ref.dtype), mask=ok[:, None, None])
+    plgpu.store(k_ref.at[slots, :, hi], k_hi.astype(k_ref.dtype), mask=ok[:, None, None])
+    v = plgpu.load(qkv_ref.at[rows, pl.ds(group + 1, 1), :], mask=ok[:, None, None], other=0)
+    plgpu.store(v_ref.at[slots, :, :], v.astype(v_ref.dtype), mask=ok[:, None, None])
+
+
+def qkv_epilogue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None, cos: jax.Array,
+                 sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array, starts: jax.Array, *, eps: float,
+                 padded_rows: int, interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The fused qkv product's epilogue in one launch.
+
+    Args:
+      qkv: [batch, width, kv_heads, group + 2, head_dim], the product (bias added): per kv head
+        its `group` q heads, then k, then v.
+      q_norm, k_norm: [head_dim] RMS-norm weights, or both None (no qk norm).
+      cos, sin: [batch, width, head_dim] f32 (`rope.rope_tables` at the tokens' positions).
+      k_cache, v_cache: [batch, max_len, kv_heads, head_dim]; donated (updated in place).
+      starts: [batch] int32 L; callers guarantee L + width <= max_len.
+      padded_rows: rows per kv head of the output, a multiple of `token_block(group) * group`
+        and at least width * group.
+    Returns:
+      (q_rows [batch, kv_heads, padded_rows, head_dim] with zero padding rows,
+       k_cache, v_cache with the tree's K/V at slots L .. L+width-1).
+    """
+    batch, width, kv_heads, slots, head_dim = qkv.shape
+    group = slots - 2
+    tokens = token_block(group)
+    if not applies(group, head_dim):
+        raise ValueError(f"qkv_epilogue: group={group} and head_dim={head_dim} must be powers of two "
+                         f"(group <= {_MAX_ROWS}, head_dim >= 32)")
+    if padded_rows % (tokens * group) or padded_rows < width * group:
+        raise ValueError(f"qkv_epilogue: padded_rows={padded_rows} must be a multiple of "
+                         f"{tokens * group} and at least width * group = {width * group}")
+    if k_cache.shape != v_cache.shape or k_cache.shape[::2] != (batch, kv_heads) or k_cache.shape[3] != head_dim:
+        raise ValueError(f"qkv_epilogue: k_cache {k_cache.shape} / v_cache {v_cache.shape} do not fit "
+                         f"qkv {qkv.shape} ([batch, max_len, kv_heads, head_dim])")
+    if cos.shape != (batch, width, head_dim) or sin.shape != cos.shape:
+        raise ValueError(f"qkv_epilogue: cos {cos.shape} / sin {sin.shape} must be {(batch, width, head_dim)}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("qkv_epilogue: q_norm and k_norm come together or not at all")
+    norm = q_norm is not None
+    ones = jnp.ones((head_dim,), qkv.dtype)
+    q_w = (q_norm if norm else ones).reshape(1, head_dim)
+    k_w = (k_norm if norm else ones).reshape(1, head_dim)
+    max_len = k_cache.shape[1]
+    padded_tokens = padded_rows // group
+    sq = pl.squeezed if hasattr(pl, "squeezed") else None
+    cache_spec = pl.BlockSpec((sq, max_len, 1, head_dim), lambda b, h, i: (b, 0, h, 0))
+    in_specs = [
+        pl.BlockSpec((1,), lambda b, h, i: (b,)),
+        pl.BlockSpec((sq, width, sq, slots, head_dim), lambda b, h, i: (b, 0, h, 0, 0)),
+        pl.BlockSpec((sq, width, head_dim), lambda b, h, i: (b, 0, 0)),
+        pl.BlockSpec((sq, width, head_dim), lambda b, h, i: (b, 0, 0)),
+        pl.BlockSpec((1, head_dim), lambda b, h, i: (0, 0)),
+        pl.BlockSpec((1, head_dim), lambda b, h, i: (0, 0)),
+        cache_spec,
+        cache_spec,
+    ]
+    out_specs = (
+        pl.BlockSpec((sq, sq, tokens, group, head_dim), lambda b, h, i: (b, h, i, 0, 0)),
+        cache_spec,
+        cache_spec,
+    )
+    out_shape = (
+        jax.ShapeDtypeStruct((batch, kv_heads, padded_tokens, group, head_dim), qkv.dtype),
+        jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+        jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
+    )
+    kernel = functools.partial(_kernel, width=width, group=group, tokens=tokens, eps=float(eps), norm=norm)
+    q_rows, k_out, v_out = pl.pallas_call(
+        kernel,
+        grid=(batch, kv_heads, padded_tokens // tokens),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases={6: 1, 7: 2},
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="qkv_epilogue",
+    )(starts.astype(jnp.int32), qkv, cos.astype(jnp.float32), sin.astype(jnp.float32), q_w, k_w,
+      k_cache, v_cache)
+    return q_rows.reshape(batch, kv_heads, padded_rows, head_dim), k_out, v_out
+
+
+def qkv_epilogue_reference(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None,
+                           cos: jax.Array, sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                           starts: jax.Array, *, eps: float, padded_rows: int
+                           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`qkv_epilogue` in jnp, from the model's own norm, RoPE and cache write."""
+    from dflash_jax.kv_cache import write_rows
+    from dflash_jax.model import rms_norm
+    from dflash_jax.rope import apply_rope
+    from pallas_kernels.tree_attention_hopper import rows_of
+
+    batch, width, kv_heads, slots, head_dim = qkv.shape
+    group = slots - 2
+    q = qkv[:, :, :, :group].reshape(batch, width, kv_heads * group, head_dim)
+    k, v = qkv[:, :, :, group], qkv[:, :, :, group + 1]
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    return (rows_of(q, kv_heads, padded_rows), write_rows(k_cache, k, starts),
+            write_rows(v_cache, v, starts))
