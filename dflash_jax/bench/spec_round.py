@@ -101,6 +101,10 @@ def timed_rounds(target, dparams, cfg, dcfg, s: SpecSettings, state: SpecState,
 # Threshold 0 turns the pass off; `--dot-merger default off` times both in one process.
 # DDTree decoding compiles with the pass off (speculative.DDTREE_COMPILER_OPTIONS).
 DOT_MERGER = {"default": None, "off": DDTREE_COMPILER_OPTIONS}
+# XLA's command buffers (CUDA graphs) as they are, or off; `--command-buffers default off` times
+# both in one process. A custom call that a graph cannot hold (the Mosaic GPU kernel) splits
+# the round's graphs.
+COMMAND_BUFFERS = {"default": {}, "off": {"xla_gpu_enable_command_buffer": ""}}
 
 
 def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool, rounds: int = ROUNDS_PER_CALL,
@@ -130,14 +134,15 @@ def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool, rounds: i
 
 def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_len: int, profile: bool,
                    hlo_dir: str | None = None, rounds: int = ROUNDS_PER_CALL, dot_merger: str = "default",
-                   table: int = 0) -> dict:
+                   table: int = 0, command_buffers: str = "default") -> dict:
     state = make_state(cfg, dcfg, ctx, max_len, s.max_new_tokens, target.embed.dtype)
-    ms, rnd, _, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile, rounds, DOT_MERGER[dot_merger],
-                                      table)
-    dump_hlo(hlo_dir, f"round_{s.method}_b{s.budget}_ctx{ctx}_r{rounds}_dm-{dot_merger}_{s.attn_impl}"
-                      f"_topk{s.top_k_chunk}", rnd.as_text())
+    options = {**(DOT_MERGER[dot_merger] or {}), **COMMAND_BUFFERS[command_buffers]} or None
+    ms, rnd, _, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile, rounds, options, table)
+    dump_hlo(hlo_dir, f"round_{s.method}_b{s.budget}_ctx{ctx}_r{rounds}_dm-{dot_merger}_cb-{command_buffers}"
+                      f"_{s.attn_impl}_topk{s.top_k_chunk}", rnd.as_text())
     row = {"method": s.method, "budget": s.budget, "width": s.width, "ctx": ctx, "round_ms": ms,
-           "dot_merger": dot_merger, "attn_impl": s.attn_impl, "top_k_chunk": s.top_k_chunk, **extra}
+           "dot_merger": dot_merger, "command_buffers": command_buffers, "attn_impl": s.attn_impl,
+           "top_k_chunk": s.top_k_chunk, **extra}
     log(row)
     return row
 
@@ -194,6 +199,9 @@ def main() -> None:
                     help="DDTree's vocabulary top_k chunk, 0 = one top_k (several: each is timed, side by side)")
     ap.add_argument("--rounds-per-call", nargs="+", type=int, default=[ROUNDS_PER_CALL],
                     help="rounds per jitted call (several: each is timed, side by side)")
+    ap.add_argument("--command-buffers", nargs="+", choices=sorted(COMMAND_BUFFERS), default=["default"],
+                    help="XLA's command buffers (CUDA graphs) as they are, or off (several: each is timed, "
+                         "side by side)")
     ap.add_argument("--kernel-table", type=int, default=0, metavar="N",
                     help="with the profile: also list the N costliest kernels (launches, kind, op)")
     ap.add_argument("--out")
@@ -223,7 +231,8 @@ def main() -> None:
                                  top_k_chunk=chunk, **method)
                 for r in args.rounds_per_call:
                     for dm in args.dot_merger:
-                        yield s, r, dm
+                        for cb in args.command_buffers:
+                            yield s, r, dm, cb
 
     rows = []
     for layout in args.layout:  # one target at a time: two 8B-shaped targets would be 33 GB
@@ -232,29 +241,30 @@ def main() -> None:
         first = len(rows)
         for ctx in args.ctx:
             rows.append(bench_ar(target, cfg, ctx, max_len, profile, args.kernel_table))
-            for s, r, dm in variants(method="dflash"):
+            for s, r, dm, cb in variants(method="dflash"):
                 rows.append(bench_settings(target, cfg, dparams, dcfg, s, ctx, max_len, profile, args.dump_hlo, r,
-                                           dm, args.kernel_table))
+                                           dm, args.kernel_table, cb))
         for b in args.budgets:
-            for s, r, dm in variants(method="ddtree", budget=b):
+            for s, r, dm, cb in variants(method="ddtree", budget=b):
                 rows.append(bench_settings(target, cfg, dparams, dcfg, s, args.ddtree_ctx, max_len, profile,
-                                           args.dump_hlo, r, dm, args.kernel_table))
+                                           args.dump_hlo, r, dm, args.kernel_table, cb))
         for row in rows[first:]:
             row["layout"] = layout
         write_json(args.out, {"env": env, "rows": rows})
         del target
     print(f"\n{env['device']}, jax {env['jax']}, {args.model} target + {dcfg.num_layers}-layer drafter, "
           f"{dtype.name}, batch 1")
-    print("| method | budget | W | ctx | layout | rounds/call | dot merger | attention | top_k chunk | round ms "
-          "| device ms | draft | tree | verify | accept | commit | other |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| method | budget | W | ctx | layout | rounds/call | dot merger | command buffers | attention | top_k chunk "
+          "| round ms | device ms | draft | tree | verify | accept | commit | other |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         prof = r.get("profile") or {}
         split = prof.get("by_scope", {})
         cells = [f"{split[k]:.2f}" if k in split else "-" for k in STAGES + ("other",)]
         dev = f"{prof['device_ms']:.2f}" if "device_ms" in prof else "-"
         print(f"| {r['method']} | {r.get('budget', '-')} | {r.get('width', 1)} | {r['ctx']} | {r['layout']} | "
-              f"{r['rounds_per_call']} | {r.get('dot_merger', '-')} | {r.get('attn_impl', 'auto')} | "
+              f"{r['rounds_per_call']} | {r.get('dot_merger', '-')} | {r.get('command_buffers', '-')} | "
+              f"{r.get('attn_impl', 'auto')} | "
               f"{r.get('top_k_chunk', '-') if r['method'] == 'ddtree' else '-'} | {r['round_ms']:.2f} | "
               f"{dev} | " + " | ".join(cells) + " |")
 
