@@ -304,7 +304,7 @@ def epilogue_schedule(params: ModelParams, cfg: ModelConfig, batch: int, width: 
 
 def attend_fused(p: AttentionParams, cfg: ModelConfig, x: jax.Array, cos: jax.Array, sin: jax.Array,
                  k_cache: jax.Array, v_cache: jax.Array, starts: jax.Array, visible: jax.Array | None,
-                 sched: Any, impl: str = "pallas") -> tuple[jax.Array, jax.Array, jax.Array]:
+                 sched: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One layer's attention on the fused path: the qkv product, then one kernel for its norms,
     RoPE and cache writes (`qkv_epilogue`), then the Hopper kernel on q in its row layout.
 
@@ -317,7 +317,7 @@ def attend_fused(p: AttentionParams, cfg: ModelConfig, x: jax.Array, cos: jax.Ar
     q_rows, k_cache, v_cache = epilogue.qkv_epilogue(qkv, p.q_norm, p.k_norm, cos, sin, k_cache, v_cache, starts,
                                                      eps=cfg.rms_norm_eps, padded_rows=sched.padded_rows)
     attn = tree_attention_rows(q_rows, k_cache, v_cache, starts, visible, width=x.shape[1],
-                               group=cfg.num_heads // cfg.num_kv_heads, sched=sched, impl=impl)
+                               group=cfg.num_heads // cfg.num_kv_heads, sched=sched)
     return attn, k_cache, v_cache
 
 
@@ -409,7 +409,7 @@ def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions:
         h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
         if sched is not None:
             attn, k_buf, v_buf = attend_fused(lp.attn, cfg, h, cos, sin, cache.k[i], cache.v[i], starts, visible,
-                                              sched, attn_impl)
+                                              sched)
         else:
             q, k, v = project_qkv(lp.attn, cfg, h)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

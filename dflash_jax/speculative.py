@@ -260,7 +260,12 @@ _generate_dflash = jax.jit(_generate, static_argnames=_STATIC)
 # XLA's DotMerger concatenates each layer's q/k/v weights inside the round loop once the tree is
 # wide (a 48 MB copy per layer per round at Qwen3-8B, budget 256). With the pass off, a DDTree(256)
 # round took 15.66 ms instead of 16.20 (H200, BENCHMARKS.md); DFlash rounds showed no gain.
-DDTREE_COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
+DOT_MERGER_OFF = {"xla_gpu_dot_merger_threshold_mb": 0}
+# XLA's command buffers (CUDA graphs) cost DDTree rounds time once the Hopper kernel runs in every
+# layer (a custom call a graph cannot hold, so the round's graphs split around it): without them a
+# DDTree(256) round took 12.04 ms instead of 12.30 (H200, BENCHMARKS.md, thirteenth session).
+COMMAND_BUFFERS_OFF = {"xla_gpu_enable_command_buffer": ""}
+DDTREE_COMPILER_OPTIONS = {**DOT_MERGER_OFF, **COMMAND_BUFFERS_OFF}
 _generate_ddtree = jax.jit(_generate, static_argnames=_STATIC, compiler_options=DDTREE_COMPILER_OPTIONS)
 
 

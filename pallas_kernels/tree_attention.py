@@ -30,24 +30,22 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import split_merge
 from pallas_kernels import tree_attention_hopper as hopper
 
-Impl = Literal["auto", "pallas", "pallas-jnp-merge", "pallas-unfused", "pallas-triton", "pallas-one-launch",
-               "reference", "interpret"]
+Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-triton", "pallas-one-launch", "reference", "interpret"]
 # The kernels as dispatched ("pallas": on Hopper, `tree_attention_hopper` where it applies, fed
-# by the model's fused qkv epilogue, its split-K merged by `split_merge`), and the variants
-# benchmarks time beside it: "pallas-jnp-merge", the merge in jnp; "pallas-unfused", that with
-# the model's epilogue in XLA too (the default before the thirteenth session); "pallas-triton",
-# the Triton kernel alone; and
+# by the model's fused qkv epilogue), and the variants benchmarks time beside it:
+# "pallas-unfused", the same kernels with the model's epilogue in XLA (the default before the
+# thirteenth session); "pallas-triton", the Triton kernel alone; and
 # "pallas-one-launch", its default tiling without the tail launch (at W 272, the default before
 # the seventh session).
 # Candidates that lost were removed after measuring them (BENCHMARKS.md): a one-wave tiling
 # (seventh session; its split-K cap is in the default), a Pallas kernel merging the split-K
-# partials (seventh) and a merge inside the kernel by the last program of each row block (tenth).
-PALLAS_VARIANTS = ("pallas", "pallas-jnp-merge", "pallas-unfused", "pallas-triton", "pallas-one-launch")
+# partials (seventh), a merge inside the kernel by the last program of each row block (tenth),
+# and a Triton kernel merging the Hopper kernel's partials into tokens (thirteenth).
+PALLAS_VARIANTS = ("pallas", "pallas-unfused", "pallas-triton", "pallas-one-launch")
 # The variants that run the Hopper kernel where it applies.
-HOPPER_VARIANTS = ("pallas", "pallas-jnp-merge", "pallas-unfused")
+HOPPER_VARIANTS = ("pallas", "pallas-unfused")
 
 # exp2 is the native GPU instruction; folding log2(e) into the score scale makes exp2 exact
 # replacement for exp.
@@ -613,7 +611,7 @@ def rows_schedule(batch: int, width: int, q_heads: int, kv_heads: int, head_dim:
     (`tree_attention_rows`), e.g. straight from `qkv_epilogue`, instead of [batch, W, heads, dim].
     ("pallas-unfused" never gets one: it is the path without that epilogue.)
     """
-    if resolve_impl(impl) not in ("pallas", "pallas-jnp-merge"):
+    if resolve_impl(impl) != "pallas":
         return None
     if not hopper_takes(width, q_heads, kv_heads, head_dim, max_len, dtype):
         return None
@@ -622,19 +620,15 @@ def rows_schedule(batch: int, width: int, q_heads: int, kv_heads: int, head_dim:
 
 def tree_attention_rows(q_rows: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Array,
                         visible: jax.Array | None, *, width: int, group: int, sched: hopper.Schedule,
-                        scale: float | None = None, impl: Impl = "pallas") -> jax.Array:
+                        scale: float | None = None) -> jax.Array:
     """`tree_attention` on q given as the Hopper kernel's rows (a `rows_schedule` said so).
 
     q_rows: [batch, kv_heads, sched.padded_rows, head_dim], row = token * group + head in the
-    group. Returns [batch, width, q_heads, head_dim]. The split-K partials merge in one kernel
-    (`split_merge`), or in jnp for impl="pallas-jnp-merge" / "pallas-unfused".
+    group. Returns [batch, width, q_heads, head_dim].
     """
     scale = q_rows.shape[-1] ** -0.5 if scale is None else scale
-    merge_tokens = None
-    if resolve_impl(impl) == "pallas":
-        merge_tokens = functools.partial(split_merge.merge_tokens, sched=sched, width=width, group=group)
     return hopper.attend_rows(q_rows, k, v, prefix_lens, visible, width=width, group=group, scale=scale,
-                              sched=sched, merge_tokens=merge_tokens)
+                              sched=sched)
 
 
 # --------------------------------------------------------------------------------------------
@@ -663,9 +657,8 @@ def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Ar
       prefix_lens: [batch] int32.
       visible: [batch, width, width] bool, or None for causal among the new tokens.
       impl: "auto" (Pallas on GPU, reference elsewhere), "pallas" (on Hopper, the Mosaic GPU
-        kernel where `hopper_applies`, else the Triton one), a variant of it ("pallas-jnp-merge":
-        its split-K merge in jnp; "pallas-unfused": that, and the model does not feed it from
-        `qkv_epilogue`; "pallas-triton":
+        kernel where `hopper_applies`, else the Triton one), a variant of it ("pallas-unfused":
+        the same here, but the model does not feed it from `qkv_epilogue`; "pallas-triton":
         the Triton kernel alone; "pallas-one-launch": that without its tail launch),
         "reference", "interpret".
     Returns:
@@ -681,7 +674,7 @@ def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Ar
         group = q_heads // kv_heads
         sched = hopper.schedule(batch, kv_heads, width * group, k.shape[1], gpu_limits().num_sms)
         return tree_attention_rows(hopper.rows_of(q, kv_heads, sched.padded_rows), k, v, prefix_lens, visible,
-                                   width=width, group=group, sched=sched, scale=scale, impl=which)
+                                   width=width, group=group, sched=sched, scale=scale)
     # "pallas-one-launch": the default tiling without its tail launch.
     blocks = {"tail_split": 0} if which == "pallas-one-launch" else {}
     return tree_attention_pallas(q, k, v, prefix_lens, visible, scale=scale,

@@ -18,8 +18,8 @@ prefix's tail, then the tree (slots L..L+W-1) under each row's visibility.
 Grid (`Schedule`): the rows of each kv head, padded to whole 128-row blocks, are split over the
 keys flash-decoding style so that one launch fills the SMs: the full blocks `main_split` ways,
 a last partial block (at W 272 x group 4: 64 real rows) `tail_split` ways. Each program writes
-its output normalised with its log-sum-exp; `merge` combines them in jnp (`split_merge.py`
-does it in one kernel).
+its output normalised with its log-sum-exp; `merge` combines them in jnp (a Triton kernel doing
+the same lost to it by 0.5 ms a round: BENCHMARKS.md, thirteenth session).
 
 Needs: bf16/f16, head_dim 64 or 128, a cache length (max_len) that is a multiple of 8, and cache
 slots from L+W to the end of the last key block that hold finite values (the TMA reads them
@@ -389,36 +389,32 @@ def tokens_of(out_rows: jax.Array, width: int, group: int) -> jax.Array:
 
 
 def attend_rows(q_rows: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Array,
-                visible: jax.Array | None, *, width: int, group: int, scale: float, sched: Schedule,
-                merge_tokens=None) -> jax.Array:
-    """The kernel on q given as rows, then its merge into tokens.
+                visible: jax.Array | None, *, width: int, group: int, scale: float, sched: Schedule
+                ) -> jax.Array:
+    """The kernel on q given as rows, its merge, and the move back to tokens.
 
     q_rows: [batch, kv_heads, sched.padded_rows, head_dim] (`rows_of`, or the qkv epilogue's);
     returns [batch, width, kv_heads * group, head_dim].
-    merge_tokens: (out, lse) -> tokens; default `merge` then `tokens_of` in jnp
-    (`split_merge.merge_tokens` is the same in one kernel).
     """
     if q_rows.shape[1] != k.shape[2] or sched.padded_rows < width * group:
         raise ValueError(f"attend_rows: q_rows {q_rows.shape} must be [batch, kv_heads={k.shape[2]}, "
                          f"rows >= width * group = {width * group}, head_dim]")
     bias = tree_bias(visible, prefix_lens, width, group, sched.padded_rows, sched.block_k)
     out, lse = hopper_partials(q_rows, k, v, prefix_lens, bias, width=width, scale=scale, sched=sched)
-    if merge_tokens is None:
-        return tokens_of(merge(out, lse, sched), width, group)
-    return merge_tokens(out, lse)
+    return tokens_of(merge(out, lse, sched), width, group)
 
 
 def tree_attention_hopper(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Array,
                           visible: jax.Array | None, *, scale: float, num_sms: int = 132,
-                          sched: Schedule | None = None, merge_tokens=None) -> jax.Array:
+                          sched: Schedule | None = None) -> jax.Array:
     """Tree attention (the contract of `tree_attention.tree_attention_reference`) in one launch.
 
     q: [batch, width, q_heads, head_dim]; returns the same shape. See the module docstring for
-    what the caller must guarantee; `attend_rows` for merge_tokens.
+    what the caller must guarantee.
     """
     batch, width, q_heads, head_dim = q.shape
     max_len, kv_heads = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
     sched = sched or schedule(batch, kv_heads, width * group, max_len, num_sms)
     return attend_rows(rows_of(q, kv_heads, sched.padded_rows), k, v, prefix_lens, visible, width=width,
-                       group=group, scale=scale, sched=sched, merge_tokens=merge_tokens)
+                       group=group, scale=scale, sched=sched)

@@ -150,7 +150,7 @@ def test_model_takes_the_fused_path_where_it_applies(cfg, monkeypatch):
             return None
         return hopper.schedule(batch, kv_heads, width * (q_heads // kv_heads), max_len)
 
-    def attention_on_rows(q_rows, k, v, prefix_lens, visible, *, width, group, sched, scale=None, impl=None):
+    def attention_on_rows(q_rows, k, v, prefix_lens, visible, *, width, group, sched, scale=None):
         q = hopper.tokens_of(q_rows, width, group)
         return tree_attention_reference(q, k, v, prefix_lens, visible, scale=scale)
 

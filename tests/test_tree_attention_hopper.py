@@ -19,7 +19,6 @@ from dflash_jax.bench.tree_attention_bench import random_tree_visibility
 from pallas_kernels import key_visibility, tree_attention, tree_attention_reference
 
 hopper = importlib.import_module("pallas_kernels.tree_attention_hopper")
-split_merge = importlib.import_module("pallas_kernels.split_merge")
 dispatch = importlib.import_module("pallas_kernels.tree_attention")
 
 ON_HOPPER = hopper.available()
@@ -132,32 +131,6 @@ def test_merge_of_split_partials_is_the_reference(batch, width, lens, tree):
     assert rel_err(got, ref) < 1e-5
 
 
-@pytest.mark.parametrize("batch,width,lens,tree,num_sms", [
-    (2, 80, [300, 40], True, 24),   # 2 full blocks + a partial one per kv head, split both ways
-    (1, 16, [200], False, 24),      # only a partial block (a DFlash chain)
-    (1, 64, [100], True, 8),        # only full blocks, unsplit
-])
-def test_merge_kernel_is_the_jnp_merge(batch, width, lens, tree, num_sms):
-    """`split_merge.merge_tokens` (interpret mode) against `merge` + `tokens_of` and the
-    reference, on partials split over the keys as the kernel splits them (float32)."""
-    kv_heads, group, head_dim, max_len = 2, 4, 64, 512
-    q, k, v, prefix_lens, visible = make_case(3, batch, width, kv_heads, group, head_dim, max_len,
-                                              lens, jnp.float32, tree)
-    sched = hopper.schedule(batch, kv_heads, width * group, max_len, num_sms=num_sms, block_k=64)
-    out, lse = _split_partials(q, k, v, prefix_lens, visible, sched)
-    got = split_merge.merge_tokens(out, lse, sched, width=width, group=group, interpret=True)
-    want = hopper.tokens_of(hopper.merge(out, lse, sched), width, group)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)
-    assert rel_err(got, tree_attention_reference(q, k, v, prefix_lens, visible)) < 1e-5
-
-
-def test_merge_kernel_checks_shapes():
-    sched = hopper.schedule(1, 2, 80 * 4, 512, num_sms=24)
-    out = jnp.zeros((1, 2, sched.programs + 1, 128, 64))
-    with pytest.raises(ValueError, match="programs"):
-        split_merge.merge_tokens(out, out[..., 0], sched, width=80, group=4, interpret=True)
-
-
 def test_schedule_fills_one_wave():
     """Budget 256 at the 8B head shape: 8 full blocks per kv head split twice (128 programs) and
     the partial block split 16 ways; W 512 needs no split; a chain is one partial block."""
@@ -179,20 +152,6 @@ def test_hopper_kernel_lowers_for_cuda():
     fn = functools.partial(hopper.tree_attention_hopper, scale=128 ** -0.5)
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 1
-
-
-@pytest.mark.parametrize("impl,merges", [("pallas", True), ("pallas-jnp-merge", False)])
-def test_dispatched_hopper_path_lowers_for_cuda(monkeypatch, impl, merges):
-    """tree_attention(impl="pallas") on Hopper: the Mosaic kernel, then the Triton merge kernel
-    (none with the merge in jnp)."""
-    monkeypatch.setattr(hopper, "available", lambda: True)
-    q = jax.ShapeDtypeStruct((1, 272, 32, 128), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((1, 5120, 8, 128), jnp.bfloat16)
-    args = [q, kv, kv, jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1, 272, 272), jnp.bool_)]
-    fn = functools.partial(tree_attention, impl=impl)
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("mosaic_gpu") >= 1
-    assert ("split_merge" in text) == merges
 
 
 def test_hopper_partials_validate_shapes():

@@ -28,7 +28,7 @@ from dflash_jax.bench.common import LAYOUTS, SHAPES, dump_hlo, environment, log,
 from dflash_jax.bench.profile import profile_program, scale_profile
 from dflash_jax.config import default_tap_layers
 from dflash_jax.model import init_params
-from dflash_jax.speculative import DDTREE_COMPILER_OPTIONS, SpecSettings, SpecState, spec_round
+from dflash_jax.speculative import COMMAND_BUFFERS_OFF, DOT_MERGER_OFF, SpecSettings, SpecState, spec_round
 from dflash_jax.stage_times import STAGES  # the round's named scopes
 from dflash_jax.tree import TOP_K_CHUNK
 from pallas_kernels.tree_attention import PALLAS_VARIANTS
@@ -100,11 +100,11 @@ def timed_rounds(target, dparams, cfg, dcfg, s: SpecSettings, state: SpecState,
 # trees it does so for q/k/v inside the round loop: a 48 MB copy per layer every round (Qwen3-8B).
 # Threshold 0 turns the pass off; `--dot-merger default off` times both in one process.
 # DDTree decoding compiles with the pass off (speculative.DDTREE_COMPILER_OPTIONS).
-DOT_MERGER = {"default": None, "off": DDTREE_COMPILER_OPTIONS}
+DOT_MERGER = {"default": {}, "off": DOT_MERGER_OFF}
 # XLA's command buffers (CUDA graphs) as they are, or off; `--command-buffers default off` times
-# both in one process. A custom call that a graph cannot hold (the Mosaic GPU kernel) splits
-# the round's graphs.
-COMMAND_BUFFERS = {"default": {}, "off": {"xla_gpu_enable_command_buffer": ""}}
+# both in one process. DDTree decoding compiles with them off (speculative.DDTREE_COMPILER_OPTIONS):
+# a custom call that a graph cannot hold (the Mosaic GPU kernel) splits the round's graphs.
+COMMAND_BUFFERS = {"default": {}, "off": COMMAND_BUFFERS_OFF}
 
 
 def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool, rounds: int = ROUNDS_PER_CALL,
@@ -136,7 +136,7 @@ def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_le
                    hlo_dir: str | None = None, rounds: int = ROUNDS_PER_CALL, dot_merger: str = "default",
                    table: int = 0, command_buffers: str = "default") -> dict:
     state = make_state(cfg, dcfg, ctx, max_len, s.max_new_tokens, target.embed.dtype)
-    options = {**(DOT_MERGER[dot_merger] or {}), **COMMAND_BUFFERS[command_buffers]} or None
+    options = {**DOT_MERGER[dot_merger], **COMMAND_BUFFERS[command_buffers]} or None
     ms, rnd, _, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile, rounds, options, table)
     dump_hlo(hlo_dir, f"round_{s.method}_b{s.budget}_ctx{ctx}_r{rounds}_dm-{dot_merger}_cb-{command_buffers}"
                       f"_{s.attn_impl}_topk{s.top_k_chunk}", rnd.as_text())

@@ -186,7 +186,7 @@ def bench_round(target, dparams, cfg, dcfg, mesh, budget: int, ctx: int, max_len
                 compiler_options: dict[str, Any] | None = None) -> dict:
     s = SpecSettings(method="ddtree", block_size=dcfg.block_size, budget=budget, max_new_tokens=512)
     state = make_spec_state(cfg, dcfg, ctx, max_len, s.max_new_tokens, jnp.bfloat16, mesh)
-    # As DDTree decoding compiles it (dot merger off), plus the variant's options.
+    # As DDTree decoding compiles it (dot merger and command buffers off), plus the variant's options.
     options = {**DDTREE_COMPILER_OPTIONS, **(compiler_options or {})}
     ms, rnd, call = timed_rounds(target, dparams, cfg, dcfg, s, state, options)
     hlo = rnd.as_text()
