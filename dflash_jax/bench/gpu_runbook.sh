@@ -12,13 +12,13 @@
 #   rounds        DFlash / DDTree round latency, 8 rounds per call (the decoding fast path), fused
 #                 and separate projections side by side
 #   rounds-tiling DFlash / DDTree(64, 256) rounds at ctx 4K with tree attention as it is and beside
-#                 its candidates (ROUNDS_IMPLS, default `auto pallas-triton`), side by side
+#                 its candidates (ROUNDS_IMPLS, default `auto pallas-unfused pallas-triton`), side by side
 #   rounds-split  the rounds with XLA command buffers off, for the per-stage split of each round
 #                 and its 40 costliest kernels
 #   kernel        tree attention vs XLA masked attention at ctx 1K-32K, W 1-512, beside the single
 #                 launch, with profiled kernel times (KERNEL_CONTEXTS, KERNEL_WIDTHS,
 #                 KERNEL_TILINGS; SWEEP_S=seconds adds a tiling sweep after it)
-#   kernel-tests  the GPU-only parity tests of the kernel against the reference
+#   kernel-tests  the GPU-only parity tests of the kernels (and the qkv epilogue) against their references
 #   kernel-sweep  only the random tiling sweep, SWEEP_S seconds (default 300), at SWEEP_WIDTHS
 #                 (default "64 272") and SWEEP_CONTEXTS (default "4096 32768")
 #   drafter       SmolLM2 drafter: make-data (4 samples per prompt), train with a 2% validation split,
@@ -175,21 +175,22 @@ ar)
         --out "$out/ar.json" ;;
 rounds)
     # shellcheck disable=SC2046
-    # The target's projections fused (as decoding runs) and separate, side by side; XLA's dot
-    # merger off, as DDTree decoding compiles it.
-    step rounds "$limit" python -m dflash_jax.bench.spec_round $(spec_args) --dot-merger off --layout fused separate \
+    # The target's projections fused (as decoding runs) and separate, side by side; each round
+    # compiled as decoding compiles it (DDTree: XLA's dot merger and command buffers off).
+    step rounds "$limit" python -m dflash_jax.bench.spec_round $(spec_args) --layout fused separate \
         --no-profile --out "$out/rounds.json" ;;
 rounds-tiling)
-    # Rounds with tree attention as it is, beside candidate variants of it (ROUNDS_IMPLS; the
+    # Rounds with tree attention as it is, beside candidate variants of it (ROUNDS_IMPLS: the
+    # thirteenth session's default before the qkv epilogue, and the Triton kernel alone; the
     # seventh and ninth sessions also ran a one-wave tiling, since removed).
     # shellcheck disable=SC2086
     if [ "$dry" = 1 ]; then set -- --model tiny --ctx 64 --budgets 16 --ddtree-ctx 128 --attn-impl auto
-    else set -- --ctx 4096 --budgets 64 256 --dot-merger off --attn-impl ${ROUNDS_IMPLS:-auto pallas-triton}; fi
+    else set -- --ctx 4096 --budgets 64 256 --attn-impl ${ROUNDS_IMPLS:-auto pallas-unfused pallas-triton}; fi
     step rounds_tiling "$limit" python -m dflash_jax.bench.spec_round "$@" --no-profile --out "$out/rounds_tiling.json" ;;
 rounds-split)
     export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="
     # shellcheck disable=SC2046
-    step rounds_split "$limit" python -m dflash_jax.bench.spec_round $(spec_args) --dot-merger off --kernel-table 40 \
+    step rounds_split "$limit" python -m dflash_jax.bench.spec_round $(spec_args) --kernel-table 40 \
         --dump-hlo "$out/hlo" --out "$out/rounds_split.json" ;;
 kernel)
     # Issue 4's grid (ctx 1K-32K, W 16-512, plus W 1 and 272) with today's defaults, beside the
@@ -213,7 +214,7 @@ kernel-tests)
     # tests/conftest.py keeps jax on the CPU unless JAX_PLATFORMS says otherwise.
     if [ "$dry" = 1 ]; then echo "kernel-tests: GPU only (nothing to run with DRY=1)"
     else JAX_PLATFORMS=cuda step kernel_tests "$limit" python -m pytest -q tests/test_tree_attention_hopper.py \
-        tests/test_tree_attention.py -k gpu_; fi ;;
+        tests/test_qkv_epilogue.py tests/test_tree_attention.py -k gpu_; fi ;;
 kernel-sweep)
     # The sweep alone: `kernel SWEEP_S=...` first times the whole grid, which takes most of a
     # call (ninth session). Each configuration's median ms is printed as it finishes.

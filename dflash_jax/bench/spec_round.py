@@ -133,9 +133,12 @@ def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool, rounds: i
 
 
 def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_len: int, profile: bool,
-                   hlo_dir: str | None = None, rounds: int = ROUNDS_PER_CALL, dot_merger: str = "default",
-                   table: int = 0, command_buffers: str = "default") -> dict:
+                   hlo_dir: str | None = None, rounds: int = ROUNDS_PER_CALL, dot_merger: str = "decoding",
+                   table: int = 0, command_buffers: str = "decoding") -> dict:
     state = make_state(cfg, dcfg, ctx, max_len, s.max_new_tokens, target.embed.dtype)
+    as_decoding = "off" if s.method == "ddtree" else "default"  # speculative.DDTREE_COMPILER_OPTIONS
+    dot_merger = as_decoding if dot_merger == "decoding" else dot_merger
+    command_buffers = as_decoding if command_buffers == "decoding" else command_buffers
     options = {**DOT_MERGER[dot_merger], **COMMAND_BUFFERS[command_buffers]} or None
     ms, rnd, _, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile, rounds, options, table)
     dump_hlo(hlo_dir, f"round_{s.method}_b{s.budget}_ctx{ctx}_r{rounds}_dm-{dot_merger}_cb-{command_buffers}"
@@ -185,8 +188,9 @@ def main() -> None:
     ap.add_argument("--draft", help="a drafter directory or shipped name instead of a random 5-layer one")
     ap.add_argument("--no-profile", action="store_true", help="no per-stage split (from a profiler trace)")
     ap.add_argument("--dump-hlo", metavar="DIR", help="write each compiled round's HLO here (gzip)")
-    ap.add_argument("--dot-merger", nargs="+", choices=sorted(DOT_MERGER), default=["default"],
-                    help="XLA's dot merger as is, or off (several: each is timed, side by side)")
+    ap.add_argument("--dot-merger", nargs="+", choices=sorted(DOT_MERGER) + ["decoding"], default=["decoding"],
+                    help="XLA's dot merger as decoding compiles it (off for DDTree, as is for DFlash), "
+                         "as is, or off (several: each is timed, side by side)")
     ap.add_argument("--attn-impl", nargs="+", choices=("auto", *sorted(PALLAS_VARIANTS)), default=["auto"],
                     help="tree attention as dispatched (auto/pallas: the Hopper kernel on sm_90 where it "
                          "applies, fed by the fused qkv epilogue), the same with the epilogue in XLA "
@@ -199,9 +203,10 @@ def main() -> None:
                     help="DDTree's vocabulary top_k chunk, 0 = one top_k (several: each is timed, side by side)")
     ap.add_argument("--rounds-per-call", nargs="+", type=int, default=[ROUNDS_PER_CALL],
                     help="rounds per jitted call (several: each is timed, side by side)")
-    ap.add_argument("--command-buffers", nargs="+", choices=sorted(COMMAND_BUFFERS), default=["default"],
-                    help="XLA's command buffers (CUDA graphs) as they are, or off (several: each is timed, "
-                         "side by side)")
+    ap.add_argument("--command-buffers", nargs="+", choices=sorted(COMMAND_BUFFERS) + ["decoding"],
+                    default=["decoding"],
+                    help="XLA's command buffers (CUDA graphs) as decoding compiles them (off for DDTree, as "
+                         "they are for DFlash), as they are, or off (several: each is timed, side by side)")
     ap.add_argument("--kernel-table", type=int, default=0, metavar="N",
                     help="with the profile: also list the N costliest kernels (launches, kind, op)")
     ap.add_argument("--out")
