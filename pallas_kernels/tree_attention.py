@@ -14,7 +14,9 @@ This file holds, side by side:
   (``GpuLimits``: its SMs and shared memory, read from the device).
 * ``_combine_splits``: the split-K merge (jnp, after the kernel).
 * ``hopper_applies``: where the dispatcher takes the Hopper kernel instead
-  (``tree_attention_hopper.py``: Mosaic GPU, for wide trees on sm_90).
+  (``tree_attention_hopper.py``: Mosaic GPU, for wide trees on sm_90); ``rows_schedule`` and
+  ``tree_attention_rows``: the same for a caller that hands q over in that kernel's row layout
+  (the model, from ``qkv_epilogue.py``).
 * ``tree_attention``: the dispatcher.
 """
 
