@@ -26,13 +26,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-# Rows (tokens x group) per program: one 128-row block of the Hopper kernel or less.
+# Rows (tokens x group) per program: one 128-row block of the Hopper kernel or less. 8 tokens
+# and 4 warps took 4.0 / 5.6 us of kernel time at W 272 / 528 on an H200, against 5.0 / 6.9 us
+# for 16 tokens (`bench/epilogue_bench.py`, BENCHMARKS.md, thirteenth session).
 _MAX_ROWS = 128
-_MAX_TOKENS = 16
+_MAX_TOKENS = 8
+NUM_WARPS = 4
 
 
 def token_block(group: int) -> int:
-    """Tokens per program: 16, or fewer so that tokens x group stays within 128 rows."""
+    """Tokens per program: 8, or fewer so that tokens x group stays within 128 rows."""
     return min(_MAX_TOKENS, _MAX_ROWS // group)
 
 
@@ -94,7 +97,8 @@ def _kernel(starts_ref, qkv_ref, cos_ref, sin_ref, q_norm_ref, k_norm_ref, k_in_
 
 def qkv_epilogue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None, cos: jax.Array,
                  sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array, starts: jax.Array, *, eps: float,
-                 padded_rows: int, interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 padded_rows: int, tokens: int | None = None, num_warps: int = NUM_WARPS,
+                 interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The fused qkv product's epilogue in one launch.
 
     Args:
@@ -104,15 +108,19 @@ def qkv_epilogue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
       cos, sin: [batch, width, head_dim] f32 (`rope.rope_tables` at the tokens' positions).
       k_cache, v_cache: [batch, max_len, kv_heads, head_dim]; donated (updated in place).
       starts: [batch] int32 L; callers guarantee L + width <= max_len.
-      padded_rows: rows per kv head of the output, a multiple of `token_block(group) * group`
-        and at least width * group.
+      padded_rows: rows per kv head of the output, a multiple of `tokens * group` and at least
+        width * group.
+      tokens, num_warps: the block (a power of two; default `token_block(group)`) and warps of
+        one program (`dflash_jax/bench/epilogue_bench.py` times them).
     Returns:
       (q_rows [batch, kv_heads, padded_rows, head_dim] with zero padding rows,
        k_cache, v_cache with the tree's K/V at slots L .. L+width-1).
     """
     batch, width, kv_heads, slots, head_dim = qkv.shape
     group = slots - 2
-    tokens = token_block(group)
+    tokens = token_block(group) if tokens is None else tokens
+    if tokens < 1 or tokens & (tokens - 1):
+        raise ValueError(f"qkv_epilogue: tokens={tokens} must be a power of two")
     if not applies(group, head_dim):
         raise ValueError(f"qkv_epilogue: group={group} and head_dim={head_dim} must be powers of two "
                          f"(group <= {_MAX_ROWS}, head_dim >= 32)")
@@ -162,7 +170,7 @@ def qkv_epilogue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
         out_specs=out_specs,
         out_shape=out_shape,
         input_output_aliases={6: 1, 7: 2},
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="qkv_epilogue",
     )(starts.astype(jnp.int32), qkv, cos.astype(jnp.float32), sin.astype(jnp.float32), q_w, k_w,

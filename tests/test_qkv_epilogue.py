@@ -104,6 +104,8 @@ def test_epilogue_checks_its_inputs():
     qkv3 = jnp.zeros((1, 20, 2, 3 + 2, 64))  # group 3
     with pytest.raises(ValueError, match="powers of two"):
         qkv_epilogue(qkv3, *args[1:], eps=1e-6, padded_rows=128, interpret=True)
+    with pytest.raises(ValueError, match="tokens=6"):
+        qkv_epilogue(*args, eps=1e-6, padded_rows=96, tokens=6, interpret=True)
     assert applies(4, 128) and applies(1, 64) and not applies(3, 128) and not applies(4, 96)
 
 
