@@ -39,10 +39,13 @@ def token_block(group: int) -> int:
     return min(_MAX_TOKENS, _MAX_ROWS // group)
 
 
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
 def applies(group: int, head_dim: int) -> bool:
     """Whether the kernel takes this shape: Triton blocks need power-of-two extents."""
-    pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
-    return pow2(group) and group <= _MAX_ROWS and pow2(head_dim) and head_dim >= 32
+    return _power_of_two(group) and group <= _MAX_ROWS and _power_of_two(head_dim) and head_dim >= 32
 
 
 def _kernel(starts_ref, qkv_ref, cos_ref, sin_ref, q_norm_ref, k_norm_ref, k_in_ref, v_in_ref,
@@ -119,7 +122,7 @@ def qkv_epilogue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
     batch, width, kv_heads, slots, head_dim = qkv.shape
     group = slots - 2
     tokens = token_block(group) if tokens is None else tokens
-    if tokens < 1 or tokens & (tokens - 1):
+    if not _power_of_two(tokens):
         raise ValueError(f"qkv_epilogue: tokens={tokens} must be a power of two")
     if not applies(group, head_dim):
         raise ValueError(f"qkv_epilogue: group={group} and head_dim={head_dim} must be powers of two "
