@@ -396,6 +396,8 @@ def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions:
     tap_layers: decoder layer ids whose outputs are returned (HF `hidden_states[id + 1]`, which
         for the last layer is the final-normed output).
     logit_rows: optional [batch, R] row indices; logits are computed only for those rows.
+    Where the Hopper tree-attention kernel runs (`epilogue_schedule`), each layer takes the
+    fused path of `attend_fused`: same values, fewer kernels.
     """
     bad = [t for t in tap_layers if not 0 <= t < cfg.num_layers]
     if bad:
