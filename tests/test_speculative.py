@@ -218,3 +218,15 @@ def test_stage_times_bad_arguments(pair):
     with pytest.raises(ValueError, match="max_len 16 is too small"):
         time_stages(params, cfg, dparams, dcfg, jnp.asarray(arr), jnp.asarray(lens), jax.random.key(0),
                     settings=s, max_len=16)
+
+
+def test_ddtree_compiler_options_are_xla_options():
+    """DDTree's generation compiles with these options (dot merger and command buffers off);
+    XLA rejects a misspelt name or value with INVALID_ARGUMENT, here as on a GPU."""
+    from dflash_jax.speculative import DDTREE_COMPILER_OPTIONS
+
+    assert set(DDTREE_COMPILER_OPTIONS) == {"xla_gpu_dot_merger_threshold_mb", "xla_gpu_enable_command_buffer"}
+    compiled = jax.jit(lambda x: x * 2).lower(jnp.ones(3)).compile(compiler_options=DDTREE_COMPILER_OPTIONS)
+    np.testing.assert_array_equal(np.asarray(compiled(jnp.ones(3))), 2.0)
+    with pytest.raises(Exception, match="xla_gpu_enable_command_buffer"):
+        jax.jit(lambda x: x).lower(jnp.ones(3)).compile(compiler_options={"xla_gpu_enable_command_buffer": "GRAPHS"})
