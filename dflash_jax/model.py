@@ -272,15 +272,19 @@ def project_qkv(p: AttentionParams, cfg: ModelConfig, x: jax.Array, kv_input: ja
     return constrain(q, (BATCH, None, Q_HEADS, None)), constrain(k, kv_axes), constrain(v, kv_axes)
 
 
-def _fused_qkv(p: AttentionParams, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x [batch, seq, embed] through `qkv` [embed, kv_heads, group + 2, head_dim] -> q, k, v.
+def _qkv_product(p: AttentionParams, x: jax.Array) -> jax.Array:
+    """x [batch, seq, embed] through `qkv` (bias added) -> [batch, seq, kv_heads, group + 2, head_dim].
 
-    The product's result is in the activation dtype (the GEMM still accumulates in float32), so
-    no float32 copy of it is written and read back.
+    The result is in the activation dtype (the GEMM still accumulates in float32), so no
+    float32 copy of it is written and read back.
     """
     qkv = jnp.einsum("bse,ekgd->bskgd", x, p.qkv, preferred_element_type=x.dtype)
-    if p.qkv_bias is not None:
-        qkv = qkv + p.qkv_bias.astype(qkv.dtype)
+    return qkv if p.qkv_bias is None else qkv + p.qkv_bias.astype(qkv.dtype)
+
+
+def _fused_qkv(p: AttentionParams, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [batch, seq, embed] through `qkv` [embed, kv_heads, group + 2, head_dim] -> q, k, v."""
+    qkv = _qkv_product(p, x)
     batch, seq, kv_heads, rows, head_dim = qkv.shape
     group = rows - 2
     q = qkv[:, :, :, :group].reshape(batch, seq, kv_heads * group, head_dim)
@@ -296,7 +300,7 @@ def epilogue_schedule(params: ModelParams, cfg: ModelConfig, batch: int, width: 
     """
     if not is_fused(params) or mesh_sizes() != (1, 1) or cache.k[0].dtype != jnp.dtype(dtype):
         return None
-    if not epilogue.applies(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim):
+    if not epilogue.applies(cfg.group_size, cfg.head_dim):
         return None
     return rows_schedule(batch, width, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cache.max_len, dtype,
                          attn_impl)
@@ -311,13 +315,11 @@ def attend_fused(p: AttentionParams, cfg: ModelConfig, x: jax.Array, cos: jax.Ar
     Same values as `project_qkv` + `apply_rope` + `write_rows` + `attention`, with 8 fewer
     kernels per layer. x: [batch, W, embed] -> (attn [batch, W, q_heads, head_dim], k_cache, v_cache).
     """
-    qkv = jnp.einsum("bse,ekgd->bskgd", x, p.qkv, preferred_element_type=x.dtype)
-    if p.qkv_bias is not None:
-        qkv = qkv + p.qkv_bias.astype(qkv.dtype)
-    q_rows, k_cache, v_cache = epilogue.qkv_epilogue(qkv, p.q_norm, p.k_norm, cos, sin, k_cache, v_cache, starts,
-                                                     eps=cfg.rms_norm_eps, padded_rows=sched.padded_rows)
+    q_rows, k_cache, v_cache = epilogue.qkv_epilogue(_qkv_product(p, x), p.q_norm, p.k_norm, cos, sin, k_cache,
+                                                     v_cache, starts, eps=cfg.rms_norm_eps,
+                                                     padded_rows=sched.padded_rows)
     attn = tree_attention_rows(q_rows, k_cache, v_cache, starts, visible, width=x.shape[1],
-                               group=cfg.num_heads // cfg.num_kv_heads, sched=sched)
+                               group=cfg.group_size, sched=sched)
     return attn, k_cache, v_cache
 
 

@@ -671,12 +671,9 @@ def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Ar
         return tree_attention_reference(q, k, v, prefix_lens, visible, scale=scale)
     if which in HOPPER_VARIANTS and hopper_applies(q, k):
         _check_shapes(q, k, v, prefix_lens, visible)
-        batch, width, q_heads, _ = q.shape
-        kv_heads = k.shape[2]
-        group = q_heads // kv_heads
-        sched = hopper.schedule(batch, kv_heads, width * group, k.shape[1], gpu_limits().num_sms)
-        return tree_attention_rows(hopper.rows_of(q, kv_heads, sched.padded_rows), k, v, prefix_lens, visible,
-                                   width=width, group=group, sched=sched, scale=scale)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return hopper.tree_attention_hopper(q, k, v, prefix_lens, visible, scale=scale,
+                                            num_sms=gpu_limits().num_sms)
     # "pallas-one-launch": the default tiling without its tail launch.
     blocks = {"tail_split": 0} if which == "pallas-one-launch" else {}
     return tree_attention_pallas(q, k, v, prefix_lens, visible, scale=scale,
