@@ -24,7 +24,9 @@ from dflash_jax.generate import PAD, Generation, is_stop, prefill
 from dflash_jax.kv_cache import KVCache, gather_rows, write_rows
 from dflash_jax.model import ModelParams, forward
 from dflash_jax.sampling import SamplingParams, sample, sample_from_probs, sampling_probs
-from dflash_jax.tree import TOP_K_CHUNK, Tree, build_tree, chain_tree, tree_width
+from dflash_jax.sharding import mesh_sizes
+from dflash_jax.tree import RANK_TOP_K_MAX, TOP_K_CHUNK, Tree, build_tree, chain_tree, tree_width
+from pallas_kernels import kv_compact
 
 METHODS = ("dflash", "ddtree")
 
@@ -39,8 +41,13 @@ class SpecSettings:
     sampling: SamplingParams = SamplingParams()
     max_new_tokens: int = 256
     stop_tokens: tuple[int, ...] = ()
-    attn_impl: str = "auto"
+    attn_impl: str = "auto"  # "reference"/"interpret" also keep the commit's K/V compaction in XLA
     top_k_chunk: int = TOP_K_CHUNK  # DDTree's vocabulary top_k in chunks (tree.chunked_top_k); 0: one top_k
+    rank_max: int = RANK_TOP_K_MAX  # DDTree's own top-k selections by ranking up to this length (build_tree)
+    # The commit moves every layer's accepted K/V in one Pallas launch (`pallas_kernels/kv_compact.py`)
+    # where `compact_in_one_launch` allows it; False: a gather + row write per buffer in XLA (2 x layers
+    # kernels), e.g. to compare the two.
+    compact_kernel: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -126,7 +133,7 @@ def propose(state: SpecState, logits: jax.Array, s: SpecSettings) -> tuple[Draft
             probs = sampling_probs(logits, s.sampling)
             log_probs = jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)), -jnp.inf)
         with jax.named_scope("tree"):  # a scope of its own, so profiles can split it from the drafter pass
-            tree = build_tree(log_probs, state.root, s.budget, s.width, s.top_k_chunk)
+            tree = build_tree(log_probs, state.root, s.budget, s.width, s.top_k_chunk, s.rank_max)
     return Draft(tree=tree, draft_probs=draft_probs, limit=_block_limit(state, s)), key
 
 
@@ -161,6 +168,21 @@ def accept_stage(key: jax.Array, draft: Draft, logits: jax.Array, s: SpecSetting
     return follow_target(draft.tree, choice, s.block_size - 1, draft.node_ok)
 
 
+def compact_in_one_launch(cache: KVCache, bs: int, attn_impl: str = "auto", backend: str | None = None,
+                          enabled: bool = True) -> bool:
+    """Whether the commit moves the accepted K/V with `kv_compact` (one launch for all 2 x layers
+    buffers): on a GPU (`backend`, default `jax.default_backend()`), without a mesh (as
+    `model.epilogue_schedule`; under one the buffers are sharded and stay on XLA's per-buffer
+    path), with all buffers of one shape and dtype (`kv_compact.applies`); not when
+    `enabled` is off (`SpecSettings.compact_kernel`) or the attention runs in jnp ("reference")
+    or interpreted."""
+    if not enabled or attn_impl in ("reference", "interpret"):
+        return False
+    if (backend or jax.default_backend()) != "gpu" or mesh_sizes() != (1, 1):
+        return False
+    return kv_compact.applies(cache.k + cache.v, bs)
+
+
 def commit_stage(state: SpecState, draft: Draft, path: jax.Array, m: jax.Array, bonus: jax.Array,
                  taps: jax.Array, cache: KVCache, dparams: Any, dcfg: Any, s: SpecSettings,
                  key: jax.Array) -> SpecState:
@@ -170,10 +192,13 @@ def commit_stage(state: SpecState, draft: Draft, path: jax.Array, m: jax.Array, 
     start = state.cache.lengths
     # Accepted nodes' K/V move from their tree slots to contiguous slots L..L+m.
     slots = start[:, None] + path
-    ks = tuple(write_rows(k, gather_rows(k, slots), start) for k in cache.k)
-    vs = tuple(write_rows(v, gather_rows(v, slots), start) for v in cache.v)
+    layers = len(cache.k)
+    if compact_in_one_launch(cache, bs, s.attn_impl, enabled=s.compact_kernel):
+        moved = kv_compact.kv_compact(cache.k + cache.v, slots, start)
+    else:
+        moved = tuple(write_rows(x, gather_rows(x, slots), start) for x in cache.k + cache.v)
     new_len = start + jnp.where(active, m + 1, 0)
-    cache = KVCache(k=ks, v=vs, lengths=new_len)
+    cache = KVCache(k=moved[:layers], v=moved[layers:], lengths=new_len)
     # The drafter's context grows by the target features of the root and accepted nodes.
     path_taps = gather_rows(taps, path)
     positions = start[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]

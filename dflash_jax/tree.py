@@ -10,7 +10,7 @@ DDTree (arXiv 2604.12989) grows the tree with a best-first heap: pop the most pr
 push its next-ranked sibling and its first child, until `budget` nodes are taken. Because the
 drafter's per-depth distributions do not depend on the parent, the heap's result is exactly the
 `budget` prefixes with the highest summed log-probability, which `build_tree` computes with a
-few `top_k`s instead of a data-dependent loop.
+few top-k selections instead of a data-dependent loop.
 """
 from __future__ import annotations
 
@@ -26,6 +26,9 @@ import numpy as np
 ROW_BLOCK = 16
 # Vocabulary chunk of the two-stage top_k (`chunked_top_k`); 0 = one top_k over the whole row.
 TOP_K_CHUNK = 2048
+# Longest row that the tree's top-k selections (per depth and over all depths) rank with
+# `ranked_top_k` instead of `lax.top_k`: ranking compares every pair, m * m per row.
+RANK_TOP_K_MAX = 4096
 
 
 @jax.tree_util.register_dataclass
@@ -171,7 +174,8 @@ def _check_draft_inputs(log_probs: Any, root_tokens: Any) -> None:
 
 
 def build_tree(log_probs: jax.Array, root_tokens: jax.Array, budget: int,
-               width: int | None = None, top_k_chunk: int = TOP_K_CHUNK) -> Tree:
+               width: int | None = None, top_k_chunk: int = TOP_K_CHUNK,
+               rank_max: int = RANK_TOP_K_MAX) -> Tree:
     """DDTree: the root plus the `budget` most probable draft prefixes.
 
     log_probs:   [batch, depth, vocab] float, log q_d for draft depths 1..depth (the drafter's
@@ -182,6 +186,8 @@ def build_tree(log_probs: jax.Array, root_tokens: jax.Array, budget: int,
     width:       static int >= 1 + budget, node slots (default `tree_width(budget)`).
     top_k_chunk: static int >= 0, the vocabulary chunk of `chunked_top_k` (0: one top_k);
                  the tree is the same for every value.
+    rank_max:    static int >= 0, the longest row the tree's own top-k selections rank with
+                 `ranked_top_k` (longer ones use lax.top_k); the tree is the same for every value.
 
     Node scores are summed log-probs along the path. Ties are broken by lower depth, then by
     rank within the depth (lower parent rank, then lower token rank, token ranks coming from a
@@ -193,7 +199,9 @@ def build_tree(log_probs: jax.Array, root_tokens: jax.Array, budget: int,
     budget = _check_int("budget", budget, 1)
     width = tree_width(budget) if width is None else _check_int("width", width, 1 + budget)
     top_k_chunk = _check_int("top_k_chunk", top_k_chunk, 0)
-    return _build_tree(log_probs, root_tokens, budget=budget, width=width, top_k_chunk=top_k_chunk)
+    rank_max = _check_int("rank_max", rank_max, 0)
+    return _build_tree(log_probs, root_tokens, budget=budget, width=width, top_k_chunk=top_k_chunk,
+                       rank_max=rank_max)
 
 
 def chunked_top_k(rows: jax.Array, k: int, chunk: int = TOP_K_CHUNK) -> tuple[jax.Array, jax.Array]:
@@ -223,8 +231,83 @@ def chunked_top_k(rows: jax.Array, k: int, chunk: int = TOP_K_CHUNK) -> tuple[ja
     return val, jnp.take_along_axis(cand_idx, pos, axis=1)
 
 
-def _per_depth_best(log_probs: jax.Array, budget: int, chunk: int = TOP_K_CHUNK
-                    ) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
+def _order_keys(values: jax.Array) -> jax.Array:
+    """int32 keys whose signed order is top_k's order on the float values.
+
+    top_k orders floats totally: -NaN < -inf < ... < -0.0 < +0.0 < ... < +inf < +NaN. A float's
+    bits read as a signed int follow that order for sign bit 0 and the reverse for sign bit 1,
+    so flipping the 31 low bits of the negative ones makes the whole order match.
+    """
+    bits = jax.lax.bitcast_convert_type(values.astype(jnp.float32), jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def _stable_ranks(values: jax.Array) -> jax.Array:
+    """rank[b, c]: the position of values[b, c] in top_k's order (higher first, ties by index).
+
+    values: [n, m] float. rank = #{c' : v[c'] > v[c]} + #{c' < c : v[c'] == v[c]}, a permutation
+    of 0..m-1 per row. The [n, m, m] compare feeds straight into the sum, for XLA to fuse into
+    one reduction on GPU; XLA's CPU backend writes the compare out as int32 first (59 MB per
+    row at m = 3840) and reduces it in a tree of reduce-windows.
+    """
+    m = values.shape[1]
+    key = _order_keys(values)
+    idx = jnp.arange(m, dtype=jnp.int32)
+    other, this = key[:, None, :], key[:, :, None]                    # c' on the last axis
+    ahead = (other > this) | ((other == this) & (idx[None, None, :] < idx[None, :, None]))
+    return jnp.sum(ahead, axis=2, dtype=jnp.int32)
+
+
+def _check_rank_input(values: Any, k: int) -> tuple[int, int]:
+    if getattr(values, "ndim", None) != 2:
+        raise ValueError(f"values must be [n, m], got shape {getattr(values, 'shape', None)}")
+    if not jnp.issubdtype(values.dtype, jnp.floating) or jnp.dtype(values.dtype).itemsize > 4:
+        raise ValueError(f"values must be float32 or narrower, got {values.dtype}")
+    k = _check_int("k", k, 0)
+    if k > values.shape[1]:
+        raise ValueError(f"k must be <= the row length {values.shape[1]}, got {k}")
+    return values.shape[1], k
+
+
+def ranked_top_k(values: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k(values, k)` (values and int32 indices, same order and tie-break) by ranking.
+
+    values: [n, m] float (float32 or narrower); k: static int <= m. Every entry's rank in top_k's
+    order (`_stable_ranks`: higher value first, equal values by lower index, floats ordered
+    totally as top_k does, -0.0 below +0.0) comes from one [n, m, m] compare-and-sum; output
+    position r holds the index whose rank is r, found by a [n, k, m] reduction, and its value.
+    Why: on GPU XLA lowers a small top_k with k = 256 to a sort of several single-SM kernels;
+    two fused reductions cost less when m is small. The work grows as m * m, so callers use it
+    only up to `RANK_TOP_K_MAX` (`build_tree`'s rank_max).
+    """
+    m, k = _check_rank_input(values, k)
+    rank = _stable_ranks(values)                                              # [n, m]
+    position = jnp.arange(k, dtype=jnp.int32)
+    idx = jnp.arange(m, dtype=jnp.int32)
+    # Ranks are a permutation, so exactly one c matches each position.
+    indices = jnp.sum(jnp.where(rank[:, None, :] == position[None, :, None], idx[None, None, :], 0),
+                      axis=2, dtype=jnp.int32)                                # [n, k]
+    return jnp.take_along_axis(values, indices, axis=1), indices
+
+
+def _ranked_top_k_set(values: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The indices of `lax.top_k(values, k)` sorted ascending, without a sort.
+
+    values: [n, m] float; k: static int <= m. Returns (chosen [n, k] int32 ascending, slot
+    [n, m] int32: 1 + the position of c in `chosen`, 0 where c is not chosen). The chosen set is
+    {c : rank[c] < k}; with count[c] = #{chosen c' <= c} (a cumulative sum), the p-th chosen
+    index is #{c : count[c] <= p}.
+    """
+    _, k = _check_rank_input(values, k)
+    taken = _stable_ranks(values) < k                                         # [n, m]
+    count = jnp.cumsum(taken, axis=1, dtype=jnp.int32)
+    position = jnp.arange(k, dtype=jnp.int32)
+    chosen = jnp.sum(count[:, None, :] <= position[None, :, None], axis=2, dtype=jnp.int32)
+    return chosen, jnp.where(taken, count, 0)
+
+
+def _per_depth_best(log_probs: jax.Array, budget: int, chunk: int = TOP_K_CHUNK,
+                    rank_max: int = RANK_TOP_K_MAX) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
     """Best `budget` nodes of every depth, each depth in rank order.
 
     log_probs: [batch, depth, vocab] sanitised float32.
@@ -247,7 +330,10 @@ def _per_depth_best(log_probs: jax.Array, budget: int, chunk: int = TOP_K_CHUNK
         pi, tj = _candidate_pairs(scores[-1].shape[1], n_tokens, budget)
         candidates = scores[-1][:, pi] + token_lp[:, d, tj]        # [batch, n_pairs]
         n_keep = min(budget, pi.size)
-        best, which = jax.lax.top_k(candidates, n_keep)            # stable: lexicographic ties
+        # Both are stable (ties by lower candidate index: lexicographic ties); ranking avoids
+        # the sort XLA would run for top_k on GPU while the pairwise compare stays small.
+        top_k = ranked_top_k if pi.size <= rank_max else jax.lax.top_k
+        best, which = top_k(candidates, n_keep)
         scores.append(best)
         parent_rank.append(jnp.asarray(pi)[which])
         tokens.append(jnp.take_along_axis(token_ids[:, d], jnp.asarray(tj)[which], axis=1)
@@ -256,9 +342,9 @@ def _per_depth_best(log_probs: jax.Array, budget: int, chunk: int = TOP_K_CHUNK
 
 
 def _build_tree_impl(log_probs: jax.Array, root_tokens: jax.Array, budget: int, width: int,
-                     top_k_chunk: int = TOP_K_CHUNK) -> Tree:
+                     top_k_chunk: int = TOP_K_CHUNK, rank_max: int = RANK_TOP_K_MAX) -> Tree:
     batch, depth, _ = log_probs.shape
-    scores, tokens, parent_rank = _per_depth_best(_sanitize(log_probs), budget, top_k_chunk)
+    scores, tokens, parent_rank = _per_depth_best(_sanitize(log_probs), budget, top_k_chunk, rank_max)
 
     # Concatenate the depths: flat index = offset[d] + rank, so a lower flat index means lower
     # depth, then lower rank -- exactly the tie-break, which stable top_k applies for free.
@@ -272,13 +358,17 @@ def _build_tree_impl(log_probs: jax.Array, root_tokens: jax.Array, budget: int, 
     flat_depth = np.concatenate([np.full(n, d + 1, np.int32) for d, n in enumerate(sizes)])
 
     n_nodes = min(budget, flat_scores.shape[1])
-    _, chosen = jax.lax.top_k(flat_scores, n_nodes)
-    # Sorting flat indices orders slots by depth, so every parent lands before its children.
-    chosen = jnp.sort(chosen, axis=1)                                             # [batch, n]
-    slot_of = jnp.zeros(flat_scores.shape, jnp.int32).at[
-        jnp.arange(batch)[:, None], chosen].set(
-        jnp.broadcast_to(jnp.arange(1, n_nodes + 1, dtype=jnp.int32), chosen.shape),
-        indices_are_sorted=True, unique_indices=True)
+    # The best n_nodes in ascending flat index: that orders slots by depth, so every parent
+    # lands before its children. slot_of: a chosen flat index's slot (1..n_nodes), else 0.
+    if flat_scores.shape[1] <= rank_max:
+        chosen, slot_of = _ranked_top_k_set(flat_scores, n_nodes)                # no sort
+    else:
+        _, chosen = jax.lax.top_k(flat_scores, n_nodes)
+        chosen = jnp.sort(chosen, axis=1)                                         # [batch, n]
+        slot_of = jnp.zeros(flat_scores.shape, jnp.int32).at[
+            jnp.arange(batch)[:, None], chosen].set(
+            jnp.broadcast_to(jnp.arange(1, n_nodes + 1, dtype=jnp.int32), chosen.shape),
+            indices_are_sorted=True, unique_indices=True)
     node_parent_flat = jnp.take_along_axis(flat_parent, chosen, axis=1)
     # Prefix closure guarantees a chosen node's parent was chosen too, so slot_of is filled there.
     node_parent = jnp.where(node_parent_flat < 0, 0, jnp.take_along_axis(
@@ -302,7 +392,7 @@ def _build_tree_impl(log_probs: jax.Array, root_tokens: jax.Array, budget: int, 
                 visible=visible, scores=out_scores)
 
 
-_build_tree = jax.jit(_build_tree_impl, static_argnames=("budget", "width", "top_k_chunk"))
+_build_tree = jax.jit(_build_tree_impl, static_argnames=("budget", "width", "top_k_chunk", "rank_max"))
 
 
 def chain_tree(block_tokens: jax.Array, width: int | None = None) -> Tree:

@@ -34,20 +34,26 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import tree_attention_hopper as hopper
 
-Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-triton", "pallas-one-launch", "reference", "interpret"]
+Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-reduced-merge", "pallas-triton",
+               "pallas-one-launch", "reference", "interpret"]
 # The kernels as dispatched ("pallas": on Hopper, `tree_attention_hopper` where it applies, fed
 # by the model's fused qkv epilogue), and the variants benchmarks time beside it:
 # "pallas-unfused", the same kernels with the model's epilogue in XLA (the default before the
-# thirteenth session); "pallas-triton", the Triton kernel alone; and
+# thirteenth session); "pallas-no-pingpong", "pallas" with the Hopper kernel's two compute
+# warpgroups not taking turns on the tensor cores; "pallas-reduced-merge", that with the split
+# merge as XLA reductions too (both the default before the fourteenth session);
+# "pallas-triton", the Triton kernel alone; and
 # "pallas-one-launch", its default tiling without the tail launch (at W 272, the default before
 # the seventh session).
 # Candidates that lost were removed after measuring them (BENCHMARKS.md): a one-wave tiling
 # (seventh session; its split-K cap is in the default), a Pallas kernel merging the split-K
 # partials (seventh), a merge inside the kernel by the last program of each row block (tenth),
 # and a Triton kernel merging the Hopper kernel's partials into tokens (thirteenth).
-PALLAS_VARIANTS = ("pallas", "pallas-unfused", "pallas-triton", "pallas-one-launch")
-# The variants that run the Hopper kernel where it applies.
-HOPPER_VARIANTS = ("pallas", "pallas-unfused")
+PALLAS_VARIANTS = ("pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-reduced-merge", "pallas-triton",
+                   "pallas-one-launch")
+# The variants that run the Hopper kernel where it applies; those fed by the qkv epilogue.
+HOPPER_VARIANTS = ("pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-reduced-merge")
+_ROWS_VARIANTS = ("pallas", "pallas-no-pingpong", "pallas-reduced-merge")
 
 # exp2 is the native GPU instruction; folding log2(e) into the score scale makes exp2 exact
 # replacement for exp.
@@ -613,11 +619,13 @@ def rows_schedule(batch: int, width: int, q_heads: int, kv_heads: int, head_dim:
     (`tree_attention_rows`), e.g. straight from `qkv_epilogue`, instead of [batch, W, heads, dim].
     ("pallas-unfused" never gets one: it is the path without that epilogue.)
     """
-    if resolve_impl(impl) != "pallas":
+    which = resolve_impl(impl)
+    if which not in _ROWS_VARIANTS:
         return None
     if not hopper_takes(width, q_heads, kv_heads, head_dim, max_len, dtype):
         return None
-    return hopper.schedule(batch, kv_heads, width * (q_heads // kv_heads), max_len, gpu_limits().num_sms)
+    sched = hopper.schedule(batch, kv_heads, width * (q_heads // kv_heads), max_len, gpu_limits().num_sms)
+    return dataclasses.replace(sched, pingpong=which == "pallas", unrolled_merge=which != "pallas-reduced-merge")
 
 
 def tree_attention_rows(q_rows: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Array,

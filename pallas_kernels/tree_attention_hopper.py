@@ -66,6 +66,8 @@ class Schedule:
     tail_split: int
     block_k: int = 128
     stages: int = 2
+    pingpong: bool = True
+    unrolled_merge: bool = True
 
     @property
     def main_programs(self) -> int:
@@ -172,7 +174,7 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
     """
     block_k, stages = sched.block_k, sched.stages
     (q_smem, k_smem, v_smem, bias_smem, lse_smem), barriers = scratch
-    k_ready, v_ready, q_ready, bias_ready, k_free, v_free = barriers
+    k_ready, v_ready, q_ready, bias_ready, k_free, v_free, turn = barriers
     b = lax.axis_index("batch")
     head = lax.axis_index("kv_head")
     program = lax.axis_index("program")
@@ -211,13 +213,22 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
         acc = plgpu.layout_cast(jnp.full((ROWS_PER_WG, q_tile.shape[-1]), 0.0, jnp.float32),
                                 wgmma_layout)
 
+        pingpong = sched.pingpong
+
+        def take_turn():
+            plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(turn)
+
         def step(i, carry, masked: bool):
             acc, m_i, l_i = carry
             slot = lax.rem(i - lo, jnp.int32(stages))
-            plgpu.barrier_wait(k_ready.at[slot])
+            if not pingpong:
+                plgpu.barrier_wait(k_ready.at[slot])
 
             def scores(acc_ref):
                 plgpu.wgmma(acc_ref, q_tile, _transposed(k_smem.at[slot]))
+                if pingpong:  # the other warpgroup's P @ V goes next, while this one waits
+                    take_turn()
                 return acc_ref[...]
 
             s = pl.run_scoped(scores, plgpu.ACC((ROWS_PER_WG, block_k), jnp.float32))
@@ -233,18 +244,35 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
             l_i = l_i * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             p16 = p.astype(dtype)
-            plgpu.barrier_wait(v_ready.at[slot])
+            if pingpong:
+                # The softmax must be done before this warpgroup hands over its turn.
+                acc, m_new, l_i, p16 = lax.optimization_barrier((acc, m_new, l_i, p16))
+                plgpu.barrier_arrive(turn)
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_wait(turn)
+            else:
+                plgpu.barrier_wait(v_ready.at[slot])
 
             def values(acc_ref):
                 plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                if pingpong:  # wait for the next K block while this product runs
+                    pl.when(i + 1 < hi)(lambda: plgpu.barrier_wait(k_ready.at[lax.rem(i + 1 - lo, jnp.int32(stages))]))
 
             acc = pl.run_state(values)(plgpu.ACC.init(acc))
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l_i
 
+        if pingpong:
+            # Warpgroup 1 starts a turn behind warpgroup 0 and warpgroup 0 ends one turn after
+            # it, so both arrive at `turn` equally often; K block `lo` is awaited here, each
+            # later one inside the step before it.
+            pl.when(wg == 1)(take_turn)
+            pl.when(lo < hi)(lambda: plgpu.barrier_wait(k_ready.at[0]))
         carry = (acc, m_i, l_i)
         carry = lax.fori_loop(lo, jnp.minimum(hi, n_clean), functools.partial(step, masked=False), carry)
         acc, m_i, l_i = lax.fori_loop(first_masked, hi, functools.partial(step, masked=True), carry)
+        if pingpong:
+            pl.when(wg == 0)(take_turn)
 
         seen = l_i > 0
         inv = 1.0 / jnp.where(seen, l_i, 1.0)
@@ -325,6 +353,7 @@ def hopper_partials(q_rows: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: 
             plgpu.Barrier(num_barriers=COMPUTE_WGS),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # turns on the tensor cores (pingpong)
         )
         pl.run_scoped(
             lambda *scratch: _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref,
@@ -348,10 +377,27 @@ def hopper_partials(q_rows: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: 
 
 
 def _merge_splits(out: jax.Array, lse: jax.Array) -> jax.Array:
-    """[..., splits, 128, head_dim] + lse [..., splits, 128] -> [..., 128, head_dim] in float32."""
+    """[..., splits, 128, head_dim] + lse [..., splits, 128] -> [..., 128, head_dim] in float32.
+
+    The max and sums over the splits are unrolled into elementwise ops (there are 2 or 16) rather
+    than reductions: XLA does not fuse a reduction into its consumer, and the merge is then one or
+    two fusions with the move to tokens instead of four kernels (8.8 us a layer at W 272).
+    """
+    parts = [lse[..., s, :] for s in range(lse.shape[-2])]
+    top = functools.reduce(jnp.maximum, parts)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    weights = [jnp.exp2(part - top) for part in parts]  # 0 for a split that saw nothing
+    total = functools.reduce(jnp.add, weights)
+    inv = 1.0 / jnp.where(total > 0, total, 1.0)
+    terms = [(w * inv)[..., None] * out[..., s, :, :].astype(jnp.float32) for s, w in enumerate(weights)]
+    return functools.reduce(jnp.add, terms)
+
+
+def _merge_splits_reduced(out: jax.Array, lse: jax.Array) -> jax.Array:
+    """`_merge_splits` with reductions over the split axis (four XLA kernels a layer at W 272)."""
     top = jnp.max(lse, axis=-2, keepdims=True)
     top = jnp.where(jnp.isfinite(top), top, 0.0)
-    w = jnp.exp2(lse - top)  # 0 for a split that saw nothing
+    w = jnp.exp2(lse - top)
     total = jnp.sum(w, axis=-2)
     num = jnp.sum(w[..., None] * out.astype(jnp.float32), axis=-3)
     return num / jnp.where(total > 0, total, 1.0)[..., None]
@@ -360,14 +406,15 @@ def _merge_splits(out: jax.Array, lse: jax.Array) -> jax.Array:
 def merge(out: jax.Array, lse: jax.Array, sched: Schedule) -> jax.Array:
     """The programs' partials -> [batch, kv_heads, padded_rows, head_dim] in out's dtype."""
     batch, kv_heads, _, block, head_dim = out.shape
+    merge_splits = _merge_splits if sched.unrolled_merge else _merge_splits_reduced
     parts = []
     if sched.full_blocks:
         n, s = sched.full_blocks, sched.main_split
         o = out[:, :, :sched.main_programs].reshape(batch, kv_heads, n, s, block, head_dim)
         m = lse[:, :, :sched.main_programs].reshape(batch, kv_heads, n, s, block)
-        parts.append(_merge_splits(o, m).reshape(batch, kv_heads, n * block, head_dim))
+        parts.append(merge_splits(o, m).reshape(batch, kv_heads, n * block, head_dim))
     if sched.tail:
-        parts.append(_merge_splits(out[:, :, sched.main_programs:], lse[:, :, sched.main_programs:]))
+        parts.append(merge_splits(out[:, :, sched.main_programs:], lse[:, :, sched.main_programs:]))
     merged = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=2)
     return merged.astype(out.dtype)
 

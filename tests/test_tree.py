@@ -9,7 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.tree import Tree, ancestors_visible, build_tree, chain_tree, chunked_top_k, tree_width
+from dflash_jax import tree as tree_module
+from dflash_jax.tree import (Tree, ancestors_visible, build_tree, chain_tree, chunked_top_k,
+                             ranked_top_k, tree_width)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,6 +182,62 @@ def test_chunked_top_k_equals_top_k_with_ties(k: int, chunk: int, length: int) -
     got_val, got_idx = chunked_top_k(jnp.asarray(rows), k, chunk)
     np.testing.assert_array_equal(np.asarray(got_idx), np.asarray(want_idx))
     np.testing.assert_array_equal(np.asarray(got_val), np.asarray(want_val))
+
+
+@pytest.mark.parametrize("n,m,k", [(1, 1, 1), (2, 5, 0), (3, 17, 5), (4, 64, 64), (2, 300, 256),
+                                   (3, 1500, 256)])
+def test_ranked_top_k_equals_top_k_with_ties(n: int, m: int, k: int) -> None:
+    rng = np.random.default_rng(n * 10000 + m * 10 + k)
+    rows = rng.choice(np.array([0.0, -1.0, -2.0, -np.inf], np.float32), size=(n + 3, m))
+    rows[0] = -np.inf                                   # nothing but -inf
+    rows[1] = -1.0                                      # one value everywhere
+    rows[2] = rng.standard_normal(m).astype(np.float32)  # (almost surely) no ties
+    rows = jnp.asarray(rows)
+    want_val, want_idx = jax.lax.top_k(rows, k)
+    got_val, got_idx = jax.jit(ranked_top_k, static_argnums=1)(rows, k)
+    assert got_idx.dtype == jnp.int32 and got_val.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(got_idx), np.asarray(want_idx))
+    np.testing.assert_array_equal(np.asarray(got_val), np.asarray(want_val))
+    # The sorted chosen set that build_tree uses for the final selection.
+    chosen, slot = jax.jit(tree_module._ranked_top_k_set, static_argnums=1)(rows, k)
+    want_chosen = np.sort(np.asarray(want_idx), axis=1)
+    np.testing.assert_array_equal(np.asarray(chosen), want_chosen)
+    want_slot = np.zeros(rows.shape, np.int32)
+    np.put_along_axis(want_slot, want_chosen, np.arange(1, k + 1, dtype=np.int32)[None], axis=1)
+    np.testing.assert_array_equal(np.asarray(slot), want_slot)
+
+
+def test_ranked_top_k_orders_floats_totally_like_top_k() -> None:
+    # -0.0 below +0.0 and NaN at the ends by its sign, as top_k orders them.
+    nan = np.nan
+    rows = jnp.array([[0.0, -0.0, nan, -nan, -np.inf, np.inf, -1.0, 0.0, -0.0, nan],
+                      [-0.0, -0.0, 0.0, -3.0, -0.0, np.inf, np.inf, -nan, 0.0, 1.0]], jnp.float32)
+    want_val, want_idx = jax.lax.top_k(rows, 10)
+    got_val, got_idx = ranked_top_k(rows, 10)
+    np.testing.assert_array_equal(np.asarray(got_idx), np.asarray(want_idx))
+    np.testing.assert_array_equal(np.signbit(np.asarray(got_val)), np.signbit(np.asarray(want_val)))
+    np.testing.assert_array_equal(np.asarray(got_val), np.asarray(want_val))
+
+
+def test_tree_without_ranking_is_the_same() -> None:
+    # rank_max = 0 takes lax.top_k (and the sort) everywhere: the tree must not change.
+    rng = np.random.default_rng(5)
+    lp = rng.choice(np.array([0.0, -0.5, -1.0, -np.inf], np.float32), size=(2, 6, 40))
+    lp[1] = random_log_probs(6, (6, 40))
+    lp, roots = jnp.asarray(lp), jnp.array([1, 2], jnp.int32)
+
+    def build(rank_max: int) -> Tree:
+        return build_tree(lp, roots, 64, rank_max=rank_max)
+
+    def sorts(rank_max: int) -> int:
+        return str(jax.make_jaxpr(lambda: tree_module._build_tree_impl(
+            lp, roots, budget=64, width=tree_width(64), rank_max=rank_max))()).count(" sort[")
+
+    assert sorts(tree_module.RANK_TOP_K_MAX) == 0 and sorts(0) == 1
+    ranked, sorted_ = build(tree_module.RANK_TOP_K_MAX), build(0)
+    for a, b in zip(jax.tree_util.tree_leaves(ranked), jax.tree_util.tree_leaves(sorted_)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    check_structure(ranked, 65)
 
 
 @pytest.mark.parametrize("budget", [5, 8])

@@ -7,6 +7,7 @@ kernel itself against the jnp reference.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 
@@ -113,17 +114,19 @@ def _split_partials(q, k, v, prefix_lens, visible, sched: hopper.Schedule):
     return jnp.asarray(outs), jnp.asarray(lses)
 
 
+@pytest.mark.parametrize("unrolled", [True, False])
 @pytest.mark.parametrize("batch,width,lens,tree", [
     (2, 80, [300, 40], True),   # 2 full blocks + a partial one per kv head, split both ways
     (1, 16, [200], False),      # only a partial block (a DFlash chain)
 ])
-def test_merge_of_split_partials_is_the_reference(batch, width, lens, tree):
-    """Partials split over the keys the way the kernel splits them, merged by `merge`, give the
-    reference's attention (float32)."""
+def test_merge_of_split_partials_is_the_reference(batch, width, lens, tree, unrolled):
+    """Partials split over the keys the way the kernel splits them, merged by `merge` (either
+    way), give the reference's attention (float32)."""
     kv_heads, group, head_dim, max_len = 2, 4, 64, 512
     q, k, v, prefix_lens, visible = make_case(3, batch, width, kv_heads, group, head_dim, max_len,
                                               lens, jnp.float32, tree)
     sched = hopper.schedule(batch, kv_heads, width * group, max_len, num_sms=24, block_k=64)
+    sched = dataclasses.replace(sched, unrolled_merge=unrolled)
     assert sched.tail and (sched.main_split > 1 or not sched.full_blocks) and sched.tail_split > 1
     out, lse = _split_partials(q, k, v, prefix_lens, visible, sched)
     got = hopper.tokens_of(hopper.merge(out, lse, sched), width, group)
@@ -144,12 +147,14 @@ def test_schedule_fills_one_wave():
     assert hopper.schedule(1, 8, 16 * 4, 300).tail_split == 1
 
 
-def test_hopper_kernel_lowers_for_cuda():
+@pytest.mark.parametrize("pingpong", [True, False])
+def test_hopper_kernel_lowers_for_cuda(pingpong):
     """The Mosaic GPU kernel traces and lowers for cuda without a GPU (one custom call)."""
     q = jax.ShapeDtypeStruct((1, 272, 32, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 5120, 8, 128), jnp.bfloat16)
     args = [q, kv, kv, jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1, 272, 272), jnp.bool_)]
-    fn = functools.partial(hopper.tree_attention_hopper, scale=128 ** -0.5)
+    sched = dataclasses.replace(hopper.schedule(1, 8, 272 * 4, 5120), pingpong=pingpong)
+    fn = functools.partial(hopper.tree_attention_hopper, scale=128 ** -0.5, sched=sched)
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 1
 
@@ -199,4 +204,9 @@ def test_gpu_hopper_kernel_matches_reference(batch, width, kv_heads, group, head
     out = jax.jit(functools.partial(tree_attention, impl="pallas"))(q, k, v, prefix_lens, visible)
     ref = tree_attention_reference(q, k, v, prefix_lens, visible)
     assert out.shape == q.shape and out.dtype == q.dtype
+    assert rel_err(out, ref) < 1.5e-2
+    # The same kernel with its compute warpgroups not taking turns (`Schedule.pingpong`).
+    serial = dataclasses.replace(hopper.schedule(batch, kv_heads, width * group, max_len), pingpong=False)
+    out = jax.jit(functools.partial(hopper.tree_attention_hopper, scale=head_dim ** -0.5, sched=serial))(
+        q, k, v, prefix_lens, visible)
     assert rel_err(out, ref) < 1.5e-2

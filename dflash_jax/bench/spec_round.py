@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import time
 from typing import Any, Callable
 
@@ -30,7 +31,7 @@ from dflash_jax.config import default_tap_layers
 from dflash_jax.model import init_params
 from dflash_jax.speculative import COMMAND_BUFFERS_OFF, DOT_MERGER_OFF, SpecSettings, SpecState, spec_round
 from dflash_jax.stage_times import STAGES  # the round's named scopes
-from dflash_jax.tree import TOP_K_CHUNK
+from dflash_jax.tree import RANK_TOP_K_MAX, TOP_K_CHUNK
 from pallas_kernels.tree_attention import PALLAS_VARIANTS
 
 
@@ -104,7 +105,11 @@ DOT_MERGER = {"default": {}, "off": DOT_MERGER_OFF}
 # XLA's command buffers (CUDA graphs) as they are, or off; `--command-buffers default off` times
 # both in one process. DDTree decoding compiles with them off (speculative.DDTREE_COMPILER_OPTIONS):
 # a custom call that a graph cannot hold (the Mosaic GPU kernel) splits the round's graphs.
-COMMAND_BUFFERS = {"default": {}, "off": COMMAND_BUFFERS_OFF}
+# "all": every command type XLA can put in a graph, loops and custom calls included, and graphs
+# of any size (whether that captures the whole round depends on what each custom call allows).
+COMMAND_BUFFERS = {"default": {}, "off": COMMAND_BUFFERS_OFF,
+                   "all": {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
+                           "xla_gpu_graph_min_graph_size": 1}}
 
 
 def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool, rounds: int = ROUNDS_PER_CALL,
@@ -145,7 +150,8 @@ def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_le
                       f"_{s.attn_impl}_topk{s.top_k_chunk}", rnd.as_text())
     row = {"method": s.method, "budget": s.budget, "width": s.width, "ctx": ctx, "round_ms": ms,
            "dot_merger": dot_merger, "command_buffers": command_buffers, "attn_impl": s.attn_impl,
-           "top_k_chunk": s.top_k_chunk, **extra}
+           "top_k_chunk": s.top_k_chunk, "rank_max": s.rank_max, "kv_compact": "kernel" if s.compact_kernel else "xla",
+           **extra}
     log(row)
     return row
 
@@ -194,19 +200,28 @@ def main() -> None:
     ap.add_argument("--attn-impl", nargs="+", choices=("auto", *sorted(PALLAS_VARIANTS)), default=["auto"],
                     help="tree attention as dispatched (auto/pallas: the Hopper kernel on sm_90 where it "
                          "applies, fed by the fused qkv epilogue), the same with the epilogue in XLA "
-                         "(pallas-unfused), the Triton kernel alone (pallas-triton), or that without its "
+                         "(pallas-unfused), the Hopper kernel's warpgroups not taking turns (pallas-no-pingpong), "
+                         "that with the split-K merge as XLA reductions (pallas-reduced-merge), "
+                         "the Triton kernel alone (pallas-triton), or that without its "
                          "tail launch (several: each is timed, side by side)")
     ap.add_argument("--layout", nargs="+", choices=LAYOUTS, default=["fused"],
                     help="the target's projections: fused (qkv, gate_up; as decoding runs) or separate "
                          "(several: each is timed, side by side)")
     ap.add_argument("--top-k-chunk", nargs="+", type=int, default=[TOP_K_CHUNK],
                     help="DDTree's vocabulary top_k chunk, 0 = one top_k (several: each is timed, side by side)")
+    ap.add_argument("--rank-max", nargs="+", type=int, default=[RANK_TOP_K_MAX],
+                    help="DDTree's own top-k selections by ranking up to this row length, 0 = lax.top_k "
+                         "(several: each is timed, side by side)")
+    ap.add_argument("--kv-compact", nargs="+", choices=("kernel", "xla"), default=["kernel"],
+                    help="the commit's K/V compaction in one Pallas launch where it applies, or per buffer "
+                         "in XLA (several: each is timed, side by side)")
     ap.add_argument("--rounds-per-call", nargs="+", type=int, default=[ROUNDS_PER_CALL],
                     help="rounds per jitted call (several: each is timed, side by side)")
     ap.add_argument("--command-buffers", nargs="+", choices=sorted(COMMAND_BUFFERS) + ["decoding"],
                     default=["decoding"],
                     help="XLA's command buffers (CUDA graphs) as decoding compiles them (off for DDTree, as "
-                         "they are for DFlash), as they are, or off (several: each is timed, side by side)")
+                         "they are for DFlash), as they are, off, or every command type (all) (several: each "
+                         "is timed, side by side)")
     ap.add_argument("--kernel-table", type=int, default=0, metavar="N",
                     help="with the profile: also list the N costliest kernels (launches, kind, op)")
     ap.add_argument("--out")
@@ -227,17 +242,17 @@ def main() -> None:
     profile = not args.no_profile
 
     def variants(**method):
-        """Every side-by-side variant of one method: attention impl x top_k chunk (DDTree) x rounds
-        per call x dot merger."""
-        chunks = args.top_k_chunk if method["method"] == "ddtree" else [TOP_K_CHUNK]
-        for ai in args.attn_impl:
-            for chunk in chunks:
-                s = SpecSettings(block_size=dcfg.block_size, max_new_tokens=512, attn_impl=ai,
-                                 top_k_chunk=chunk, **method)
-                for r in args.rounds_per_call:
-                    for dm in args.dot_merger:
-                        for cb in args.command_buffers:
-                            yield s, r, dm, cb
+        """Every side-by-side variant of one method: attention impl x top_k chunk x rank max (both
+        DDTree) x K/V compaction x rounds per call x dot merger x command buffers."""
+        ddtree = method["method"] == "ddtree"
+        chunks = args.top_k_chunk if ddtree else [TOP_K_CHUNK]
+        ranks = args.rank_max if ddtree else [RANK_TOP_K_MAX]
+        for ai, chunk, rank, compact, r, dm, cb in itertools.product(
+                args.attn_impl, chunks, ranks, args.kv_compact, args.rounds_per_call, args.dot_merger,
+                args.command_buffers):
+            s = SpecSettings(block_size=dcfg.block_size, max_new_tokens=512, attn_impl=ai, top_k_chunk=chunk,
+                             rank_max=rank, compact_kernel=compact == "kernel", **method)
+            yield s, r, dm, cb
 
     rows = []
     for layout in args.layout:  # one target at a time: two 8B-shaped targets would be 33 GB
@@ -260,8 +275,8 @@ def main() -> None:
     print(f"\n{env['device']}, jax {env['jax']}, {args.model} target + {dcfg.num_layers}-layer drafter, "
           f"{dtype.name}, batch 1")
     print("| method | budget | W | ctx | layout | rounds/call | dot merger | command buffers | attention | top_k chunk "
-          "| round ms | device ms | draft | tree | verify | accept | commit | other |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| rank max | K/V compaction | round ms | device ms | draft | tree | verify | accept | commit | other |")
+    print("|---" * 20 + "|")
     for r in rows:
         prof = r.get("profile") or {}
         split = prof.get("by_scope", {})
@@ -270,7 +285,9 @@ def main() -> None:
         print(f"| {r['method']} | {r.get('budget', '-')} | {r.get('width', 1)} | {r['ctx']} | {r['layout']} | "
               f"{r['rounds_per_call']} | {r.get('dot_merger', '-')} | {r.get('command_buffers', '-')} | "
               f"{r.get('attn_impl', 'auto')} | "
-              f"{r.get('top_k_chunk', '-') if r['method'] == 'ddtree' else '-'} | {r['round_ms']:.2f} | "
+              f"{r.get('top_k_chunk', '-') if r['method'] == 'ddtree' else '-'} | "
+              f"{r.get('rank_max', '-') if r['method'] == 'ddtree' else '-'} | {r.get('kv_compact', '-')} | "
+              f"{r['round_ms']:.2f} | "
               f"{dev} | " + " | ".join(cells) + " |")
 
 
