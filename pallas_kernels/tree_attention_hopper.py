@@ -68,6 +68,7 @@ class Schedule:
     stages: int = 2
     pingpong: bool = True
     unrolled_merge: bool = True
+    real_rows: int = 0
 
     @property
     def main_programs(self) -> int:
@@ -97,7 +98,7 @@ def schedule(batch: int, kv_heads: int, rows: int, max_len: int, num_sms: int = 
     main_split = max(1, min(num_sms // max(heads * full, 1), cap)) if full else 1
     tail_split = max(1, min(num_sms // heads, cap)) if tail else 1
     return Schedule(full_blocks=full, main_split=main_split, tail=bool(tail), tail_split=tail_split,
-                    block_k=block_k)
+                    block_k=block_k, real_rows=rows)
 
 
 def available() -> bool:
@@ -189,10 +190,51 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
     lo = jnp.minimum(split * per_split, total)
     hi = jnp.minimum(lo + per_split, total)
 
-    @pl.when(wg < COMPUTE_WGS)
-    def _compute():
-        plgpu.set_max_registers(232, action="increase")
-        row0 = row_block * ROWS_PER_BLOCK + wg * ROWS_PER_WG
+    pingpong = sched.pingpong
+    row0 = row_block * ROWS_PER_BLOCK + wg * ROWS_PER_WG
+
+    def take_turn():
+        plgpu.barrier_arrive(turn)
+        plgpu.barrier_wait(turn)
+
+    def turns_before():
+        if pingpong:
+            # Warpgroup 1 starts a turn behind warpgroup 0 and warpgroup 0 ends one turn after
+            # it, so both arrive at `turn` equally often; K block `lo` is awaited here, each
+            # later one inside the step before it.
+            pl.when(wg == 1)(take_turn)
+            pl.when(lo < hi)(lambda: plgpu.barrier_wait(k_ready.at[0]))
+
+    def turns_after():
+        if pingpong:
+            pl.when(wg == 0)(take_turn)
+
+    def _idle():
+        """A warpgroup whose 64 rows are all padding (the second half of a last block that is
+        half full, as at W 272 x group 4): no products, only its part in freeing the K/V slots
+        and in the turns, in step with the other warpgroup, which then has the tensor cores."""
+        turns_before()
+
+        @pl.loop(lo, hi)
+        def _step(i):
+            slot = lax.rem(i - lo, jnp.int32(stages))
+            if pingpong:
+                take_turn()
+            else:
+                plgpu.barrier_wait(k_ready.at[slot])
+            plgpu.barrier_arrive(k_free.at[slot])
+            if pingpong:
+                plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(v_ready.at[slot])
+            if pingpong:
+                plgpu.barrier_wait(turn)
+                pl.when(i + 1 < hi)(lambda: plgpu.barrier_wait(k_ready.at[lax.rem(i + 1 - lo, jnp.int32(stages))]))
+            plgpu.barrier_arrive(v_free.at[slot])
+
+        turns_after()
+
+    def _work():
+        """The warpgroup's 64 rows of q against its split of the key blocks."""
         q_tile = q_smem.at[wg]
         bias_tile = bias_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[b, head, pl.ds(row0, ROWS_PER_WG)], q_tile, q_ready.at[wg])
@@ -212,12 +254,6 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
         l_i = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), 0.0, jnp.float32), row_layout)
         acc = plgpu.layout_cast(jnp.full((ROWS_PER_WG, q_tile.shape[-1]), 0.0, jnp.float32),
                                 wgmma_layout)
-
-        pingpong = sched.pingpong
-
-        def take_turn():
-            plgpu.barrier_arrive(turn)
-            plgpu.barrier_wait(turn)
 
         def step(i, carry, masked: bool):
             acc, m_i, l_i = carry
@@ -262,17 +298,11 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l_i
 
-        if pingpong:
-            # Warpgroup 1 starts a turn behind warpgroup 0 and warpgroup 0 ends one turn after
-            # it, so both arrive at `turn` equally often; K block `lo` is awaited here, each
-            # later one inside the step before it.
-            pl.when(wg == 1)(take_turn)
-            pl.when(lo < hi)(lambda: plgpu.barrier_wait(k_ready.at[0]))
+        turns_before()
         carry = (acc, m_i, l_i)
         carry = lax.fori_loop(lo, jnp.minimum(hi, n_clean), functools.partial(step, masked=False), carry)
         acc, m_i, l_i = lax.fori_loop(first_masked, hi, functools.partial(step, masked=True), carry)
-        if pingpong:
-            pl.when(wg == 0)(take_turn)
+        turns_after()
 
         seen = l_i > 0
         inv = 1.0 / jnp.where(seen, l_i, 1.0)
@@ -283,6 +313,13 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
         plgpu.copy_smem_to_gmem(q_tile, out_ref.at[b, head, program, out_rows])
         plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, head, program, out_rows])
         plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        idle = row0 >= sched.real_rows if sched.real_rows else jnp.bool_(False)
+        pl.when(idle)(_idle)
+        pl.when(jnp.logical_not(idle))(_work)
 
     @pl.when(wg == COMPUTE_WGS)
     def _memory():

@@ -30,8 +30,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import tree_attention_hopper as hopper
 from pallas_kernels.tree_attention import (
     default_block_sizes,
+    gpu_limits,
     key_visibility,
     tree_attention,
     tree_attention_pallas,
@@ -179,6 +181,14 @@ def max_rel_err(out: jax.Array, ref: jax.Array) -> float:
     return float(np.max(np.abs(out32 - ref32)) / max(np.max(np.abs(ref32)), 1e-30))
 
 
+def _hopper_variant(shape: Shape, **fields) -> AttnFn:
+    """`tree_attention_hopper` with its default schedule for `shape` changed by `fields`."""
+    group = shape.q_heads // shape.kv_heads
+    sched = dataclasses.replace(hopper.schedule(1, shape.kv_heads, shape.width * group, shape.max_len,
+                                                gpu_limits().num_sms), **fields)
+    return functools.partial(hopper.tree_attention_hopper, scale=shape.head_dim ** -0.5, sched=sched)
+
+
 def bench_shape(shape: Shape, dtype, *, interpret: bool, iters: int, reps: int,
                 impls: tuple[str, ...] = ("pallas", "xla", "reference"), check: bool = True,
                 overrides: dict | None = None, profile_dir: str | None = None, unrolled: bool = False,
@@ -207,6 +217,10 @@ def bench_shape(shape: Shape, dtype, *, interpret: bool, iters: int, reps: int,
         "one_launch": functools.partial(tree_attention_pallas, interpret=interpret, **{"tail_split": 0, **kernel_args}),
         # As the model dispatches it: the Hopper (Mosaic GPU) kernel where it applies.
         "hopper": functools.partial(tree_attention, impl="interpret" if interpret else "pallas"),
+        # The Hopper kernel with a warpgroup of padding rows computing anyway, and that with the
+        # two compute warpgroups not taking turns either (the kernel before the fourteenth session).
+        "hopper_busy": _hopper_variant(shape, real_rows=0),
+        "hopper_serial": _hopper_variant(shape, real_rows=0, pingpong=False),
     }
     for i, tiling in enumerate(tilings or ()):
         fns[f"tiling{i}"] = functools.partial(tree_attention_pallas, interpret=interpret, **tiling)
@@ -388,6 +402,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hopper", action="store_true",
                         help="also time the kernels as the model dispatches them (the Hopper kernel on "
                              "sm_90 where it applies; pallas_kernels.tree_attention.hopper_applies)")
+    parser.add_argument("--hopper-variants", action="store_true",
+                        help="with --hopper: also time the Hopper kernel with padding warpgroups computing "
+                             "(hopper_busy) and without turns as well (hopper_serial)")
     parser.add_argument("--tiling", action="append", default=[], metavar="W:Q,K,WARPS,STAGES,SPLIT[,TAIL]",
                         help="also time this explicit tiling at width W (block_q, block_k, num_warps, "
                              "num_stages, split_k, tail_split); repeatable")
@@ -427,7 +444,10 @@ def main(argv: list[str] | None = None) -> None:
             shape = Shape(1, ctx, width, q_heads, kv_heads, head_dim)
             impls = ("pallas", "xla", "cudnn", "reference") if args.cudnn else ("pallas", "xla", "reference")
             tilings = [t for w, t in parse_tilings(args.tiling) if w == width]
-            candidates = ((("one_launch",) if args.one_launch else ()) + (("hopper",) if args.hopper else ())
+            # The variants run the Mosaic GPU kernel itself, which has no interpret mode.
+            variants = args.hopper_variants and not args.interpret
+            hoppers = ("hopper", "hopper_busy", "hopper_serial") if variants else ("hopper",)
+            candidates = ((("one_launch",) if args.one_launch else ()) + (hoppers if args.hopper else ())
                           + tuple(f"tiling{i}" for i in range(len(tilings))))
             impls = ("pallas",) + candidates + impls[1:]
             row = bench_shape(shape, dtype, interpret=args.interpret, iters=args.iters,
