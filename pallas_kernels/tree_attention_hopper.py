@@ -6,7 +6,9 @@ heads, so the group shares every K/V tile) through `wgmma`, with K/V streamed by
 memory accelerator (TMA), in a warp-specialised block:
 
 * two compute warpgroups, 64 rows each (128 rows per block), each running an online softmax in
-  registers;
+  registers, taking turns on the tensor cores (`Schedule.pingpong`: one warpgroup's softmax
+  runs while the other's products do; 42.7 against 44.7 us at W 272, ctx 4K); a warpgroup whose
+  rows are all padding only keeps step (41.4 us);
 * one memory warpgroup streaming K/V tiles into a ring of `stages` shared-memory slots, each
   slot freed by a barrier that both compute warpgroups arrive at.
 
@@ -18,8 +20,9 @@ prefix's tail, then the tree (slots L..L+W-1) under each row's visibility.
 Grid (`Schedule`): the rows of each kv head, padded to whole 128-row blocks, are split over the
 keys flash-decoding style so that one launch fills the SMs: the full blocks `main_split` ways,
 a last partial block (at W 272 x group 4: 64 real rows) `tail_split` ways. Each program writes
-its output normalised with its log-sum-exp; `merge` combines them in jnp (a Triton kernel doing
-the same lost to it by 0.5 ms a round: BENCHMARKS.md, thirteenth session).
+its output normalised with its log-sum-exp; `merge` combines them in jnp, the splits summed
+elementwise (a Triton kernel doing the same lost to XLA by 0.5 ms a round: BENCHMARKS.md,
+thirteenth session).
 
 Needs: bf16/f16, head_dim 64 or 128, a cache length (max_len) that is a multiple of 8, and cache
 slots from L+W to the end of the last key block that hold finite values (the TMA reads them
