@@ -40,8 +40,9 @@ Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-no-pingpong", "pallas
 # by the model's fused qkv epilogue), and the variants benchmarks time beside it:
 # "pallas-unfused", the same kernels with the model's epilogue in XLA (the default before the
 # thirteenth session); "pallas-no-pingpong", "pallas" with the Hopper kernel's two compute
-# warpgroups not taking turns on the tensor cores; "pallas-reduced-merge", that with the split
-# merge as XLA reductions too (both the default before the fourteenth session);
+# warpgroups not taking turns on the tensor cores; "pallas-reduced-merge", the thirteenth
+# session's Hopper path (no turns, padding warpgroups computing, the split merge as XLA
+# reductions);
 # "pallas-triton", the Triton kernel alone; and
 # "pallas-one-launch", its default tiling without the tail launch (at W 272, the default before
 # the seventh session).
@@ -625,7 +626,9 @@ def rows_schedule(batch: int, width: int, q_heads: int, kv_heads: int, head_dim:
     if not hopper_takes(width, q_heads, kv_heads, head_dim, max_len, dtype):
         return None
     sched = hopper.schedule(batch, kv_heads, width * (q_heads // kv_heads), max_len, gpu_limits().num_sms)
-    return dataclasses.replace(sched, pingpong=which == "pallas", unrolled_merge=which != "pallas-reduced-merge")
+    if which == "pallas-reduced-merge":  # the thirteenth session's kernel and merge, as they were
+        return dataclasses.replace(sched, pingpong=False, unrolled_merge=False, real_rows=0)
+    return dataclasses.replace(sched, pingpong=which == "pallas")
 
 
 def tree_attention_rows(q_rows: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Array,

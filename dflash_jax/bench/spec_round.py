@@ -201,7 +201,7 @@ def main() -> None:
                     help="tree attention as dispatched (auto/pallas: the Hopper kernel on sm_90 where it "
                          "applies, fed by the fused qkv epilogue), the same with the epilogue in XLA "
                          "(pallas-unfused), the Hopper kernel's warpgroups not taking turns (pallas-no-pingpong), "
-                         "that with the split-K merge as XLA reductions (pallas-reduced-merge), "
+                         "the thirteenth session's Hopper path (pallas-reduced-merge: no turns, the split-K merge as XLA reductions), "
                          "the Triton kernel alone (pallas-triton), or that without its "
                          "tail launch (several: each is timed, side by side)")
     ap.add_argument("--layout", nargs="+", choices=LAYOUTS, default=["fused"],
