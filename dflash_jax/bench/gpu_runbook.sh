@@ -12,7 +12,8 @@
 #   rounds        DFlash / DDTree round latency, 8 rounds per call (the decoding fast path), fused
 #                 and separate projections side by side
 #   rounds-tiling DFlash / DDTree(64, 256) rounds at ctx 4K with tree attention as it is and beside
-#                 its candidates (ROUNDS_IMPLS, default `auto pallas-unfused pallas-triton`), side by side
+#                 its candidates (ROUNDS_IMPLS, default `auto pallas-reduced-merge pallas-unfused
+#                 pallas-triton`), side by side
 #   rounds-split  the rounds with XLA command buffers off, for the per-stage split of each round
 #                 and its 40 costliest kernels
 #   kernel        tree attention vs XLA masked attention at ctx 1K-32K, W 1-512, beside the single
@@ -181,11 +182,11 @@ rounds)
         --no-profile --out "$out/rounds.json" ;;
 rounds-tiling)
     # Rounds with tree attention as it is, beside candidate variants of it (ROUNDS_IMPLS: the
-    # thirteenth session's default before the qkv epilogue, and the Triton kernel alone; the
-    # seventh and ninth sessions also ran a one-wave tiling, since removed).
+    # thirteenth session's Hopper path, the same before the qkv epilogue, and the Triton kernel
+    # alone; the seventh and ninth sessions also ran a one-wave tiling, since removed).
     # shellcheck disable=SC2086
     if [ "$dry" = 1 ]; then set -- --model tiny --ctx 64 --budgets 16 --ddtree-ctx 128 --attn-impl auto
-    else set -- --ctx 4096 --budgets 64 256 --attn-impl ${ROUNDS_IMPLS:-auto pallas-unfused pallas-triton}; fi
+    else set -- --ctx 4096 --budgets 64 256 --attn-impl ${ROUNDS_IMPLS:-auto pallas-reduced-merge pallas-unfused pallas-triton}; fi
     step rounds_tiling "$limit" python -m dflash_jax.bench.spec_round "$@" --no-profile --out "$out/rounds_tiling.json" ;;
 rounds-split)
     export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="
@@ -206,7 +207,7 @@ kernel)
         set -- --contexts ${KERNEL_CONTEXTS:-1024 4096 16384 32768} --widths ${KERNEL_WIDTHS:-1 16 64 256 272 512} \
             --reps 5 --budget 480 --profile /tmp/kernel_profile
     fi
-    step kernel "$limit" python -m dflash_jax.bench.tree_attention_bench "$@" --one-launch --hopper \
+    step kernel "$limit" python -m dflash_jax.bench.tree_attention_bench "$@" --one-launch --hopper --hopper-variants \
         "${tilings[@]}" --out "$out/kernel.json"
     # SWEEP_S=seconds adds a random tiling sweep at W = 64 and 272 (ctx 4K and 32K).
     [ "$dry" = 1 ] || [ -z "${SWEEP_S:-}" ] || kernel_sweep "$SWEEP_S" --contexts 4096 32768 --widths 64 272 ;;
