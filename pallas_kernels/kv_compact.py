@@ -36,6 +36,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.powers_of_two import is_power_of_two, next_power_of_two
+
 NUM_WARPS = 4
 # Elements of one program's [rows, columns] block: 16 rows x 256 columns (8 KiB of bf16) by default.
 _BLOCK_ELEMENTS = 4096
@@ -45,21 +47,13 @@ MAX_ROWS = 256
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def _next_power_of_two(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def _power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
 def _columns(shape: Sequence[int]) -> int:
     return math.prod(shape[2:])
 
 
 def column_block(bs: int, columns: int) -> int:
     """Columns per program: 4096 elements over the padded rows, at least 16, at most C padded."""
-    return min(_next_power_of_two(columns), max(_MIN_COLUMNS, _BLOCK_ELEMENTS // _next_power_of_two(bs)))
+    return min(next_power_of_two(columns), max(_MIN_COLUMNS, _BLOCK_ELEMENTS // next_power_of_two(bs)))
 
 
 def applies(buffers: Sequence[jax.Array | jax.ShapeDtypeStruct], bs: int) -> bool:
@@ -154,9 +148,9 @@ def kv_compact(buffers: Sequence[jax.Array], slots: jax.Array, starts: jax.Array
     batch, max_len = shape[:2]
     columns = _columns(shape)
     bs = slots.shape[1]
-    rows = _next_power_of_two(bs)
+    rows = next_power_of_two(bs)
     block = column_block(bs, columns) if block is None else block
-    if not _power_of_two(block):
+    if not is_power_of_two(block):
         raise ValueError(f"kv_compact: block={block} must be a power of two")
     starts = starts.astype(jnp.int32)
     slots = slots.astype(jnp.int32)

@@ -26,6 +26,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.powers_of_two import is_power_of_two
+
 # Rows (tokens x group) per program: one 128-row block of the Hopper kernel or less. 8 tokens
 # and 4 warps took 4.0 / 5.6 us of kernel time at W 272 / 528 on an H200, against 5.0 / 6.9 us
 # for 16 tokens (`bench/epilogue_bench.py`, BENCHMARKS.md, thirteenth session).
@@ -39,13 +41,9 @@ def token_block(group: int) -> int:
     return min(_MAX_TOKENS, _MAX_ROWS // group)
 
 
-def _power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
 def applies(group: int, head_dim: int) -> bool:
     """Whether the kernel takes this shape: Triton blocks need power-of-two extents."""
-    return _power_of_two(group) and group <= _MAX_ROWS and _power_of_two(head_dim) and head_dim >= 32
+    return is_power_of_two(group) and group <= _MAX_ROWS and is_power_of_two(head_dim) and head_dim >= 32
 
 
 def _kernel(starts_ref, qkv_ref, cos_ref, sin_ref, q_norm_ref, k_norm_ref, k_in_ref, v_in_ref,
@@ -122,7 +120,7 @@ def qkv_epilogue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
     batch, width, kv_heads, slots, head_dim = qkv.shape
     group = slots - 2
     tokens = token_block(group) if tokens is None else tokens
-    if not _power_of_two(tokens):
+    if not is_power_of_two(tokens):
         raise ValueError(f"qkv_epilogue: tokens={tokens} must be a power of two")
     if not applies(group, head_dim):
         raise ValueError(f"qkv_epilogue: group={group} and head_dim={head_dim} must be powers of two "

@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import tree_attention_hopper as hopper
+from pallas_kernels.powers_of_two import is_power_of_two, next_power_of_two
 
 Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-reduced-merge", "pallas-triton",
                "pallas-one-launch", "reference", "interpret"]
@@ -180,10 +181,6 @@ class BlockSizes:
     tail_split: int = 0
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 @dataclasses.dataclass(frozen=True)
 class GpuLimits:
     """What the tiling needs to know of a GPU: SMs, and shared memory (bytes) a block may opt in
@@ -273,7 +270,7 @@ def default_block_sizes(batch: int, width: int, group: int, kv_heads: int, head_
     if rows <= _MIN_BLOCK:
         block_q, block_k, num_warps, num_stages, target = _MIN_BLOCK, 64, 4, 2, 512
     elif rows <= 64:
-        block_q, block_k, num_warps, num_stages, target = _next_pow2(rows), 64, 4, 3, 264
+        block_q, block_k, num_warps, num_stages, target = next_power_of_two(rows), 64, 4, 3, 264
     elif batch * kv_heads * pl.cdiv(rows, 64) >= _FULL_GRID:
         block_q, block_k, num_warps, num_stages, target = 64, 128, 4, 3, 264
     else:
@@ -283,7 +280,7 @@ def default_block_sizes(batch: int, width: int, group: int, kv_heads: int, head_
             block_k //= 2
         else:
             num_stages -= 1
-    block_k = min(block_k, max(_MIN_BLOCK, _next_pow2(max_len)))
+    block_k = min(block_k, max(_MIN_BLOCK, next_power_of_two(max_len)))
     row_blocks = pl.cdiv(rows, block_q)
     programs = batch * kv_heads * row_blocks
     smem = _shared_memory_bytes(block_q, block_k, head_dim, itemsize, num_stages)
@@ -559,7 +556,7 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens:
         given["tail_split"] = 0  # an explicit tiling runs as one launch unless asked otherwise
     blocks = dataclasses.replace(defaults, **{k_: v_ for k_, v_ in given.items() if v_ is not None})
     for name, size in (("block_q", blocks.block_q), ("block_k", blocks.block_k), ("head_dim", head_dim)):
-        if size < _MIN_BLOCK or size & (size - 1):
+        if size < _MIN_BLOCK or not is_power_of_two(size):
             raise ValueError(f"{name}={size} must be a power of two >= {_MIN_BLOCK} (Triton)")
     if blocks.split_k < 1:
         raise ValueError(f"split_k={blocks.split_k} must be >= 1")
