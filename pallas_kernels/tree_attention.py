@@ -622,10 +622,15 @@ def rows_schedule(batch: int, width: int, q_heads: int, kv_heads: int, head_dim:
         return None
     if not hopper_takes(width, q_heads, kv_heads, head_dim, max_len, dtype):
         return None
-    sched = hopper.schedule(batch, kv_heads, width * (q_heads // kv_heads), max_len, gpu_limits().num_sms)
+    return _hopper_schedule(which, batch, width * (q_heads // kv_heads), kv_heads, max_len)
+
+
+def _hopper_schedule(which: str, batch: int, rows: int, kv_heads: int, max_len: int) -> hopper.Schedule:
+    """The Hopper kernel's schedule for `rows` rows per kv head as the variant `which` runs it."""
+    sched = hopper.schedule(batch, kv_heads, rows, max_len, gpu_limits().num_sms)
     if which == "pallas-reduced-merge":  # the thirteenth session's kernel and merge, as they were
         return dataclasses.replace(sched, pingpong=False, unrolled_merge=False, real_rows=0)
-    return dataclasses.replace(sched, pingpong=which == "pallas")
+    return dataclasses.replace(sched, pingpong=which != "pallas-no-pingpong")
 
 
 def tree_attention_rows(q_rows: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Array,
@@ -680,8 +685,9 @@ def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Ar
     if which in HOPPER_VARIANTS and hopper_applies(q, k):
         _check_shapes(q, k, v, prefix_lens, visible)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        return hopper.tree_attention_hopper(q, k, v, prefix_lens, visible, scale=scale,
-                                            num_sms=gpu_limits().num_sms)
+        batch, width, q_heads, _ = q.shape
+        sched = _hopper_schedule(which, batch, width * (q_heads // k.shape[2]), k.shape[2], k.shape[1])
+        return hopper.tree_attention_hopper(q, k, v, prefix_lens, visible, scale=scale, sched=sched)
     # "pallas-one-launch": the default tiling without its tail launch.
     blocks = {"tail_split": 0} if which == "pallas-one-launch" else {}
     return tree_attention_pallas(q, k, v, prefix_lens, visible, scale=scale,

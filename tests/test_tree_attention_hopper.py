@@ -210,3 +210,26 @@ def test_gpu_hopper_kernel_matches_reference(batch, width, kv_heads, group, head
     out = jax.jit(functools.partial(hopper.tree_attention_hopper, scale=head_dim ** -0.5, sched=serial))(
         q, k, v, prefix_lens, visible)
     assert rel_err(out, ref) < 1.5e-2
+
+
+def test_variants_reach_the_kernel_with_their_schedule(monkeypatch):
+    """Each Hopper variant gets its own schedule, on the model's row path (`rows_schedule`) and
+    through the dispatcher alike."""
+    monkeypatch.setattr(hopper, "available", lambda: True)
+    want = {"pallas": (True, True, 272 * 4), "pallas-unfused": (True, True, 272 * 4),
+            "pallas-no-pingpong": (False, True, 272 * 4), "pallas-reduced-merge": (False, False, 0)}
+    seen = {}
+    monkeypatch.setattr(hopper, "tree_attention_hopper",
+                        lambda *a, sched, **kw: seen.setdefault("sched", sched) and a[0])
+    q = jnp.zeros((1, 272, 32, 128), jnp.bfloat16)
+    kv = jnp.zeros((1, 5120, 8, 128), jnp.bfloat16)
+    for impl, (pingpong, unrolled, real_rows) in want.items():
+        seen.clear()
+        tree_attention(q, kv, kv, jnp.zeros((1,), jnp.int32), None, impl=impl)
+        got = seen["sched"]
+        assert (got.pingpong, got.unrolled_merge, got.real_rows) == (pingpong, unrolled, real_rows), impl
+        rows = dispatch.rows_schedule(1, 272, 32, 8, 128, 5120, jnp.bfloat16, impl)
+        if impl == "pallas-unfused":
+            assert rows is None  # the path without the qkv epilogue
+        else:
+            assert rows == got, impl
