@@ -196,6 +196,12 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
     pingpong = sched.pingpong
     row0 = row_block * ROWS_PER_BLOCK + wg * ROWS_PER_WG
 
+    def slot_of(i):
+        return lax.rem(i - lo, jnp.int32(stages))
+
+    def await_next_k(i):
+        pl.when(i + 1 < hi)(lambda: plgpu.barrier_wait(k_ready.at[slot_of(i + 1)]))
+
     def take_turn():
         plgpu.barrier_arrive(turn)
         plgpu.barrier_wait(turn)
@@ -220,7 +226,7 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
 
         @pl.loop(lo, hi)
         def _step(i):
-            slot = lax.rem(i - lo, jnp.int32(stages))
+            slot = slot_of(i)
             if pingpong:
                 take_turn()
             else:
@@ -231,7 +237,7 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
             plgpu.barrier_wait(v_ready.at[slot])
             if pingpong:
                 plgpu.barrier_wait(turn)
-                pl.when(i + 1 < hi)(lambda: plgpu.barrier_wait(k_ready.at[lax.rem(i + 1 - lo, jnp.int32(stages))]))
+                await_next_k(i)
             plgpu.barrier_arrive(v_free.at[slot])
 
         turns_after()
@@ -260,7 +266,7 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
 
         def step(i, carry, masked: bool):
             acc, m_i, l_i = carry
-            slot = lax.rem(i - lo, jnp.int32(stages))
+            slot = slot_of(i)
             if not pingpong:
                 plgpu.barrier_wait(k_ready.at[slot])
 
@@ -295,7 +301,7 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
             def values(acc_ref):
                 plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
                 if pingpong:  # wait for the next K block while this product runs
-                    pl.when(i + 1 < hi)(lambda: plgpu.barrier_wait(k_ready.at[lax.rem(i + 1 - lo, jnp.int32(stages))]))
+                    await_next_k(i)
 
             acc = pl.run_state(values)(plgpu.ACC.init(acc))
             plgpu.barrier_arrive(v_free.at[slot])
@@ -320,7 +326,10 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
-        idle = row0 >= sched.real_rows if sched.real_rows else jnp.bool_(False)
+        if not sched.real_rows:  # every row counts as real: no warpgroup is idle
+            _work()
+            return
+        idle = row0 >= sched.real_rows
         pl.when(idle)(_idle)
         pl.when(jnp.logical_not(idle))(_work)
 

@@ -148,12 +148,15 @@ def test_schedule_fills_one_wave():
 
 
 @pytest.mark.parametrize("pingpong", [True, False])
-def test_hopper_kernel_lowers_for_cuda(pingpong):
-    """The Mosaic GPU kernel traces and lowers for cuda without a GPU (one custom call)."""
+@pytest.mark.parametrize("skip_padding", [True, False])
+def test_hopper_kernel_lowers_for_cuda(pingpong, skip_padding):
+    """The Mosaic GPU kernel traces and lowers for cuda without a GPU (one custom call), with
+    and without turns, with the padding warpgroup skipping its products (real_rows) or not."""
     q = jax.ShapeDtypeStruct((1, 272, 32, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 5120, 8, 128), jnp.bfloat16)
     args = [q, kv, kv, jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1, 272, 272), jnp.bool_)]
-    sched = dataclasses.replace(hopper.schedule(1, 8, 272 * 4, 5120), pingpong=pingpong)
+    sched = hopper.schedule(1, 8, 272 * 4, 5120)
+    sched = dataclasses.replace(sched, pingpong=pingpong, real_rows=sched.real_rows if skip_padding else 0)
     fn = functools.partial(hopper.tree_attention_hopper, scale=128 ** -0.5, sched=sched)
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 1
