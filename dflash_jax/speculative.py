@@ -287,8 +287,9 @@ _generate_dflash = jax.jit(_generate, static_argnames=_STATIC)
 # round took 15.66 ms instead of 16.20 (H200, BENCHMARKS.md); DFlash rounds showed no gain.
 DOT_MERGER_OFF = {"xla_gpu_dot_merger_threshold_mb": 0}
 # XLA's command buffers (CUDA graphs) cost DDTree rounds time once the Hopper kernel runs in every
-# layer (a custom call a graph cannot hold, so the round's graphs split around it): without them a
-# DDTree(256) round took 12.04 ms instead of 12.30 (H200, BENCHMARKS.md, thirteenth session).
+# layer (why was not established): without them a DDTree(256) round took 12.04 ms instead of 12.30
+# (H200, BENCHMARKS.md, thirteenth session); with every command type in graphs, 11.80 ms against
+# 11.67 off (fourteenth session).
 COMMAND_BUFFERS_OFF = {"xla_gpu_enable_command_buffer": ""}
 DDTREE_COMPILER_OPTIONS = {**DOT_MERGER_OFF, **COMMAND_BUFFERS_OFF}
 _generate_ddtree = jax.jit(_generate, static_argnames=_STATIC, compiler_options=DDTREE_COMPILER_OPTIONS)

@@ -103,8 +103,8 @@ def timed_rounds(target, dparams, cfg, dcfg, s: SpecSettings, state: SpecState,
 # DDTree decoding compiles with the pass off (speculative.DDTREE_COMPILER_OPTIONS).
 DOT_MERGER = {"default": {}, "off": DOT_MERGER_OFF}
 # XLA's command buffers (CUDA graphs) as they are, or off; `--command-buffers default off` times
-# both in one process. DDTree decoding compiles with them off (speculative.DDTREE_COMPILER_OPTIONS):
-# a custom call that a graph cannot hold (the Mosaic GPU kernel) splits the round's graphs.
+# both in one process. DDTree decoding compiles with them off (speculative.DDTREE_COMPILER_OPTIONS),
+# which measured faster once the Mosaic GPU kernel ran in every layer.
 # "all": every command type XLA can put in a graph, loops and custom calls included, and graphs
 # of any size (whether that captures the whole round depends on what each custom call allows).
 COMMAND_BUFFERS = {"default": {}, "off": COMMAND_BUFFERS_OFF,
