@@ -8,11 +8,8 @@ about 1.2 us of work plus about 0.8 us of launch gap on an H200 (about 0.15 ms o
 round). `kv_compact` moves the rows of every buffer in ONE launch: a grid over (buffer, sequence,
 column block), each program picking its buffer with static `pl.when(program_id(0) == i)`
 branches (Pallas refs are separate arguments), every buffer updated in place through
-`input_output_aliases`. On an H200 (jax 0.11.2, Qwen3-8B's 72 buffers, bs 16) it took 1.8 us of
-kernel time against 79 us for the 72 XLA kernels at batch 1 (3.8 against 109 us at batch 4),
-and the commit stage of a DDTree(256) round at context 4096 went from 0.21 to 0.13 ms
-(`dflash_jax.bench.spec_round`, one run each). Column blocks of 128 to 1024 with 1 to 8 warps
-all timed within 0.3 us of each other.
+`input_output_aliases`. On an H200 the commit stage of a DDTree(256) round at context 4096 went
+from 0.21 to 0.13 ms (`dflash_jax.bench.spec_round`, BENCHMARKS.md, fourteenth session).
 
 Sources and destinations overlap (path[j] >= j, so a slot can be the source of one row and the
 destination of an earlier one): each program loads all its source rows as one [rows, columns]
