@@ -1,0 +1,119 @@
+"""The verify pass's matrix products, one at a time, at the target's shape.
+
+A DDTree(256) round spends about 6.4 of its 11.5 ms in the target's GEMMs at M = 272 rows
+(BENCHMARKS.md, fourteenth session). This times each of them alone, as XLA compiles it, to see
+what the library picks and how far from the matrix rate each lands:
+
+* `layout`: the weight stored [in, out] (as the model keeps it: `x @ w`) or [out, in] (as
+  checkpoints and PyTorch keep it: `x @ w.T`), which changes the operands' majorness that
+  cuBLAS sees and so the kernels it may choose;
+* with the op that follows it in the layer fused or not (`+res`: the residual add; `+silu`:
+  SiLU(gate) * up), to see which of them XLA folds into the GEMM.
+
+Each variant runs `--layers` products with distinct weights (so no weight is read from L2) in
+one jitted program with XLA's dot merger off (it would merge products that share an input).
+Reported per product: the GPU's kernel time from a profiler trace (gaps excluded), the kernels
+launched, and TFLOP/s.
+
+    python -m dflash_jax.bench.gemm_shapes --rows 272 256 --out gemm.json
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.bench.common import environment, log, write_json
+from dflash_jax.bench.profile import kernel_events
+from dflash_jax.speculative import DOT_MERGER_OFF
+
+# (name, in, out, what follows the product) at the Qwen3-8B shape.
+PRODUCTS = {
+    "qkv": (4096, 6144, None),
+    "o": (4096, 4096, None),
+    "o+res": (4096, 4096, "res"),
+    "gate_up": (4096, 24576, None),
+    "gate_up+silu": (4096, 24576, "silu"),
+    "down": (12288, 4096, None),
+    "down+res": (12288, 4096, "res"),
+    "lm_head": (4096, 151936, "f32"),
+}
+
+
+def product(x: jax.Array, w: jax.Array, layout: str, after: str | None, res: jax.Array) -> jax.Array:
+    """x [rows, in] times w ([in, out] or [out, in]), then `after`."""
+    eq = "ti,io->to" if layout == "in_out" else "ti,oi->to"
+    if after == "f32":
+        return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32)
+    y = jnp.einsum(eq, x, w, preferred_element_type=x.dtype)
+    if after == "res":
+        return res + y
+    if after == "silu":  # as model.mlp: both halves rounded to bf16, then SiLU in float32
+        half = y.shape[-1] // 2
+        g, u = y[:, :half].astype(jnp.float32), y[:, half:].astype(jnp.float32)
+        return (jax.nn.silu(g) * u).astype(x.dtype)
+    return y
+
+
+def program(layout: str, after: str | None) -> Callable:
+    def run(x, res, weights):
+        return tuple(product(x, w, layout, after, res) for w in weights)
+    return jax.jit(run).lower
+
+
+def measure(name: str, rows: int, layout: str, layers: int, calls: int) -> dict:
+    d_in, d_out, after = PRODUCTS[name]
+    n = layers if name != "lm_head" else min(layers, 4)
+    keys = jax.random.split(jax.random.key(rows), n + 2)
+    shape = (d_in, d_out) if layout == "in_out" else (d_out, d_in)
+    weights = tuple(jax.random.normal(k, shape, jnp.bfloat16) * 0.02 for k in keys[:n])
+    x = jax.random.normal(keys[n], (rows, d_in), jnp.bfloat16)
+    res = jax.random.normal(keys[n + 1], (rows, d_out if after != "silu" else d_out // 2), jnp.bfloat16)
+    fn = program(layout, after)(x, res, weights).compile(compiler_options=DOT_MERGER_OFF)
+    for _ in range(3):
+        jax.block_until_ready(fn(x, res, weights))
+    trace_dir = tempfile.mkdtemp()
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        for _ in range(calls):
+            jax.block_until_ready(fn(x, res, weights))
+    events = kernel_events(trace_dir)
+    per_kernel: dict[str, float] = {}
+    for e in events:
+        per_kernel[str(e.get("name", ""))[:60]] = per_kernel.get(str(e.get("name", ""))[:60], 0.0) + float(e["dur"])
+    us = sum(per_kernel.values()) / calls / n
+    flop = 2 * rows * d_in * d_out
+    del weights
+    return {"product": name, "rows": rows, "layout": layout, "us": round(us, 2),
+            "kernels": round(len(events) / calls / n, 2), "tflops": round(flop / us / 1e6, 1),
+            "by_kernel_us": {k: round(v / calls / n, 2) for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[272])
+    ap.add_argument("--products", nargs="+", default=list(PRODUCTS), choices=list(PRODUCTS))
+    ap.add_argument("--layouts", nargs="+", default=["in_out", "out_in"], choices=["in_out", "out_in"])
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    results = []
+    print("| product | rows | layout | us | kernels | TFLOP/s | costliest kernel |")
+    print("|---|---|---|---|---|---|---|")
+    for name in args.products:
+        for rows in args.rows:
+            for layout in args.layouts:
+                r = measure(name, rows, layout, args.layers, args.calls)
+                results.append(r)
+                top = next(iter(r["by_kernel_us"].items()))
+                print(f"| {name} | {rows} | {layout} | {r['us']} | {r['kernels']} | {r['tflops']} | "
+                      f"{top[0]} {top[1]} |", flush=True)
+    log("done")
+    write_json(args.out, {"env": environment(), "rows": results})
+
+
+if __name__ == "__main__":
+    main()
