@@ -20,6 +20,7 @@ from dflash_jax.rope import apply_rope, rope_tables
 from dflash_jax.sharding import (BATCH, attention, constrain, constrain_cache, embed_lookup, kv_heads_sharded,
                                  mesh_sizes, row_groups, row_parallel_chunks, specs_shardings)
 from pallas_kernels import qkv_epilogue as epilogue
+from pallas_kernels import residual_norm as residual
 from pallas_kernels.tree_attention import rows_schedule, tree_attention_rows
 
 dataclass = dataclasses.dataclass
@@ -330,7 +331,8 @@ def output_projection(p: AttentionParams, attn: jax.Array) -> jax.Array:
     return out + p.o_bias.astype(out.dtype) if p.o_bias is not None else out
 
 
-def mlp(p: MLPParams, x: jax.Array) -> jax.Array:
+def mlp_activation(p: MLPParams, x: jax.Array) -> jax.Array:
+    """x [batch, seq, embed] -> SiLU(gate) * up [batch, seq, mlp] in x's dtype."""
     if p.gate_up is not None:
         # One GEMM for both; like HF's bf16 Linear layers, gate and up are rounded to the
         # activation dtype before the SiLU (exact in float32).
@@ -339,9 +341,42 @@ def mlp(p: MLPParams, x: jax.Array) -> jax.Array:
     else:
         gate = jnp.einsum("bse,em->bsm", x, p.gate, preferred_element_type=jnp.float32)
         up = jnp.einsum("bse,em->bsm", x, p.up, preferred_element_type=jnp.float32)
-    act = constrain((jax.nn.silu(gate) * up).astype(x.dtype), (BATCH, None, MLP))
+    return constrain((jax.nn.silu(gate) * up).astype(x.dtype), (BATCH, None, MLP))
+
+
+def mlp(p: MLPParams, x: jax.Array) -> jax.Array:
     # Row-parallel under tp: one all-reduce.
-    return constrain(_row_parallel_dot("bsm,me->bse", act, p.down), (BATCH, None, None))
+    return constrain(_row_parallel_dot("bsm,me->bse", mlp_activation(p, x), p.down), (BATCH, None, None))
+
+
+def split_k_product(x: jax.Array, w: jax.Array, splits: int) -> jax.Array:
+    """x [rows, K] @ w [K, N] as `splits` products over slices of K: float32 [splits, rows, N].
+
+    Their sum is x @ w; `residual_norm` adds them up on the way into the residual stream.
+    """
+    rows, k = x.shape
+    xs = x.reshape(rows, splits, k // splits)
+    ws = w.reshape(splits, k // splits, w.shape[-1])
+    return jnp.einsum("rsk,skn->srn", xs, ws, preferred_element_type=jnp.float32)
+
+
+def residual_splits(params: ModelParams, cfg: ModelConfig, rows: int, sched: Any, enabled: bool,
+                    num_sms: int = 132) -> int:
+    """How many K slices the o and down products take on the fused residual path; 0 where it
+    does not run (it runs beside the Hopper attention kernel, so only where `sched` is set).
+
+    At 272 rows XLA's autotuner split both products in two (their N = 4096 outputs make 64 of
+    cuBLAS's 128 x 136 tiles for 132 SMs): the path asks for two slices wherever the output has
+    at most half as many such tiles as there are SMs, and one otherwise.
+    """
+    if not enabled or sched is None or params.layers[0].attn.o_bias is not None:
+        return 0
+    if not residual.applies(cfg.hidden_size):
+        return 0
+    tiles = -(-rows // 136) * -(-cfg.hidden_size // 128)
+    splits = 2 if 2 * tiles <= num_sms else 1
+    k_dims = (cfg.num_heads * cfg.head_dim, cfg.intermediate_size)
+    return splits if all(k % splits == 0 for k in k_dims) else 1
 
 
 def lm_head_weight(params: ModelParams) -> jax.Array:
@@ -377,6 +412,24 @@ def _after_attention(lp: LayerParams, cfg: ModelConfig, x: jax.Array, attn: jax.
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
 
+def _after_attention_fused(lp: LayerParams, cfg: ModelConfig, x: jax.Array, attn: jax.Array,
+                           next_norm: jax.Array, splits: int) -> tuple[jax.Array, jax.Array]:
+    """`_after_attention` and the next norm (`next_norm`), with each projection's split-K sum,
+    residual add and norm in one `residual_norm` launch. Same values as the jnp path up to the
+    order of the float32 sums. x: [batch, W, embed] -> (x, normed x), both [batch, W, embed].
+    """
+    batch, width, embed = x.shape
+    rows = batch * width
+    eps = cfg.rms_norm_eps
+    interpret = jax.default_backend() != "gpu"  # the path runs on GPUs; tests drive it on CPUs
+    o_parts = split_k_product(attn.reshape(rows, -1), lp.attn.o.reshape(-1, embed), splits)
+    x2, h = residual.residual_norm(x.reshape(rows, embed), o_parts, lp.mlp_norm, eps=eps, interpret=interpret)
+    act = mlp_activation(lp.mlp, h.reshape(batch, width, embed))
+    d_parts = split_k_product(act.reshape(rows, -1), lp.mlp.down, splits)
+    x3, h3 = residual.residual_norm(x2, d_parts, next_norm, eps=eps, interpret=interpret)
+    return x3.reshape(batch, width, embed), h3.reshape(batch, width, embed)
+
+
 @jax.tree_util.register_dataclass
 @dataclass
 class ForwardOutput:
@@ -389,7 +442,8 @@ class ForwardOutput:
 def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
             cache: KVCache, visible: jax.Array | None = None, *, tap_layers: tuple[int, ...] = (),
             logit_rows: jax.Array | None = None, compute_logits: bool = True,
-            return_hidden: bool = False, attn_impl: str = "auto") -> ForwardOutput:
+            return_hidden: bool = False, attn_impl: str = "auto", residual_kernel: bool = True
+            ) -> ForwardOutput:
     """Runs W new tokens per sequence through the target.
 
     tokens, positions: [batch, W] int32. The new K/V go to cache slots
@@ -399,7 +453,8 @@ def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions:
         for the last layer is the final-normed output).
     logit_rows: optional [batch, R] row indices; logits are computed only for those rows.
     Where the Hopper tree-attention kernel runs (`epilogue_schedule`), each layer takes the
-    fused path of `attend_fused`: same values, fewer kernels.
+    fused path of `attend_fused`, and (unless `residual_kernel` is off) the o and down
+    products end in `residual_norm` (`residual_splits`): same values, fewer kernels.
     """
     bad = [t for t in tap_layers if not 0 <= t < cfg.num_layers]
     if bad:
@@ -408,9 +463,11 @@ def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions:
     cos, sin = rope_tables(positions, cfg.rope, cfg.head_dim)
     starts = cache.lengths
     sched = epilogue_schedule(params, cfg, tokens.shape[0], tokens.shape[1], cache, x.dtype, attn_impl)
+    splits = residual_splits(params, cfg, tokens.shape[0] * tokens.shape[1], sched, residual_kernel)
     new_k, new_v, taps = [], [], {}
+    norms = [lp.attn_norm for lp in params.layers[1:]] + [params.final_norm]  # each layer's next norm
+    h = rms_norm(x, params.layers[0].attn_norm, cfg.rms_norm_eps)
     for i, lp in enumerate(params.layers):
-        h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
         if sched is not None:
             attn, k_buf, v_buf = attend_fused(lp.attn, cfg, h, cos, sin, cache.k[i], cache.v[i], starts, visible,
                                               sched)
@@ -420,12 +477,16 @@ def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions:
             k_buf = constrain_cache(write_rows(cache.k[i], k, starts))
             v_buf = constrain_cache(write_rows(cache.v[i], v, starts))
             attn = attention(q, k_buf, v_buf, starts, visible, impl=attn_impl)  # shard_map under a mesh
-        x = _after_attention(lp, cfg, x, attn)
+        if splits:
+            x, h = _after_attention_fused(lp, cfg, x, attn, norms[i], splits)
+        else:
+            x = _after_attention(lp, cfg, x, attn)
+            h = rms_norm(x, norms[i], cfg.rms_norm_eps)
         new_k.append(k_buf)
         new_v.append(v_buf)
         if i in tap_layers:
             taps[i] = x
-    hidden = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    hidden = h  # the last layer's output through the final norm
     # HF's hidden_states[-1] is the final-normed output; keep that meaning for the last layer.
     taps[cfg.num_layers - 1] = hidden
     tap_out = jnp.concatenate([taps[t] for t in tap_layers], -1) if tap_layers else None
@@ -439,4 +500,5 @@ def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions:
 
 
 # `forward` as one compiled program (configs and flags static); the decoders jit whole loops instead.
-forward_jit = jax.jit(forward, static_argnames=("cfg", "tap_layers", "compute_logits", "return_hidden", "attn_impl"))
+forward_jit = jax.jit(forward, static_argnames=("cfg", "tap_layers", "compute_logits", "return_hidden", "attn_impl",
+                                                "residual_kernel"))

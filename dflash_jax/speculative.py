@@ -48,6 +48,9 @@ class SpecSettings:
     # where `compact_in_one_launch` allows it; False: a gather + row write per buffer in XLA (2 x layers
     # kernels), e.g. to compare the two.
     compact_kernel: bool = True
+    # Where the fused verify path runs, the o and down products end in one `residual_norm` launch
+    # each (`model.residual_splits`); False: XLA's fusions, e.g. to compare the two.
+    residual_kernel: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -149,7 +152,7 @@ def verify_stage(state: SpecState, draft: Draft, target: ModelParams, cfg: Model
     tree = draft.tree
     positions = state.cache.lengths[:, None] + tree.depths
     out = forward(target, cfg, tree.tokens, positions, state.cache, tree.visible,
-                  tap_layers=tuple(dcfg.target_layer_ids), attn_impl=s.attn_impl)
+                  tap_layers=tuple(dcfg.target_layer_ids), attn_impl=s.attn_impl, residual_kernel=s.residual_kernel)
     return out.logits, out.taps, out.cache
 
 

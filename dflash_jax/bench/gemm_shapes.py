@@ -8,7 +8,9 @@ what the library picks and how far from the matrix rate each lands:
   checkpoints and PyTorch keep it: `x @ w.T`), which changes the operands' majorness that
   cuBLAS sees and so the kernels it may choose;
 * with the op that follows it in the layer fused or not (`+res`: the residual add; `+silu`:
-  SiLU(gate) * up), to see which of them XLA folds into the GEMM.
+  SiLU(gate) * up), to see which of them XLA folds into the GEMM;
+* `--splits`: as `splits` products over slices of K, float32 partials out (as
+  `model.split_k_product` asks for them), the sum left to the consumer (not timed).
 
 Each variant runs `--layers` products with distinct weights (so no weight is read from L2) in
 one jitted program with XLA's dot merger off (it would merge products that share an input).
@@ -43,8 +45,16 @@ PRODUCTS = {
 }
 
 
-def product(x: jax.Array, w: jax.Array, layout: str, after: str | None, res: jax.Array) -> jax.Array:
-    """x [rows, in] times w ([in, out] or [out, in]), then `after`."""
+def product(x: jax.Array, w: jax.Array, layout: str, after: str | None, res: jax.Array, splits: int = 1
+            ) -> jax.Array:
+    """x [rows, in] times w ([in, out] or [out, in]), then `after`; or with `splits` > 1 the
+    float32 partials [splits, rows, out] of that many slices of `in`."""
+    if splits > 1:
+        rows, k = x.shape
+        xs = x.reshape(rows, splits, k // splits)
+        ws = w.reshape(splits, k // splits, -1) if layout == "in_out" else w.reshape(-1, splits, k // splits)
+        eq = "tsk,sko->sto" if layout == "in_out" else "tsk,osk->sto"
+        return jnp.einsum(eq, xs, ws, preferred_element_type=jnp.float32)
     eq = "ti,io->to" if layout == "in_out" else "ti,oi->to"
     if after == "f32":
         return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32)
@@ -58,13 +68,13 @@ def product(x: jax.Array, w: jax.Array, layout: str, after: str | None, res: jax
     return y
 
 
-def program(layout: str, after: str | None) -> Callable:
+def program(layout: str, after: str | None, splits: int) -> Callable:
     def run(x, res, weights):
-        return tuple(product(x, w, layout, after, res) for w in weights)
+        return tuple(product(x, w, layout, after, res, splits) for w in weights)
     return jax.jit(run).lower
 
 
-def measure(name: str, rows: int, layout: str, layers: int, calls: int) -> dict:
+def measure(name: str, rows: int, layout: str, layers: int, calls: int, splits: int = 1) -> dict:
     d_in, d_out, after = PRODUCTS[name]
     n = layers if name != "lm_head" else min(layers, 4)
     keys = jax.random.split(jax.random.key(rows), n + 2)
@@ -72,7 +82,7 @@ def measure(name: str, rows: int, layout: str, layers: int, calls: int) -> dict:
     weights = tuple(jax.random.normal(k, shape, jnp.bfloat16) * 0.02 for k in keys[:n])
     x = jax.random.normal(keys[n], (rows, d_in), jnp.bfloat16)
     res = jax.random.normal(keys[n + 1], (rows, d_out if after != "silu" else d_out // 2), jnp.bfloat16)
-    fn = program(layout, after)(x, res, weights).compile(compiler_options=DOT_MERGER_OFF)
+    fn = program(layout, after, splits)(x, res, weights).compile(compiler_options=DOT_MERGER_OFF)
     for _ in range(3):
         jax.block_until_ready(fn(x, res, weights))
     trace_dir = tempfile.mkdtemp()
@@ -86,7 +96,7 @@ def measure(name: str, rows: int, layout: str, layers: int, calls: int) -> dict:
     us = sum(per_kernel.values()) / calls / n
     flop = 2 * rows * d_in * d_out
     del weights
-    return {"product": name, "rows": rows, "layout": layout, "us": round(us, 2),
+    return {"product": name, "rows": rows, "layout": layout, "splits": splits, "us": round(us, 2),
             "kernels": round(len(events) / calls / n, 2), "tflops": round(flop / us / 1e6, 1),
             "by_kernel_us": {k: round(v / calls / n, 2) for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])}}
 
@@ -96,21 +106,26 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[272])
     ap.add_argument("--products", nargs="+", default=list(PRODUCTS), choices=list(PRODUCTS))
     ap.add_argument("--layouts", nargs="+", default=["in_out", "out_in"], choices=["in_out", "out_in"])
+    ap.add_argument("--splits", type=int, nargs="+", default=[1],
+                    help="K slices (>1: float32 partials out, the op after the product left out)")
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--out")
     args = ap.parse_args()
     results = []
-    print("| product | rows | layout | us | kernels | TFLOP/s | costliest kernel |")
-    print("|---|---|---|---|---|---|---|")
+    print("| product | rows | layout | splits | us | kernels | TFLOP/s | costliest kernel |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in args.products:
         for rows in args.rows:
             for layout in args.layouts:
-                r = measure(name, rows, layout, args.layers, args.calls)
-                results.append(r)
-                top = next(iter(r["by_kernel_us"].items()))
-                print(f"| {name} | {rows} | {layout} | {r['us']} | {r['kernels']} | {r['tflops']} | "
-                      f"{top[0]} {top[1]} |", flush=True)
+                for splits in args.splits:
+                    if splits > 1 and PRODUCTS[name][2] is not None:
+                        continue  # split partials end at the product
+                    r = measure(name, rows, layout, args.layers, args.calls, splits)
+                    results.append(r)
+                    top = next(iter(r["by_kernel_us"].items()))
+                    print(f"| {name} | {rows} | {layout} | {splits} | {r['us']} | {r['kernels']} | {r['tflops']} | "
+                          f"{top[0]} {top[1]} |", flush=True)
     log("done")
     write_json(args.out, {"env": environment(), "rows": results})
 
