@@ -35,27 +35,29 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import tree_attention_hopper as hopper
 from pallas_kernels.powers_of_two import is_power_of_two, next_power_of_two
 
-Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-reduced-merge", "pallas-triton",
-               "pallas-one-launch", "reference", "interpret"]
+Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge",
+               "pallas-triton", "pallas-one-launch", "reference", "interpret"]
 # The kernels as dispatched ("pallas": on Hopper, `tree_attention_hopper` where it applies, fed
 # by the model's fused qkv epilogue), and the variants benchmarks time beside it:
 # "pallas-unfused", the same kernels with the model's epilogue in XLA (the default before the
 # thirteenth session); "pallas-no-pingpong", "pallas" with the Hopper kernel's two compute
-# warpgroups not taking turns on the tensor cores; "pallas-reduced-merge", the thirteenth
-# session's Hopper path (no turns, padding warpgroups computing, the split merge as XLA
-# reductions);
+# warpgroups not taking turns on the tensor cores; "pallas-xla-merge", "pallas" with the Hopper
+# kernel's split-K partials merged into tokens in jnp (XLA) instead of by the Triton merge kernel
+# (`split_merge.py`); "pallas-reduced-merge", the thirteenth session's Hopper path (no turns,
+# padding warpgroups computing, the split merge in XLA as reductions);
 # "pallas-triton", the Triton kernel alone; and
 # "pallas-one-launch", its default tiling without the tail launch (at W 272, the default before
 # the seventh session).
 # Candidates that lost were removed after measuring them (BENCHMARKS.md): a one-wave tiling
 # (seventh session; its split-K cap is in the default), a Pallas kernel merging the split-K
 # partials (seventh), a merge inside the kernel by the last program of each row block (tenth),
-# and a Triton kernel merging the Hopper kernel's partials into tokens (thirteenth).
-PALLAS_VARIANTS = ("pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-reduced-merge", "pallas-triton",
-                   "pallas-one-launch")
+# and a Triton kernel merging the Hopper kernel's partials into tokens with one program per 16
+# tokens (thirteenth; today's `split_merge.py` sizes its programs by their splits instead).
+PALLAS_VARIANTS = ("pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge",
+                   "pallas-triton", "pallas-one-launch")
 # The variants that run the Hopper kernel where it applies; those fed by the qkv epilogue.
-HOPPER_VARIANTS = ("pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-reduced-merge")
-_ROWS_VARIANTS = ("pallas", "pallas-no-pingpong", "pallas-reduced-merge")
+HOPPER_VARIANTS = ("pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge")
+_ROWS_VARIANTS = ("pallas", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge")
 
 # exp2 is the native GPU instruction; folding log2(e) into the score scale makes exp2 exact
 # replacement for exp.
@@ -629,7 +631,9 @@ def _hopper_schedule(which: str, batch: int, rows: int, kv_heads: int, max_len: 
     """The Hopper kernel's schedule for `rows` rows per kv head as the variant `which` runs it."""
     sched = hopper.schedule(batch, kv_heads, rows, max_len, gpu_limits().num_sms)
     if which == "pallas-reduced-merge":  # the thirteenth session's kernel and merge, as they were
-        return dataclasses.replace(sched, pingpong=False, unrolled_merge=False, real_rows=0)
+        return dataclasses.replace(sched, pingpong=False, unrolled_merge=False, real_rows=0, merge_kernel=False)
+    if which == "pallas-xla-merge":  # today's kernel, its partials merged in jnp
+        return dataclasses.replace(sched, merge_kernel=False)
     return dataclasses.replace(sched, pingpong=which != "pallas-no-pingpong")
 
 
@@ -673,7 +677,9 @@ def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Ar
       visible: [batch, width, width] bool, or None for causal among the new tokens.
       impl: "auto" (Pallas on GPU, reference elsewhere), "pallas" (on Hopper, the Mosaic GPU
         kernel where `hopper_applies`, else the Triton one), a variant of it ("pallas-unfused":
-        the same here, but the model does not feed it from `qkv_epilogue`; "pallas-triton":
+        the same here, but the model does not feed it from `qkv_epilogue`; "pallas-no-pingpong",
+        "pallas-xla-merge", "pallas-reduced-merge": the Hopper kernel scheduled otherwise
+        (`_hopper_schedule`); "pallas-triton":
         the Triton kernel alone; "pallas-one-launch": that without its tail launch),
         "reference", "interpret".
     Returns:

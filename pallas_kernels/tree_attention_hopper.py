@@ -20,9 +20,11 @@ prefix's tail, then the tree (slots L..L+W-1) under each row's visibility.
 Grid (`Schedule`): the rows of each kv head, padded to whole 128-row blocks, are split over the
 keys flash-decoding style so that one launch fills the SMs: the full blocks `main_split` ways,
 a last partial block (at W 272 x group 4: 64 real rows) `tail_split` ways. Each program writes
-its output normalised with its log-sum-exp; `merge` combines them in jnp, the splits summed
-elementwise (a Triton kernel doing the same lost to XLA by 0.5 ms a round: BENCHMARKS.md,
-thirteenth session).
+its output normalised with its log-sum-exp; `split_merge.py` (a Triton kernel, its grid sized
+so that the tail's 16 splits are no long pole) merges them straight into tokens, or, with
+`Schedule.merge_kernel` False, `merge` does in jnp, the splits summed elementwise (an earlier
+Triton merge, one program per 16 tokens looping over the splits, lost to XLA by 0.5 ms a round:
+BENCHMARKS.md, thirteenth session).
 
 Needs: bf16/f16, head_dim 64 or 128, a cache length (max_len) that is a multiple of 8, and cache
 slots from L+W to the end of the last key block that hold finite values (the TMA reads them
@@ -30,7 +32,7 @@ unmasked and the bias hides them; the model's caches start as zeros). `tree_atte
 checks the first three before dispatching here.
 
 This file holds, side by side: the schedule, the bias, the kernel (`_kernel`), its launch
-(`hopper_partials`), the merge, and `tree_attention_hopper`. The reference is
+(`hopper_partials`), the jnp merge, and `tree_attention_hopper`. The reference is
 `tree_attention.tree_attention_reference`.
 """
 
@@ -43,6 +45,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+
+from pallas_kernels import split_merge
 
 try:  # Mosaic GPU ships with jaxlib; absent on some builds.
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -62,6 +66,13 @@ class Schedule:
     """The programs of one (sequence, kv head): `full_blocks` blocks of 128 rows, each split
     `main_split` ways over the keys, then (if `tail`) one partial block split `tail_split` ways.
     block_k: keys per step (a multiple of 64); stages: K/V slots in flight.
+    pingpong: the two compute warpgroups take turns on the tensor cores.
+    unrolled_merge: the jnp merge's splits unrolled into elementwise ops (else reductions).
+    real_rows: rows per kv head that are not padding (a warpgroup of padding only keeps step);
+      0: every row computes.
+    merge_kernel: the partials are merged into tokens by `split_merge.split_merge` (one Triton
+      launch) where it applies; False: by `merge` and `tokens_of` in jnp (as `unrolled_merge`
+      says).
     """
     full_blocks: int
     main_split: int
@@ -72,6 +83,7 @@ class Schedule:
     pingpong: bool = True
     unrolled_merge: bool = True
     real_rows: int = 0
+    merge_kernel: bool = True
 
     @property
     def main_programs(self) -> int:
@@ -487,7 +499,8 @@ def tokens_of(out_rows: jax.Array, width: int, group: int) -> jax.Array:
 def attend_rows(q_rows: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Array,
                 visible: jax.Array | None, *, width: int, group: int, scale: float, sched: Schedule
                 ) -> jax.Array:
-    """The kernel on q given as rows, its merge, and the move back to tokens.
+    """The kernel on q given as rows, its merge, and the move back to tokens (one Triton kernel
+    where `sched.merge_kernel` and it applies, else jnp).
 
     q_rows: [batch, kv_heads, sched.padded_rows, head_dim] (`rows_of`, or the qkv epilogue's);
     returns [batch, width, kv_heads * group, head_dim].
@@ -497,6 +510,8 @@ def attend_rows(q_rows: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.
                          f"rows >= width * group = {width * group}, head_dim]")
     bias = tree_bias(visible, prefix_lens, width, group, sched.padded_rows, sched.block_k)
     out, lse = hopper_partials(q_rows, k, v, prefix_lens, bias, width=width, scale=scale, sched=sched)
+    if sched.merge_kernel and split_merge.applies(group, out.shape[-1], ROWS_PER_BLOCK):
+        return split_merge.split_merge(out, lse, sched, width=width, group=group)
     return tokens_of(merge(out, lse, sched), width, group)
 
 

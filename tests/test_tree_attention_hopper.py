@@ -150,8 +150,9 @@ def test_schedule_fills_one_wave():
 @pytest.mark.parametrize("pingpong", [True, False])
 @pytest.mark.parametrize("skip_padding", [True, False])
 def test_hopper_kernel_lowers_for_cuda(pingpong, skip_padding):
-    """The Mosaic GPU kernel traces and lowers for cuda without a GPU (one custom call), with
-    and without turns, with the padding warpgroup skipping its products (real_rows) or not."""
+    """The Mosaic GPU kernel traces and lowers for cuda without a GPU (one custom call, and one
+    Triton launch merging its partials), with and without turns, with the padding warpgroup
+    skipping its products (real_rows) or not."""
     q = jax.ShapeDtypeStruct((1, 272, 32, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 5120, 8, 128), jnp.bfloat16)
     args = [q, kv, kv, jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1, 272, 272), jnp.bool_)]
@@ -160,6 +161,7 @@ def test_hopper_kernel_lowers_for_cuda(pingpong, skip_padding):
     fn = functools.partial(hopper.tree_attention_hopper, scale=128 ** -0.5, sched=sched)
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 1
+    assert text.count("xla.gpu.triton") == 1  # the split-K merge (`split_merge.py`)
 
 
 def test_hopper_partials_validate_shapes():
@@ -219,18 +221,21 @@ def test_variants_reach_the_kernel_with_their_schedule(monkeypatch):
     """Each Hopper variant gets its own schedule, on the model's row path (`rows_schedule`) and
     through the dispatcher alike."""
     monkeypatch.setattr(hopper, "available", lambda: True)
-    want = {"pallas": (True, True, 272 * 4), "pallas-unfused": (True, True, 272 * 4),
-            "pallas-no-pingpong": (False, True, 272 * 4), "pallas-reduced-merge": (False, False, 0)}
+    # (pingpong, unrolled_merge, real_rows, merge_kernel)
+    want = {"pallas": (True, True, 272 * 4, True), "pallas-unfused": (True, True, 272 * 4, True),
+            "pallas-no-pingpong": (False, True, 272 * 4, True), "pallas-xla-merge": (True, True, 272 * 4, False),
+            "pallas-reduced-merge": (False, False, 0, False)}
     seen = {}
     monkeypatch.setattr(hopper, "tree_attention_hopper",
                         lambda *a, sched, **kw: seen.setdefault("sched", sched) and a[0])
     q = jnp.zeros((1, 272, 32, 128), jnp.bfloat16)
     kv = jnp.zeros((1, 5120, 8, 128), jnp.bfloat16)
-    for impl, (pingpong, unrolled, real_rows) in want.items():
+    assert set(want) == set(dispatch.HOPPER_VARIANTS)
+    for impl, fields in want.items():
         seen.clear()
         tree_attention(q, kv, kv, jnp.zeros((1,), jnp.int32), None, impl=impl)
         got = seen["sched"]
-        assert (got.pingpong, got.unrolled_merge, got.real_rows) == (pingpong, unrolled, real_rows), impl
+        assert (got.pingpong, got.unrolled_merge, got.real_rows, got.merge_kernel) == fields, impl
         rows = dispatch.rows_schedule(1, 272, 32, 8, 128, 5120, jnp.bfloat16, impl)
         if impl == "pallas-unfused":
             assert rows is None  # the path without the qkv epilogue

@@ -147,11 +147,11 @@ def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_le
     options = {**DOT_MERGER[dot_merger], **COMMAND_BUFFERS[command_buffers]} or None
     ms, rnd, _, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile, rounds, options, table)
     dump_hlo(hlo_dir, f"round_{s.method}_b{s.budget}_ctx{ctx}_r{rounds}_dm-{dot_merger}_cb-{command_buffers}"
-                      f"_{s.attn_impl}_topk{s.top_k_chunk}", rnd.as_text())
+                      f"_{s.attn_impl}_topk{s.top_k_chunk}_res-{'kernel' if s.residual_kernel else 'xla'}", rnd.as_text())
     row = {"method": s.method, "budget": s.budget, "width": s.width, "ctx": ctx, "round_ms": ms,
            "dot_merger": dot_merger, "command_buffers": command_buffers, "attn_impl": s.attn_impl,
            "top_k_chunk": s.top_k_chunk, "rank_max": s.rank_max, "kv_compact": "kernel" if s.compact_kernel else "xla",
-           **extra}
+           "residual": "kernel" if s.residual_kernel else "xla", **extra}
     log(row)
     return row
 
@@ -201,6 +201,7 @@ def main() -> None:
                     help="tree attention as dispatched (auto/pallas: the Hopper kernel on sm_90 where it "
                          "applies, fed by the fused qkv epilogue), the same with the epilogue in XLA "
                          "(pallas-unfused), the Hopper kernel's warpgroups not taking turns (pallas-no-pingpong), "
+                         "its split-K merge in XLA instead of the Triton merge kernel (pallas-xla-merge), "
                          "the thirteenth session's Hopper path (pallas-reduced-merge: no turns, the split-K merge as XLA reductions), "
                          "the Triton kernel alone (pallas-triton), or that without its "
                          "tail launch (several: each is timed, side by side)")
@@ -215,6 +216,10 @@ def main() -> None:
     ap.add_argument("--kv-compact", nargs="+", choices=("kernel", "xla"), default=["kernel"],
                     help="the commit's K/V compaction in one Pallas launch where it applies, or per buffer "
                          "in XLA (several: each is timed, side by side)")
+    ap.add_argument("--residual", nargs="+", choices=("kernel", "xla"), default=["kernel"],
+                    help="on the fused verify path, the o and down products' split-K sums, residual adds and "
+                         "norms in one residual_norm launch each, or as XLA fuses them (several: each is timed, "
+                         "side by side)")
     ap.add_argument("--rounds-per-call", nargs="+", type=int, default=[ROUNDS_PER_CALL],
                     help="rounds per jitted call (several: each is timed, side by side)")
     ap.add_argument("--command-buffers", nargs="+", choices=sorted(COMMAND_BUFFERS) + ["decoding"],
@@ -243,15 +248,16 @@ def main() -> None:
 
     def variants(**method):
         """Every side-by-side variant of one method: attention impl x top_k chunk x rank max (both
-        DDTree) x K/V compaction x rounds per call x dot merger x command buffers."""
+        DDTree) x K/V compaction x residual path x rounds per call x dot merger x command buffers."""
         ddtree = method["method"] == "ddtree"
         chunks = args.top_k_chunk if ddtree else [TOP_K_CHUNK]
         ranks = args.rank_max if ddtree else [RANK_TOP_K_MAX]
-        for ai, chunk, rank, compact, r, dm, cb in itertools.product(
-                args.attn_impl, chunks, ranks, args.kv_compact, args.rounds_per_call, args.dot_merger,
+        for ai, chunk, rank, compact, res, r, dm, cb in itertools.product(
+                args.attn_impl, chunks, ranks, args.kv_compact, args.residual, args.rounds_per_call, args.dot_merger,
                 args.command_buffers):
             s = SpecSettings(block_size=dcfg.block_size, max_new_tokens=512, attn_impl=ai, top_k_chunk=chunk,
-                             rank_max=rank, compact_kernel=compact == "kernel", **method)
+                             rank_max=rank, compact_kernel=compact == "kernel", residual_kernel=res == "kernel",
+                             **method)
             yield s, r, dm, cb
 
     rows = []
@@ -275,8 +281,9 @@ def main() -> None:
     print(f"\n{env['device']}, jax {env['jax']}, {args.model} target + {dcfg.num_layers}-layer drafter, "
           f"{dtype.name}, batch 1")
     print("| method | budget | W | ctx | layout | rounds/call | dot merger | command buffers | attention | top_k chunk "
-          "| rank max | K/V compaction | round ms | device ms | draft | tree | verify | accept | commit | other |")
-    print("|---" * 20 + "|")
+          "| rank max | K/V compaction | residual | round ms | device ms | draft | tree | verify | accept | commit "
+          "| other |")
+    print("|---" * 21 + "|")
     for r in rows:
         prof = r.get("profile") or {}
         split = prof.get("by_scope", {})
@@ -287,7 +294,7 @@ def main() -> None:
               f"{r.get('attn_impl', 'auto')} | "
               f"{r.get('top_k_chunk', '-') if r['method'] == 'ddtree' else '-'} | "
               f"{r.get('rank_max', '-') if r['method'] == 'ddtree' else '-'} | {r.get('kv_compact', '-')} | "
-              f"{r['round_ms']:.2f} | "
+              f"{r.get('residual', '-')} | {r['round_ms']:.2f} | "
               f"{dev} | " + " | ".join(cells) + " |")
 
 

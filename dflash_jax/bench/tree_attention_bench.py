@@ -221,6 +221,8 @@ def bench_shape(shape: Shape, dtype, *, interpret: bool, iters: int, reps: int,
         # two compute warpgroups not taking turns either (the kernel before the fourteenth session).
         "hopper_busy": _hopper_variant(shape, real_rows=0),
         "hopper_serial": _hopper_variant(shape, real_rows=0, pingpong=False),
+        # The Hopper kernel with its split-K partials merged in jnp (XLA), not by `split_merge.py`.
+        "hopper_xla_merge": _hopper_variant(shape, merge_kernel=False),
     }
     for i, tiling in enumerate(tilings or ()):
         fns[f"tiling{i}"] = functools.partial(tree_attention_pallas, interpret=interpret, **tiling)
@@ -404,7 +406,8 @@ def main(argv: list[str] | None = None) -> None:
                              "sm_90 where it applies; pallas_kernels.tree_attention.hopper_applies)")
     parser.add_argument("--hopper-variants", action="store_true",
                         help="with --hopper: also time the Hopper kernel with padding warpgroups computing "
-                             "(hopper_busy) and without turns as well (hopper_serial)")
+                             "(hopper_busy), without turns as well (hopper_serial), and with its split-K "
+                             "merge in XLA instead of the merge kernel (hopper_xla_merge)")
     parser.add_argument("--tiling", action="append", default=[], metavar="W:Q,K,WARPS,STAGES,SPLIT[,TAIL]",
                         help="also time this explicit tiling at width W (block_q, block_k, num_warps, "
                              "num_stages, split_k, tail_split); repeatable")
@@ -446,7 +449,7 @@ def main(argv: list[str] | None = None) -> None:
             tilings = [t for w, t in parse_tilings(args.tiling) if w == width]
             # The variants run the Mosaic GPU kernel itself, which has no interpret mode.
             variants = args.hopper_variants and not args.interpret
-            hoppers = ("hopper", "hopper_busy", "hopper_serial") if variants else ("hopper",)
+            hoppers = ("hopper", "hopper_busy", "hopper_serial", "hopper_xla_merge") if variants else ("hopper",)
             candidates = ((("one_launch",) if args.one_launch else ()) + (hoppers if args.hopper else ())
                           + tuple(f"tiling{i}" for i in range(len(tilings))))
             impls = ("pallas",) + candidates + impls[1:]
