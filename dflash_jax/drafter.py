@@ -456,8 +456,22 @@ def draft(dparams: DraftParams, dcfg: DraftConfig, target_params: ModelParams, c
     block_start: [batch] int32 absolute position of the root (normally cache.lengths).
     block_len: optional [batch] int32 in [1, bs]; block keys >= block_len are masked, which
       equals running the reference on the shorter block (rows >= block_len are junk).
-    Needs cache.lengths + bs <= cache.max_len: full layers write the block's K/V into a
-    scratch copy of each context buffer at slots lengths .. lengths+bs-1.
+    Needs cache.lengths + bs <= cache.max_len: full layers write the block's K/V at the scratch
+    slots lengths .. lengths+bs-1 (`draft_with_cache` hands that cache back).
+    """
+    return draft_with_cache(dparams, dcfg, target_params, cache, block_tokens, block_start, block_len,
+                            attn_impl=attn_impl)[0]
+
+
+def draft_with_cache(dparams: DraftParams, dcfg: DraftConfig, target_params: ModelParams, cache: DraftCache,
+                     block_tokens: jax.Array, block_start: jax.Array, block_len: jax.Array | None = None, *,
+                     attn_impl: str = "auto") -> tuple[jax.Array, DraftCache]:
+    """`draft`, also returning the cache with the block's K/V in the scratch slots of its full
+    layers (lengths unchanged, so it holds the same context).
+
+    A decoder that goes on with this cache (the next `append_context` overwrites those slots)
+    lets XLA write the block in place; one that keeps the old cache makes XLA copy every full
+    layer's buffers first (10 copies of 10 MB a round for a 5-layer drafter at 5K slots).
     """
     batch, bs = block_tokens.shape
     if bs > cache.max_len:
@@ -467,6 +481,7 @@ def draft(dparams: DraftParams, dcfg: DraftConfig, target_params: ModelParams, c
     cos, sin = rope_tables(positions, dcfg.rope, dcfg.head_dim)
     lengths = cache.lengths
     vis_cache: dict[bool, jax.Array] = {}
+    k_out, v_out = list(cache.k), list(cache.v)
 
     def visibility(causal: bool) -> jax.Array:
         if causal not in vis_cache:
@@ -478,15 +493,16 @@ def draft(dparams: DraftParams, dcfg: DraftConfig, target_params: ModelParams, c
 
         def attend(q, k, v, i=i, causal=causal, window=window):
             if window is None:
-                k_buf = write_rows(cache.k[i], k, lengths)
-                v_buf = write_rows(cache.v[i], v, lengths)
+                k_out[i] = write_rows(cache.k[i], k, lengths)
+                v_out[i] = write_rows(cache.v[i], v, lengths)
                 # shard_map over (dp, tp) under a mesh (dflash_jax.sharding).
-                return sharded_attention(q, k_buf, v_buf, lengths, visibility(causal), impl=attn_impl)
+                return sharded_attention(q, k_out[i], v_out[i], lengths, visibility(causal), impl=attn_impl)
             return _sliding_layer_attention(q, k, v, cache.k[i], cache.v[i], lengths, positions,
                                             visibility(causal), window, causal)
 
         x = layer_forward(lp, dcfg, x, cos, sin, attend)
-    return rms_norm(x, dparams.final_norm, dcfg.rms_norm_eps)
+    hidden = rms_norm(x, dparams.final_norm, dcfg.rms_norm_eps)
+    return hidden, DraftCache(k=tuple(k_out), v=tuple(v_out), lengths=cache.lengths)
 
 
 def embed_block(target_params: ModelParams, dcfg: DraftConfig, block_tokens: jax.Array) -> jax.Array:

@@ -108,13 +108,14 @@ def _block_limit(state: SpecState, s: SpecSettings) -> jax.Array:
 # ----------------------------------------------------------------------------- stages
 
 def drafter_pass(state: SpecState, target: ModelParams, dparams: Any, dcfg: Any, s: SpecSettings
-                 ) -> jax.Array:
-    """Step 1: one drafter pass over [root, MASK x (bs-1)] -> logits [batch, bs-1, vocab]."""
+                 ) -> tuple[jax.Array, Any]:
+    """Step 1: one drafter pass over [root, MASK x (bs-1)] -> (logits [batch, bs-1, vocab], the
+    drafter's context cache with the block in its scratch slots, for the round to go on with)."""
     batch = state.root.shape[0]
     block = jnp.full((batch, s.block_size), dcfg.mask_token_id, jnp.int32).at[:, 0].set(state.root)
-    hidden = dr.draft(dparams, dcfg, target, state.draft_cache, block, state.cache.lengths,
-                      _block_limit(state, s) + 1)
-    return dr.draft_logits(dparams, dcfg, target, hidden)
+    hidden, draft_cache = dr.draft_with_cache(dparams, dcfg, target, state.draft_cache, block,
+                                              state.cache.lengths, _block_limit(state, s) + 1)
+    return dr.draft_logits(dparams, dcfg, target, hidden), draft_cache
 
 
 def propose(state: SpecState, logits: jax.Array, s: SpecSettings) -> tuple[Draft, jax.Array]:
@@ -141,9 +142,12 @@ def propose(state: SpecState, logits: jax.Array, s: SpecSettings) -> tuple[Draft
 
 
 def draft_stage(state: SpecState, target: ModelParams, dparams: Any, dcfg: Any, s: SpecSettings
-                ) -> tuple[Draft, jax.Array]:
-    """Steps 1-2: one drafter pass, then the chain (DFlash) or the best-`budget` tree (DDTree)."""
-    return propose(state, drafter_pass(state, target, dparams, dcfg, s), s)
+                ) -> tuple[Draft, jax.Array, SpecState]:
+    """Steps 1-2: one drafter pass, then the chain (DFlash) or the best-`budget` tree (DDTree).
+    Returns (draft, the round's PRNG key, the state with the drafter's cache as the pass left it)."""
+    logits, draft_cache = drafter_pass(state, target, dparams, dcfg, s)
+    draft, key = propose(state, logits, s)
+    return draft, key, dataclasses.replace(state, draft_cache=draft_cache)
 
 
 def verify_stage(state: SpecState, draft: Draft, target: ModelParams, cfg: ModelConfig, dcfg: Any,
@@ -237,7 +241,7 @@ def spec_round(state: SpecState, target: ModelParams, cfg: ModelConfig, dparams:
     profile of the fused program can attribute device time to stages (`bench.profile`).
     """
     with jax.named_scope("draft"):
-        draft, key = draft_stage(state, target, dparams, dcfg, s)
+        draft, key, state = draft_stage(state, target, dparams, dcfg, s)
     with jax.named_scope("verify"):
         logits, taps, cache = verify_stage(state, draft, target, cfg, dcfg, s)
     with jax.named_scope("accept"):

@@ -78,7 +78,8 @@ def time_stages(target: ModelParams, cfg: ModelConfig, dparams: Any, dcfg: Any, 
     for i in range(warmup + rounds):
         if bool(jax.device_get(state.done).all()):
             break
-        logits, t_draft = _timed(f_draft, state, target, dparams)
+        (logits, draft_cache), t_draft = _timed(f_draft, state, target, dparams)
+        state = dataclasses.replace(state, draft_cache=draft_cache)  # as spec_round goes on with it
         (draft, key), t_tree = _timed(f_tree, state, logits)
         (vlogits, taps, cache), t_verify = _timed(f_verify, state, draft, target)
         (acc, key), t_accept = _timed(f_accept, draft, vlogits, key)
