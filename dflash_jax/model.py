@@ -367,16 +367,17 @@ def residual_splits(params: ModelParams, cfg: ModelConfig, rows: int, sched: Any
 
     At 272 rows XLA's autotuner split both products in two (their N = 4096 outputs make 64 of
     cuBLAS's 128 x 136 tiles for 132 SMs): the path asks for two slices wherever the output has
-    at most half as many such tiles as there are SMs, and one otherwise.
+    at most half as many such tiles as there are SMs. Elsewhere it stays off: at 528 rows, one
+    slice (float32 out) and the kernel took 18.55 ms a DDTree(512) round against XLA's 18.46
+    (BENCHMARKS.md, fifteenth session).
     """
     if not enabled or sched is None or params.layers[0].attn.o_bias is not None:
         return 0
     if not residual.applies(cfg.hidden_size):
         return 0
     tiles = -(-rows // 136) * -(-cfg.hidden_size // 128)
-    splits = 2 if 2 * tiles <= num_sms else 1
     k_dims = (cfg.num_heads * cfg.head_dim, cfg.intermediate_size)
-    return splits if all(k % splits == 0 for k in k_dims) else 1
+    return 2 if 2 * tiles <= num_sms and all(k % 2 == 0 for k in k_dims) else 0
 
 
 def lm_head_weight(params: ModelParams) -> jax.Array:
