@@ -8,6 +8,7 @@ tokens under an optional [batch, W, W] visibility mask.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -413,21 +414,32 @@ def _after_attention(lp: LayerParams, cfg: ModelConfig, x: jax.Array, attn: jax.
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
 
+# The residual path's implementations (`forward(residual=...)`): the o and down products as
+# K-slice partials summed, with the residual add and the next norm, by one `residual_norm` kernel
+# launch ("kernel") or by XLA from the same jnp ops ("jnp"); or the usual path, where XLA splits
+# the products itself ("xla").
+RESIDUAL_IMPLS = ("kernel", "jnp", "xla")
+
+
 def _after_attention_fused(lp: LayerParams, cfg: ModelConfig, x: jax.Array, attn: jax.Array,
-                           next_norm: jax.Array, splits: int) -> tuple[jax.Array, jax.Array]:
-    """`_after_attention` and the next norm (`next_norm`), with each projection's split-K sum,
-    residual add and norm in one `residual_norm` launch. Same values as the jnp path up to the
-    order of the float32 sums. x: [batch, W, embed] -> (x, normed x), both [batch, W, embed].
+                           next_norm: jax.Array, splits: int, impl: str = "kernel"
+                           ) -> tuple[jax.Array, jax.Array]:
+    """`_after_attention` and the next norm (`next_norm`), each projection's split-K sum,
+    residual add and norm at once (`impl`: "kernel", one `residual_norm` launch, or "jnp"). Same
+    values as the usual path up to the order of the float32 sums.
+    x: [batch, W, embed] -> (x, normed x), both [batch, W, embed].
     """
     batch, width, embed = x.shape
     rows = batch * width
-    eps = cfg.rms_norm_eps
-    interpret = jax.default_backend() != "gpu"  # the path runs on GPUs; tests drive it on CPUs
+    if impl == "kernel":
+        interpret = jax.default_backend() != "gpu"  # the path runs on GPUs; tests drive it on CPUs
+        junction = functools.partial(residual.residual_norm, eps=cfg.rms_norm_eps, interpret=interpret)
+    else:
+        junction = functools.partial(residual.residual_norm_reference, eps=cfg.rms_norm_eps)
     o_parts = split_k_product(attn.reshape(rows, -1), lp.attn.o.reshape(-1, embed), splits)
-    x2, h = residual.residual_norm(x.reshape(rows, embed), o_parts, lp.mlp_norm, eps=eps, interpret=interpret)
+    x2, h = junction(x.reshape(rows, embed), o_parts, lp.mlp_norm)
     act = mlp_activation(lp.mlp, h.reshape(batch, width, embed))
-    d_parts = split_k_product(act.reshape(rows, -1), lp.mlp.down, splits)
-    x3, h3 = residual.residual_norm(x2, d_parts, next_norm, eps=eps, interpret=interpret)
+    x3, h3 = junction(x2, split_k_product(act.reshape(rows, -1), lp.mlp.down, splits), next_norm)
     return x3.reshape(batch, width, embed), h3.reshape(batch, width, embed)
 
 
@@ -443,7 +455,7 @@ class ForwardOutput:
 def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
             cache: KVCache, visible: jax.Array | None = None, *, tap_layers: tuple[int, ...] = (),
             logit_rows: jax.Array | None = None, compute_logits: bool = True,
-            return_hidden: bool = False, attn_impl: str = "auto", residual_kernel: bool = True
+            return_hidden: bool = False, attn_impl: str = "auto", residual: str = "kernel"
             ) -> ForwardOutput:
     """Runs W new tokens per sequence through the target.
 
@@ -454,9 +466,11 @@ def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions:
         for the last layer is the final-normed output).
     logit_rows: optional [batch, R] row indices; logits are computed only for those rows.
     Where the Hopper tree-attention kernel runs (`epilogue_schedule`), each layer takes the
-    fused path of `attend_fused`, and (unless `residual_kernel` is off) the o and down
-    products end in `residual_norm` (`residual_splits`): same values, fewer kernels.
+    fused path of `attend_fused`, and (unless `residual` is "xla") the o and down products
+    end in `residual_norm` (`residual_splits`, `RESIDUAL_IMPLS`): same values, fewer kernels.
     """
+    if residual not in RESIDUAL_IMPLS:
+        raise ValueError(f"residual must be one of {RESIDUAL_IMPLS}, got {residual!r}")
     bad = [t for t in tap_layers if not 0 <= t < cfg.num_layers]
     if bad:
         raise ValueError(f"tap_layers {bad} out of range for a {cfg.num_layers}-layer target")
@@ -464,7 +478,7 @@ def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions:
     cos, sin = rope_tables(positions, cfg.rope, cfg.head_dim)
     starts = cache.lengths
     sched = epilogue_schedule(params, cfg, tokens.shape[0], tokens.shape[1], cache, x.dtype, attn_impl)
-    splits = residual_splits(params, cfg, tokens.shape[0] * tokens.shape[1], sched, residual_kernel)
+    splits = residual_splits(params, cfg, tokens.shape[0] * tokens.shape[1], sched, residual != "xla")
     new_k, new_v, taps = [], [], {}
     norms = [lp.attn_norm for lp in params.layers[1:]] + [params.final_norm]  # each layer's next norm
     h = rms_norm(x, params.layers[0].attn_norm, cfg.rms_norm_eps)
@@ -479,7 +493,7 @@ def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions:
             v_buf = constrain_cache(write_rows(cache.v[i], v, starts))
             attn = attention(q, k_buf, v_buf, starts, visible, impl=attn_impl)  # shard_map under a mesh
         if splits:
-            x, h = _after_attention_fused(lp, cfg, x, attn, norms[i], splits)
+            x, h = _after_attention_fused(lp, cfg, x, attn, norms[i], splits, residual)
         else:
             x = _after_attention(lp, cfg, x, attn)
             h = rms_norm(x, norms[i], cfg.rms_norm_eps)
@@ -502,4 +516,4 @@ def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions:
 
 # `forward` as one compiled program (configs and flags static); the decoders jit whole loops instead.
 forward_jit = jax.jit(forward, static_argnames=("cfg", "tap_layers", "compute_logits", "return_hidden", "attn_impl",
-                                                "residual_kernel"))
+                                                "residual"))

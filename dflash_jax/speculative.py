@@ -22,7 +22,7 @@ from dflash_jax.accept import chain_rejection, follow_target
 from dflash_jax.config import ModelConfig
 from dflash_jax.generate import PAD, Generation, is_stop, prefill
 from dflash_jax.kv_cache import KVCache, gather_rows, write_rows
-from dflash_jax.model import ModelParams, forward
+from dflash_jax.model import RESIDUAL_IMPLS, ModelParams, forward
 from dflash_jax.sampling import SamplingParams, sample, sample_from_probs, sampling_probs
 from dflash_jax.sharding import mesh_sizes
 from dflash_jax.tree import RANK_TOP_K_MAX, TOP_K_CHUNK, Tree, build_tree, chain_tree, tree_width
@@ -49,8 +49,9 @@ class SpecSettings:
     # kernels), e.g. to compare the two.
     compact_kernel: bool = True
     # Where the fused verify path runs, the o and down products end in one `residual_norm` launch
-    # each (`model.residual_splits`); False: XLA's fusions, e.g. to compare the two.
-    residual_kernel: bool = True
+    # each (`model.residual_splits`); "jnp": the same ops left to XLA; "xla": the usual path
+    # (`model.RESIDUAL_IMPLS`), e.g. to compare them.
+    residual: str = "kernel"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -59,6 +60,8 @@ class SpecSettings:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if self.method == "ddtree" and self.budget < 1:
             raise ValueError(f"budget must be >= 1 for ddtree, got {self.budget}")
+        if self.residual not in RESIDUAL_IMPLS:
+            raise ValueError(f"residual must be one of {RESIDUAL_IMPLS}, got {self.residual!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
@@ -156,7 +159,7 @@ def verify_stage(state: SpecState, draft: Draft, target: ModelParams, cfg: Model
     tree = draft.tree
     positions = state.cache.lengths[:, None] + tree.depths
     out = forward(target, cfg, tree.tokens, positions, state.cache, tree.visible,
-                  tap_layers=tuple(dcfg.target_layer_ids), attn_impl=s.attn_impl, residual_kernel=s.residual_kernel)
+                  tap_layers=tuple(dcfg.target_layer_ids), attn_impl=s.attn_impl, residual=s.residual)
     return out.logits, out.taps, out.cache
 
 

@@ -29,11 +29,11 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.powers_of_two import next_power_of_two
 
 # Rows per program. One row of 4096 float32 partials is 16 KB per split; a row each keeps a
-# program's registers light (4 warps x 32 threads hold 32 values of each operand) and gives 272
-# programs at W 272, a couple of waves of the 132 SMs.
+# program's registers light (8 warps x 32 threads hold 16 values of each operand) and gives 272
+# programs at W 272. 2 or 4 rows were no faster (bench/glue_bench.py, fifteenth session).
 ROWS = 1
-# Columns per warp: wider rows get more warps, so each thread's share stays at 32 values.
-_COLUMNS_PER_WARP = 1024
+# Columns per warp: 8 warps at 4096 took 4.2 us against 4.5 for 4 (bench/glue_bench.py, fifteenth session).
+_COLUMNS_PER_WARP = 512
 MAX_EMBED = 16384
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 

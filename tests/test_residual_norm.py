@@ -121,10 +121,11 @@ def test_splits_rule():
         assert model_lib.residual_splits(biased, cfg, 272, sched, True) == 0
 
 
-@pytest.mark.parametrize("taps", [(), (0, 2)])
-def test_forward_on_the_fused_residual_path(taps, monkeypatch):
-    """The fused residual path forced on CPU (the kernel in interpret mode) against the usual path:
-    logits, taps, final hidden states and caches, with the split-K slices at 2."""
+@pytest.mark.parametrize("taps,impl", [((), "kernel"), ((0, 2), "kernel"), ((0, 2), "jnp")])
+def test_forward_on_the_fused_residual_path(taps, impl, monkeypatch):
+    """The fused residual path forced on CPU (the kernel in interpret mode, or its jnp form)
+    against the usual path: logits, taps, final hidden states and caches, with the split-K
+    slices at 2."""
     cfg = tiny_config(num_layers=3)
     batch, width, max_len = 2, 12, 48
     params = model_lib.init_params(cfg, jax.random.key(7), jnp.float32, fused=True)
@@ -142,7 +143,7 @@ def test_forward_on_the_fused_residual_path(taps, monkeypatch):
     real = model_lib._after_attention_fused
     monkeypatch.setattr(model_lib, "_after_attention_fused", lambda *a: calls.append(1) or real(*a))
     run = functools.partial(model_lib.forward, params, cfg, tokens, positions, cache, tap_layers=taps,
-                            return_hidden=True, attn_impl="reference")
+                            return_hidden=True, attn_impl="reference", residual=impl)
     usual = run()
     assert not calls
     monkeypatch.setattr(model_lib, "residual_splits", lambda *a, **kw: 2)
@@ -164,3 +165,15 @@ def test_gpu_kernel_matches_reference(rows, embed, splits):
     want = jax.jit(functools.partial(residual_norm_reference, eps=1e-6))(x, parts, weight)
     np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
     assert ulps(got[1], want[1]) <= 1.0
+
+
+def test_unknown_residual_impl_is_named():
+    cfg = tiny_config()
+    params = model_lib.init_params(cfg, jax.random.key(0), jnp.float32)
+    cache = KVCache.create(cfg.num_layers, 1, 8, cfg.num_kv_heads, cfg.head_dim)
+    tokens = jnp.zeros((1, 2), jnp.int32)
+    with pytest.raises(ValueError, match="residual must be one of"):
+        model_lib.forward(params, cfg, tokens, tokens, cache, residual="triton")
+    from dflash_jax.speculative import SpecSettings
+    with pytest.raises(ValueError, match="residual must be one of"):
+        SpecSettings(residual="triton")

@@ -28,7 +28,7 @@ from dflash_jax.bench.ar_decode import layer_buffers, make_decoder, random_cache
 from dflash_jax.bench.common import LAYOUTS, SHAPES, dump_hlo, environment, log, time_fn, write_json
 from dflash_jax.bench.profile import profile_program, scale_profile
 from dflash_jax.config import default_tap_layers
-from dflash_jax.model import init_params
+from dflash_jax.model import RESIDUAL_IMPLS, init_params
 from dflash_jax.speculative import COMMAND_BUFFERS_OFF, DOT_MERGER_OFF, SpecSettings, SpecState, spec_round
 from dflash_jax.stage_times import STAGES  # the round's named scopes
 from dflash_jax.tree import RANK_TOP_K_MAX, TOP_K_CHUNK
@@ -147,11 +147,11 @@ def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_le
     options = {**DOT_MERGER[dot_merger], **COMMAND_BUFFERS[command_buffers]} or None
     ms, rnd, _, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile, rounds, options, table)
     dump_hlo(hlo_dir, f"round_{s.method}_b{s.budget}_ctx{ctx}_r{rounds}_dm-{dot_merger}_cb-{command_buffers}"
-                      f"_{s.attn_impl}_topk{s.top_k_chunk}_res-{'kernel' if s.residual_kernel else 'xla'}", rnd.as_text())
+                      f"_{s.attn_impl}_topk{s.top_k_chunk}_res-{s.residual}", rnd.as_text())
     row = {"method": s.method, "budget": s.budget, "width": s.width, "ctx": ctx, "round_ms": ms,
            "dot_merger": dot_merger, "command_buffers": command_buffers, "attn_impl": s.attn_impl,
            "top_k_chunk": s.top_k_chunk, "rank_max": s.rank_max, "kv_compact": "kernel" if s.compact_kernel else "xla",
-           "residual": "kernel" if s.residual_kernel else "xla", **extra}
+           "residual": s.residual, **extra}
     log(row)
     return row
 
@@ -216,10 +216,11 @@ def main() -> None:
     ap.add_argument("--kv-compact", nargs="+", choices=("kernel", "xla"), default=["kernel"],
                     help="the commit's K/V compaction in one Pallas launch where it applies, or per buffer "
                          "in XLA (several: each is timed, side by side)")
-    ap.add_argument("--residual", nargs="+", choices=("kernel", "xla"), default=["kernel"],
-                    help="on the fused verify path, the o and down products' split-K sums, residual adds and "
-                         "norms in one residual_norm launch each, or as XLA fuses them (several: each is timed, "
-                         "side by side)")
+    ap.add_argument("--residual", nargs="+", choices=RESIDUAL_IMPLS, default=["kernel"],
+                    help="on the fused verify path, the o and down products as K-slice partials, their sums, "
+                         "residual adds and norms in one residual_norm launch each (kernel) or in XLA from the "
+                         "same ops (jnp); or the usual path, XLA splitting the products itself (xla) "
+                         "(several: each is timed, side by side)")
     ap.add_argument("--rounds-per-call", nargs="+", type=int, default=[ROUNDS_PER_CALL],
                     help="rounds per jitted call (several: each is timed, side by side)")
     ap.add_argument("--command-buffers", nargs="+", choices=sorted(COMMAND_BUFFERS) + ["decoding"],
@@ -256,7 +257,7 @@ def main() -> None:
                 args.attn_impl, chunks, ranks, args.kv_compact, args.residual, args.rounds_per_call, args.dot_merger,
                 args.command_buffers):
             s = SpecSettings(block_size=dcfg.block_size, max_new_tokens=512, attn_impl=ai, top_k_chunk=chunk,
-                             rank_max=rank, compact_kernel=compact == "kernel", residual_kernel=res == "kernel",
+                             rank_max=rank, compact_kernel=compact == "kernel", residual=res,
                              **method)
             yield s, r, dm, cb
 
