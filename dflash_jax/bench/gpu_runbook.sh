@@ -215,7 +215,7 @@ kernel-tests)
     # tests/conftest.py keeps jax on the CPU unless JAX_PLATFORMS says otherwise.
     if [ "$dry" = 1 ]; then echo "kernel-tests: GPU only (nothing to run with DRY=1)"
     else JAX_PLATFORMS=cuda step kernel_tests "$limit" python -m pytest -q tests/test_tree_attention_hopper.py \
-        tests/test_qkv_epilogue.py tests/test_tree_attention.py tests/test_split_merge.py -k gpu_; fi ;;
+        tests/test_qkv_epilogue.py tests/test_tree_attention.py tests/test_split_merge.py tests/test_residual_norm.py -k gpu_; fi ;;
 kernel-sweep)
     # The sweep alone: `kernel SWEEP_S=...` first times the whole grid, which takes most of a
     # call (ninth session). Each configuration's median ms is printed as it finishes.
