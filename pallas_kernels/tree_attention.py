@@ -36,7 +36,7 @@ from pallas_kernels import tree_attention_hopper as hopper
 from pallas_kernels.powers_of_two import is_power_of_two, next_power_of_two
 
 Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge",
-               "pallas-triton", "pallas-one-launch", "reference", "interpret"]
+               "pallas-paired", "pallas-bk64", "pallas-triton", "pallas-one-launch", "reference", "interpret"]
 # The kernels as dispatched ("pallas": on Hopper, `tree_attention_hopper` where it applies, fed
 # by the model's fused qkv epilogue), and the variants benchmarks time beside it:
 # "pallas-unfused", the same kernels with the model's epilogue in XLA (the default before the
@@ -44,7 +44,9 @@ Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-no-pingpong", "pallas
 # warpgroups not taking turns on the tensor cores; "pallas-xla-merge", "pallas" with the Hopper
 # kernel's split-K partials merged into tokens in jnp (XLA) instead of by the Triton merge kernel
 # (`split_merge.py`); "pallas-reduced-merge", the thirteenth session's Hopper path (no turns,
-# padding warpgroups computing, the split merge in XLA as reductions);
+# padding warpgroups computing, the split merge in XLA as reductions); "pallas-paired", "pallas"
+# with the Hopper kernel's `Schedule.paired_issue` the other way round; "pallas-bk64", "pallas"
+# with the Hopper kernel on 64-key blocks, 4 in flight;
 # "pallas-triton", the Triton kernel alone; and
 # "pallas-one-launch", its default tiling without the tail launch (at W 272, the default before
 # the seventh session).
@@ -54,10 +56,12 @@ Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-no-pingpong", "pallas
 # and a Triton kernel merging the Hopper kernel's partials into tokens with one program per 16
 # tokens (thirteenth; today's `split_merge.py` sizes its programs by their splits instead).
 PALLAS_VARIANTS = ("pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge",
-                   "pallas-triton", "pallas-one-launch")
+                   "pallas-paired", "pallas-bk64", "pallas-triton", "pallas-one-launch")
 # The variants that run the Hopper kernel where it applies; those fed by the qkv epilogue.
-HOPPER_VARIANTS = ("pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge")
-_ROWS_VARIANTS = ("pallas", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge")
+HOPPER_VARIANTS = ("pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge",
+                   "pallas-paired", "pallas-bk64")
+_ROWS_VARIANTS = ("pallas", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge", "pallas-paired",
+                  "pallas-bk64")
 
 # exp2 is the native GPU instruction; folding log2(e) into the score scale makes exp2 exact
 # replacement for exp.
@@ -634,6 +638,10 @@ def _hopper_schedule(which: str, batch: int, rows: int, kv_heads: int, max_len: 
         return dataclasses.replace(sched, pingpong=False, unrolled_merge=False, real_rows=0, merge_kernel=False)
     if which == "pallas-xla-merge":  # today's kernel, its partials merged in jnp
         return dataclasses.replace(sched, merge_kernel=False)
+    if which == "pallas-paired":
+        return dataclasses.replace(sched, paired_issue=not sched.paired_issue)
+    if which == "pallas-bk64":
+        return dataclasses.replace(sched, block_k=64, stages=4)
     return dataclasses.replace(sched, pingpong=which != "pallas-no-pingpong")
 
 

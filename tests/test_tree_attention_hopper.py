@@ -147,17 +147,19 @@ def test_schedule_fills_one_wave():
     assert hopper.schedule(1, 8, 16 * 4, 300).tail_split == 1
 
 
-@pytest.mark.parametrize("pingpong", [True, False])
+@pytest.mark.parametrize("pingpong,paired", [(True, False), (False, False), (True, True)])
 @pytest.mark.parametrize("skip_padding", [True, False])
-def test_hopper_kernel_lowers_for_cuda(pingpong, skip_padding):
+@pytest.mark.parametrize("block_k,stages", [(128, 2), (64, 4)])
+def test_hopper_kernel_lowers_for_cuda(pingpong, paired, skip_padding, block_k, stages):
     """The Mosaic GPU kernel traces and lowers for cuda without a GPU (one custom call, and one
-    Triton launch merging its partials), with and without turns, with the padding warpgroup
-    skipping its products (real_rows) or not."""
+    Triton launch merging its partials), with and without turns, with paired products per turn,
+    with the padding warpgroup skipping its products (real_rows) or not, at both key blocks."""
     q = jax.ShapeDtypeStruct((1, 272, 32, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 5120, 8, 128), jnp.bfloat16)
     args = [q, kv, kv, jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1, 272, 272), jnp.bool_)]
     sched = hopper.schedule(1, 8, 272 * 4, 5120)
-    sched = dataclasses.replace(sched, pingpong=pingpong, real_rows=sched.real_rows if skip_padding else 0)
+    sched = dataclasses.replace(sched, pingpong=pingpong, real_rows=sched.real_rows if skip_padding else 0,
+                                paired_issue=paired, block_k=block_k, stages=stages)
     fn = functools.partial(hopper.tree_attention_hopper, scale=128 ** -0.5, sched=sched)
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 1
@@ -210,11 +212,15 @@ def test_gpu_hopper_kernel_matches_reference(batch, width, kv_heads, group, head
     ref = tree_attention_reference(q, k, v, prefix_lens, visible)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert rel_err(out, ref) < 1.5e-2
-    # The same kernel with its compute warpgroups not taking turns (`Schedule.pingpong`).
-    serial = dataclasses.replace(hopper.schedule(batch, kv_heads, width * group, max_len), pingpong=False)
-    out = jax.jit(functools.partial(hopper.tree_attention_hopper, scale=head_dim ** -0.5, sched=serial))(
-        q, k, v, prefix_lens, visible)
-    assert rel_err(out, ref) < 1.5e-2
+    # The same kernel with its compute warpgroups not taking turns (`Schedule.pingpong`), with
+    # both products of a turn issued together (`Schedule.paired_issue`), and with 64-key blocks.
+    default = hopper.schedule(batch, kv_heads, width * group, max_len)
+    for fields in (dict(pingpong=False), dict(paired_issue=not default.paired_issue),
+                   dict(block_k=64, stages=4), dict(block_k=64, stages=4, paired_issue=True)):
+        sched = dataclasses.replace(default, **fields)
+        out = jax.jit(functools.partial(hopper.tree_attention_hopper, scale=head_dim ** -0.5, sched=sched))(
+            q, k, v, prefix_lens, visible)
+        assert rel_err(out, ref) < 1.5e-2, fields
 
 
 def test_variants_reach_the_kernel_with_their_schedule(monkeypatch):
@@ -224,7 +230,8 @@ def test_variants_reach_the_kernel_with_their_schedule(monkeypatch):
     # (pingpong, unrolled_merge, real_rows, merge_kernel)
     want = {"pallas": (True, True, 272 * 4, True), "pallas-unfused": (True, True, 272 * 4, True),
             "pallas-no-pingpong": (False, True, 272 * 4, True), "pallas-xla-merge": (True, True, 272 * 4, False),
-            "pallas-reduced-merge": (False, False, 0, False)}
+            "pallas-reduced-merge": (False, False, 0, False), "pallas-paired": (True, True, 272 * 4, True),
+            "pallas-bk64": (True, True, 272 * 4, True)}
     seen = {}
     monkeypatch.setattr(hopper, "tree_attention_hopper",
                         lambda *a, sched, **kw: seen.setdefault("sched", sched) and a[0])
@@ -236,6 +243,9 @@ def test_variants_reach_the_kernel_with_their_schedule(monkeypatch):
         tree_attention(q, kv, kv, jnp.zeros((1,), jnp.int32), None, impl=impl)
         got = seen["sched"]
         assert (got.pingpong, got.unrolled_merge, got.real_rows, got.merge_kernel) == fields, impl
+        default = hopper.schedule(1, 8, 272 * 4, 5120)
+        assert got.paired_issue == (default.paired_issue != (impl == "pallas-paired")), impl
+        assert (got.block_k, got.stages) == ((64, 4) if impl == "pallas-bk64" else (default.block_k, default.stages)), impl
         rows = dispatch.rows_schedule(1, 272, 32, 8, 128, 5120, jnp.bfloat16, impl)
         if impl == "pallas-unfused":
             assert rows is None  # the path without the qkv epilogue

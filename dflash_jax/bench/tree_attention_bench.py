@@ -192,10 +192,12 @@ def _hopper_variant(shape: Shape, **fields) -> AttnFn:
 def bench_shape(shape: Shape, dtype, *, interpret: bool, iters: int, reps: int,
                 impls: tuple[str, ...] = ("pallas", "xla", "reference"), check: bool = True,
                 overrides: dict | None = None, profile_dir: str | None = None, unrolled: bool = False,
-                tilings: list[dict] | None = None) -> dict:
+                tilings: list[dict] | None = None, hopper_scheds: dict[str, dict] | None = None) -> dict:
     """Checks and times one shape. overrides: explicit kernel block sizes.
 
     tilings: more explicit tilings of the kernel, timed as impls "tiling0", "tiling1", ...
+    hopper_scheds: the Hopper kernel with its default schedule changed by these fields, timed as
+      impls "hopper_<name>".
 
     profile_dir: also record per-call GPU kernel time (``<impl>_kernel_us``) from a trace.
     unrolled: also time each implementation with the calls unrolled (``<impl>_unrolled_ms``).
@@ -224,6 +226,8 @@ def bench_shape(shape: Shape, dtype, *, interpret: bool, iters: int, reps: int,
         # The Hopper kernel with its split-K partials merged in jnp (XLA), not by `split_merge.py`.
         "hopper_xla_merge": _hopper_variant(shape, merge_kernel=False),
     }
+    for name, fields in (hopper_scheds or {}).items():
+        fns[f"hopper_{name}"] = _hopper_variant(shape, **fields)
     for i, tiling in enumerate(tilings or ()):
         fns[f"tiling{i}"] = functools.partial(tree_attention_pallas, interpret=interpret, **tiling)
 
@@ -382,6 +386,26 @@ def write_json(path: str, rows: list[dict], skipped: list[dict], started: float,
     return result
 
 
+def parse_hopper_scheds(specs: list[str]) -> dict[str, dict]:
+    """["bk64:block_k=64,stages=4", ...] -> {"bk64": {"block_k": 64, "stages": 4}}; fields must be
+    `tree_attention_hopper.Schedule`'s, values ints or true/false."""
+    fields = {f.name for f in dataclasses.fields(hopper.Schedule)}
+    out = {}
+    for spec in specs:
+        name, _, body = spec.partition(":")
+        parsed = {}
+        for item in filter(None, body.split(",")):
+            key, _, value = item.partition("=")
+            if key not in fields:
+                raise SystemExit(f"--hopper-sched {spec!r}: {key!r} is not a Schedule field ({sorted(fields)})")
+            low = value.lower()
+            parsed[key] = (low == "true") if low in ("true", "false") else int(value)
+        if not name or not parsed:
+            raise SystemExit(f"--hopper-sched {spec!r}: expected NAME:FIELD=V[,FIELD=V]")
+        out[name] = parsed
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="tree_attention_bench.json", help="JSON results path")
@@ -411,6 +435,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tiling", action="append", default=[], metavar="W:Q,K,WARPS,STAGES,SPLIT[,TAIL]",
                         help="also time this explicit tiling at width W (block_q, block_k, num_warps, "
                              "num_stages, split_k, tail_split); repeatable")
+    parser.add_argument("--hopper-sched", action="append", default=[], metavar="NAME:FIELD=V[,FIELD=V]",
+                        help="with --hopper: also time the Hopper kernel with these Schedule fields changed "
+                             "(as hopper_NAME; e.g. bk64:block_k=64,stages=4); repeatable")
     parser.add_argument("--unrolled", action="store_true",
                         help="also time every implementation with its calls unrolled (no loop overhead)")
     parser.add_argument("--iters", type=int, default=20)
@@ -450,12 +477,16 @@ def main(argv: list[str] | None = None) -> None:
             # The variants run the Mosaic GPU kernel itself, which has no interpret mode.
             variants = args.hopper_variants and not args.interpret
             hoppers = ("hopper", "hopper_busy", "hopper_serial", "hopper_xla_merge") if variants else ("hopper",)
+            scheds = parse_hopper_scheds(args.hopper_sched) if args.hopper and not args.interpret else {}
+            hoppers += tuple(f"hopper_{name}" for name in scheds)
             candidates = ((("one_launch",) if args.one_launch else ()) + (hoppers if args.hopper else ())
                           + tuple(f"tiling{i}" for i in range(len(tilings))))
             impls = ("pallas",) + candidates + impls[1:]
             row = bench_shape(shape, dtype, interpret=args.interpret, iters=args.iters,
                               reps=args.reps, profile_dir=args.profile, impls=impls, unrolled=args.unrolled,
-                              tilings=tilings)
+                              tilings=tilings, hopper_scheds=scheds)
+            for name, fields in scheds.items():
+                row[f"hopper_{name}"] = fields
             for i, tiling in enumerate(tilings):
                 row[f"tiling{i}"] = tiling
             row["speedup_vs_xla"] = row["xla_ms"] / row["pallas_ms"]
