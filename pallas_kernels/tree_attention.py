@@ -36,7 +36,7 @@ from pallas_kernels import tree_attention_hopper as hopper
 from pallas_kernels.powers_of_two import is_power_of_two, next_power_of_two
 
 Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge",
-               "pallas-paired", "pallas-bk64", "pallas-triton", "pallas-one-launch", "reference", "interpret"]
+               "pallas-scaled-scores", "pallas-triton", "pallas-one-launch", "reference", "interpret"]
 # The kernels as dispatched ("pallas": on Hopper, `tree_attention_hopper` where it applies, fed
 # by the model's fused qkv epilogue), and the variants benchmarks time beside it:
 # "pallas-unfused", the same kernels with the model's epilogue in XLA (the default before the
@@ -44,9 +44,8 @@ Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-no-pingpong", "pallas
 # warpgroups not taking turns on the tensor cores; "pallas-xla-merge", "pallas" with the Hopper
 # kernel's split-K partials merged into tokens in jnp (XLA) instead of by the Triton merge kernel
 # (`split_merge.py`); "pallas-reduced-merge", the thirteenth session's Hopper path (no turns,
-# padding warpgroups computing, the split merge in XLA as reductions); "pallas-paired", "pallas"
-# with the Hopper kernel's `Schedule.paired_issue` the other way round; "pallas-bk64", "pallas"
-# with the Hopper kernel on 64-key blocks, 4 in flight;
+# padding warpgroups computing, the split merge in XLA as reductions); "pallas-scaled-scores",
+# "pallas" with the Hopper kernel scaling every score before its softmax (`Schedule.fma_scale` off);
 # "pallas-triton", the Triton kernel alone; and
 # "pallas-one-launch", its default tiling without the tail launch (at W 272, the default before
 # the seventh session).
@@ -56,12 +55,11 @@ Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-no-pingpong", "pallas
 # and a Triton kernel merging the Hopper kernel's partials into tokens with one program per 16
 # tokens (thirteenth; today's `split_merge.py` sizes its programs by their splits instead).
 PALLAS_VARIANTS = ("pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge",
-                   "pallas-paired", "pallas-bk64", "pallas-triton", "pallas-one-launch")
+                   "pallas-scaled-scores", "pallas-triton", "pallas-one-launch")
 # The variants that run the Hopper kernel where it applies; those fed by the qkv epilogue.
 HOPPER_VARIANTS = ("pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge",
-                   "pallas-paired", "pallas-bk64")
-_ROWS_VARIANTS = ("pallas", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge", "pallas-paired",
-                  "pallas-bk64")
+                   "pallas-scaled-scores")
+_ROWS_VARIANTS = ("pallas", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge", "pallas-scaled-scores")
 
 # exp2 is the native GPU instruction; folding log2(e) into the score scale makes exp2 exact
 # replacement for exp.
@@ -635,13 +633,12 @@ def _hopper_schedule(which: str, batch: int, rows: int, kv_heads: int, max_len: 
     """The Hopper kernel's schedule for `rows` rows per kv head as the variant `which` runs it."""
     sched = hopper.schedule(batch, kv_heads, rows, max_len, gpu_limits().num_sms)
     if which == "pallas-reduced-merge":  # the thirteenth session's kernel and merge, as they were
-        return dataclasses.replace(sched, pingpong=False, unrolled_merge=False, real_rows=0, merge_kernel=False)
+        return dataclasses.replace(sched, pingpong=False, unrolled_merge=False, real_rows=0, merge_kernel=False,
+                                   fma_scale=False)
+    if which == "pallas-scaled-scores":
+        return dataclasses.replace(sched, fma_scale=False)
     if which == "pallas-xla-merge":  # today's kernel, its partials merged in jnp
         return dataclasses.replace(sched, merge_kernel=False)
-    if which == "pallas-paired":
-        return dataclasses.replace(sched, paired_issue=not sched.paired_issue)
-    if which == "pallas-bk64":
-        return dataclasses.replace(sched, block_k=64, stages=4)
     return dataclasses.replace(sched, pingpong=which != "pallas-no-pingpong")
 
 

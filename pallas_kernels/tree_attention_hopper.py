@@ -73,9 +73,8 @@ class Schedule:
     merge_kernel: the partials are merged into tokens by `split_merge.split_merge` (one Triton
       launch) where it applies; False: by `merge` and `tokens_of` in jnp (as `unrolled_merge`
       says).
-    paired_issue: with pingpong, a warpgroup's turn issues P @ V of one key block and Q K^T of
-      the next back to back and waits for both at once (`_work_paired`); else each turn issues
-      one product and the warpgroup waits for P @ V before it issues the next Q K^T.
+    fma_scale: the softmax takes the row max of the raw scores and scales inside exp2's
+      argument (s * scale - max, one fused multiply-add), rather than scaling every score first.
     """
     full_blocks: int
     main_split: int
@@ -87,7 +86,7 @@ class Schedule:
     unrolled_merge: bool = True
     real_rows: int = 0
     merge_kernel: bool = True
-    paired_issue: bool = False
+    fma_scale: bool = True
 
     @property
     def main_programs(self) -> int:
@@ -194,7 +193,7 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
     """
     block_k, stages = sched.block_k, sched.stages
     (q_smem, k_smem, v_smem, bias_smem, lse_smem), barriers = scratch
-    k_ready, v_ready, q_ready, bias_ready, k_free, v_free, turn, turn_of = barriers
+    k_ready, v_ready, q_ready, bias_ready, k_free, v_free, turn = barriers
     b = lax.axis_index("batch")
     head = lax.axis_index("kv_head")
     program = lax.axis_index("program")
@@ -283,14 +282,18 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
     def softmax(i, s, acc, m_i, l_i, masked: bool):
         """The online softmax of key block i's scores s [64, block_k] (raw q.k): the rescaled
         acc, the new running max and sum, and P in the input dtype for P @ V."""
-        s = s * qk_scale
-        if masked:
+        scale_first = not sched.fma_scale
+        if scale_first:
+            s = s * qk_scale
+        if masked:  # the bias is 0 / -inf, the same scaled or not
             plgpu.barrier_wait(bias_ready.at[wg])
             s = s + bias_tile[...].astype(jnp.float32)
             pl.when(i + 1 < hi)(lambda: load_bias(i + 1))
-        m_new = jnp.maximum(m_i, s.max(axis=1))
+        row_max = s.max(axis=1)
+        m_new = jnp.maximum(m_i, row_max if scale_first else row_max * qk_scale)
         alpha = jnp.exp2(m_i - m_new)
-        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        m_cols = lax.broadcast_in_dim(m_new, s.shape, [0])
+        p = jnp.exp2(s - m_cols if scale_first else s * qk_scale - m_cols)
         l_i = l_i * alpha + p.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         return acc, m_new, l_i, p.astype(dtype)
@@ -350,103 +353,15 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
         turns_after()
         finish(*carry)
 
-    # The partner warpgroup's rows: a partner of padding rows takes no turns (`_idle_paired`).
-    partner_works = row_block * ROWS_PER_BLOCK + (1 - wg) * ROWS_PER_WG < (sched.real_rows or sched.padded_rows)
-
-    def wait_turn():
-        pl.when(partner_works)(lambda: plgpu.barrier_wait(turn_of.at[wg]))
-
-    def pass_turn():
-        pl.when(partner_works)(lambda: plgpu.barrier_arrive(turn_of.at[1 - wg]))
-
-    def _work_paired():
-        """`_work` with each turn on the tensor cores issuing P @ V of block i - 1 and Q K^T of
-        block i together, then one wait for both: the tensor cores are not left idle between
-        the two products while the warpgroup learns that the first is done. The softmax of
-        block i then runs while the other warpgroup's pair does.
-
-        Turns: warpgroup w waits at turn_of[w] before issuing and arrives at the other's after,
-        so the pairs alternate; warpgroup 1 arrives once first, so warpgroup 0 starts.
-        """
-        zeros = plgpu.layout_cast(jnp.full((ROWS_PER_WG, block_k), 0.0, jnp.float32), wgmma_layout)
-
-        def run(carry):
-            acc, m_i, l_i = carry
-            pl.when(jnp.logical_and(wg == 1, partner_works))(
-                lambda: plgpu.barrier_arrive(turn_of.at[0]))
-            wait_turn()
-            plgpu.barrier_wait(k_ready.at[slot_of(lo)])
-
-            def first_scores(s_ref):
-                plgpu.wgmma(s_ref, q_tile, _transposed(k_smem.at[slot_of(lo)]))
-                pass_turn()
-
-            s = pl.run_state(first_scores)(plgpu.ACC.init(zeros))
-            plgpu.barrier_arrive(k_free.at[slot_of(lo)])
-            carry = lax.cond(lo >= n_clean, functools.partial(softmax, masked=True),
-                             functools.partial(softmax, masked=False), lo, s, acc, m_i, l_i)
-
-            def step(i, carry, masked: bool):
-                acc, m_i, l_i, p16 = carry
-                prev, slot = slot_of(i - 1), slot_of(i)
-                wait_turn()
-                plgpu.barrier_wait(v_ready.at[prev])
-                plgpu.barrier_wait(k_ready.at[slot])
-
-                def products(refs):
-                    acc_ref, s_ref = refs
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[prev])
-                    plgpu.wgmma(s_ref, q_tile, _transposed(k_smem.at[slot]))
-                    pass_turn()
-
-                acc, s = pl.run_state(products)((plgpu.ACC.init(acc), plgpu.ACC.init(zeros)))
-                plgpu.barrier_arrive(v_free.at[prev])
-                plgpu.barrier_arrive(k_free.at[slot])
-                return softmax(i, s, acc, m_i, l_i, masked)
-
-            after_first = lo + 1
-            carry = lax.fori_loop(after_first, jnp.minimum(hi, n_clean),
-                                  functools.partial(step, masked=False), carry)
-            carry = lax.fori_loop(jnp.maximum(first_masked, after_first), hi,
-                                  functools.partial(step, masked=True), carry)
-            acc, m_i, l_i, p16 = carry
-            last = slot_of(hi - 1)
-            wait_turn()
-            plgpu.barrier_wait(v_ready.at[last])
-
-            def last_values(acc_ref):
-                plgpu.wgmma(acc_ref, p16, v_smem.at[last])
-                pass_turn()
-
-            acc = pl.run_state(last_values)(plgpu.ACC.init(acc))
-            plgpu.barrier_arrive(v_free.at[last])
-            return acc, m_i, l_i
-
-        carry = start()
-        finish(*lax.cond(lo < hi, run, lambda carry: carry, carry))
-
-    def _idle_paired():
-        """`_idle` for `_work_paired`: frees each K/V slot once its block has landed; no turns
-        (the working partner takes none with it)."""
-        @pl.loop(lo, hi)
-        def _step(i):
-            slot = slot_of(i)
-            plgpu.barrier_wait(k_ready.at[slot])
-            plgpu.barrier_arrive(k_free.at[slot])
-            plgpu.barrier_wait(v_ready.at[slot])
-            plgpu.barrier_arrive(v_free.at[slot])
-
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
-        paired = sched.paired_issue and pingpong
-        work, idle_work = (_work_paired, _idle_paired) if paired else (_work, _idle)
         if not sched.real_rows:  # every row counts as real: no warpgroup is idle
-            work()
+            _work()
             return
         idle = row0 >= sched.real_rows
-        pl.when(idle)(idle_work)
-        pl.when(jnp.logical_not(idle))(work)
+        pl.when(idle)(_idle)
+        pl.when(jnp.logical_not(idle))(_work)
 
     @pl.when(wg == COMPUTE_WGS)
     def _memory():
@@ -518,7 +433,6 @@ def hopper_partials(q_rows: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: 
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # turns on the tensor cores (pingpong)
-            plgpu.Barrier(num_barriers=COMPUTE_WGS),  # a warpgroup's turn (paired_issue)
         )
         pl.run_scoped(
             lambda *scratch: _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref,

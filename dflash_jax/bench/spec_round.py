@@ -203,8 +203,7 @@ def main() -> None:
                          "(pallas-unfused), the Hopper kernel's warpgroups not taking turns (pallas-no-pingpong), "
                          "its split-K merge in XLA instead of the Triton merge kernel (pallas-xla-merge), "
                          "the thirteenth session's Hopper path (pallas-reduced-merge: no turns, the split-K merge as XLA reductions), "
-                         "the Hopper kernel with Schedule.paired_issue the other way (pallas-paired) or on 64-key "
-                         "blocks (pallas-bk64), "
+                         "the Hopper kernel scaling every score before the softmax (pallas-scaled-scores), "
                          "the Triton kernel alone (pallas-triton), or that without its "
                          "tail launch (several: each is timed, side by side)")
     ap.add_argument("--layout", nargs="+", choices=LAYOUTS, default=["fused"],
