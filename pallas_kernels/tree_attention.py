@@ -53,7 +53,9 @@ Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-no-pingpong", "pallas
 # (seventh session; its split-K cap is in the default), a Pallas kernel merging the split-K
 # partials (seventh), a merge inside the kernel by the last program of each row block (tenth),
 # and a Triton kernel merging the Hopper kernel's partials into tokens with one program per 16
-# tokens (thirteenth; today's `split_merge.py` sizes its programs by their splits instead).
+# tokens (thirteenth; today's `split_merge.py` sizes its programs by their splits instead), and
+# two schedules of the Hopper kernel (sixteenth): a turn issuing P @ V and the next Q K^T
+# together, and 64-key blocks.
 PALLAS_VARIANTS = ("pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge",
                    "pallas-scaled-scores", "pallas-triton", "pallas-one-launch")
 # The variants that run the Hopper kernel where it applies; those fed by the qkv epilogue.

@@ -10,7 +10,9 @@ memory accelerator (TMA), in a warp-specialised block:
   runs while the other's products do; 42.7 against 44.7 us at W 272, ctx 4K); a warpgroup whose
   rows are all padding only keeps step (41.4 us);
 * one memory warpgroup streaming K/V tiles into a ring of `stages` shared-memory slots, each
-  slot freed by a barrier that both compute warpgroups arrive at.
+  slot freed by a barrier that both compute warpgroups arrive at;
+* a softmax that scales inside exp2's argument (`Schedule.fma_scale`, one fused multiply-add
+  per score: 40.1 against 41.1 us at W 272, ctx 4K).
 
 Keys come in blocks of `block_k` aligned to block_k (TMA into tiled shared memory needs starts
 the compiler can prove aligned). The blocks before floor(L / block_k) lie in the committed

@@ -248,3 +248,17 @@ def test_variants_reach_the_kernel_with_their_schedule(monkeypatch):
             assert rows is None  # the path without the qkv epilogue
         else:
             assert rows == got, impl
+
+
+def test_bench_hopper_sched_specs():
+    """The kernel benchmark's --hopper-sched values: Schedule fields with int or bool values; an
+    unknown field or an empty spec is refused, naming the flag."""
+    from dflash_jax.bench.tree_attention_bench import parse_hopper_scheds
+
+    assert parse_hopper_scheds(["bk64:block_k=64,stages=4", "plain:fma_scale=false,pingpong=True"]) == {
+        "bk64": {"block_k": 64, "stages": 4}, "plain": {"fma_scale": False, "pingpong": True}}
+    sched = hopper.schedule(1, 8, 272 * 4, 5120)
+    assert dataclasses.replace(sched, **parse_hopper_scheds(["x:stages=3"])["x"]).stages == 3
+    for bad in ("x:block=64", "x:", ":stages=3"):
+        with pytest.raises(SystemExit, match="--hopper-sched"):
+            parse_hopper_scheds([bad])
