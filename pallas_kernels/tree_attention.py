@@ -36,7 +36,7 @@ from pallas_kernels import tree_attention_hopper as hopper
 from pallas_kernels.powers_of_two import is_power_of_two, next_power_of_two
 
 Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge",
-               "pallas-scaled-scores", "pallas-multicast", "pallas-triton", "pallas-one-launch", "reference", "interpret"]
+               "pallas-scaled-scores", "pallas-triton", "pallas-one-launch", "reference", "interpret"]
 # The kernels as dispatched ("pallas": on Hopper, `tree_attention_hopper` where it applies, fed
 # by the model's fused qkv epilogue), and the variants benchmarks time beside it:
 # "pallas-unfused", the same kernels with the model's epilogue in XLA (the default before the
@@ -46,8 +46,6 @@ Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-no-pingpong", "pallas
 # (`split_merge.py`); "pallas-reduced-merge", the thirteenth session's Hopper path (no turns,
 # padding warpgroups computing, the split merge in XLA as reductions); "pallas-scaled-scores",
 # "pallas" with the Hopper kernel scaling every score before its softmax (`Schedule.fma_scale` off);
-# "pallas-multicast", "pallas" with pairs of programs that share their K/V blocks loading each
-# once between them, multicast to both SMs (`Schedule.multicast`, where the schedule pairs up);
 # "pallas-triton", the Triton kernel alone; and
 # "pallas-one-launch", its default tiling without the tail launch (at W 272, the default before
 # the seventh session).
@@ -57,14 +55,14 @@ Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-no-pingpong", "pallas
 # and a Triton kernel merging the Hopper kernel's partials into tokens with one program per 16
 # tokens (thirteenth; today's `split_merge.py` sizes its programs by their splits instead), and
 # two schedules of the Hopper kernel (sixteenth): a turn issuing P @ V and the next Q K^T
-# together, and 64-key blocks.
+# together, and 64-key blocks; and (seventeenth) pairs of its programs in clusters of two SMs
+# loading their shared K/V blocks once, by TMA multicast.
 PALLAS_VARIANTS = ("pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge",
-                   "pallas-scaled-scores", "pallas-multicast", "pallas-triton", "pallas-one-launch")
+                   "pallas-scaled-scores", "pallas-triton", "pallas-one-launch")
 # The variants that run the Hopper kernel where it applies; those fed by the qkv epilogue.
 HOPPER_VARIANTS = ("pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge",
-                   "pallas-scaled-scores", "pallas-multicast")
-_ROWS_VARIANTS = ("pallas", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge", "pallas-scaled-scores",
-                  "pallas-multicast")
+                   "pallas-scaled-scores")
+_ROWS_VARIANTS = ("pallas", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge", "pallas-scaled-scores")
 
 # exp2 is the native GPU instruction; folding log2(e) into the score scale makes exp2 exact
 # replacement for exp.
@@ -642,8 +640,6 @@ def _hopper_schedule(which: str, batch: int, rows: int, kv_heads: int, max_len: 
                                    fma_scale=False)
     if which == "pallas-scaled-scores":
         return dataclasses.replace(sched, fma_scale=False)
-    if which == "pallas-multicast":
-        return dataclasses.replace(sched, multicast=sched.multicast_fits)
     if which == "pallas-xla-merge":  # today's kernel, its partials merged in jnp
         return dataclasses.replace(sched, merge_kernel=False)
     return dataclasses.replace(sched, pingpong=which != "pallas-no-pingpong")
@@ -690,8 +686,7 @@ def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Ar
       impl: "auto" (Pallas on GPU, reference elsewhere), "pallas" (on Hopper, the Mosaic GPU
         kernel where `hopper_applies`, else the Triton one), a variant of it ("pallas-unfused":
         the same here, but the model does not feed it from `qkv_epilogue`; "pallas-no-pingpong",
-        "pallas-xla-merge", "pallas-reduced-merge", "pallas-scaled-scores", "pallas-multicast":
-        the Hopper kernel scheduled otherwise
+        "pallas-xla-merge", "pallas-reduced-merge": the Hopper kernel scheduled otherwise
         (`_hopper_schedule`); "pallas-triton":
         the Triton kernel alone; "pallas-one-launch": that without its tail launch),
         "reference", "interpret".

@@ -77,10 +77,6 @@ class Schedule:
       says).
     fma_scale: the softmax takes the row max of the raw scores and scales inside exp2's
       argument (s * scale - max, one fused multiply-add), rather than scaling every score first.
-    multicast: programs run in clusters of two SMs, and the two of a main pair (row blocks 2j
-      and 2j + 1, one split of the keys) load each K/V block once between them: each SM reads
-      half of it and the TMA multicasts that half to both. Needs an even number of full blocks
-      and of tail programs (`multicast_fits`); the tail pairs (different keys) load their own.
     """
     full_blocks: int
     main_split: int
@@ -93,7 +89,6 @@ class Schedule:
     real_rows: int = 0
     merge_kernel: bool = True
     fma_scale: bool = True
-    multicast: bool = False
 
     @property
     def main_programs(self) -> int:
@@ -106,12 +101,6 @@ class Schedule:
     @property
     def padded_rows(self) -> int:
         return (self.full_blocks + self.tail) * ROWS_PER_BLOCK
-
-    @property
-    def multicast_fits(self) -> bool:
-        """Whether the programs pair up as `multicast` needs: main pairs within one split, and
-        tail programs in pairs of their own."""
-        return self.full_blocks % 2 == 0 and (not self.tail or self.tail_split % 2 == 0)
 
 
 def schedule(batch: int, kv_heads: int, rows: int, max_len: int, num_sms: int = 132,
@@ -177,35 +166,18 @@ def _transposed(ref):
     return ref.transpose((1, 0))
 
 
-def _program(sched: Schedule) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """This program's (row block, split, number of splits, index of its output partial).
-
-    Outputs are ordered as `merge` reads them: row block-major within the main programs, then
-    the tail's splits. With `multicast` the launch pairs programs in clusters of two ("pair"
-    axis), and a main pair is two row blocks (2j, 2j + 1) of one split, so that their K/V
-    blocks are the same.
-    """
-    if not sched.multicast:
-        c = lax.axis_index("program")
-    else:
-        c = 2 * lax.axis_index("program") + lax.axis_index("pair")
-    n_main = jnp.int32(sched.main_split)
-    if sched.multicast and sched.full_blocks:
-        pair, member = lax.div(c, 2), lax.rem(c, 2)
-        main_block = 2 * lax.div(pair, n_main) + member
-        main_split = lax.rem(pair, n_main)
-    else:
-        main_block, main_split = lax.div(c, n_main), lax.rem(c, n_main)
-    main_out = main_block * n_main + main_split
+def _program(sched: Schedule) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """This program's (row block, split, number of splits) from its index on the "program" axis."""
+    c = lax.axis_index("program")
     if not sched.tail:
-        return main_block, main_split, n_main, main_out
+        n = jnp.int32(sched.main_split)
+        return lax.div(c, n), lax.rem(c, n), n
     if not sched.full_blocks:
-        return jnp.int32(0), c, jnp.int32(sched.tail_split), c
+        return jnp.int32(0), c, jnp.int32(sched.tail_split)
     in_tail = c >= sched.main_programs
-    row_block = jnp.where(in_tail, sched.full_blocks, main_block)
-    split = jnp.where(in_tail, c - sched.main_programs, main_split)
-    n_splits = jnp.where(in_tail, sched.tail_split, sched.main_split).astype(jnp.int32)
-    return row_block, split, n_splits, jnp.where(in_tail, c, main_out)
+    row_block = jnp.where(in_tail, sched.full_blocks, lax.div(c, jnp.int32(sched.main_split)))
+    split = jnp.where(in_tail, c - sched.main_programs, lax.rem(c, jnp.int32(sched.main_split)))
+    return row_block, split, jnp.where(in_tail, sched.tail_split, sched.main_split).astype(jnp.int32)
 
 
 def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, *, sched: Schedule,
@@ -223,10 +195,11 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
     """
     block_k, stages = sched.block_k, sched.stages
     (q_smem, k_smem, v_smem, bias_smem, lse_smem), barriers = scratch
-    k_ready, v_ready, q_ready, bias_ready, k_free, v_free, turn, *pair_free = barriers
+    k_ready, v_ready, q_ready, bias_ready, k_free, v_free, turn = barriers
     b = lax.axis_index("batch")
     head = lax.axis_index("kv_head")
-    row_block, split, split_k, program = _program(sched)
+    program = lax.axis_index("program")
+    row_block, split, split_k = _program(sched)
     wg = lax.axis_index("wg")
     dtype = q_smem.dtype
 
@@ -245,25 +218,6 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
 
     def await_next_k(i):
         pl.when(i + 1 < hi)(lambda: plgpu.barrier_wait(k_ready.at[slot_of(i + 1)]))
-
-    multicast = sched.multicast
-    # A main pair shares its K/V (`Schedule.multicast`); the tail programs load their own.
-    shared = row_block < sched.full_blocks
-
-    def free(which: int, i, slot):
-        """Frees K (which=0) or V (1) slot `slot` after key block i. A main pair frees it in
-        both SMs at once (each half of the next block lands in both). With multicast the
-        last `stages` blocks free nothing: no load waits on them, and the other SM of the
-        pair may have exited by then."""
-        local = (k_free, v_free)[which].at[slot]
-        if not multicast:
-            plgpu.barrier_arrive(local)
-            return
-
-        @pl.when(i + stages < hi)
-        def _():
-            pl.when(shared)(lambda: plgpu.barrier_arrive(pair_free[which].at[slot]))
-            pl.when(jnp.logical_not(shared))(lambda: plgpu.barrier_arrive(local))
 
     def take_turn():
         plgpu.barrier_arrive(turn)
@@ -294,14 +248,14 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
                 take_turn()
             else:
                 plgpu.barrier_wait(k_ready.at[slot])
-            free(0, i, slot)
+            plgpu.barrier_arrive(k_free.at[slot])
             if pingpong:
                 plgpu.barrier_arrive(turn)
             plgpu.barrier_wait(v_ready.at[slot])
             if pingpong:
                 plgpu.barrier_wait(turn)
                 await_next_k(i)
-            free(1, i, slot)
+            plgpu.barrier_arrive(v_free.at[slot])
 
         turns_after()
 
@@ -375,7 +329,7 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
                 return acc_ref[...]
 
             s = pl.run_scoped(scores, plgpu.ACC((ROWS_PER_WG, block_k), jnp.float32))
-            free(0, i, slot)
+            plgpu.barrier_arrive(k_free.at[slot])
             acc, m_new, l_i, p16 = softmax(i, s, acc, m_i, l_i, masked)
             if pingpong:
                 # The softmax must be done before this warpgroup hands over its turn.
@@ -392,7 +346,7 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
                     await_next_k(i)
 
             acc = pl.run_state(values)(plgpu.ACC.init(acc))
-            free(1, i, slot)
+            plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l_i
 
         turns_before()
@@ -415,26 +369,10 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
 
-        def load(which: int, i, slot):
-            src = (k_ref, v_ref)[which].at[b, pl.ds(i * block_k, block_k), head]
-            dst, ready = (k_smem, v_smem)[which].at[slot], (k_ready, v_ready)[which].at[slot]
-            if not multicast:
-                plgpu.copy_gmem_to_smem(src, dst, ready)
-                return
-            pl.when(shared)(lambda: plgpu.copy_gmem_to_smem(src, dst, ready, collective_axes="pair"))
-            pl.when(jnp.logical_not(shared))(lambda: plgpu.copy_gmem_to_smem(src, dst, ready))
-
-        def await_free(which: int, slot):
-            local = (k_free, v_free)[which].at[slot]
-            if not multicast:
-                plgpu.barrier_wait(local)
-                return
-            pl.when(shared)(lambda: plgpu.barrier_wait(pair_free[which].at[slot]))
-            pl.when(jnp.logical_not(shared))(lambda: plgpu.barrier_wait(local))
-
         def issue(i, slot):
-            load(0, i, slot)
-            load(1, i, slot)
+            keys = pl.ds(i * block_k, block_k)
+            plgpu.copy_gmem_to_smem(k_ref.at[b, keys, head], k_smem.at[slot], k_ready.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[b, keys, head], v_smem.at[slot], v_ready.at[slot])
 
         for j in range(stages):
             pl.when(lo + j < hi)(functools.partial(issue, lo + j, j))
@@ -442,10 +380,11 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
         @pl.loop(lo + stages, hi)
         def _stream(i):
             slot = lax.rem(i - lo, jnp.int32(stages))
-            await_free(0, slot)
-            load(0, i, slot)
-            await_free(1, slot)
-            load(1, i, slot)
+            keys = pl.ds(i * block_k, block_k)
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.copy_gmem_to_smem(k_ref.at[b, keys, head], k_smem.at[slot], k_ready.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[b, keys, head], v_smem.at[slot], v_ready.at[slot])
 
 
 # A jit of its own: a model calls the kernel once per layer, and JAX lowers a jitted function
@@ -497,9 +436,6 @@ def hopper_partials(q_rows: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: 
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # turns on the tensor cores (pingpong)
         )
-        if sched.multicast:  # K and V slots freed by the compute warpgroups of both SMs of a pair
-            barriers += tuple(plgpu.ClusterBarrier(collective_axes=("pair",), num_barriers=stages,
-                                                   num_arrivals=COMPUTE_WGS) for _ in range(2))
         pl.run_scoped(
             lambda *scratch: _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref,
                                      scratch, sched=sched, width=width,
@@ -507,18 +443,13 @@ def hopper_partials(q_rows: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: 
             smem, barriers, collective_axes="wg")
 
     programs = sched.programs
-    if sched.multicast and not sched.multicast_fits:
-        raise ValueError(f"hopper_partials: multicast needs an even number of full blocks and of tail "
-                         f"programs; the schedule has {sched.full_blocks} and {sched.tail_split * sched.tail}")
-    cluster = dict(cluster=(2, 1, 1), cluster_names=("pair", "pair_kv_head", "pair_batch")) if sched.multicast else {}
     out_type = (jax.ShapeDtypeStruct((batch, kv_heads, programs, ROWS_PER_BLOCK, head_dim), dtype),
                 jax.ShapeDtypeStruct((batch, kv_heads, programs, ROWS_PER_BLOCK), jnp.float32))
     call = plgpu.kernel(
         entry,
         out_type=out_type,
-        grid=(programs // 2 if sched.multicast else programs, kv_heads, batch),
+        grid=(programs, kv_heads, batch),
         grid_names=("program", "kv_head", "batch"),
-        **cluster,
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),

@@ -179,7 +179,7 @@ def test_dispatcher_schedules_choose_the_merge(monkeypatch):
     assert hopper.schedule(1, 8, 272 * 4, 5120).merge_kernel
     assert "pallas-xla-merge" in dispatch.PALLAS_VARIANTS and "pallas-xla-merge" in dispatch.HOPPER_VARIANTS
     want = {"pallas": True, "pallas-no-pingpong": True, "pallas-xla-merge": False, "pallas-reduced-merge": False,
-            "pallas-scaled-scores": True, "pallas-multicast": True}
+            "pallas-scaled-scores": True}
     for impl, merge_kernel in want.items():
         sched = dispatch.rows_schedule(1, 272, 32, 8, 128, 5120, jnp.bfloat16, impl)
         assert sched is not None and sched.merge_kernel == merge_kernel, impl

@@ -149,19 +149,18 @@ def test_schedule_fills_one_wave():
 
 @pytest.mark.parametrize("pingpong", [True, False])
 @pytest.mark.parametrize("skip_padding", [True, False])
-@pytest.mark.parametrize("fma_scale,block_k,stages,multicast", [(True, 128, 2, False), (False, 128, 2, False),
-                                                               (True, 64, 4, False), (True, 128, 2, True)])
-def test_hopper_kernel_lowers_for_cuda(pingpong, skip_padding, fma_scale, block_k, stages, multicast):
+@pytest.mark.parametrize("fma_scale,block_k,stages", [(True, 128, 2), (False, 128, 2), (True, 64, 4)])
+def test_hopper_kernel_lowers_for_cuda(pingpong, skip_padding, fma_scale, block_k, stages):
     """The Mosaic GPU kernel traces and lowers for cuda without a GPU (one custom call, and one
     Triton launch merging its partials), with and without turns, with the padding warpgroup
     skipping its products (real_rows) or not, scaling in exp2's argument or first, on 128- and
-    64-key blocks, and in clusters of two sharing K/V (multicast)."""
+    64-key blocks."""
     q = jax.ShapeDtypeStruct((1, 272, 32, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 5120, 8, 128), jnp.bfloat16)
     args = [q, kv, kv, jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1, 272, 272), jnp.bool_)]
     sched = hopper.schedule(1, 8, 272 * 4, 5120)
     sched = dataclasses.replace(sched, pingpong=pingpong, real_rows=sched.real_rows if skip_padding else 0,
-                                fma_scale=fma_scale, block_k=block_k, stages=stages, multicast=multicast)
+                                fma_scale=fma_scale, block_k=block_k, stages=stages)
     fn = functools.partial(hopper.tree_attention_hopper, scale=128 ** -0.5, sched=sched)
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 1
@@ -215,12 +214,9 @@ def test_gpu_hopper_kernel_matches_reference(batch, width, kv_heads, group, head
     assert out.shape == q.shape and out.dtype == q.dtype
     assert rel_err(out, ref) < 1.5e-2
     # The same kernel with its compute warpgroups not taking turns (`Schedule.pingpong`), and
-    # scaling the scores the other way (`Schedule.fma_scale`), and in pairs sharing K/V loads
-    # (`Schedule.multicast`) where the schedule pairs up.
+    # scaling the scores the other way (`Schedule.fma_scale`).
     default = hopper.schedule(batch, kv_heads, width * group, max_len)
-    for fields in (dict(pingpong=False), dict(fma_scale=not default.fma_scale), dict(multicast=True)):
-        if fields.get("multicast") and not default.multicast_fits:
-            continue
+    for fields in (dict(pingpong=False), dict(fma_scale=not default.fma_scale)):
         sched = dataclasses.replace(default, **fields)
         out = jax.jit(functools.partial(hopper.tree_attention_hopper, scale=head_dim ** -0.5, sched=sched))(
             q, k, v, prefix_lens, visible)
@@ -234,8 +230,7 @@ def test_variants_reach_the_kernel_with_their_schedule(monkeypatch):
     # (pingpong, unrolled_merge, real_rows, merge_kernel)
     want = {"pallas": (True, True, 272 * 4, True), "pallas-unfused": (True, True, 272 * 4, True),
             "pallas-no-pingpong": (False, True, 272 * 4, True), "pallas-xla-merge": (True, True, 272 * 4, False),
-            "pallas-reduced-merge": (False, False, 0, False), "pallas-scaled-scores": (True, True, 272 * 4, True),
-            "pallas-multicast": (True, True, 272 * 4, True)}
+            "pallas-reduced-merge": (False, False, 0, False), "pallas-scaled-scores": (True, True, 272 * 4, True)}
     seen = {}
     monkeypatch.setattr(hopper, "tree_attention_hopper",
                         lambda *a, sched, **kw: seen.setdefault("sched", sched) and a[0])
@@ -248,7 +243,6 @@ def test_variants_reach_the_kernel_with_their_schedule(monkeypatch):
         got = seen["sched"]
         assert (got.pingpong, got.unrolled_merge, got.real_rows, got.merge_kernel) == fields, impl
         assert got.fma_scale == (impl not in ("pallas-scaled-scores", "pallas-reduced-merge")), impl
-        assert got.multicast == (impl == "pallas-multicast"), impl  # 8 full blocks, 16 tail programs
         rows = dispatch.rows_schedule(1, 272, 32, 8, 128, 5120, jnp.bfloat16, impl)
         if impl == "pallas-unfused":
             assert rows is None  # the path without the qkv epilogue

@@ -204,7 +204,6 @@ def main() -> None:
                          "its split-K merge in XLA instead of the Triton merge kernel (pallas-xla-merge), "
                          "the thirteenth session's Hopper path (pallas-reduced-merge: no turns, the split-K merge as XLA reductions), "
                          "the Hopper kernel scaling every score before the softmax (pallas-scaled-scores), "
-                         "pairs of its programs sharing K/V loads by TMA multicast (pallas-multicast), "
                          "the Triton kernel alone (pallas-triton), or that without its "
                          "tail launch (several: each is timed, side by side)")
     ap.add_argument("--layout", nargs="+", choices=LAYOUTS, default=["fused"],

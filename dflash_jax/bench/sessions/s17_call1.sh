@@ -3,6 +3,7 @@
 # multicast (Schedule.multicast, clusters of two SMs), alone at ctx 4K (W 272 and 528, each checked
 # against the float32 reference), then DDTree(256) rounds with and without it side by side in one
 # process, then the Hopper GPU parity tests (each case now also run with multicast where it fits).
+# Run at commit 6cc13d8; the variant was removed after it (no gain).
 export PYTHONPATH=. NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 F='^WARNING|^I0000|^W0000|DeprecationWarning|warnings.warn'
 timeout 150 python -m dflash_jax.bench.tree_attention_bench --hopper --contexts 4096 --widths 272 528 --profile /tmp/prof \
