@@ -77,13 +77,14 @@ def _load_target(name: str, dtype: Any, flag: str = "--model", **kwargs: Any) ->
 
 
 def _load_drafter_for(path: str, cfg: Any, dtype: Any, shardings: Any = None) -> tuple[Any, Any]:
-    """(dcfg, dparams) of a drafter, checked against the target's config."""
+    """(dcfg, dparams) of a drafter, checked against the target's config, in the decoding layout
+    (`drafter.fuse_draft_projections`)."""
     from convert.dflash_drafter import load_drafter
-    from dflash_jax.drafter import validate_pair
+    from dflash_jax.drafter import fuse_draft_projections, validate_pair
 
     dcfg, dparams = load_drafter(path, dtype=dtype, shardings=shardings)
     validate_pair(dcfg, cfg)
-    return dcfg, dparams
+    return dcfg, fuse_draft_projections(dparams, dcfg, consume=True)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

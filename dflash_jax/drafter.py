@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from dflash_jax.config import (ConfigError, ModelConfig, RopeConfig, default_tap_layers, load_json,
                                rope_from_hf)
 from dflash_jax.kv_cache import KVCache, write_rows
-from dflash_jax.model import (LayerParams, ModelParams, attention_specs, embed_tokens,
+from dflash_jax.model import (LayerParams, ModelParams, attention_specs, embed_tokens, fuse_layers,
                               logits_from_hidden, mlp, mlp_specs, output_projection, project_qkv,
                               rms_norm)
 from dflash_jax.params import EMBED, Spec, init_from_specs
@@ -297,6 +297,25 @@ def init_draft_params(dcfg: DraftConfig, key: jax.Array, dtype: Any = jnp.float3
     return init_from_specs(draft_specs(dcfg), key, dtype)
 
 
+def is_draft_fused(dparams: DraftParams) -> bool:
+    return bool(dparams.layers) and dparams.layers[0].attn.qkv is not None
+
+
+def fuse_draft_projections(dparams: DraftParams, dcfg: DraftConfig, consume: bool = False) -> DraftParams:
+    """The drafter in the target's decoding layout (`model.fuse_projections`): each layer's
+    q/k/v as one `qkv` weight and gate/up as one `gate_up`, for decoding; training keeps the
+    layout checkpoints store.
+
+    The block's q, k and v then take one GEMM a layer instead of three, gate and up one instead
+    of two, and the context's k and v (`context_kv`) one instead of two. consume: as there.
+    Params that are already fused, or that tensor parallelism cannot fuse, come back unchanged.
+    """
+    if is_draft_fused(dparams):
+        return dparams
+    layers = fuse_layers(dparams.layers, dcfg.layer_config(), dparams.fc, consume)
+    return dparams if layers is None else dataclasses.replace(dparams, layers=layers)
+
+
 # ----------------------------------------------------------------------------- context cache
 
 @jax.tree_util.register_dataclass
@@ -340,10 +359,17 @@ def context_kv(dparams: DraftParams, dcfg: DraftConfig, taps: jax.Array, positio
     ks, vs = [], []
     for lp in dparams.layers:
         p = lp.attn
-        k = _linear(ctx, p.k, "bne,ehd->bnhd")
-        v = _linear(ctx, p.v, "bne,ehd->bnhd")
-        if p.k_bias is not None:
-            k, v = k + p.k_bias.astype(k.dtype), v + p.v_bias.astype(v.dtype)
+        if p.qkv is not None:  # fused (`fuse_draft_projections`): k and v are the last two rows
+            group = p.qkv.shape[2] - 2
+            kv = _linear(ctx, p.qkv[:, :, group:], "bne,ekgd->bnkgd")
+            if p.qkv_bias is not None:
+                kv = kv + p.qkv_bias[:, group:].astype(kv.dtype)
+            k, v = kv[:, :, :, 0], kv[:, :, :, 1]
+        else:
+            k = _linear(ctx, p.k, "bne,ehd->bnhd")
+            v = _linear(ctx, p.v, "bne,ehd->bnhd")
+            if p.k_bias is not None:
+                k, v = k + p.k_bias.astype(k.dtype), v + p.v_bias.astype(v.dtype)
         k = rms_norm(k, p.k_norm, dcfg.rms_norm_eps)
         ks.append(apply_rope(k, cos, sin))
         vs.append(v)

@@ -189,20 +189,31 @@ def fuse_projections(params: ModelParams, cfg: ModelConfig, consume: bool = Fals
     """
     if is_fused(params):
         return params
-    mesh = getattr(getattr(params.embed, "sharding", None), "mesh", None)
+    layers = fuse_layers(params.layers, cfg, params.embed, consume)
+    return params if layers is None else dataclasses.replace(params, layers=layers)
+
+
+def fuse_layers(layers: tuple, cfg: ModelConfig, placed: jax.Array, consume: bool = False) -> tuple | None:
+    """`layers` (LayerParams as checkpoints store them) in the decoding layout of
+    `fuse_projections`, or None where tensor parallelism cannot fuse them (`can_fuse`).
+
+    cfg: the layers' shape; placed: any weight of the model, whose sharding (if any) says the
+    mesh. Shared by the target and the drafter (`drafter.fuse_draft_projections`).
+    """
+    mesh = getattr(getattr(placed, "sharding", None), "mesh", None)
     out_shardings = None
     if mesh is not None and not getattr(mesh, "empty", False):
         if not can_fuse(cfg, mesh_sizes(mesh)[1]):
-            return params
+            return None
         fused = layer_specs(cfg, fused=True)
         out_shardings = specs_shardings((fused.attn.qkv, fused.attn.qkv_bias, fused.mlp.gate_up), mesh)
     fuse = jax.jit(_fused_weights, out_shardings=out_shardings)
-    layers = []
-    for lp in params.layers:
+    out = []
+    for lp in layers:
         a, m = lp.attn, lp.mlp
         separate = (a.q, a.k, a.v, a.q_bias, a.k_bias, a.v_bias, m.gate, m.up)
         qkv, qkv_bias, gate_up = jax.block_until_ready(fuse(*separate))
-        layers.append(dataclasses.replace(
+        out.append(dataclasses.replace(
             lp, attn=AttentionParams(o=a.o, q_norm=a.q_norm, k_norm=a.k_norm, o_bias=a.o_bias, qkv=qkv,
                                      qkv_bias=qkv_bias),
             mlp=MLPParams(gate_up=gate_up, down=m.down)))
@@ -210,7 +221,7 @@ def fuse_projections(params: ModelParams, cfg: ModelConfig, consume: bool = Fals
             for x in separate:
                 if x is not None:
                     x.delete()
-    return dataclasses.replace(params, layers=tuple(layers))
+    return tuple(out)
 
 
 # ----------------------------------------------------------------------------- building blocks

@@ -1,8 +1,10 @@
 """The decoding layout (`model.fuse_projections`): q/k/v as one weight, gate/up as one.
 
 Checked against transformers (float32 logits), against the separate weights they come from,
-for losslessness (greedy speculative equals greedy AR on the fused target), and under tensor
-parallelism (shards by kv head; unchanged when kv heads are replicated).
+for losslessness (greedy speculative equals greedy AR on the fused target and drafter), and
+under tensor parallelism (shards by kv head; unchanged when kv heads are replicated). The
+drafter's fused layout (`drafter.fuse_draft_projections`) against its separate weights, which
+the drafter tests hold to z-lab's `dflash` 0.1.0.
 """
 import jax
 import jax.numpy as jnp
@@ -12,6 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from convert.hf_safetensors import load_hf
+from dflash_jax import drafter as dr
 from dflash_jax import sharding as sh
 from dflash_jax.bench.common import SHAPES
 from dflash_jax.generate import generate_ar
@@ -119,9 +122,13 @@ def fused_pair(tmp_path_factory):
     return cfg, fuse_projections(params, cfg, consume=True), dcfg, dparams
 
 
-@pytest.mark.parametrize("method,size", [("dflash", 4), ("ddtree", 16)])
-def test_greedy_speculative_on_the_fused_target_equals_greedy_ar(fused_pair, method, size):
+@pytest.mark.parametrize("method,size,draft_fused", [("dflash", 4, False), ("ddtree", 16, False),
+                                                     ("ddtree", 16, True)])
+def test_greedy_speculative_on_the_fused_target_equals_greedy_ar(fused_pair, method, size, draft_fused):
     cfg, params, dcfg, dparams = fused_pair
+    if draft_fused:  # the drafter in the decoding layout too, as the CLI loads it
+        dparams = dr.fuse_draft_projections(dparams, dcfg)
+        assert dr.is_draft_fused(dparams)
     prompts = prompts_20(SMALL_VOCAB)
     ar = run_batches(lambda a, l: generate_ar(params, cfg, a, l, jax.random.key(0), max_new_tokens=NEW,
                                               max_len=256), prompts, 20)
@@ -130,6 +137,35 @@ def test_greedy_speculative_on_the_fused_target_equals_greedy_ar(fused_pair, met
     got = run_batches(lambda a, l: generate_speculative(params, cfg, dparams, dcfg, a, l, jax.random.key(0),
                                                         settings=s, max_len=256), prompts, 3)
     assert got == ar
+
+
+# ----------------------------------------------------------------------------- the drafter
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_drafter_matches_its_separate_weights(fused_pair, bias):
+    """The block pass (both layer kinds: sliding and full) and the context K/V from fused
+    weights equal those from the separate ones; with attention biases, made non-zero."""
+    cfg, params, dcfg, dparams = fused_pair
+    if bias:
+        import dataclasses
+        dcfg = dataclasses.replace(dcfg, attention_bias=True)
+        base = dr.init_draft_params(dcfg, jax.random.key(5))
+        dparams = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(x.size), x.shape), base)
+    fused = dr.fuse_draft_projections(dparams, dcfg)
+    assert dr.is_draft_fused(fused) and not dr.is_draft_fused(dparams)
+    assert dr.fuse_draft_projections(fused, dcfg) is fused
+    taps = jax.random.normal(jax.random.key(1), (2, 7, dcfg.num_taps * dcfg.hidden_size))
+    positions = jnp.broadcast_to(jnp.arange(7), (2, 7))
+    counts = jnp.array([7, 4], jnp.int32)
+    block = dr.make_block(dcfg, jnp.array([3, 5], jnp.int32))
+    out = {}
+    for name, dp in (("separate", dparams), ("fused", fused)):
+        cache = dr.DraftCache.create(dcfg, 2, 64)
+        cache = dr.append_context(dp, dcfg, cache, taps, positions, counts)
+        hidden = dr.draft(dp, dcfg, params, cache, block, cache.lengths)
+        out[name] = (cache.k, cache.v, hidden)
+    for got, want in zip(jax.tree.leaves(out["fused"]), jax.tree.leaves(out["separate"])):
+        assert rel_err(got, want) <= 1e-5
 
 
 # ----------------------------------------------------------------------------- tensor parallel

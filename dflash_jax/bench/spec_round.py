@@ -209,6 +209,9 @@ def main() -> None:
     ap.add_argument("--layout", nargs="+", choices=LAYOUTS, default=["fused"],
                     help="the target's projections: fused (qkv, gate_up; as decoding runs) or separate "
                          "(several: each is timed, side by side)")
+    ap.add_argument("--draft-layout", nargs="+", choices=LAYOUTS, default=["fused"],
+                    help="the drafter's projections: fused (drafter.fuse_draft_projections; as decoding runs) "
+                         "or separate (several: each is timed, side by side)")
     ap.add_argument("--top-k-chunk", nargs="+", type=int, default=[TOP_K_CHUNK],
                     help="DDTree's vocabulary top_k chunk, 0 = one top_k (several: each is timed, side by side)")
     ap.add_argument("--rank-max", nargs="+", type=int, default=[RANK_TOP_K_MAX],
@@ -244,6 +247,8 @@ def main() -> None:
     else:
         dcfg = drafter_config(cfg)
         dparams = jax.block_until_ready(dr.init_draft_params(dcfg, jax.random.key(1), dtype))
+    drafters = {layout: dparams if layout == "separate" else dr.fuse_draft_projections(dparams, dcfg)
+                for layout in args.draft_layout}
     log("drafter weights ready")
     max_len = max(args.ctx + [args.ddtree_ctx]) + 1024
     profile = not args.no_profile
@@ -269,29 +274,29 @@ def main() -> None:
         first = len(rows)
         for ctx in args.ctx:
             rows.append(bench_ar(target, cfg, ctx, max_len, profile, args.kernel_table))
-            for s, r, dm, cb in variants(method="dflash"):
-                rows.append(bench_settings(target, cfg, dparams, dcfg, s, ctx, max_len, profile, args.dump_hlo, r,
-                                           dm, args.kernel_table, cb))
+            for (s, r, dm, cb), (dl, dp) in itertools.product(variants(method="dflash"), drafters.items()):
+                rows.append(bench_settings(target, cfg, dp, dcfg, s, ctx, max_len, profile, args.dump_hlo, r,
+                                           dm, args.kernel_table, cb) | {"draft_layout": dl})
         for b in args.budgets:
-            for s, r, dm, cb in variants(method="ddtree", budget=b):
-                rows.append(bench_settings(target, cfg, dparams, dcfg, s, args.ddtree_ctx, max_len, profile,
-                                           args.dump_hlo, r, dm, args.kernel_table, cb))
+            for (s, r, dm, cb), (dl, dp) in itertools.product(variants(method="ddtree", budget=b), drafters.items()):
+                rows.append(bench_settings(target, cfg, dp, dcfg, s, args.ddtree_ctx, max_len, profile,
+                                           args.dump_hlo, r, dm, args.kernel_table, cb) | {"draft_layout": dl})
         for row in rows[first:]:
             row["layout"] = layout
         write_json(args.out, {"env": env, "rows": rows})
         del target
     print(f"\n{env['device']}, jax {env['jax']}, {args.model} target + {dcfg.num_layers}-layer drafter, "
           f"{dtype.name}, batch 1")
-    print("| method | budget | W | ctx | layout | rounds/call | dot merger | command buffers | attention | top_k chunk "
+    print("| method | budget | W | ctx | layout | draft layout | rounds/call | dot merger | command buffers | attention | top_k chunk "
           "| rank max | K/V compaction | residual | round ms | device ms | draft | tree | verify | accept | commit "
           "| other |")
-    print("|---" * 21 + "|")
+    print("|---" * 22 + "|")
     for r in rows:
         prof = r.get("profile") or {}
         split = prof.get("by_scope", {})
         cells = [f"{split[k]:.2f}" if k in split else "-" for k in STAGES + ("other",)]
         dev = f"{prof['device_ms']:.2f}" if "device_ms" in prof else "-"
-        print(f"| {r['method']} | {r.get('budget', '-')} | {r.get('width', 1)} | {r['ctx']} | {r['layout']} | "
+        print(f"| {r['method']} | {r.get('budget', '-')} | {r.get('width', 1)} | {r['ctx']} | {r['layout']} | {r.get('draft_layout', '-')} | "
               f"{r['rounds_per_call']} | {r.get('dot_merger', '-')} | {r.get('command_buffers', '-')} | "
               f"{r.get('attn_impl', 'auto')} | "
               f"{r.get('top_k_chunk', '-') if r['method'] == 'ddtree' else '-'} | "
