@@ -25,12 +25,13 @@ import jax.numpy as jnp
 from dflash_jax.config import (ConfigError, ModelConfig, RopeConfig, default_tap_layers, load_json,
                                rope_from_hf)
 from dflash_jax.kv_cache import KVCache, write_rows
-from dflash_jax.model import (LayerParams, ModelParams, attention_specs, embed_tokens, fuse_layers,
-                              logits_from_hidden, mlp, mlp_specs, output_projection, project_qkv,
-                              rms_norm)
-from dflash_jax.params import EMBED, Spec, init_from_specs
+from dflash_jax.model import (AttentionParams, LayerParams, MLPParams, ModelParams, attention_specs,
+                              embed_tokens, fused_mlp_specs, logits_from_hidden, mlp, mlp_specs,
+                              output_projection, project_kv, project_qkv, rms_norm)
+from dflash_jax.params import EMBED, HEAD_DIM, KV_HEADS, Spec, init_from_specs
 from dflash_jax.rope import apply_rope, rope_tables
 from dflash_jax.sharding import attention as sharded_attention
+from dflash_jax.sharding import specs_shardings
 
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 # Logical axis of fc's input (the concatenated tap features); unsharded by the default rules.
@@ -298,22 +299,64 @@ def init_draft_params(dcfg: DraftConfig, key: jax.Array, dtype: Any = jnp.float3
 
 
 def is_draft_fused(dparams: DraftParams) -> bool:
-    return bool(dparams.layers) and dparams.layers[0].attn.qkv is not None
+    return bool(dparams.layers) and dparams.layers[0].attn.kv is not None
+
+
+def fused_draft_specs(dcfg: DraftConfig) -> DraftParams:
+    """`draft_specs` in the decoding layout of `fuse_draft_projections`."""
+    e, lcfg = dcfg.hidden_size, dcfg.layer_config()
+    kvh, hd = lcfg.num_kv_heads, lcfg.head_dim
+    sep = draft_specs(dcfg)
+    attn = dataclasses.replace(
+        sep.layers[0].attn, k=None, v=None, k_bias=None, v_bias=None,
+        kv=Spec((e, kvh, 2, hd), (EMBED, KV_HEADS, None, HEAD_DIM), fan_in=e),
+        kv_bias=Spec((kvh, 2, hd), (KV_HEADS, None, HEAD_DIM), init="zeros") if lcfg.attention_bias else None)
+    layer = dataclasses.replace(sep.layers[0], attn=attn, mlp=fused_mlp_specs(lcfg))
+    return dataclasses.replace(sep, layers=(layer,) * dcfg.num_layers)
+
+
+def _fused_draft_weights(k: jax.Array, v: jax.Array, k_bias: Any, v_bias: Any, gate: jax.Array, up: jax.Array
+                         ) -> tuple[jax.Array, Any, jax.Array]:
+    """One layer's (kv, kv_bias or None, gate_up) from its separate weights."""
+    kv_bias = None if k_bias is None else jnp.stack([k_bias, v_bias], axis=1)
+    return jnp.stack([k, v], axis=2), kv_bias, jnp.stack([gate, up], axis=1)
 
 
 def fuse_draft_projections(dparams: DraftParams, dcfg: DraftConfig, consume: bool = False) -> DraftParams:
-    """The drafter in the target's decoding layout (`model.fuse_projections`): each layer's
-    q/k/v as one `qkv` weight and gate/up as one `gate_up`, for decoding; training keeps the
-    layout checkpoints store.
+    """The drafter's decoding layout: each layer's k/v as one `kv` weight and gate/up as one
+    `gate_up`; q stays apart. Same values; training keeps the layout checkpoints store.
 
-    The block's q, k and v then take one GEMM a layer instead of three, gate and up one instead
-    of two, and the context's k and v (`context_kv`) one instead of two. consume: as there.
-    Params that are already fused, or that tensor parallelism cannot fuse, come back unchanged.
+    Its keys and values come from two row sets (the committed context in `append_context`, the
+    block in `draft`) and its queries from the block alone, so k and v are fused and q is not:
+    each set then takes one GEMM for both. (A `qkv` weight as the target's made the context
+    pass slice k and v out of it, a 16 MB copy a layer every round at the Qwen3-8B shape:
+    BENCHMARKS.md, seventeenth session.)
+    consume: delete each layer's separate k, v, gate and up once its fused ones exist. Under
+    tensor parallelism the fused weights follow the same rules (kv by kv head, sharded or
+    replicated as k and v are; gate_up by the MLP axis). Fused params come back unchanged.
     """
     if is_draft_fused(dparams):
         return dparams
-    layers = fuse_layers(dparams.layers, dcfg.layer_config(), dparams.fc, consume)
-    return dparams if layers is None else dataclasses.replace(dparams, layers=layers)
+    mesh = getattr(getattr(dparams.fc, "sharding", None), "mesh", None)
+    out_shardings = None
+    if mesh is not None and not getattr(mesh, "empty", False):
+        fused = fused_draft_specs(dcfg).layers[0]
+        out_shardings = specs_shardings((fused.attn.kv, fused.attn.kv_bias, fused.mlp.gate_up), mesh)
+    fuse = jax.jit(_fused_draft_weights, out_shardings=out_shardings)
+    layers = []
+    for lp in dparams.layers:
+        a, m = lp.attn, lp.mlp
+        separate = (a.k, a.v, a.k_bias, a.v_bias, m.gate, m.up)
+        kv, kv_bias, gate_up = jax.block_until_ready(fuse(*separate))
+        layers.append(dataclasses.replace(
+            lp, attn=AttentionParams(q=a.q, o=a.o, q_norm=a.q_norm, k_norm=a.k_norm, q_bias=a.q_bias,
+                                     o_bias=a.o_bias, kv=kv, kv_bias=kv_bias),
+            mlp=MLPParams(gate_up=gate_up, down=m.down)))
+        if consume:
+            for x in separate:
+                if x is not None:
+                    x.delete()
+    return dataclasses.replace(dparams, layers=tuple(layers))
 
 
 # ----------------------------------------------------------------------------- context cache
@@ -359,17 +402,7 @@ def context_kv(dparams: DraftParams, dcfg: DraftConfig, taps: jax.Array, positio
     ks, vs = [], []
     for lp in dparams.layers:
         p = lp.attn
-        if p.qkv is not None:  # fused (`fuse_draft_projections`): k and v are the last two rows
-            group = p.qkv.shape[2] - 2
-            kv = _linear(ctx, p.qkv[:, :, group:], "bne,ekgd->bnkgd")
-            if p.qkv_bias is not None:
-                kv = kv + p.qkv_bias[:, group:].astype(kv.dtype)
-            k, v = kv[:, :, :, 0], kv[:, :, :, 1]
-        else:
-            k = _linear(ctx, p.k, "bne,ehd->bnhd")
-            v = _linear(ctx, p.v, "bne,ehd->bnhd")
-            if p.k_bias is not None:
-                k, v = k + p.k_bias.astype(k.dtype), v + p.v_bias.astype(v.dtype)
+        k, v = project_kv(p, ctx)
         k = rms_norm(k, p.k_norm, dcfg.rms_norm_eps)
         ks.append(apply_rope(k, cos, sin))
         vs.append(v)

@@ -32,10 +32,12 @@ dataclass = dataclasses.dataclass
 @jax.tree_util.register_dataclass
 @dataclass
 class AttentionParams:
-    """One attention block's weights, in one of two layouts.
+    """One attention block's weights, in one of three layouts.
 
-    As checkpoints store them (and the drafter always uses them): q, k, v, q_bias, k_bias,
-    v_bias. Fused for decoding (`fuse_projections`): qkv and qkv_bias, the others None.
+    As checkpoints store them (and training uses them): q, k, v, q_bias, k_bias, v_bias.
+    The target's decoding layout (`fuse_projections`): qkv and qkv_bias, the others None.
+    The drafter's (`drafter.fuse_draft_projections`): q and q_bias, kv and kv_bias (its keys and
+    values come from two row sets, the context's and the block's; its queries from one).
     """
     q: Any = None  # [embed, q_heads, head_dim]
     k: Any = None  # [embed, kv_heads, head_dim]
@@ -50,6 +52,8 @@ class AttentionParams:
     # [embed, kv_heads, group + 2, head_dim]: per kv head, its `group` q heads, then k, then v.
     qkv: Any = None
     qkv_bias: Any = None  # [kv_heads, group + 2, head_dim]
+    kv: Any = None  # [embed, kv_heads, 2, head_dim]: k, then v
+    kv_bias: Any = None  # [kv_heads, 2, head_dim]
 
 
 @jax.tree_util.register_dataclass
@@ -189,31 +193,20 @@ def fuse_projections(params: ModelParams, cfg: ModelConfig, consume: bool = Fals
     """
     if is_fused(params):
         return params
-    layers = fuse_layers(params.layers, cfg, params.embed, consume)
-    return params if layers is None else dataclasses.replace(params, layers=layers)
-
-
-def fuse_layers(layers: tuple, cfg: ModelConfig, placed: jax.Array, consume: bool = False) -> tuple | None:
-    """`layers` (LayerParams as checkpoints store them) in the decoding layout of
-    `fuse_projections`, or None where tensor parallelism cannot fuse them (`can_fuse`).
-
-    cfg: the layers' shape; placed: any weight of the model, whose sharding (if any) says the
-    mesh. Shared by the target and the drafter (`drafter.fuse_draft_projections`).
-    """
-    mesh = getattr(getattr(placed, "sharding", None), "mesh", None)
+    mesh = getattr(getattr(params.embed, "sharding", None), "mesh", None)
     out_shardings = None
     if mesh is not None and not getattr(mesh, "empty", False):
         if not can_fuse(cfg, mesh_sizes(mesh)[1]):
-            return None
+            return params
         fused = layer_specs(cfg, fused=True)
         out_shardings = specs_shardings((fused.attn.qkv, fused.attn.qkv_bias, fused.mlp.gate_up), mesh)
     fuse = jax.jit(_fused_weights, out_shardings=out_shardings)
-    out = []
-    for lp in layers:
+    layers = []
+    for lp in params.layers:
         a, m = lp.attn, lp.mlp
         separate = (a.q, a.k, a.v, a.q_bias, a.k_bias, a.v_bias, m.gate, m.up)
         qkv, qkv_bias, gate_up = jax.block_until_ready(fuse(*separate))
-        out.append(dataclasses.replace(
+        layers.append(dataclasses.replace(
             lp, attn=AttentionParams(o=a.o, q_norm=a.q_norm, k_norm=a.k_norm, o_bias=a.o_bias, qkv=qkv,
                                      qkv_bias=qkv_bias),
             mlp=MLPParams(gate_up=gate_up, down=m.down)))
@@ -221,7 +214,7 @@ def fuse_layers(layers: tuple, cfg: ModelConfig, placed: jax.Array, consume: boo
             for x in separate:
                 if x is not None:
                     x.delete()
-    return tuple(out)
+    return dataclasses.replace(params, layers=tuple(layers))
 
 
 # ----------------------------------------------------------------------------- building blocks
@@ -270,6 +263,11 @@ def project_qkv(p: AttentionParams, cfg: ModelConfig, x: jax.Array, kv_input: ja
             raise ValueError("project_qkv: fused qkv weights project keys and values from the query rows; "
                              "kv_input needs separate q/k/v weights")
         q, k, v = _fused_qkv(p, x)
+    elif p.kv is not None:
+        q = _dot("bse,ehd->bshd", x, p.q)
+        if p.q_bias is not None:
+            q = q + p.q_bias.astype(q.dtype)
+        k, v = _kv_product(p, x if kv_input is None else kv_input)
     else:
         kv_src = x if kv_input is None else kv_input
         q = _dot("bse,ehd->bshd", x, p.q)
@@ -283,6 +281,28 @@ def project_qkv(p: AttentionParams, cfg: ModelConfig, x: jax.Array, kv_input: ja
     # Tensor parallel: heads split over tp (no-ops without a mesh; see dflash_jax.sharding).
     kv_axes = (BATCH, None, KV_HEADS, None)
     return constrain(q, (BATCH, None, Q_HEADS, None)), constrain(k, kv_axes), constrain(v, kv_axes)
+
+
+def _kv_product(p: AttentionParams, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [batch, n, embed] through `kv` (bias added) -> k, v [batch, n, kv_heads, head_dim], before
+    any norm."""
+    kv = _dot("bne,ekgd->bnkgd", x, p.kv)
+    if p.kv_bias is not None:
+        kv = kv + p.kv_bias.astype(kv.dtype)
+    return kv[:, :, :, 0], kv[:, :, :, 1]
+
+
+def project_kv(p: AttentionParams, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Keys and values alone, x [batch, n, embed] -> k, v [batch, n, kv_heads, head_dim] (bias
+    added, no norm): the drafter's context rows, in its separate or decoding layout."""
+    if p.kv is not None:
+        return _kv_product(p, x)
+    if p.k is None:
+        raise ValueError("project_kv: needs separate k/v weights or a fused `kv`, not the target's `qkv`")
+    k, v = _dot("bse,ehd->bshd", x, p.k), _dot("bse,ehd->bshd", x, p.v)
+    if p.k_bias is not None:
+        k, v = k + p.k_bias.astype(k.dtype), v + p.v_bias.astype(v.dtype)
+    return k, v
 
 
 def _qkv_product(p: AttentionParams, x: jax.Array) -> jax.Array:

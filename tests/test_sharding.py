@@ -16,6 +16,7 @@ import torch
 
 from convert.dflash_drafter import load_drafter
 from convert.hf_safetensors import load_hf
+from dflash_jax.drafter import fuse_draft_projections
 from dflash_jax import sharding as sh
 from dflash_jax.generate import generate_ar
 from dflash_jax.kv_cache import KVCache
@@ -370,6 +371,13 @@ def test_greedy_speculative_tp_equals_ar(pair_dir, prompts, ar_tokens, dp, tp):
             assert token_lists(g) == ar, s.method
             assert np.asarray(g.accepted).max() >= 2  # drafted tokens were accepted
             assert spec(g.tokens)[0] == (sh.DP if dp > 1 else None)
+        # The drafter in its decoding layout, as the CLI loads it: kv split by kv head like k and v.
+        fused = fuse_draft_projections(dparams, dcfg)
+        kvh = dcfg.num_kv_heads
+        assert {x.data.shape for x in fused.layers[1].attn.kv.addressable_shards} == {
+            (dcfg.hidden_size, kvh // tp, 2, dcfg.head_dim)}
+        g = generate_speculative(params, cfg, fused, dcfg, arr, lens, jax.random.key(0), settings=s, max_len=128)
+        assert token_lists(g) == ar, "ddtree, fused drafter"
 
 
 def test_sampling_over_a_sharded_vocabulary_is_exact(pair_dir, prompts):
