@@ -25,8 +25,8 @@ import jax.numpy as jnp
 from dflash_jax.config import (ConfigError, ModelConfig, RopeConfig, default_tap_layers, load_json,
                                rope_from_hf)
 from dflash_jax.kv_cache import KVCache, write_rows
-from dflash_jax.model import (AttentionParams, LayerParams, MLPParams, ModelParams, attention_specs,
-                              embed_tokens, fused_mlp_specs, logits_from_hidden, mlp, mlp_specs,
+from dflash_jax.model import (LayerParams, MLPParams, ModelParams, attention_specs, embed_tokens,
+                              fuse_layer_weights, fused_mlp_specs, logits_from_hidden, mlp, mlp_specs,
                               output_projection, project_kv, project_qkv, rms_norm)
 from dflash_jax.params import EMBED, HEAD_DIM, KV_HEADS, Spec, init_from_specs
 from dflash_jax.rope import apply_rope, rope_tables
@@ -342,21 +342,16 @@ def fuse_draft_projections(dparams: DraftParams, dcfg: DraftConfig, consume: boo
     if mesh is not None and not getattr(mesh, "empty", False):
         fused = fused_draft_specs(dcfg).layers[0]
         out_shardings = specs_shardings((fused.attn.kv, fused.attn.kv_bias, fused.mlp.gate_up), mesh)
-    fuse = jax.jit(_fused_draft_weights, out_shardings=out_shardings)
-    layers = []
-    for lp in dparams.layers:
+    def separate(lp: LayerParams) -> tuple:
         a, m = lp.attn, lp.mlp
-        separate = (a.k, a.v, a.k_bias, a.v_bias, m.gate, m.up)
-        kv, kv_bias, gate_up = jax.block_until_ready(fuse(*separate))
-        layers.append(dataclasses.replace(
-            lp, attn=AttentionParams(q=a.q, o=a.o, q_norm=a.q_norm, k_norm=a.k_norm, q_bias=a.q_bias,
-                                     o_bias=a.o_bias, kv=kv, kv_bias=kv_bias),
-            mlp=MLPParams(gate_up=gate_up, down=m.down)))
-        if consume:
-            for x in separate:
-                if x is not None:
-                    x.delete()
-    return dataclasses.replace(dparams, layers=tuple(layers))
+        return a.k, a.v, a.k_bias, a.v_bias, m.gate, m.up
+
+    def fused(lp: LayerParams, kv: jax.Array, kv_bias: Any, gate_up: jax.Array) -> LayerParams:
+        attn = dataclasses.replace(lp.attn, k=None, v=None, k_bias=None, v_bias=None, kv=kv, kv_bias=kv_bias)
+        return dataclasses.replace(lp, attn=attn, mlp=MLPParams(gate_up=gate_up, down=lp.mlp.down))
+
+    fuse = jax.jit(_fused_draft_weights, out_shardings=out_shardings)
+    return dataclasses.replace(dparams, layers=fuse_layer_weights(dparams.layers, fuse, separate, fused, consume))
 
 
 # ----------------------------------------------------------------------------- context cache

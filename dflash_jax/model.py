@@ -200,21 +200,36 @@ def fuse_projections(params: ModelParams, cfg: ModelConfig, consume: bool = Fals
             return params
         fused = layer_specs(cfg, fused=True)
         out_shardings = specs_shardings((fused.attn.qkv, fused.attn.qkv_bias, fused.mlp.gate_up), mesh)
-    fuse = jax.jit(_fused_weights, out_shardings=out_shardings)
-    layers = []
-    for lp in params.layers:
+    def separate(lp: LayerParams) -> tuple:
         a, m = lp.attn, lp.mlp
-        separate = (a.q, a.k, a.v, a.q_bias, a.k_bias, a.v_bias, m.gate, m.up)
-        qkv, qkv_bias, gate_up = jax.block_until_ready(fuse(*separate))
-        layers.append(dataclasses.replace(
+        return a.q, a.k, a.v, a.q_bias, a.k_bias, a.v_bias, m.gate, m.up
+
+    def fused(lp: LayerParams, qkv: jax.Array, qkv_bias: Any, gate_up: jax.Array) -> LayerParams:
+        a = lp.attn
+        return dataclasses.replace(
             lp, attn=AttentionParams(o=a.o, q_norm=a.q_norm, k_norm=a.k_norm, o_bias=a.o_bias, qkv=qkv,
                                      qkv_bias=qkv_bias),
-            mlp=MLPParams(gate_up=gate_up, down=m.down)))
+            mlp=MLPParams(gate_up=gate_up, down=lp.mlp.down))
+
+    fuse = jax.jit(_fused_weights, out_shardings=out_shardings)
+    return dataclasses.replace(params, layers=fuse_layer_weights(params.layers, fuse, separate, fused, consume))
+
+
+def fuse_layer_weights(layers: tuple, fuse: Any, separate: Any, fused: Any, consume: bool) -> tuple:
+    """Each layer rebuilt from fused weights, one layer at a time: `fused(lp, *fuse(*separate(lp)))`.
+
+    consume: delete a layer's separate weights once its fused ones exist, so the peak memory
+    grows by one layer, not by a model. Shared by the target's and the drafter's layouts.
+    """
+    out = []
+    for lp in layers:
+        parts = separate(lp)
+        out.append(fused(lp, *jax.block_until_ready(fuse(*parts))))
         if consume:
-            for x in separate:
+            for x in parts:
                 if x is not None:
                     x.delete()
-    return dataclasses.replace(params, layers=tuple(layers))
+    return tuple(out)
 
 
 # ----------------------------------------------------------------------------- building blocks
