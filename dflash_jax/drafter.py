@@ -340,8 +340,9 @@ def fuse_draft_projections(dparams: DraftParams, dcfg: DraftConfig, consume: boo
     mesh = getattr(getattr(dparams.fc, "sharding", None), "mesh", None)
     out_shardings = None
     if mesh is not None and not getattr(mesh, "empty", False):
-        fused = fused_draft_specs(dcfg).layers[0]
-        out_shardings = specs_shardings((fused.attn.kv, fused.attn.kv_bias, fused.mlp.gate_up), mesh)
+        specs = fused_draft_specs(dcfg).layers[0]
+        out_shardings = specs_shardings((specs.attn.kv, specs.attn.kv_bias, specs.mlp.gate_up), mesh)
+
     def separate(lp: LayerParams) -> tuple:
         a, m = lp.attn, lp.mlp
         return a.k, a.v, a.k_bias, a.v_bias, m.gate, m.up

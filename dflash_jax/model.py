@@ -198,8 +198,9 @@ def fuse_projections(params: ModelParams, cfg: ModelConfig, consume: bool = Fals
     if mesh is not None and not getattr(mesh, "empty", False):
         if not can_fuse(cfg, mesh_sizes(mesh)[1]):
             return params
-        fused = layer_specs(cfg, fused=True)
-        out_shardings = specs_shardings((fused.attn.qkv, fused.attn.qkv_bias, fused.mlp.gate_up), mesh)
+        specs = layer_specs(cfg, fused=True)
+        out_shardings = specs_shardings((specs.attn.qkv, specs.attn.qkv_bias, specs.mlp.gate_up), mesh)
+
     def separate(lp: LayerParams) -> tuple:
         a, m = lp.attn, lp.mlp
         return a.q, a.k, a.v, a.q_bias, a.k_bias, a.v_bias, m.gate, m.up
@@ -278,18 +279,11 @@ def project_qkv(p: AttentionParams, cfg: ModelConfig, x: jax.Array, kv_input: ja
             raise ValueError("project_qkv: fused qkv weights project keys and values from the query rows; "
                              "kv_input needs separate q/k/v weights")
         q, k, v = _fused_qkv(p, x)
-    elif p.kv is not None:
+    else:  # q apart; k and v separate or as the drafter's `kv`
         q = _dot("bse,ehd->bshd", x, p.q)
         if p.q_bias is not None:
             q = q + p.q_bias.astype(q.dtype)
-        k, v = _kv_product(p, x if kv_input is None else kv_input)
-    else:
-        kv_src = x if kv_input is None else kv_input
-        q = _dot("bse,ehd->bshd", x, p.q)
-        k = _dot("bse,ehd->bshd", kv_src, p.k)
-        v = _dot("bse,ehd->bshd", kv_src, p.v)
-        if p.q_bias is not None:
-            q, k, v = q + p.q_bias.astype(q.dtype), k + p.k_bias.astype(k.dtype), v + p.v_bias.astype(v.dtype)
+        k, v = project_kv(p, x if kv_input is None else kv_input)
     if p.q_norm is not None:
         q = rms_norm(q, p.q_norm, cfg.rms_norm_eps)
         k = rms_norm(k, p.k_norm, cfg.rms_norm_eps)
@@ -298,20 +292,15 @@ def project_qkv(p: AttentionParams, cfg: ModelConfig, x: jax.Array, kv_input: ja
     return constrain(q, (BATCH, None, Q_HEADS, None)), constrain(k, kv_axes), constrain(v, kv_axes)
 
 
-def _kv_product(p: AttentionParams, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [batch, n, embed] through `kv` (bias added) -> k, v [batch, n, kv_heads, head_dim], before
-    any norm."""
-    kv = _dot("bne,ekgd->bnkgd", x, p.kv)
-    if p.kv_bias is not None:
-        kv = kv + p.kv_bias.astype(kv.dtype)
-    return kv[:, :, :, 0], kv[:, :, :, 1]
-
-
 def project_kv(p: AttentionParams, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Keys and values alone, x [batch, n, embed] -> k, v [batch, n, kv_heads, head_dim] (bias
-    added, no norm): the drafter's context rows, in its separate or decoding layout."""
+    added, no norm), from separate k/v weights or the drafter's `kv`: `project_qkv`'s keys, and
+    the drafter's context rows."""
     if p.kv is not None:
-        return _kv_product(p, x)
+        kv = _dot("bne,ekgd->bnkgd", x, p.kv)
+        if p.kv_bias is not None:
+            kv = kv + p.kv_bias.astype(kv.dtype)
+        return kv[:, :, :, 0], kv[:, :, :, 1]
     if p.k is None:
         raise ValueError("project_kv: needs separate k/v weights or a fused `kv`, not the target's `qkv`")
     k, v = _dot("bse,ehd->bshd", x, p.k), _dot("bse,ehd->bshd", x, p.v)

@@ -6,6 +6,8 @@ under tensor parallelism (shards by kv head; unchanged when kv heads are replica
 drafter's fused layout (`drafter.fuse_draft_projections`) against its separate weights, which
 the drafter tests hold to z-lab's `dflash` 0.1.0.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -147,7 +149,6 @@ def test_fused_drafter_matches_its_separate_weights(fused_pair, bias):
     weights equal those from the separate ones; with attention biases, made non-zero."""
     cfg, params, dcfg, dparams = fused_pair
     if bias:
-        import dataclasses
         dcfg = dataclasses.replace(dcfg, attention_bias=True)
         base = dr.init_draft_params(dcfg, jax.random.key(5))
         dparams = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(x.size), x.shape), base)

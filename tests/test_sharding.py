@@ -364,8 +364,8 @@ def test_greedy_speculative_tp_equals_ar(pair_dir, prompts, ar_tokens, dp, tp):
         if dp > 1:  # (sampled AR at tp=2: test_sampling_over_a_sharded_vocabulary_is_exact)
             assert token_lists(generate_ar(params, cfg, arr, lens, jax.random.key(0), max_new_tokens=NEW,
                                            max_len=128)) == ar
-        for s in (SpecSettings(method="dflash", block_size=16, max_new_tokens=NEW),
-                  SpecSettings(method="ddtree", block_size=16, budget=16, max_new_tokens=NEW)):
+        ddtree = SpecSettings(method="ddtree", block_size=16, budget=16, max_new_tokens=NEW)
+        for s in (SpecSettings(method="dflash", block_size=16, max_new_tokens=NEW), ddtree):
             g = generate_speculative(params, cfg, dparams, dcfg, arr, lens, jax.random.key(0), settings=s,
                                      max_len=128)
             assert token_lists(g) == ar, s.method
@@ -376,7 +376,8 @@ def test_greedy_speculative_tp_equals_ar(pair_dir, prompts, ar_tokens, dp, tp):
         kvh = dcfg.num_kv_heads
         assert {x.data.shape for x in fused.layers[1].attn.kv.addressable_shards} == {
             (dcfg.hidden_size, kvh // tp, 2, dcfg.head_dim)}
-        g = generate_speculative(params, cfg, fused, dcfg, arr, lens, jax.random.key(0), settings=s, max_len=128)
+        g = generate_speculative(params, cfg, fused, dcfg, arr, lens, jax.random.key(0), settings=ddtree,
+                                 max_len=128)
         assert token_lists(g) == ar, "ddtree, fused drafter"
 
 
