@@ -29,6 +29,10 @@ TOP_K_CHUNK = 2048
 # Longest row that the tree's top-k selections (per depth and over all depths) rank with
 # `ranked_top_k` instead of `lax.top_k`: ranking compares every pair, m * m per row.
 RANK_TOP_K_MAX = 4096
+# Fan-out of the vocabulary top-k's preselection (`preselected_top_k`): each level cuts a row of
+# length n into about fanout * k chunks and keeps the k with the highest maxima, n / fanout
+# entries. At [15, 151936] and k = 256: 2054 chunks of 74, then 2105 of 9, leave 2304 to rank.
+PRESELECT_FANOUT = 8
 
 
 @jax.tree_util.register_dataclass
@@ -175,7 +179,7 @@ def _check_draft_inputs(log_probs: Any, root_tokens: Any) -> None:
 
 def build_tree(log_probs: jax.Array, root_tokens: jax.Array, budget: int,
                width: int | None = None, top_k_chunk: int = TOP_K_CHUNK,
-               rank_max: int = RANK_TOP_K_MAX) -> Tree:
+               rank_max: int = RANK_TOP_K_MAX, preselect: int | None = None) -> Tree:
     """DDTree: the root plus the `budget` most probable draft prefixes.
 
     log_probs:   [batch, depth, vocab] float, log q_d for draft depths 1..depth (the drafter's
@@ -188,6 +192,9 @@ def build_tree(log_probs: jax.Array, root_tokens: jax.Array, budget: int,
                  the tree is the same for every value.
     rank_max:    static int >= 0, the longest row the tree's own top-k selections rank with
                  `ranked_top_k` (longer ones use lax.top_k); the tree is the same for every value.
+    preselect:   static int, the fan-out of the vocabulary top-k's preselection
+                 (`preselected_top_k`); 0 takes `chunked_top_k`; None: `preselect_fanout`'s
+                 default for the backend. The tree is the same for every value.
 
     Node scores are summed log-probs along the path. Ties are broken by lower depth, then by
     rank within the depth (lower parent rank, then lower token rank, token ranks coming from a
@@ -200,8 +207,9 @@ def build_tree(log_probs: jax.Array, root_tokens: jax.Array, budget: int,
     width = tree_width(budget) if width is None else _check_int("width", width, 1 + budget)
     top_k_chunk = _check_int("top_k_chunk", top_k_chunk, 0)
     rank_max = _check_int("rank_max", rank_max, 0)
+    preselect = preselect_fanout(preselect)
     return _build_tree(log_probs, root_tokens, budget=budget, width=width, top_k_chunk=top_k_chunk,
-                       rank_max=rank_max)
+                       rank_max=rank_max, preselect=preselect)
 
 
 def chunked_top_k(rows: jax.Array, k: int, chunk: int = TOP_K_CHUNK) -> tuple[jax.Array, jax.Array]:
@@ -250,8 +258,12 @@ def _stable_ranks(values: jax.Array) -> jax.Array:
     one reduction on GPU; XLA's CPU backend writes the compare out as int32 first (59 MB per
     row at m = 3840) and reduces it in a tree of reduce-windows.
     """
-    m = values.shape[1]
-    key = _order_keys(values)
+    return _key_ranks(_order_keys(values))
+
+
+def _key_ranks(key: jax.Array) -> jax.Array:
+    """`_stable_ranks` of int32 order keys [n, m] (higher key first, ties by lower index)."""
+    m = key.shape[1]
     idx = jnp.arange(m, dtype=jnp.int32)
     other, this = key[:, None, :], key[:, :, None]                    # c' on the last axis
     ahead = (other > this) | ((other == this) & (idx[None, None, :] < idx[None, :, None]))
@@ -280,14 +292,18 @@ def ranked_top_k(values: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     two fused reductions cost less when m is small. The work grows as m * m, so callers use it
     only up to `RANK_TOP_K_MAX` (`build_tree`'s rank_max).
     """
-    m, k = _check_rank_input(values, k)
-    rank = _stable_ranks(values)                                              # [n, m]
-    position = jnp.arange(k, dtype=jnp.int32)
-    idx = jnp.arange(m, dtype=jnp.int32)
-    # Ranks are a permutation, so exactly one c matches each position.
-    indices = jnp.sum(jnp.where(rank[:, None, :] == position[None, :, None], idx[None, None, :], 0),
-                      axis=2, dtype=jnp.int32)                                # [n, k]
+    _, k = _check_rank_input(values, k)
+    indices = _positions_of_ranks(_stable_ranks(values), k)
     return jnp.take_along_axis(values, indices, axis=1), indices
+
+
+def _positions_of_ranks(rank: jax.Array, k: int) -> jax.Array:
+    """[n, k] int32: the index whose rank is 0, 1, ..., k-1, from ranks [n, m] (a permutation)."""
+    position = jnp.arange(k, dtype=jnp.int32)
+    idx = jnp.arange(rank.shape[1], dtype=jnp.int32)
+    # Ranks are a permutation, so exactly one c matches each position.
+    return jnp.sum(jnp.where(rank[:, None, :] == position[None, :, None], idx[None, None, :], 0),
+                   axis=2, dtype=jnp.int32)
 
 
 def _ranked_top_k_set(values: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -299,15 +315,93 @@ def _ranked_top_k_set(values: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     index is #{c : count[c] <= p}.
     """
     _, k = _check_rank_input(values, k)
-    taken = _stable_ranks(values) < k                                         # [n, m]
+    return _top_k_set_of_ranks(_stable_ranks(values), k)
+
+
+def _top_k_set_of_ranks(rank: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`_ranked_top_k_set` from the ranks [n, m] (a permutation of 0..m-1 per row)."""
+    taken = rank < k                                                          # [n, m]
     count = jnp.cumsum(taken, axis=1, dtype=jnp.int32)
     position = jnp.arange(k, dtype=jnp.int32)
     chosen = jnp.sum(count[:, None, :] <= position[None, :, None], axis=2, dtype=jnp.int32)
     return chosen, jnp.where(taken, count, 0)
 
 
+def _preselect(keys: jax.Array, indices: jax.Array, k: int, chunk: int, rank_max: int
+               ) -> tuple[jax.Array, jax.Array]:
+    """One preselection level: the k chunks of `chunk` entries with the highest maxima.
+
+    keys: [n, m] int32 order keys (`_order_keys`); indices: [n, m] int32, ascending along each
+    row. Returns the chosen chunks' keys and indices, [n, k * chunk] each, chunk by chunk in
+    ascending order, so the indices stay ascending and the row's top k (higher key first, ties
+    by lower index) is among them: an entry left out lies in a chunk that k chosen chunks
+    outrank, and each of their maxima outranks the entry (a higher key, or an equal one at a
+    lower index). Padding takes the lowest key, so it ranks after every real entry.
+    """
+    n, m = keys.shape
+    n_chunks = -(-m // chunk)
+    pad = ((0, 0), (0, n_chunks * chunk - m))
+    blocks = jnp.pad(keys, pad, constant_values=np.iinfo(np.int32).min).reshape(n, n_chunks, chunk)
+    block_idx = jnp.pad(indices, pad, constant_values=np.iinfo(np.int32).max).reshape(n, n_chunks, chunk)
+    best = jnp.max(blocks, axis=2)                                               # [n, n_chunks]
+    if n_chunks <= rank_max:
+        chosen, _ = _top_k_set_of_ranks(_key_ranks(best), k)
+    else:
+        chosen = jnp.sort(jax.lax.top_k(best, k)[1], axis=1)
+
+    def take(x: jax.Array) -> jax.Array:
+        return jnp.take_along_axis(x, chosen[:, :, None], axis=1).reshape(n, k * chunk)
+
+    return take(blocks), take(block_idx)
+
+
+def preselected_top_k(rows: jax.Array, k: int, fanout: int = PRESELECT_FANOUT,
+                      rank_max: int = RANK_TOP_K_MAX) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k(rows, k)` (values and int32 indices, same order and tie-break), for long rows.
+
+    rows: [n, length] float32 or narrower; k: static int <= length; fanout: static int >= 2.
+    While a row holds at least 2 * fanout * k candidates, a preselection level (`_preselect`)
+    cuts it into chunks of length // (fanout * k) (longer where that makes more than rank_max
+    chunks) and keeps the k chunks with the highest maxima. The candidates left are ranked (`ranked_top_k`'s method) when at most `rank_max`
+    long, else go to one lax.top_k; the chunk maxima likewise. All of it works on int32 keys
+    in top_k's total order of floats (`_order_keys`).
+    Why: at [15, 151936] and k = 256 (DDTree(256), Qwen3's vocabulary) XLA sorts each
+    2048-entry chunk of `chunked_top_k` on GPU: 0.13 ms of a 0.37 ms tree (BENCHMARKS.md,
+    seventeenth session). A level is a max over chunks and a ranking of a few thousand maxima.
+    """
+    _, k = _check_rank_input(rows, k)
+    fanout = _check_int("fanout", fanout, 2)
+    n, length = rows.shape
+    keys = _order_keys(rows)
+    indices = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (n, length))
+    while keys.shape[1] // (fanout * k) >= 2:
+        chunk = keys.shape[1] // (fanout * k)
+        if rank_max >= 2 * k:  # chunks long enough for their maxima to be ranked, not sorted
+            chunk = max(chunk, -(-keys.shape[1] // rank_max))
+        keys, indices = _preselect(keys, indices, k, chunk, rank_max)
+    if keys.shape[1] <= rank_max:
+        pos = _positions_of_ranks(_key_ranks(keys), k)
+    else:
+        pos = jax.lax.top_k(keys, k)[1]
+    chosen = jnp.take_along_axis(indices, pos, axis=1)
+    return jnp.take_along_axis(rows, chosen, axis=1), chosen
+
+
+def preselect_fanout(preselect: int | None = None, backend: str | None = None) -> int:
+    """The fan-out `build_tree` uses: `preselect` as given (0 = none), or by default
+    PRESELECT_FANOUT on a GPU (`backend`, default `jax.default_backend()`) and none elsewhere:
+    XLA's CPU backend writes each ranking's [n, m, m] compare out before summing it, which at
+    [15, 151936] made a tree 2-10x slower than `chunked_top_k`. The tree is the same either way."""
+    if preselect is None:
+        return PRESELECT_FANOUT if (backend or jax.default_backend()) == "gpu" else 0
+    preselect = _check_int("preselect", preselect, 0)
+    if preselect == 1:
+        raise ValueError("preselect must be 0 (none) or a fan-out >= 2, got 1")
+    return preselect
+
+
 def _per_depth_best(log_probs: jax.Array, budget: int, chunk: int = TOP_K_CHUNK,
-                    rank_max: int = RANK_TOP_K_MAX) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
+                    rank_max: int = RANK_TOP_K_MAX, preselect: int = 0) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
     """Best `budget` nodes of every depth, each depth in rank order.
 
     log_probs: [batch, depth, vocab] sanitised float32.
@@ -319,7 +413,11 @@ def _per_depth_best(log_probs: jax.Array, budget: int, chunk: int = TOP_K_CHUNK,
     # Stable top_k: equal log-probs rank by lower token id, the tie-break the tests assume.
     # On rows ([batch * depth, vocab]): XLA lowers a rank-2 top_k to its TopK kernel, but a
     # rank-3 one to a full sort of the vocabulary (measured: 220 of a 340 ms CPU round).
-    token_lp, token_ids = chunked_top_k(log_probs.reshape(batch * depth, vocab), n_tokens, chunk)
+    rows = log_probs.reshape(batch * depth, vocab)
+    if preselect:
+        token_lp, token_ids = preselected_top_k(rows, n_tokens, preselect, rank_max)
+    else:
+        token_lp, token_ids = chunked_top_k(rows, n_tokens, chunk)
     token_lp = token_lp.reshape(batch, depth, n_tokens)
     token_ids = token_ids.reshape(batch, depth, n_tokens)
 
@@ -342,9 +440,11 @@ def _per_depth_best(log_probs: jax.Array, budget: int, chunk: int = TOP_K_CHUNK,
 
 
 def _build_tree_impl(log_probs: jax.Array, root_tokens: jax.Array, budget: int, width: int,
-                     top_k_chunk: int = TOP_K_CHUNK, rank_max: int = RANK_TOP_K_MAX) -> Tree:
+                     top_k_chunk: int = TOP_K_CHUNK, rank_max: int = RANK_TOP_K_MAX,
+                     preselect: int = 0) -> Tree:
     batch, depth, _ = log_probs.shape
-    scores, tokens, parent_rank = _per_depth_best(_sanitize(log_probs), budget, top_k_chunk, rank_max)
+    scores, tokens, parent_rank = _per_depth_best(_sanitize(log_probs), budget, top_k_chunk, rank_max,
+                                                  preselect)
 
     # Concatenate the depths: flat index = offset[d] + rank, so a lower flat index means lower
     # depth, then lower rank -- exactly the tie-break, which stable top_k applies for free.
@@ -392,7 +492,8 @@ def _build_tree_impl(log_probs: jax.Array, root_tokens: jax.Array, budget: int, 
                 visible=visible, scores=out_scores)
 
 
-_build_tree = jax.jit(_build_tree_impl, static_argnames=("budget", "width", "top_k_chunk", "rank_max"))
+_build_tree = jax.jit(_build_tree_impl,
+                      static_argnames=("budget", "width", "top_k_chunk", "rank_max", "preselect"))
 
 
 def chain_tree(block_tokens: jax.Array, width: int | None = None) -> Tree:

@@ -11,7 +11,7 @@ import pytest
 
 from dflash_jax import tree as tree_module
 from dflash_jax.tree import (Tree, ancestors_visible, build_tree, chain_tree, chunked_top_k,
-                             ranked_top_k, tree_width)
+                             preselected_top_k, ranked_top_k, tree_width)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,6 +184,72 @@ def test_chunked_top_k_equals_top_k_with_ties(k: int, chunk: int, length: int) -
     np.testing.assert_array_equal(np.asarray(got_val), np.asarray(want_val))
 
 
+@pytest.mark.parametrize("k,fanout,length", [(8, 2, 61), (5, 2, 100), (4, 3, 48), (3, 4, 257),
+                                             (1, 2, 7), (40, 2, 200), (2, 5, 90), (16, 8, 16)])
+@pytest.mark.parametrize("rank_max", [tree_module.RANK_TOP_K_MAX, 0])
+def test_preselected_top_k_equals_top_k_with_ties(k: int, fanout: int, length: int, rank_max: int) -> None:
+    # Few distinct values, so ties straddle chunk borders and chunk maxima tie; one to four
+    # levels (none at length 16), most with a partial last chunk; rank_max 0 takes lax.top_k
+    # (and its sort) for every selection.
+    rng = np.random.default_rng(k * 1000 + length)
+    rows = rng.choice(np.array([0.0, -0.25, -1.0, -np.inf], np.float32), size=(7, length))
+    rows[1] = -np.inf                                     # nothing but -inf
+    rows[2] = -1.0                                        # one value everywhere
+    rows[3] = rng.standard_normal(length).astype(np.float32)
+    rows[4, ::3] = -0.0                                   # -0.0 ranks below +0.0
+    rows[5, 1::4] = np.nan                                # NaN ranks above everything
+    rows[6, ::2] = -np.nan                                # -NaN below -inf: after the padding too
+    rows = jnp.asarray(rows)
+    want_val, want_idx = jax.lax.top_k(rows, k)
+    got_val, got_idx = jax.jit(preselected_top_k, static_argnums=(1, 2, 3))(rows, k, fanout, rank_max)
+    assert got_idx.dtype == jnp.int32 and got_val.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(got_idx), np.asarray(want_idx))
+    np.testing.assert_array_equal(np.asarray(got_val), np.asarray(want_val))
+    np.testing.assert_array_equal(np.signbit(np.asarray(got_val)), np.signbit(np.asarray(want_val)))
+
+
+@pytest.mark.parametrize("k", [16, 64, 256, 512])
+def test_preselected_top_k_at_the_qwen_vocabulary_has_no_sort(k: int) -> None:
+    # DDTree's shapes: the default levels leave rankings and maxima only, no sort or top_k.
+    rows = jax.ShapeDtypeStruct((15, 151936), jnp.float32)
+    jaxpr = str(jax.make_jaxpr(lambda r: preselected_top_k(r, k))(rows))
+    assert jaxpr.count(" sort[") == 0 and jaxpr.count("top_k[") == 0
+    chunked = str(jax.make_jaxpr(lambda r: chunked_top_k(r, 256))(rows))
+    assert chunked.count("top_k[") == 2  # what the preselection replaces
+
+
+@pytest.mark.parametrize("k", [16, 256])
+def test_preselected_top_k_on_a_large_vocabulary(k: int) -> None:
+    # Random logits at SmolLM2's vocabulary size (two levels at the default fan-out), with one
+    # value repeated across chunks in one row and the top value tied in another.
+    rng = np.random.default_rng(k)
+    rows = (rng.standard_normal((3, 49152)) * 3).astype(np.float32)
+    rows[0, 100:40000:97] = np.sort(rows[0])[-k // 2]
+    rows[1, 5::1000] = rows[1].max()
+    rows = jnp.asarray(rows)
+    want_val, want_idx = jax.lax.top_k(rows, k)
+    got_val, got_idx = jax.jit(preselected_top_k, static_argnums=1)(rows, k)
+    np.testing.assert_array_equal(np.asarray(got_idx), np.asarray(want_idx))
+    np.testing.assert_array_equal(np.asarray(got_val), np.asarray(want_val))
+
+
+def test_tree_with_preselection_is_the_same() -> None:
+    # A vocabulary long enough for preselection levels at budget 64: the tree must not change.
+    lp = random_log_probs(8, (2, 5, 5000), sharpness=3.0)
+    lp[1, :, ::7] = lp[1, :, :1]  # ties with each depth's first token across chunks
+    lp, roots = jnp.asarray(lp), jnp.array([1, 2], jnp.int32)
+    plain, preselected = build_tree(lp, roots, 64, preselect=0), build_tree(lp, roots, 64, preselect=4)
+    for a, b in zip(jax.tree_util.tree_leaves(plain), jax.tree_util.tree_leaves(preselected)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    check_structure(preselected, 65)
+
+
+def test_preselection_by_default_on_gpu_only() -> None:
+    assert tree_module.preselect_fanout(None, "gpu") == tree_module.PRESELECT_FANOUT
+    assert tree_module.preselect_fanout(None, "cpu") == 0
+    assert tree_module.preselect_fanout(3, "cpu") == 3 and tree_module.preselect_fanout(0, "gpu") == 0
+
+
 @pytest.mark.parametrize("n,m,k", [(1, 1, 1), (2, 5, 0), (3, 17, 5), (4, 64, 64), (2, 300, 256),
                                    (3, 1500, 256)])
 def test_ranked_top_k_equals_top_k_with_ties(n: int, m: int, k: int) -> None:
@@ -269,11 +335,15 @@ def test_nan_and_positive_log_probs_keep_the_tree_closed() -> None:
     check_structure(tree, 21)
 
 
-@pytest.mark.parametrize("top_k_chunk", [0, 256])  # one top_k over the vocabulary; 4 chunks
-def test_equals_best_first_heap_realistic_shapes(top_k_chunk: int) -> None:
+# One top_k over the vocabulary; 4 chunks; preselection at fan-out 2 (one level: 334 chunks of
+# 3); the default fan-out, which a 1000-token vocabulary skips (it ranks the whole row).
+@pytest.mark.parametrize("top_k_chunk,preselect", [(0, 0), (256, 0), (256, 2),
+                                                   (256, tree_module.PRESELECT_FANOUT)])
+def test_equals_best_first_heap_realistic_shapes(top_k_chunk: int, preselect: tuple) -> None:
     batch, depth, vocab, budget = 2, 15, 1000, 256
     lp = random_log_probs(11, (batch, depth, vocab), sharpness=4.0)
-    tree = build_tree(jnp.asarray(lp), jnp.array([3, 4], jnp.int32), budget, top_k_chunk=top_k_chunk)
+    tree = build_tree(jnp.asarray(lp), jnp.array([3, 4], jnp.int32), budget, top_k_chunk=top_k_chunk,
+                      preselect=preselect)
     assert tree.width == 272
     check_structure(tree, 1 + budget)
     for b in range(batch):
@@ -350,6 +420,14 @@ def test_bad_arguments_name_the_argument() -> None:
         build_tree(lp, roots, 16, width=16)
     with pytest.raises(ValueError, match="top_k_chunk"):
         build_tree(lp, roots, 4, top_k_chunk=-1)
+    with pytest.raises(ValueError, match="preselect"):
+        build_tree(lp, roots, 4, preselect=1)
+    with pytest.raises(ValueError, match="preselect"):
+        build_tree(lp, roots, 4, preselect=(64, 16))
+    with pytest.raises(ValueError, match="fanout"):
+        preselected_top_k(lp[0], 2, fanout=1)
+    with pytest.raises(ValueError, match="k must be"):
+        preselected_top_k(lp[0], 6)
     with pytest.raises(ValueError, match="log_probs"):
         build_tree(lp[0], roots, 4)
     with pytest.raises(ValueError, match="log_probs"):

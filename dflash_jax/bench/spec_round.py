@@ -31,7 +31,7 @@ from dflash_jax.config import default_tap_layers
 from dflash_jax.model import RESIDUAL_IMPLS, init_params
 from dflash_jax.speculative import COMMAND_BUFFERS_OFF, DOT_MERGER_OFF, SpecSettings, SpecState, spec_round
 from dflash_jax.stage_times import STAGES  # the round's named scopes
-from dflash_jax.tree import RANK_TOP_K_MAX, TOP_K_CHUNK
+from dflash_jax.tree import RANK_TOP_K_MAX, TOP_K_CHUNK, preselect_fanout
 from pallas_kernels.tree_attention import PALLAS_VARIANTS
 
 
@@ -147,10 +147,12 @@ def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_le
     options = {**DOT_MERGER[dot_merger], **COMMAND_BUFFERS[command_buffers]} or None
     ms, rnd, _, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile, rounds, options, table)
     dump_hlo(hlo_dir, f"round_{s.method}_b{s.budget}_ctx{ctx}_r{rounds}_dm-{dot_merger}_cb-{command_buffers}"
-                      f"_{s.attn_impl}_topk{s.top_k_chunk}_res-{s.residual}", rnd.as_text())
+                      f"_{s.attn_impl}_topk{s.top_k_chunk}_pre{preselect_fanout(s.preselect)}"
+                      f"_res-{s.residual}", rnd.as_text())
     row = {"method": s.method, "budget": s.budget, "width": s.width, "ctx": ctx, "round_ms": ms,
            "dot_merger": dot_merger, "command_buffers": command_buffers, "attn_impl": s.attn_impl,
-           "top_k_chunk": s.top_k_chunk, "rank_max": s.rank_max, "kv_compact": "kernel" if s.compact_kernel else "xla",
+           "top_k_chunk": s.top_k_chunk, "rank_max": s.rank_max,
+           "preselect": preselect_fanout(s.preselect), "kv_compact": "kernel" if s.compact_kernel else "xla",
            "residual": s.residual, **extra}
     log(row)
     return row
@@ -182,6 +184,16 @@ def bench_ar(target, cfg, ctx: int, max_len: int, profile: bool, table: int = 0)
 def _ar_decoder(cfg):
     """ar_decode's greedy step loop, ROUNDS_PER_CALL steps; one compile serves every context."""
     return make_decoder(cfg, ROUNDS_PER_CALL, "auto")
+
+
+def parse_preselect(text: str) -> int | None:
+    """--preselect value: "auto" (the backend's default), or a fan-out (0 = none)."""
+    if text == "auto":
+        return None
+    try:
+        return preselect_fanout(int(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--preselect takes 'auto', 0 or a fan-out >= 2, got {text!r} ({e})")
 
 
 def main() -> None:
@@ -217,6 +229,10 @@ def main() -> None:
     ap.add_argument("--rank-max", nargs="+", type=int, default=[RANK_TOP_K_MAX],
                     help="DDTree's own top-k selections by ranking up to this row length, 0 = lax.top_k "
                          "(several: each is timed, side by side)")
+    ap.add_argument("--preselect", nargs="+", type=parse_preselect, default=[None],
+                    help="DDTree's vocabulary top-k preselection fan-out (tree.preselected_top_k), 0 for "
+                         "--top-k-chunk's two stages alone, auto for the backend's default (several: each "
+                         "is timed, side by side)")
     ap.add_argument("--kv-compact", nargs="+", choices=("kernel", "xla"), default=["kernel"],
                     help="the commit's K/V compaction in one Pallas launch where it applies, or per buffer "
                          "in XLA (several: each is timed, side by side)")
@@ -259,11 +275,12 @@ def main() -> None:
         ddtree = method["method"] == "ddtree"
         chunks = args.top_k_chunk if ddtree else [TOP_K_CHUNK]
         ranks = args.rank_max if ddtree else [RANK_TOP_K_MAX]
-        for ai, chunk, rank, compact, res, r, dm, cb in itertools.product(
-                args.attn_impl, chunks, ranks, args.kv_compact, args.residual, args.rounds_per_call, args.dot_merger,
-                args.command_buffers):
+        preselects = args.preselect if ddtree else [None]
+        for ai, chunk, rank, pre, compact, res, r, dm, cb in itertools.product(
+                args.attn_impl, chunks, ranks, preselects, args.kv_compact, args.residual, args.rounds_per_call,
+                args.dot_merger, args.command_buffers):
             s = SpecSettings(block_size=dcfg.block_size, max_new_tokens=512, attn_impl=ai, top_k_chunk=chunk,
-                             rank_max=rank, compact_kernel=compact == "kernel", residual=res,
+                             rank_max=rank, preselect=pre, compact_kernel=compact == "kernel", residual=res,
                              **method)
             yield s, r, dm, cb
 
@@ -288,9 +305,9 @@ def main() -> None:
     print(f"\n{env['device']}, jax {env['jax']}, {args.model} target + {dcfg.num_layers}-layer drafter, "
           f"{dtype.name}, batch 1")
     print("| method | budget | W | ctx | layout | draft layout | rounds/call | dot merger | command buffers | attention | top_k chunk "
-          "| rank max | K/V compaction | residual | round ms | device ms | draft | tree | verify | accept | commit "
+          "| rank max | preselect | K/V compaction | residual | round ms | device ms | draft | tree | verify | accept | commit "
           "| other |")
-    print("|---" * 22 + "|")
+    print("|---" * 23 + "|")
     for r in rows:
         prof = r.get("profile") or {}
         split = prof.get("by_scope", {})
@@ -300,7 +317,8 @@ def main() -> None:
               f"{r['rounds_per_call']} | {r.get('dot_merger', '-')} | {r.get('command_buffers', '-')} | "
               f"{r.get('attn_impl', 'auto')} | "
               f"{r.get('top_k_chunk', '-') if r['method'] == 'ddtree' else '-'} | "
-              f"{r.get('rank_max', '-') if r['method'] == 'ddtree' else '-'} | {r.get('kv_compact', '-')} | "
+              f"{r.get('rank_max', '-') if r['method'] == 'ddtree' else '-'} | "
+              f"{r.get('preselect', '-') if r['method'] == 'ddtree' else '-'} | {r.get('kv_compact', '-')} | "
               f"{r.get('residual', '-')} | {r['round_ms']:.2f} | "
               f"{dev} | " + " | ".join(cells) + " |")
 
