@@ -29,10 +29,16 @@ TOP_K_CHUNK = 2048
 # Longest row that the tree's top-k selections (per depth and over all depths) rank with
 # `ranked_top_k` instead of `lax.top_k`: ranking compares every pair, m * m per row.
 RANK_TOP_K_MAX = 4096
-# Fan-out of the vocabulary top-k's preselection (`preselected_top_k`): each level cuts a row of
-# length n into about fanout * k chunks and keeps the k with the highest maxima, n / fanout
-# entries. At [15, 151936] and k = 256: 2054 chunks of 74, then 2105 of 9, leave 2304 to rank.
+# The vocabulary top-k's preselection (`preselected_top_k`) by default: each level cuts a row of
+# length n into about fanout * k chunks and keeps the k with the highest maxima (n / fanout
+# entries), ranking about fanout * k maxima; the default fan-out keeps that near
+# PRESELECT_RANKED (within 2..8), and rows of k > PRESELECT_MAX_K take `chunked_top_k`.
+# Measured on the H200 at [15, 151936] (BENCHMARKS.md, eighteenth session): kernel time per
+# top-k, chunked / fan-out 4 / 8 / 16: k 16: 288 / 54 / 36 / 43 us; k 64: 183 / 67 / 52 / 53;
+# k 256: 214 / 103 / 164 / 262. At k 512, fan-out 8 made DDTree(512) rounds 0.19 ms slower.
 PRESELECT_FANOUT = 8
+PRESELECT_RANKED = 1024
+PRESELECT_MAX_K = 256
 
 
 @jax.tree_util.register_dataclass
@@ -207,7 +213,7 @@ def build_tree(log_probs: jax.Array, root_tokens: jax.Array, budget: int,
     width = tree_width(budget) if width is None else _check_int("width", width, 1 + budget)
     top_k_chunk = _check_int("top_k_chunk", top_k_chunk, 0)
     rank_max = _check_int("rank_max", rank_max, 0)
-    preselect = preselect_fanout(preselect)
+    preselect = preselect_fanout(preselect, min(budget, log_probs.shape[2]))
     return _build_tree(log_probs, root_tokens, budget=budget, width=width, top_k_chunk=top_k_chunk,
                        rank_max=rank_max, preselect=preselect)
 
@@ -387,13 +393,17 @@ def preselected_top_k(rows: jax.Array, k: int, fanout: int = PRESELECT_FANOUT,
     return jnp.take_along_axis(rows, chosen, axis=1), chosen
 
 
-def preselect_fanout(preselect: int | None = None, backend: str | None = None) -> int:
-    """The fan-out `build_tree` uses: `preselect` as given (0 = none), or by default
-    PRESELECT_FANOUT on a GPU (`backend`, default `jax.default_backend()`) and none elsewhere:
-    XLA's CPU backend writes each ranking's [n, m, m] compare out before summing it, which at
-    [15, 151936] made a tree 2-10x slower than `chunked_top_k`. The tree is the same either way."""
+def preselect_fanout(preselect: int | None, k: int, backend: str | None = None) -> int:
+    """The fan-out `build_tree` uses for a vocabulary top-k of k: `preselect` as given (0 =
+    none), or by default, on a GPU (`backend`, default `jax.default_backend()`),
+    PRESELECT_RANKED // k within 2..PRESELECT_FANOUT for k <= PRESELECT_MAX_K, else none. None
+    elsewhere: XLA's CPU backend writes each ranking's [n, m, m] compare out before summing it,
+    which made trees at [15, 151936] 2-10x slower than with `chunked_top_k`. The tree is the same
+    for every fan-out."""
     if preselect is None:
-        return PRESELECT_FANOUT if (backend or jax.default_backend()) == "gpu" else 0
+        if (backend or jax.default_backend()) != "gpu" or k > PRESELECT_MAX_K:
+            return 0
+        return min(PRESELECT_FANOUT, max(2, PRESELECT_RANKED // max(k, 1)))
     preselect = _check_int("preselect", preselect, 0)
     if preselect == 1:
         raise ValueError("preselect must be 0 (none) or a fan-out >= 2, got 1")

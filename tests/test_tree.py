@@ -245,9 +245,10 @@ def test_tree_with_preselection_is_the_same() -> None:
 
 
 def test_preselection_by_default_on_gpu_only() -> None:
-    assert tree_module.preselect_fanout(None, "gpu") == tree_module.PRESELECT_FANOUT
-    assert tree_module.preselect_fanout(None, "cpu") == 0
-    assert tree_module.preselect_fanout(3, "cpu") == 3 and tree_module.preselect_fanout(0, "gpu") == 0
+    fanout = tree_module.preselect_fanout
+    assert [fanout(None, k, "gpu") for k in (1, 16, 64, 128, 256, 257, 512)] == [8, 8, 8, 8, 4, 0, 0]
+    assert fanout(None, 64, "cpu") == 0
+    assert fanout(3, 512, "cpu") == 3 and fanout(0, 64, "gpu") == 0
 
 
 @pytest.mark.parametrize("n,m,k", [(1, 1, 1), (2, 5, 0), (3, 17, 5), (4, 64, 64), (2, 300, 256),

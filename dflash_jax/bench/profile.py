@@ -133,12 +133,16 @@ def profile_program(fn: Callable[[], Any], hlo_text: str, calls: int = 5,
             by_kernel[name] = by_kernel.get(name, 0.0) + ms
             launches[name] = launches.get(name, 0) + 1
             first_op.setdefault(name, (kind, op))
+        gaps = idle_gaps(events, calls, lambda e: scope_of(
+            names.get(str(e.get("args", {}).get("hlo_op", "")), "") or names.get(str(e.get("name", "")), ""),
+            scopes))
         ranked = sorted(by_kernel.items(), key=lambda kv: -kv[1])
         top = ranked[:8]
         rnd = lambda d: {k: round(v, 4) for k, v in sorted(d.items(), key=lambda kv: -kv[1])}  # noqa: E731
         out = {"device_ms": round(total, 4), "by_scope": rnd(by_scope), "by_kind": rnd(by_kind),
                "top_kernels": [(k[:80], round(v, 4)) for k, v in top], "unmapped_ms": round(unmapped, 4),
-               "kernels_per_call": len(events) / calls}
+               "kernels_per_call": len(events) / calls, "gap_ms": round(sum(gaps.values()), 4),
+               "gap_by_scope": rnd(gaps)}
         if table > 0:
             out["kernels"] = [[k[:80], round(v, 4), launches[k] / calls, *first_op[k]]
                               for k, v in ranked[:table]]
@@ -149,15 +153,39 @@ def profile_program(fn: Callable[[], Any], hlo_text: str, calls: int = 5,
         return {"error": repr(err)[:300]}
 
 
+def idle_gaps(events: list[dict[str, Any]], calls: int, scope: Callable[[dict[str, Any]], str]
+              ) -> dict[str, float]:
+    """GPU idle time per call (ms) between consecutive kernels, by the scope of the kernel that
+    waited: where launches, host syncs (a while loop's condition) or short kernels leave the GPU
+    idle. Kernels are taken in start order on all streams together (overlap counts as no gap);
+    the calls - 1 longest gaps are the host's turns between calls, and are left out."""
+    timed = sorted((float(e.get("ts", 0.0)), float(e.get("dur", 0.0)), e) for e in events
+                   if "ts" in e)
+    found: list[tuple[float, str]] = []
+    end = None
+    for ts, dur, e in timed:
+        if end is not None and ts > end:
+            found.append((ts - end, scope(e)))
+        end = ts + dur if end is None else max(end, ts + dur)
+    found.sort(key=lambda g: g[0])
+    kept = found[:max(0, len(found) - (calls - 1))]
+    out: dict[str, float] = {}
+    for gap_us, where in kept:
+        out[where] = out.get(where, 0.0) + gap_us / 1e3 / calls
+    return out
+
+
 def scale_profile(profile: dict[str, Any], n: int) -> dict[str, Any]:
     """A profile of a call that ran `n` rounds (or decode steps), scaled to one of them."""
     if "error" in profile:
         return profile
     scaled = dict(profile)
-    for key in ("device_ms", "unmapped_ms", "kernels_per_call"):
-        scaled[key] = profile[key] / n
-    for key in ("by_scope", "by_kind"):
-        scaled[key] = {k: v / n for k, v in profile[key].items()}
+    for key in ("device_ms", "unmapped_ms", "kernels_per_call", "gap_ms"):
+        if key in profile:
+            scaled[key] = profile[key] / n
+    for key in ("by_scope", "by_kind", "gap_by_scope"):
+        if key in profile:
+            scaled[key] = {k: v / n for k, v in profile[key].items()}
     scaled["top_kernels"] = [(k, v / n) for k, v in profile["top_kernels"]]
     if "kernels" in profile:
         scaled["kernels"] = [[k, ms / n, count / n, *rest] for k, ms, count, *rest in profile["kernels"]]

@@ -147,12 +147,12 @@ def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_le
     options = {**DOT_MERGER[dot_merger], **COMMAND_BUFFERS[command_buffers]} or None
     ms, rnd, _, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile, rounds, options, table)
     dump_hlo(hlo_dir, f"round_{s.method}_b{s.budget}_ctx{ctx}_r{rounds}_dm-{dot_merger}_cb-{command_buffers}"
-                      f"_{s.attn_impl}_topk{s.top_k_chunk}_pre{preselect_fanout(s.preselect)}"
+                      f"_{s.attn_impl}_topk{s.top_k_chunk}_pre{preselect_fanout(s.preselect, s.budget)}"
                       f"_res-{s.residual}", rnd.as_text())
     row = {"method": s.method, "budget": s.budget, "width": s.width, "ctx": ctx, "round_ms": ms,
            "dot_merger": dot_merger, "command_buffers": command_buffers, "attn_impl": s.attn_impl,
            "top_k_chunk": s.top_k_chunk, "rank_max": s.rank_max,
-           "preselect": preselect_fanout(s.preselect), "kv_compact": "kernel" if s.compact_kernel else "xla",
+           "preselect": preselect_fanout(s.preselect, s.budget), "kv_compact": "kernel" if s.compact_kernel else "xla",
            "residual": s.residual, **extra}
     log(row)
     return row
@@ -186,12 +186,19 @@ def _ar_decoder(cfg):
     return make_decoder(cfg, ROUNDS_PER_CALL, "auto")
 
 
+def _idle(prof: dict) -> str:
+    if "gap_ms" not in prof:
+        return "-"
+    parts = ", ".join(f"{k} {v:.2f}" for k, v in prof.get("gap_by_scope", {}).items() if v >= 0.005)
+    return f"{prof['gap_ms']:.2f} ({parts})"
+
+
 def parse_preselect(text: str) -> int | None:
     """--preselect value: "auto" (the backend's default), or a fan-out (0 = none)."""
     if text == "auto":
         return None
     try:
-        return preselect_fanout(int(text))
+        return preselect_fanout(int(text), 1)
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"--preselect takes 'auto', 0 or a fan-out >= 2, got {text!r} ({e})")
 
@@ -306,8 +313,8 @@ def main() -> None:
           f"{dtype.name}, batch 1")
     print("| method | budget | W | ctx | layout | draft layout | rounds/call | dot merger | command buffers | attention | top_k chunk "
           "| rank max | preselect | K/V compaction | residual | round ms | device ms | draft | tree | verify | accept | commit "
-          "| other |")
-    print("|---" * 23 + "|")
+          "| other | idle ms (by stage that waited) |")
+    print("|---" * 24 + "|")
     for r in rows:
         prof = r.get("profile") or {}
         split = prof.get("by_scope", {})
@@ -320,7 +327,7 @@ def main() -> None:
               f"{r.get('rank_max', '-') if r['method'] == 'ddtree' else '-'} | "
               f"{r.get('preselect', '-') if r['method'] == 'ddtree' else '-'} | {r.get('kv_compact', '-')} | "
               f"{r.get('residual', '-')} | {r['round_ms']:.2f} | "
-              f"{dev} | " + " | ".join(cells) + " |")
+              f"{dev} | " + " | ".join(cells) + f" | {_idle(prof)} |")
 
 
 if __name__ == "__main__":
