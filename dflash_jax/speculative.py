@@ -45,7 +45,6 @@ class SpecSettings:
     top_k_chunk: int = TOP_K_CHUNK  # DDTree's vocabulary top_k in chunks (tree.chunked_top_k); 0: one top_k
     rank_max: int = RANK_TOP_K_MAX  # DDTree's own top-k selections by ranking up to this length (build_tree)
     preselect: int | None = None  # DDTree's vocabulary top-k preselection fan-out; 0: none; None: by backend
-    depth_select: str = "auto"  # DDTree's per-depth selection (tree.DEPTH_SELECT): kernel on GPU, else XLA
     # The commit moves every layer's accepted K/V in one Pallas launch (`pallas_kernels/kv_compact.py`)
     # where `compact_in_one_launch` allows it; False: a gather + row write per buffer in XLA (2 x layers
     # kernels), e.g. to compare the two.
@@ -143,7 +142,7 @@ def propose(state: SpecState, logits: jax.Array, s: SpecSettings) -> tuple[Draft
             log_probs = jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)), -jnp.inf)
         with jax.named_scope("tree"):  # a scope of its own, so profiles can split it from the drafter pass
             tree = build_tree(log_probs, state.root, s.budget, s.width, s.top_k_chunk, s.rank_max,
-                              s.preselect, s.depth_select)
+                              s.preselect)
     return Draft(tree=tree, draft_probs=draft_probs, limit=_block_limit(state, s)), key
 
 

@@ -22,8 +22,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.depth_select import depth_select as depth_select_kernel
-
 # Row block of the tree-attention kernel: the tree width is padded to a multiple of it.
 ROW_BLOCK = 16
 # Vocabulary chunk of the two-stage top_k (`chunked_top_k`); 0 = one top_k over the whole row.
@@ -34,17 +32,13 @@ RANK_TOP_K_MAX = 4096
 # The vocabulary top-k's preselection (`preselected_top_k`) by default: each level cuts a row of
 # length n into about fanout * k chunks and keeps the k with the highest maxima (n / fanout
 # entries), ranking about fanout * k maxima; the default fan-out keeps that near
-# PRESELECT_RANKED (within 2..8), and rows of k > PRESELECT_MAX_K take `chunked_top_k`.
-# Measured on the H200 at [15, 151936] (BENCHMARKS.md, eighteenth session): kernel time per
-# top-k, chunked / fan-out 4 / 8 / 16: k 16: 288 / 54 / 36 / 43 us; k 64: 183 / 67 / 52 / 53;
-# k 256: 214 / 103 / 164 / 262. At k 512, fan-out 8 made DDTree(512) rounds 0.19 ms slower.
+# PRESELECT_RANKED (within 2..PRESELECT_FANOUT), and rows of k > PRESELECT_MAX_K take
+# `chunked_top_k`. Measured on the H200 at [15, 151936] (BENCHMARKS.md, eighteenth session),
+# kernel time per top-k, chunked / fan-out 2 / 4 / 8 / 16, us: k 16: 285 / 83 / 54 / 37 / 43;
+# k 64: 183 / - / 67 / 52 / 53; k 256: 212 / 113 / 103 / 164 / 262; k 512: 296 / 159 / 217 / 374.
 PRESELECT_FANOUT = 8
 PRESELECT_RANKED = 1024
-PRESELECT_MAX_K = 256
-# How each depth's best nodes are selected: "kernel" (`pallas_kernels/depth_select.py`, one
-# launch a depth), "interpret" (the same kernel interpreted, for CPU tests), "xla" (a ranking
-# or lax.top_k and gathers), "auto" (the kernel on a GPU, XLA elsewhere). The tree is the same.
-DEPTH_SELECT = ("auto", "kernel", "interpret", "xla")
+PRESELECT_MAX_K = 512
 
 
 @jax.tree_util.register_dataclass
@@ -191,8 +185,7 @@ def _check_draft_inputs(log_probs: Any, root_tokens: Any) -> None:
 
 def build_tree(log_probs: jax.Array, root_tokens: jax.Array, budget: int,
                width: int | None = None, top_k_chunk: int = TOP_K_CHUNK,
-               rank_max: int = RANK_TOP_K_MAX, preselect: int | None = None,
-               depth_select: str = "auto") -> Tree:
+               rank_max: int = RANK_TOP_K_MAX, preselect: int | None = None) -> Tree:
     """DDTree: the root plus the `budget` most probable draft prefixes.
 
     log_probs:   [batch, depth, vocab] float, log q_d for draft depths 1..depth (the drafter's
@@ -208,8 +201,6 @@ def build_tree(log_probs: jax.Array, root_tokens: jax.Array, budget: int,
     preselect:   static int, the fan-out of the vocabulary top-k's preselection
                  (`preselected_top_k`); 0 takes `chunked_top_k`; None: `preselect_fanout`'s
                  default for the backend. The tree is the same for every value.
-    depth_select: static, one of DEPTH_SELECT: how each depth's best nodes are selected. The
-                 tree is the same for every value.
 
     Node scores are summed log-probs along the path. Ties are broken by lower depth, then by
     rank within the depth (lower parent rank, then lower token rank, token ranks coming from a
@@ -224,7 +215,7 @@ def build_tree(log_probs: jax.Array, root_tokens: jax.Array, budget: int,
     rank_max = _check_int("rank_max", rank_max, 0)
     preselect = preselect_fanout(preselect, min(budget, log_probs.shape[2]))
     return _build_tree(log_probs, root_tokens, budget=budget, width=width, top_k_chunk=top_k_chunk,
-                       rank_max=rank_max, preselect=preselect, depth_select=resolve_depth_select(depth_select))
+                       rank_max=rank_max, preselect=preselect)
 
 
 def chunked_top_k(rows: jax.Array, k: int, chunk: int = TOP_K_CHUNK) -> tuple[jax.Array, jax.Array]:
@@ -419,17 +410,8 @@ def preselect_fanout(preselect: int | None, k: int, backend: str | None = None) 
     return preselect
 
 
-def resolve_depth_select(how: str, backend: str | None = None) -> str:
-    """`build_tree`'s depth_select with "auto" resolved for `backend` (default `jax.default_backend()`)."""
-    if how not in DEPTH_SELECT:
-        raise ValueError(f"depth_select must be one of {DEPTH_SELECT}, got {how!r}")
-    if how == "auto":
-        return "kernel" if (backend or jax.default_backend()) == "gpu" else "xla"
-    return how
-
-
 def _per_depth_best(log_probs: jax.Array, budget: int, chunk: int = TOP_K_CHUNK,
-                    rank_max: int = RANK_TOP_K_MAX, preselect: int = 0, how: str = "xla") -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
+                    rank_max: int = RANK_TOP_K_MAX, preselect: int = 0) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
     """Best `budget` nodes of every depth, each depth in rank order.
 
     log_probs: [batch, depth, vocab] sanitised float32.
@@ -455,13 +437,6 @@ def _per_depth_best(log_probs: jax.Array, budget: int, chunk: int = TOP_K_CHUNK,
     for d in range(1, depth):
         pi, tj = _candidate_pairs(scores[-1].shape[1], n_tokens, budget)
         n_keep = min(budget, pi.size)
-        if how != "xla":  # one launch: scores, ranks and the kept nodes' parents and tokens
-            best, parent, token = depth_select_kernel(scores[-1], token_lp[:, d], token_ids[:, d].astype(jnp.int32),
-                                                      pi, tj, n_keep, interpret=how == "interpret")
-            scores.append(best)
-            parent_rank.append(parent)
-            tokens.append(token)
-            continue
         candidates = scores[-1][:, pi] + token_lp[:, d, tj]        # [batch, n_pairs]
         # Both are stable (ties by lower candidate index: lexicographic ties); ranking avoids
         # the sort XLA would run for top_k on GPU while the pairwise compare stays small.
@@ -476,10 +451,10 @@ def _per_depth_best(log_probs: jax.Array, budget: int, chunk: int = TOP_K_CHUNK,
 
 def _build_tree_impl(log_probs: jax.Array, root_tokens: jax.Array, budget: int, width: int,
                      top_k_chunk: int = TOP_K_CHUNK, rank_max: int = RANK_TOP_K_MAX,
-                     preselect: int = 0, depth_select: str = "xla") -> Tree:
+                     preselect: int = 0) -> Tree:
     batch, depth, _ = log_probs.shape
     scores, tokens, parent_rank = _per_depth_best(_sanitize(log_probs), budget, top_k_chunk, rank_max,
-                                                  preselect, depth_select)
+                                                  preselect)
 
     # Concatenate the depths: flat index = offset[d] + rank, so a lower flat index means lower
     # depth, then lower rank -- exactly the tie-break, which stable top_k applies for free.
@@ -528,8 +503,7 @@ def _build_tree_impl(log_probs: jax.Array, root_tokens: jax.Array, budget: int, 
 
 
 _build_tree = jax.jit(_build_tree_impl,
-                      static_argnames=("budget", "width", "top_k_chunk", "rank_max", "preselect",
-                                       "depth_select"))
+                      static_argnames=("budget", "width", "top_k_chunk", "rank_max", "preselect"))
 
 
 def chain_tree(block_tokens: jax.Array, width: int | None = None) -> Tree:

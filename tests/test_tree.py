@@ -137,12 +137,11 @@ def n_prefixes(depth: int, vocab: int) -> int:
 
 @pytest.mark.parametrize("depth,vocab", [(3, 6), (4, 5), (3, 2)])
 @pytest.mark.parametrize("budget", [1, 2, 7, 31, 64])
-@pytest.mark.parametrize("depth_select", ["xla", "interpret"])  # the per-depth kernel interpreted too
-def test_equals_brute_force(depth: int, vocab: int, budget: int, depth_select: str) -> None:
+def test_equals_brute_force(depth: int, vocab: int, budget: int) -> None:
     batch = 3
     lp = random_log_probs(depth * 100 + vocab * 10 + budget, (batch, depth, vocab))
     roots = jnp.arange(batch, dtype=jnp.int32) + 100
-    tree = build_tree(jnp.asarray(lp), roots, budget, depth_select=depth_select)
+    tree = build_tree(jnp.asarray(lp), roots, budget)
     n_nodes = min(budget, n_prefixes(depth, vocab))
     check_structure(tree, 1 + n_nodes)
     np.testing.assert_array_equal(np.asarray(tree.tokens)[:, 0], np.asarray(roots))
@@ -155,15 +154,14 @@ def test_equals_brute_force(depth: int, vocab: int, budget: int, depth_select: s
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("budget", [3, 17, 40])
-@pytest.mark.parametrize("depth_select", ["xla", "interpret"])
-def test_ties_are_deterministic_and_prefix_closed(seed: int, budget: int, depth_select: str) -> None:
+def test_ties_are_deterministic_and_prefix_closed(seed: int, budget: int) -> None:
     # Dyadic values sum exactly, so ties stay ties; 0 log-probs make children tie their parents
     # and -inf makes whole subtrees tie each other.
     depth, vocab = 4, 4
     rng = np.random.default_rng(seed)
     lp = rng.choice(np.array([0.0, -0.5, -1.0, -np.inf], np.float32), size=(2, depth, vocab))
     lp[0] = -1.0  # uniform: every prefix of a depth ties
-    tree = build_tree(jnp.asarray(lp), jnp.array([1, 2], jnp.int32), budget, depth_select=depth_select)
+    tree = build_tree(jnp.asarray(lp), jnp.array([1, 2], jnp.int32), budget)
     check_structure(tree, 1 + min(budget, n_prefixes(depth, vocab)))
     for b in range(2):
         got = tree_paths(tree, b)
@@ -246,15 +244,9 @@ def test_tree_with_preselection_is_the_same() -> None:
     check_structure(preselected, 65)
 
 
-def test_depth_kernel_by_default_on_gpu_only() -> None:
-    assert tree_module.resolve_depth_select("auto", "gpu") == "kernel"
-    assert tree_module.resolve_depth_select("auto", "cpu") == "xla"
-    assert tree_module.resolve_depth_select("interpret", "gpu") == "interpret"
-
-
 def test_preselection_by_default_on_gpu_only() -> None:
     fanout = tree_module.preselect_fanout
-    assert [fanout(None, k, "gpu") for k in (1, 16, 64, 128, 256, 257, 512)] == [8, 8, 8, 8, 4, 0, 0]
+    assert [fanout(None, k, "gpu") for k in (1, 16, 64, 128, 256, 257, 512, 513)] == [8, 8, 8, 8, 4, 3, 2, 0]
     assert fanout(None, 64, "cpu") == 0
     assert fanout(3, 512, "cpu") == 3 and fanout(0, 64, "gpu") == 0
 
@@ -346,15 +338,13 @@ def test_nan_and_positive_log_probs_keep_the_tree_closed() -> None:
 
 # One top_k over the vocabulary; 4 chunks; preselection at fan-out 2 (one level: 334 chunks of
 # 3); the default fan-out, which a 1000-token vocabulary skips (it ranks the whole row).
-# The per-depth kernel, interpreted, with the preselection.
-@pytest.mark.parametrize("top_k_chunk,preselect,depth_select", [(0, 0, "xla"), (256, 0, "xla"), (256, 2, "xla"),
-                                                                (256, tree_module.PRESELECT_FANOUT, "xla"),
-                                                                (256, 2, "interpret")])
-def test_equals_best_first_heap_realistic_shapes(top_k_chunk: int, preselect: int, depth_select: str) -> None:
+@pytest.mark.parametrize("top_k_chunk,preselect", [(0, 0), (256, 0), (256, 2),
+                                                   (256, tree_module.PRESELECT_FANOUT)])
+def test_equals_best_first_heap_realistic_shapes(top_k_chunk: int, preselect: int) -> None:
     batch, depth, vocab, budget = 2, 15, 1000, 256
     lp = random_log_probs(11, (batch, depth, vocab), sharpness=4.0)
     tree = build_tree(jnp.asarray(lp), jnp.array([3, 4], jnp.int32), budget, top_k_chunk=top_k_chunk,
-                      preselect=preselect, depth_select=depth_select)
+                      preselect=preselect)
     assert tree.width == 272
     check_structure(tree, 1 + budget)
     for b in range(batch):
@@ -435,8 +425,6 @@ def test_bad_arguments_name_the_argument() -> None:
         build_tree(lp, roots, 4, preselect=1)
     with pytest.raises(ValueError, match="preselect"):
         build_tree(lp, roots, 4, preselect=(64, 16))
-    with pytest.raises(ValueError, match="depth_select"):
-        build_tree(lp, roots, 4, depth_select="pallas")
     with pytest.raises(ValueError, match="fanout"):
         preselected_top_k(lp[0], 2, fanout=1)
     with pytest.raises(ValueError, match="k must be"):

@@ -31,7 +31,7 @@ from dflash_jax.config import default_tap_layers
 from dflash_jax.model import RESIDUAL_IMPLS, init_params
 from dflash_jax.speculative import COMMAND_BUFFERS_OFF, DOT_MERGER_OFF, SpecSettings, SpecState, spec_round
 from dflash_jax.stage_times import STAGES  # the round's named scopes
-from dflash_jax.tree import RANK_TOP_K_MAX, TOP_K_CHUNK, preselect_fanout, resolve_depth_select
+from dflash_jax.tree import RANK_TOP_K_MAX, TOP_K_CHUNK, preselect_fanout
 from pallas_kernels.tree_attention import PALLAS_VARIANTS
 
 
@@ -102,10 +102,6 @@ def timed_rounds(target, dparams, cfg, dcfg, s: SpecSettings, state: SpecState,
 # Threshold 0 turns the pass off; `--dot-merger default off` times both in one process.
 # DDTree decoding compiles with the pass off (speculative.DDTREE_COMPILER_OPTIONS).
 DOT_MERGER = {"default": {}, "off": DOT_MERGER_OFF}
-# DDTree's tree, as (preselect, depth_select) of SpecSettings: the vocabulary top-k in chunks
-# (the seventeenth session's) or preselected, and each depth's selection in XLA or in one kernel.
-TREE_WAYS = {"auto": (None, "auto"), "chunked-xla": (0, "xla"), "preselect-xla": (None, "xla"),
-             "chunked-kernel": (0, "kernel"), "preselect-kernel": (None, "kernel")}
 # XLA's command buffers (CUDA graphs) as they are, or off; `--command-buffers default off` times
 # both in one process. DDTree decoding compiles with them off (speculative.DDTREE_COMPILER_OPTIONS),
 # which measured faster once the Mosaic GPU kernel ran in every layer.
@@ -152,13 +148,11 @@ def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_le
     ms, rnd, _, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile, rounds, options, table)
     dump_hlo(hlo_dir, f"round_{s.method}_b{s.budget}_ctx{ctx}_r{rounds}_dm-{dot_merger}_cb-{command_buffers}"
                       f"_{s.attn_impl}_topk{s.top_k_chunk}_pre{preselect_fanout(s.preselect, s.budget)}"
-                      f"_depth-{resolve_depth_select(s.depth_select)}"
                       f"_res-{s.residual}", rnd.as_text())
     row = {"method": s.method, "budget": s.budget, "width": s.width, "ctx": ctx, "round_ms": ms,
            "dot_merger": dot_merger, "command_buffers": command_buffers, "attn_impl": s.attn_impl,
            "top_k_chunk": s.top_k_chunk, "rank_max": s.rank_max,
-           "preselect": preselect_fanout(s.preselect, s.budget),
-           "depth_select": resolve_depth_select(s.depth_select), "kv_compact": "kernel" if s.compact_kernel else "xla",
+           "preselect": preselect_fanout(s.preselect, s.budget), "kv_compact": "kernel" if s.compact_kernel else "xla",
            "residual": s.residual, **extra}
     log(row)
     return row
@@ -199,6 +193,16 @@ def _idle(prof: dict) -> str:
     return f"{prof['gap_ms']:.2f} ({parts})"
 
 
+def parse_preselect(text: str) -> int | None:
+    """--preselect value: "auto" (the default for the budget and backend), or a fan-out (0 = none)."""
+    if text == "auto":
+        return None
+    try:
+        return preselect_fanout(int(text), 1)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--preselect takes 'auto', 0 or a fan-out >= 2, got {text!r} ({e})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-8b", choices=sorted(SHAPES))
@@ -232,10 +236,10 @@ def main() -> None:
     ap.add_argument("--rank-max", nargs="+", type=int, default=[RANK_TOP_K_MAX],
                     help="DDTree's own top-k selections by ranking up to this row length, 0 = lax.top_k "
                          "(several: each is timed, side by side)")
-    ap.add_argument("--tree", nargs="+", choices=sorted(TREE_WAYS), default=["auto"],
-                    help="DDTree's tree: the vocabulary top-k chunked or preselected (tree.preselected_top_k) x "
-                         "the per-depth selection in XLA or one pallas_kernels/depth_select launch a depth; auto: "
-                         "decoding's default (several: each is timed, side by side)")
+    ap.add_argument("--preselect", nargs="+", type=parse_preselect, default=[None],
+                    help="DDTree's vocabulary top-k preselection fan-out (tree.preselected_top_k), 0 for "
+                         "--top-k-chunk's two stages alone, auto for the default (several: each is timed, "
+                         "side by side)")
     ap.add_argument("--kv-compact", nargs="+", choices=("kernel", "xla"), default=["kernel"],
                     help="the commit's K/V compaction in one Pallas launch where it applies, or per buffer "
                          "in XLA (several: each is timed, side by side)")
@@ -278,13 +282,12 @@ def main() -> None:
         ddtree = method["method"] == "ddtree"
         chunks = args.top_k_chunk if ddtree else [TOP_K_CHUNK]
         ranks = args.rank_max if ddtree else [RANK_TOP_K_MAX]
-        trees = args.tree if ddtree else ["auto"]
-        for ai, chunk, rank, tree, compact, res, r, dm, cb in itertools.product(
-                args.attn_impl, chunks, ranks, trees, args.kv_compact, args.residual,
+        preselects = args.preselect if ddtree else [None]
+        for ai, chunk, rank, pre, compact, res, r, dm, cb in itertools.product(
+                args.attn_impl, chunks, ranks, preselects, args.kv_compact, args.residual,
                 args.rounds_per_call, args.dot_merger, args.command_buffers):
-            pre, dsel = TREE_WAYS[tree]
             s = SpecSettings(block_size=dcfg.block_size, max_new_tokens=512, attn_impl=ai, top_k_chunk=chunk,
-                             rank_max=rank, preselect=pre, depth_select=dsel, compact_kernel=compact == "kernel",
+                             rank_max=rank, preselect=pre, compact_kernel=compact == "kernel",
                              residual=res, **method)
             yield s, r, dm, cb
 
@@ -309,9 +312,9 @@ def main() -> None:
     print(f"\n{env['device']}, jax {env['jax']}, {args.model} target + {dcfg.num_layers}-layer drafter, "
           f"{dtype.name}, batch 1")
     print("| method | budget | W | ctx | layout | draft layout | rounds/call | dot merger | command buffers | attention | top_k chunk "
-          "| rank max | preselect | depth select | K/V compaction | residual | round ms | device ms | draft | tree | verify | accept | commit "
+          "| rank max | preselect | K/V compaction | residual | round ms | device ms | draft | tree | verify | accept | commit "
           "| other | idle ms (by stage that waited) |")
-    print("|---" * 25 + "|")
+    print("|---" * 24 + "|")
     for r in rows:
         prof = r.get("profile") or {}
         split = prof.get("by_scope", {})
@@ -322,8 +325,7 @@ def main() -> None:
               f"{r.get('attn_impl', 'auto')} | "
               f"{r.get('top_k_chunk', '-') if r['method'] == 'ddtree' else '-'} | "
               f"{r.get('rank_max', '-') if r['method'] == 'ddtree' else '-'} | "
-              f"{r.get('preselect', '-') if r['method'] == 'ddtree' else '-'} | "
-              f"{r.get('depth_select', '-') if r['method'] == 'ddtree' else '-'} | {r.get('kv_compact', '-')} | "
+              f"{r.get('preselect', '-') if r['method'] == 'ddtree' else '-'} | {r.get('kv_compact', '-')} | "
               f"{r.get('residual', '-')} | {r['round_ms']:.2f} | "
               f"{dev} | " + " | ".join(cells) + f" | {_idle(prof)} |")
 

@@ -6,8 +6,7 @@ and k = min(budget, vocab), for each budget:
 * the vocabulary top-k alone: `tree.chunked_top_k` (chunks of 2048, the tree's way until the
   eighteenth session) and `tree.preselected_top_k` at each `--fanouts` value;
 * the whole tree (`tree.build_tree`) with `preselect` 0 (chunked), the default fan-out for k on
-  a GPU and each `--tree-fanouts` value, each with the per-depth selection in XLA and as
-  `pallas_kernels/depth_select` (on a GPU).
+  a GPU and each `--tree-fanouts` value.
 
 Each variant runs `--calls` calls on distinct inputs in one jitted program; reported per call:
 the GPU's kernel time from a profiler trace (all kernels of the call) and the wall time. Every
@@ -20,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import itertools
 from typing import Callable
 
 import jax
@@ -46,7 +44,7 @@ def time_variant(step: Callable[[jax.Array], tuple], inputs: tuple[jax.Array, ..
 
 
 def bench_budget(inputs: tuple[jax.Array, ...], budget: int, fanouts: list[int],
-                 depth_selects: list[str], tree_extra: list[int]) -> list[dict]:
+                 tree_extra: list[int]) -> list[dict]:
     batch, depth, vocab = inputs[0].shape
     k = min(budget, vocab)
     rows_of = lambda x: x.reshape(batch * depth, vocab)
@@ -65,19 +63,16 @@ def bench_budget(inputs: tuple[jax.Array, ...], budget: int, fanouts: list[int],
         log(out[-1])
     roots = jnp.zeros((batch,), jnp.int32)
     width = tree_width(budget)
-    plain = build_tree(inputs[0], roots, budget, width, preselect=0, depth_select="xla")
-    tree_fanouts = sorted({0, preselect_fanout(None, k, "gpu")} | set(tree_extra))
-    for f, how in itertools.product(tree_fanouts, depth_selects):
-        step = functools.partial(lambda x, f, how: build_tree(x, roots, budget, width, preselect=f,
-                                                              depth_select=how), f=f, how=how)
+    plain = build_tree(inputs[0], roots, budget, width, preselect=0)
+    for f in sorted({0, preselect_fanout(None, k, "gpu")} | set(tree_extra)):
+        step = functools.partial(lambda x, f: build_tree(x, roots, budget, width, preselect=f), f=f)
         tree = jax.jit(step)(inputs[0])
         if not all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree_util.tree_leaves(tree),
                                                                jax.tree_util.tree_leaves(plain))):
-            raise AssertionError(f"the tree at preselect {f}, depth select {how}, budget {budget} differs "
-                                 "from the chunked one")
+            raise AssertionError(f"the tree at preselect {f}, budget {budget} differs from the chunked one")
         kern, wall = time_variant(step, inputs)
         out.append({"what": "tree", "budget": budget, "k": k,
-                    "variant": (f"preselect {f}" if f else "chunked") + f", depth {how}",
+                    "variant": f"preselect {f}" if f else "chunked",
                     "kernel_us": kern, "wall_us": wall})
         log(out[-1])
     return out
@@ -87,8 +82,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budgets", nargs="+", type=int, default=[16, 64, 256, 512])
     ap.add_argument("--fanouts", nargs="+", type=int, default=[4, 8, 16])
-    ap.add_argument("--depth-select", nargs="+", choices=("xla", "kernel", "interpret"),
-                    default=["xla", "kernel"], help="the trees' per-depth selections to time")
     ap.add_argument("--tree-fanouts", nargs="*", type=int, default=[],
                     help="fan-outs to time whole trees at besides 0 and the default")
     ap.add_argument("--vocab", type=int, default=151936)
@@ -102,7 +95,7 @@ def main() -> None:
     inputs = log_probs(args.calls, args.batch, args.depth, args.vocab, args.sharpness)
     rows = []
     for budget in args.budgets:
-        rows += bench_budget(inputs, budget, args.fanouts, args.depth_select, args.tree_fanouts)
+        rows += bench_budget(inputs, budget, args.fanouts, args.tree_fanouts)
         write_json(args.out, {"env": env, "args": vars(args), "rows": rows})
     print(f"\n{env['device']}, jax {env['jax']}, [{args.batch} x {args.depth}, {args.vocab}] log-probs, "
           f"{args.calls} calls per program")
