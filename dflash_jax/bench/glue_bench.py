@@ -17,28 +17,16 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import tempfile
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.bench.common import environment, log, time_fn, write_json
-from dflash_jax.bench.profile import kernel_events
+from dflash_jax.bench.common import environment, log, write_json
+from dflash_jax.bench.profile import kernel_us
 from pallas_kernels import residual_norm as rn
 from pallas_kernels import split_merge as sm
 from pallas_kernels import tree_attention_hopper as hopper
-
-
-def kernel_us(call: Callable[[], jax.Array], calls: int) -> tuple[float, float]:
-    """(kernel us, wall us) per chained call of `call`'s program."""
-    wall = time_fn(call, warmup=2, iters=10)
-    trace = tempfile.mkdtemp()
-    with jax.profiler.trace(trace, create_perfetto_trace=True):
-        jax.block_until_ready(call())
-    events = kernel_events(trace)
-    return sum(float(e.get("dur", 0.0)) for e in events) / calls, wall["median_ms"] * 1e3 / calls
 
 
 def residual_variants(width: int, embed: int, rows: list[int], warps: list[int], calls: int) -> list[dict]:

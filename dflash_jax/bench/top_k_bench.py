@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.bench.common import environment, log, write_json
-from dflash_jax.bench.glue_bench import kernel_us
+from dflash_jax.bench.profile import kernel_us
 from dflash_jax.tree import TOP_K_CHUNK, build_tree, chunked_top_k, preselect_fanout, preselected_top_k, tree_width
 
 
