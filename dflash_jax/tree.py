@@ -342,7 +342,8 @@ def _preselect(keys: jax.Array, indices: jax.Array, k: int, chunk: int, rank_max
     ascending order, so the indices stay ascending and the row's top k (higher key first, ties
     by lower index) is among them: an entry left out lies in a chunk that k chosen chunks
     outrank, and each of their maxima outranks the entry (a higher key, or an equal one at a
-    lower index). Padding takes the lowest key, so it ranks after every real entry.
+    lower index). Padding takes the lowest key, so it ranks after every real entry and is never
+    among the k (k <= the real entries).
     """
     n, m = keys.shape
     n_chunks = -(-m // chunk)
@@ -368,12 +369,14 @@ def preselected_top_k(rows: jax.Array, k: int, fanout: int = PRESELECT_FANOUT,
     rows: [n, length] float32 or narrower; k: static int <= length; fanout: static int >= 2.
     While a row holds at least 2 * fanout * k candidates, a preselection level (`_preselect`)
     cuts it into chunks of length // (fanout * k) (longer where that makes more than rank_max
-    chunks) and keeps the k chunks with the highest maxima. The candidates left are ranked (`ranked_top_k`'s method) when at most `rank_max`
-    long, else go to one lax.top_k; the chunk maxima likewise. All of it works on int32 keys
-    in top_k's total order of floats (`_order_keys`).
+    chunks) and keeps the k chunks with the highest maxima. The candidates left are ranked
+    (`ranked_top_k`'s method) when at most `rank_max` long, else go to one lax.top_k; the chunk
+    maxima likewise. All of it works on int32 keys in top_k's total order of floats
+    (`_order_keys`).
     Why: at [15, 151936] and k = 256 (DDTree(256), Qwen3's vocabulary) XLA sorts each
-    2048-entry chunk of `chunked_top_k` on GPU: 0.13 ms of a 0.37 ms tree (BENCHMARKS.md,
-    seventeenth session). A level is a max over chunks and a ranking of a few thousand maxima.
+    2048-entry chunk of `chunked_top_k` on GPU: 0.13 ms of a 0.37 ms tree. A level is a max over
+    chunks and a ranking of about a thousand maxima: the top-k took 103 us against 212, and
+    DDTree(256) rounds 11.23 ms against 11.48 (H200, BENCHMARKS.md, eighteenth session).
     """
     _, k = _check_rank_input(rows, k)
     fanout = _check_int("fanout", fanout, 2)
@@ -411,7 +414,8 @@ def preselect_fanout(preselect: int | None, k: int, backend: str | None = None) 
 
 
 def _per_depth_best(log_probs: jax.Array, budget: int, chunk: int = TOP_K_CHUNK,
-                    rank_max: int = RANK_TOP_K_MAX, preselect: int = 0) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
+                    rank_max: int = RANK_TOP_K_MAX, preselect: int = 0
+                    ) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
     """Best `budget` nodes of every depth, each depth in rank order.
 
     log_probs: [batch, depth, vocab] sanitised float32.
@@ -436,8 +440,8 @@ def _per_depth_best(log_probs: jax.Array, budget: int, chunk: int = TOP_K_CHUNK,
     parent_rank = [jnp.zeros((batch, n_tokens), jnp.int32)]
     for d in range(1, depth):
         pi, tj = _candidate_pairs(scores[-1].shape[1], n_tokens, budget)
-        n_keep = min(budget, pi.size)
         candidates = scores[-1][:, pi] + token_lp[:, d, tj]        # [batch, n_pairs]
+        n_keep = min(budget, pi.size)
         # Both are stable (ties by lower candidate index: lexicographic ties); ranking avoids
         # the sort XLA would run for top_k on GPU while the pairwise compare stays small.
         top_k = ranked_top_k if pi.size <= rank_max else jax.lax.top_k

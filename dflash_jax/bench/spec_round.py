@@ -152,7 +152,8 @@ def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_le
     row = {"method": s.method, "budget": s.budget, "width": s.width, "ctx": ctx, "round_ms": ms,
            "dot_merger": dot_merger, "command_buffers": command_buffers, "attn_impl": s.attn_impl,
            "top_k_chunk": s.top_k_chunk, "rank_max": s.rank_max,
-           "preselect": preselect_fanout(s.preselect, s.budget), "kv_compact": "kernel" if s.compact_kernel else "xla",
+           "preselect": preselect_fanout(s.preselect, s.budget),
+           "kv_compact": "kernel" if s.compact_kernel else "xla",
            "residual": s.residual, **extra}
     log(row)
     return row

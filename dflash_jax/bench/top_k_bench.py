@@ -27,7 +27,8 @@ import numpy as np
 
 from dflash_jax.bench.common import environment, log, write_json
 from dflash_jax.bench.profile import kernel_us
-from dflash_jax.tree import TOP_K_CHUNK, build_tree, chunked_top_k, preselect_fanout, preselected_top_k, tree_width
+from dflash_jax.tree import (TOP_K_CHUNK, build_tree, chunked_top_k, preselect_fanout, preselected_top_k,
+                             tree_width)
 
 
 def log_probs(calls: int, batch: int, depth: int, vocab: int, sharpness: float) -> tuple[jax.Array, ...]:
