@@ -1,4 +1,5 @@
 #!/bin/bash
+# Ran at commit 7ccd0a8: the kernel, its tests and spec_round --tree were removed after this call (they lost).
 # Eighteenth session, call 2: the per-depth selection kernel (pallas_kernels/depth_select.py) and
 # the preselection's fan-out by k.
 # 1. GPU parity: the kernel against its reference; whole trees with it against the XLA tree.
