@@ -54,8 +54,7 @@ def test_idle_gaps_by_the_scope_that_waited():
     # Two calls of three kernels (ts, dur in us): 5 us idle before "b" and 10 us before "c" in
     # each call; the 1000 us between the calls is the host's turn and is left out; overlap
     # (the second call's "c" starts inside "b") is no gap.
-    events = [{"ts": 0, "dur": 10, "s": "a"}, {"ts": 15, "dur": 10, "s": "b"}, {"ts": 35, "dur": 5, "s": "c"},
-              {"ts": 1040, "dur": 10, "s": "a"}, {"ts": 1055, "dur": 10, "s": "b"},
-              {"ts": 1060, "dur": 30, "s": "c"}]
-    gaps = idle_gaps(events, calls=2, scope=lambda e: e["s"])
+    spans = [(1060, 30, "c"), (0, 10, "a"), (15, 10, "b"), (35, 5, "c"),  # in any order
+             (1040, 10, "a"), (1055, 10, "b")]
+    gaps = idle_gaps(spans, calls=2)
     assert gaps == {"b": 5 / 1e3, "c": 10 / 1e3 / 2}

@@ -119,6 +119,7 @@ def profile_program(fn: Callable[[], Any], hlo_text: str, calls: int = 5,
         by_kernel: dict[str, float] = {}
         launches: dict[str, int] = {}
         first_op: dict[str, tuple[str, str]] = {}
+        spans: list[tuple[float, float, str]] = []  # (start us, duration us, scope) for idle_gaps
         unmapped = total = 0.0
         for e in events:
             ms = float(e.get("dur", 0.0)) / 1e3 / calls
@@ -129,15 +130,15 @@ def profile_program(fn: Callable[[], Any], hlo_text: str, calls: int = 5,
             total += ms
             name = str(e.get("name", ""))
             scope = scope_of(op, scopes)
+            if "ts" in e:
+                spans.append((float(e["ts"]), float(e.get("dur", 0.0)), scope))
             by_scope[scope] = by_scope.get(scope, 0.0) + ms
             kind = classify(name, op)
             by_kind[kind] = by_kind.get(kind, 0.0) + ms
             by_kernel[name] = by_kernel.get(name, 0.0) + ms
             launches[name] = launches.get(name, 0) + 1
             first_op.setdefault(name, (kind, op))
-        gaps = idle_gaps(events, calls, lambda e: scope_of(
-            names.get(str(e.get("args", {}).get("hlo_op", "")), "") or names.get(str(e.get("name", "")), ""),
-            scopes))
+        gaps = idle_gaps(spans, calls)
         ranked = sorted(by_kernel.items(), key=lambda kv: -kv[1])
         top = ranked[:8]
         rnd = lambda d: {k: round(v, 4) for k, v in sorted(d.items(), key=lambda kv: -kv[1])}  # noqa: E731
@@ -155,19 +156,17 @@ def profile_program(fn: Callable[[], Any], hlo_text: str, calls: int = 5,
         return {"error": repr(err)[:300]}
 
 
-def idle_gaps(events: list[dict[str, Any]], calls: int, scope: Callable[[dict[str, Any]], str]
-              ) -> dict[str, float]:
+def idle_gaps(spans: list[tuple[float, float, str]], calls: int) -> dict[str, float]:
     """GPU idle time per call (ms) between consecutive kernels, by the scope of the kernel that
     waited: where launches, host syncs (a while loop's condition) or short kernels leave the GPU
-    idle. Kernels are taken in start order on all streams together (overlap counts as no gap);
-    the calls - 1 longest gaps are the host's turns between calls, and are left out."""
-    timed = sorted((float(e.get("ts", 0.0)), float(e.get("dur", 0.0)), e) for e in events
-                   if "ts" in e)
+    idle. spans: (start us, duration us, scope) of every kernel, on all streams together
+    (overlap counts as no gap); the calls - 1 longest gaps are the host's turns between calls,
+    and are left out."""
     found: list[tuple[float, str]] = []
     end = None
-    for ts, dur, e in timed:
+    for ts, dur, scope in sorted(spans, key=lambda span: span[0]):
         if end is not None and ts > end:
-            found.append((ts - end, scope(e)))
+            found.append((ts - end, scope))
         end = ts + dur if end is None else max(end, ts + dur)
     found.sort(key=lambda g: g[0])
     kept = found[:max(0, len(found) - (calls - 1))]
