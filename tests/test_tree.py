@@ -336,12 +336,14 @@ def test_nan_and_positive_log_probs_keep_the_tree_closed() -> None:
     check_structure(tree, 21)
 
 
-# One top_k over the vocabulary; 4 chunks; preselection at fan-out 2 (one level: 334 chunks of
-# 3); the default fan-out, which a 1000-token vocabulary skips (it ranks the whole row).
-@pytest.mark.parametrize("top_k_chunk,preselect", [(0, 0), (256, 0), (256, 2),
-                                                   (256, tree_module.PRESELECT_FANOUT)])
-def test_equals_best_first_heap_realistic_shapes(top_k_chunk: int, preselect: int) -> None:
-    batch, depth, vocab, budget = 2, 15, 1000, 256
+# One top_k over the vocabulary; 4 chunks; the default fan-out, whose levels a 1000-token
+# vocabulary skips (it ranks the whole row); and fan-out 2 over 2048 tokens, two levels (512
+# chunks of 4, then 512 of 2).
+@pytest.mark.parametrize("top_k_chunk,preselect,vocab", [(0, 0, 1000), (256, 0, 1000),
+                                                         (256, tree_module.PRESELECT_FANOUT, 1000),
+                                                         (256, 2, 2048)])
+def test_equals_best_first_heap_realistic_shapes(top_k_chunk: int, preselect: int, vocab: int) -> None:
+    batch, depth, budget = 2, 15, 256
     lp = random_log_probs(11, (batch, depth, vocab), sharpness=4.0)
     tree = build_tree(jnp.asarray(lp), jnp.array([3, 4], jnp.int32), budget, top_k_chunk=top_k_chunk,
                       preselect=preselect)
