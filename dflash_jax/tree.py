@@ -400,9 +400,10 @@ def preselect_fanout(preselect: int | None, k: int, backend: str | None = None) 
     """The fan-out `build_tree` uses for a vocabulary top-k of k: `preselect` as given (0 =
     none), or by default, on a GPU (`backend`, default `jax.default_backend()`),
     PRESELECT_RANKED // k within 2..PRESELECT_FANOUT for k <= PRESELECT_MAX_K, else none. None
-    elsewhere: XLA's CPU backend writes each ranking's [n, m, m] compare out before summing it,
-    which made trees at [15, 151936] 2-10x slower than with `chunked_top_k`. The tree is the same
-    for every fan-out."""
+    elsewhere: XLA's CPU backend writes each ranking's [n, m, m] compare out before summing it;
+    on the 2-core development CPU, trees at [15, 49152] (SmolLM2) took 1.9 against 3.3 ms at
+    k 16 but 25 against 9 ms at k 64 and 73 against 49 ms at k 256 (BENCHMARKS.md, eighteenth
+    session). The tree is the same for every fan-out."""
     if preselect is None:
         if (backend or jax.default_backend()) != "gpu" or k > PRESELECT_MAX_K:
             return 0
