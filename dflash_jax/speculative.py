@@ -25,7 +25,7 @@ from dflash_jax.kv_cache import KVCache, gather_rows, write_rows
 from dflash_jax.model import RESIDUAL_IMPLS, ModelParams, forward
 from dflash_jax.sampling import SamplingParams, sample, sample_from_probs, sampling_probs
 from dflash_jax.sharding import mesh_sizes
-from dflash_jax.tree import RANK_TOP_K_MAX, TOP_K_CHUNK, Tree, build_tree, chain_tree, tree_width
+from dflash_jax.tree import RANK_TOP_K_MAX, ROW_BLOCK, TOP_K_CHUNK, Tree, build_tree, chain_tree, tree_width
 from pallas_kernels import kv_compact
 
 METHODS = ("dflash", "ddtree")
@@ -38,6 +38,9 @@ class SpecSettings:
     method: str = "dflash"
     block_size: int = 16
     budget: int = 0  # DDTree node budget (drafted nodes, root excluded)
+    # DDTree's width W is 1 + budget rounded up to a multiple of this (tree.tree_width); every
+    # verify kernel pads its own rows, so this only trades padding rows against shapes.
+    row_block: int = ROW_BLOCK
     sampling: SamplingParams = SamplingParams()
     max_new_tokens: int = 256
     stop_tokens: tuple[int, ...] = ()
@@ -61,6 +64,8 @@ class SpecSettings:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if self.method == "ddtree" and self.budget < 1:
             raise ValueError(f"budget must be >= 1 for ddtree, got {self.budget}")
+        if isinstance(self.row_block, bool) or not isinstance(self.row_block, int) or self.row_block < 1:
+            raise ValueError(f"row_block must be an int >= 1, got {self.row_block!r}")
         if self.residual not in RESIDUAL_IMPLS:
             raise ValueError(f"residual must be one of {RESIDUAL_IMPLS}, got {self.residual!r}")
         if self.max_new_tokens < 1:
@@ -69,7 +74,7 @@ class SpecSettings:
     @property
     def width(self) -> int:
         """Tree slots verified per round."""
-        return self.block_size if self.method == "dflash" else tree_width(self.budget)
+        return self.block_size if self.method == "dflash" else tree_width(self.budget, self.row_block)
 
     def cache_slack(self) -> int:
         """Scratch slots past the committed length that a round writes."""

@@ -73,6 +73,18 @@ def test_greedy_speculative_equals_greedy_ar(pair, ar_tokens, method, size, batc
     assert acc.max() >= (3 if method == "ddtree" and size >= 16 else 2)
 
 
+@pytest.mark.parametrize("budget,row_block,batch", [(4, 8, 3), (16, 1, 1), (31, 8, 1)])
+def test_greedy_ddtree_equals_greedy_ar_at_any_width(pair, ar_tokens, budget, row_block, batch):
+    """Widths off the default multiple of 16 (W = 8, 17, 32 here): the verify kernels pad their
+    own rows, so the tree may have as few padding slots as the row block leaves."""
+    cfg, params, dcfg, dparams = pair
+    s = SpecSettings(method="ddtree", block_size=16, budget=budget, row_block=row_block, max_new_tokens=NEW)
+    assert s.width == -(-(budget + 1) // row_block) * row_block
+    got = run_batches(lambda a, l: generate_speculative(params, cfg, dparams, dcfg, a, l, jax.random.key(0),
+                                                        settings=s, max_len=256), prompts_20(SMALL_VOCAB), batch)
+    assert got == ar_tokens
+
+
 def test_greedy_dflash_matches_dflash_generate(tmp_path, monkeypatch):
     """Same weights: our tokens and per-round acceptance lengths equal the PyTorch reference's."""
     import dflash.model as ref
@@ -182,6 +194,8 @@ def test_bad_settings():
         SpecSettings(method="medusa")
     with pytest.raises(ValueError, match="block_size"):
         SpecSettings(block_size=1)
+    with pytest.raises(ValueError, match="row_block"):
+        SpecSettings(method="ddtree", budget=4, row_block=0)
 
 
 @pytest.mark.parametrize("method,temperature", [("ddtree", 0.0), ("dflash", 1.0)])

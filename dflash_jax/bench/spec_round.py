@@ -31,7 +31,7 @@ from dflash_jax.config import default_tap_layers
 from dflash_jax.model import RESIDUAL_IMPLS, init_params
 from dflash_jax.speculative import COMMAND_BUFFERS_OFF, DOT_MERGER_OFF, SpecSettings, SpecState, spec_round
 from dflash_jax.stage_times import STAGES  # the round's named scopes
-from dflash_jax.tree import RANK_TOP_K_MAX, TOP_K_CHUNK, preselect_fanout
+from dflash_jax.tree import RANK_TOP_K_MAX, ROW_BLOCK, TOP_K_CHUNK, preselect_fanout
 from pallas_kernels.tree_attention import PALLAS_VARIANTS
 
 
@@ -148,7 +148,7 @@ def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_le
     ms, rnd, _, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile, rounds, options, table)
     fanout = preselect_fanout(s.preselect, s.budget)
     dump_hlo(hlo_dir, f"round_{s.method}_b{s.budget}_ctx{ctx}_r{rounds}_dm-{dot_merger}_cb-{command_buffers}"
-                      f"_{s.attn_impl}_topk{s.top_k_chunk}_pre{fanout}_res-{s.residual}", rnd.as_text())
+                      f"_{s.attn_impl}_topk{s.top_k_chunk}_pre{fanout}_w{s.width}_res-{s.residual}", rnd.as_text())
     row = {"method": s.method, "budget": s.budget, "width": s.width, "ctx": ctx, "round_ms": ms,
            "dot_merger": dot_merger, "command_buffers": command_buffers, "attn_impl": s.attn_impl,
            "top_k_chunk": s.top_k_chunk, "rank_max": s.rank_max,
@@ -241,6 +241,9 @@ def main() -> None:
                     help="DDTree's vocabulary top-k preselection fan-out (tree.preselected_top_k), 0 for "
                          "--top-k-chunk's two stages alone, auto for the default (several: each is timed, "
                          "side by side)")
+    ap.add_argument("--row-block", nargs="+", type=int, default=[ROW_BLOCK],
+                    help="DDTree's width is 1 + budget rounded up to a multiple of this (tree.tree_width) "
+                         "(several: each is timed, side by side)")
     ap.add_argument("--kv-compact", nargs="+", choices=("kernel", "xla"), default=["kernel"],
                     help="the commit's K/V compaction in one Pallas launch where it applies, or per buffer "
                          "in XLA (several: each is timed, side by side)")
@@ -284,11 +287,12 @@ def main() -> None:
         chunks = args.top_k_chunk if ddtree else [TOP_K_CHUNK]
         ranks = args.rank_max if ddtree else [RANK_TOP_K_MAX]
         preselects = args.preselect if ddtree else [None]
-        for ai, chunk, rank, pre, compact, res, r, dm, cb in itertools.product(
-                args.attn_impl, chunks, ranks, preselects, args.kv_compact, args.residual,
+        row_blocks = args.row_block if ddtree else [ROW_BLOCK]
+        for ai, chunk, rank, pre, rb, compact, res, r, dm, cb in itertools.product(
+                args.attn_impl, chunks, ranks, preselects, row_blocks, args.kv_compact, args.residual,
                 args.rounds_per_call, args.dot_merger, args.command_buffers):
             s = SpecSettings(block_size=dcfg.block_size, max_new_tokens=512, attn_impl=ai, top_k_chunk=chunk,
-                             rank_max=rank, preselect=pre, compact_kernel=compact == "kernel",
+                             rank_max=rank, preselect=pre, row_block=rb, compact_kernel=compact == "kernel",
                              residual=res, **method)
             yield s, r, dm, cb
 
