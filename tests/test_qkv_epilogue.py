@@ -196,7 +196,7 @@ def test_gpu_epilogue_matches_reference(batch, width, kv_heads, group, head_dim,
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("width", [272, 264])  # budget 256 at row blocks 16 and 8
+@pytest.mark.parametrize("width", [272, 264, 257])  # budget 256 at row blocks 16, 8 and 1
 def test_gpu_forward_on_the_fused_path_matches_reference(width):
     """A bf16 forward of a budget-256 tree: epilogue + Hopper kernel against the reference attention."""
     cfg = tiny_config(hidden_size=256, num_heads=16, num_kv_heads=4, head_dim=128, num_layers=3)

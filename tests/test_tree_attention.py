@@ -241,6 +241,7 @@ GPU_CASES = [
     (2, 272, 8, 4, 128, 5000, [4001, 77], jnp.bfloat16, True, None),
     (2, 272, 8, 4, 128, 5000, [4001, 77], jnp.bfloat16, True, 1),
     (2, 264, 8, 4, 128, 5000, [4001, 77], jnp.bfloat16, True, None),  # budget 256, row block 8
+    (1, 257, 8, 4, 128, 5000, [4001], jnp.bfloat16, True, None),       # budget 256, row block 1
     (1, 64, 2, 8, 64, 700, [300], jnp.float32, False, 3),
     (2, 48, 8, 5, 128, 900, [500, 0], jnp.bfloat16, True, None),
     (1, 64, 8, 4, 128, 4200, [4100], jnp.bfloat16, True, None),    # 128-row blocks, split 8
