@@ -58,3 +58,18 @@ def test_idle_gaps_by_the_scope_that_waited():
              (1040, 10, "a"), (1055, 10, "b")]
     gaps = idle_gaps(spans, calls=2)
     assert gaps == {"b": 5 / 1e3, "c": 10 / 1e3 / 2}
+
+
+def test_gap_sizes_bucket_the_gaps_and_name_the_longest():
+    from dflash_jax.bench.profile import gap_sizes, scale_profile
+    # One call's kernels: gaps of 0.5, 3 and 30 us before b, c and d.
+    spans = [(0, 10, "s", "a"), (10.5, 10, "s", "b"), (23.5, 1, "t", "c"), (54.5, 5, "t", "d")]
+    sizes = gap_sizes(spans, calls=1, largest=2)
+    assert sizes["buckets"]["<= 1 us"] == [1, 0.0005]
+    assert sizes["buckets"]["<= 5 us"] == [1, 0.003]
+    assert sizes["buckets"]["> 20 us"] == [1, 0.03]
+    assert sizes["buckets"]["<= 2 us"] == [0, 0.0]
+    assert sizes["largest"] == [[30.0, "t", "d", "c"], [3.0, "t", "c", "b"]]
+    # A call of 2 rounds: per round, half of each bucket.
+    scaled = scale_profile({"top_kernels": [], "gap_sizes": sizes}, 2)
+    assert scaled["gap_sizes"]["buckets"]["> 20 us"] == [0.5, 0.015]

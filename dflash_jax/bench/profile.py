@@ -119,7 +119,7 @@ def profile_program(fn: Callable[[], Any], hlo_text: str, calls: int = 5,
         by_kernel: dict[str, float] = {}
         launches: dict[str, int] = {}
         first_op: dict[str, tuple[str, str]] = {}
-        spans: list[tuple[float, float, str]] = []  # (start us, duration us, scope) for idle_gaps
+        spans: list[tuple[float, float, str, str]] = []  # (start us, duration us, scope, name) for the gaps
         unmapped = total = 0.0
         for e in events:
             ms = float(e.get("dur", 0.0)) / 1e3 / calls
@@ -131,7 +131,7 @@ def profile_program(fn: Callable[[], Any], hlo_text: str, calls: int = 5,
             name = str(e.get("name", ""))
             scope = scope_of(op, scopes)
             if "ts" in e:
-                spans.append((float(e["ts"]), float(e.get("dur", 0.0)), scope))
+                spans.append((float(e["ts"]), float(e.get("dur", 0.0)), scope, name))
             by_scope[scope] = by_scope.get(scope, 0.0) + ms
             kind = classify(name, op)
             by_kind[kind] = by_kind.get(kind, 0.0) + ms
@@ -145,7 +145,7 @@ def profile_program(fn: Callable[[], Any], hlo_text: str, calls: int = 5,
         out = {"device_ms": round(total, 4), "by_scope": rnd(by_scope), "by_kind": rnd(by_kind),
                "top_kernels": [(k[:80], round(v, 4)) for k, v in top], "unmapped_ms": round(unmapped, 4),
                "kernels_per_call": len(events) / calls, "gap_ms": round(sum(gaps.values()), 4),
-               "gap_by_scope": rnd(gaps)}
+               "gap_by_scope": rnd(gaps), "gap_sizes": gap_sizes(spans, calls)}
         if table > 0:
             out["kernels"] = [[k[:80], round(v, 4), launches[k] / calls, *first_op[k]]
                               for k, v in ranked[:table]]
@@ -156,24 +156,55 @@ def profile_program(fn: Callable[[], Any], hlo_text: str, calls: int = 5,
         return {"error": repr(err)[:300]}
 
 
-def idle_gaps(spans: list[tuple[float, float, str]], calls: int) -> dict[str, float]:
+def _gaps(spans: Sequence[tuple], calls: int) -> list[tuple[float, tuple, tuple]]:
+    """(gap us, the span that waited, the span before it) between consecutive kernels on all
+    streams together (overlap is no gap), without the calls - 1 longest (the host's turns
+    between calls); spans: (start us, duration us, scope, ...)."""
+    found: list[tuple[float, tuple, tuple]] = []
+    end, last = None, None
+    for span in sorted(spans, key=lambda sp: sp[0]):
+        ts, dur = span[0], span[1]
+        if end is not None and ts > end:
+            found.append((ts - end, span, last))
+        if end is None or ts + dur >= end:
+            end, last = ts + dur, span
+    found.sort(key=lambda g: g[0])
+    return found[:max(0, len(found) - (calls - 1))]
+
+
+def idle_gaps(spans: Sequence[tuple], calls: int) -> dict[str, float]:
     """GPU idle time per call (ms) between consecutive kernels, by the scope of the kernel that
     waited: where launches, host syncs (a while loop's condition) or short kernels leave the GPU
-    idle. spans: (start us, duration us, scope) of every kernel, on all streams together
+    idle. spans: (start us, duration us, scope, ...) of every kernel, on all streams together
     (overlap counts as no gap); the calls - 1 longest gaps are the host's turns between calls,
     and are left out."""
-    found: list[tuple[float, str]] = []
-    end = None
-    for ts, dur, scope in sorted(spans, key=lambda span: span[0]):
-        if end is not None and ts > end:
-            found.append((ts - end, scope))
-        end = ts + dur if end is None else max(end, ts + dur)
-    found.sort(key=lambda g: g[0])
-    kept = found[:max(0, len(found) - (calls - 1))]
     out: dict[str, float] = {}
-    for gap_us, where in kept:
-        out[where] = out.get(where, 0.0) + gap_us / 1e3 / calls
+    for gap_us, span, _ in _gaps(spans, calls):
+        out[span[2]] = out.get(span[2], 0.0) + gap_us / 1e3 / calls
     return out
+
+
+GAP_BUCKETS_US = (1.0, 2.0, 5.0, 20.0, float("inf"))
+
+
+def gap_sizes(spans: Sequence[tuple], calls: int, largest: int = 8) -> dict[str, Any]:
+    """How the idle time is made: per call, the count and ms of gaps up to each of
+    GAP_BUCKETS_US (many ~1 us gaps are launch latency between dependent kernels; a few long
+    ones are the host or a sync), and the `largest` gaps of the traced calls as
+    [us, scope that waited, kernel that waited, kernel before]. spans: (start us, duration us,
+    scope, kernel name)."""
+    found = _gaps(spans, calls)
+    buckets = {f"<= {b:g} us" if b != float("inf") else f"> {GAP_BUCKETS_US[-2]:g} us": [0.0, 0.0]
+               for b in GAP_BUCKETS_US}
+    for gap_us, _, _ in found:
+        for b, key in zip(GAP_BUCKETS_US, buckets):
+            if gap_us <= b:
+                buckets[key][0] += 1 / calls
+                buckets[key][1] += gap_us / 1e3 / calls
+                break
+    name = lambda sp: str(sp[3])[:60] if sp is not None and len(sp) > 3 else ""  # noqa: E731
+    return {"buckets": {k: [round(n, 2), round(ms, 4)] for k, (n, ms) in buckets.items()},
+            "largest": [[round(g, 2), sp[2], name(sp), name(before)] for g, sp, before in found[::-1][:largest]]}
 
 
 def kernel_us(call: Callable[[], Any], calls: int) -> tuple[float, float]:
@@ -199,6 +230,9 @@ def scale_profile(profile: dict[str, Any], n: int) -> dict[str, Any]:
         if key in profile:
             scaled[key] = {k: v / n for k, v in profile[key].items()}
     scaled["top_kernels"] = [(k, v / n) for k, v in profile["top_kernels"]]
+    if "gap_sizes" in profile:
+        sizes = profile["gap_sizes"]
+        scaled["gap_sizes"] = {**sizes, "buckets": {k: [c / n, ms / n] for k, (c, ms) in sizes["buckets"].items()}}
     if "kernels" in profile:
         scaled["kernels"] = [[k, ms / n, count / n, *rest] for k, ms, count, *rest in profile["kernels"]]
     return scaled

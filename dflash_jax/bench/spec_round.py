@@ -333,6 +333,12 @@ def main() -> None:
               f"{r.get('preselect', '-') if r['method'] == 'ddtree' else '-'} | {r.get('kv_compact', '-')} | "
               f"{r.get('residual', '-')} | {r['round_ms']:.2f} | "
               f"{dev} | " + " | ".join(cells) + f" | {_idle(prof)} |")
+    for r in rows:  # how each row's idle time is made (bench.profile.gap_sizes)
+        sizes = (r.get("profile") or {}).get("gap_sizes")
+        if sizes:
+            print(f"gaps {r['method']} W {r.get('width', 1)}: " + ", ".join(
+                f"{k}: {n:.0f} x = {ms:.3f} ms" for k, (n, ms) in sizes["buckets"].items())
+                  + f"; largest: {sizes['largest'][:4]}")
 
 
 if __name__ == "__main__":
