@@ -81,6 +81,7 @@ CASES = [
     (1, 256, 1, 4, 64, 272, [13], jnp.bfloat16, False, 3, None),
     (1, 64, 2, 4, 64, 2048, [1900], jnp.float32, True, 5, None),   # 5 splits, 2 kv heads
     (2, 48, 2, 5, 64, 512, [0, 400], jnp.bfloat16, True, 3, None),  # group 5, padded rows, split
+    (2, 17, 2, 4, 64, 200, [123, 0], jnp.float32, True, 2, None),   # W = 1 + budget 16 (row block 1)
 ]
 
 
@@ -242,6 +243,8 @@ GPU_CASES = [
     (2, 272, 8, 4, 128, 5000, [4001, 77], jnp.bfloat16, True, 1),
     (2, 264, 8, 4, 128, 5000, [4001, 77], jnp.bfloat16, True, None),  # budget 256, row block 8
     (1, 257, 8, 4, 128, 5000, [4001], jnp.bfloat16, True, None),       # budget 256, row block 1
+    (1, 17, 8, 4, 128, 5000, [4001], jnp.bfloat16, True, None),        # budgets 16 and 64 at
+    (1, 65, 8, 4, 128, 5000, [4001], jnp.bfloat16, True, None),        # row block 1
     (1, 64, 2, 8, 64, 700, [300], jnp.float32, False, 3),
     (2, 48, 8, 5, 128, 900, [500, 0], jnp.bfloat16, True, None),
     (1, 64, 8, 4, 128, 4200, [4100], jnp.bfloat16, True, None),    # 128-row blocks, split 8

@@ -200,6 +200,10 @@ GPU_CASES = [
     (3, 144, 8, 4, 128, 2424, [77, 500, 2000], True),
     (1, 48, 8, 4, 128, 4224, [4100], False),     # a chain of 48 (192 rows): a full block and a partial one
     (2, 64, 2, 8, 64, 704, [300, 5], True),      # head_dim 64, group 8
+    (2, 257, 8, 4, 128, 4400, [4096, 1001], True),  # W = 1 + budget (row block 1): a 4-row tail
+    (1, 264, 8, 4, 128, 4400, [3000], True),     # budget 256 at row block 8: a 32-row tail
+    (1, 65, 8, 4, 128, 4400, [4001], True),      # budget 64 at row block 1
+    (1, 513, 8, 4, 128, 4616, [4000], True),     # budget 512 at row block 1
 ]
 
 
