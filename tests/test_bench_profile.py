@@ -73,3 +73,17 @@ def test_gap_sizes_bucket_the_gaps_and_name_the_longest():
     # A call of 2 rounds: per round, half of each bucket.
     scaled = scale_profile({"top_kernels": [], "gap_sizes": sizes}, 2)
     assert scaled["gap_sizes"]["buckets"]["> 20 us"] == [0.5, 0.015]
+
+
+def test_gap_pairs_group_the_idle_time_by_kernel_kinds():
+    from dflash_jax.bench.profile import gap_pairs, kernel_kind, scale_profile
+    assert kernel_kind("fusion_1445") == "fusion" and kernel_kind("Memset 3") == "Memset"
+    assert kernel_kind("nvjet_sm90_tst_128x136_64x6_2x1_v_bz_NNT") == "nvjet_sm90_tst_128x136_64x6_2x1_v_bz_NNT"
+    # Two layers' copies: gemm -> fusion_1 (2 us) and gemm -> fusion_2 (4 us) are one pair;
+    # fusion_2 -> Memset 3 (10 us) another.
+    spans = [(0, 10, "v", "gemm"), (12, 3, "v", "fusion_1"), (15, 5, "v", "gemm"),
+             (24, 1, "v", "fusion_2"), (35, 1, "w", "Memset 3")]
+    pairs = gap_pairs(spans, calls=1)
+    assert pairs == [[1, 0.01, 10.0, "fusion", "Memset", "w"], [2, 0.006, 3.0, "gemm", "fusion", "v"]]
+    scaled = scale_profile({"top_kernels": [], "gap_pairs": pairs}, 2)
+    assert scaled["gap_pairs"][1][:3] == [1.0, 0.003, 3.0]

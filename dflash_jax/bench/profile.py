@@ -145,7 +145,8 @@ def profile_program(fn: Callable[[], Any], hlo_text: str, calls: int = 5,
         out = {"device_ms": round(total, 4), "by_scope": rnd(by_scope), "by_kind": rnd(by_kind),
                "top_kernels": [(k[:80], round(v, 4)) for k, v in top], "unmapped_ms": round(unmapped, 4),
                "kernels_per_call": len(events) / calls, "gap_ms": round(sum(gaps.values()), 4),
-               "gap_by_scope": rnd(gaps), "gap_sizes": gap_sizes(spans, calls)}
+               "gap_by_scope": rnd(gaps), "gap_sizes": gap_sizes(spans, calls),
+               "gap_pairs": gap_pairs(spans, calls)}
         if table > 0:
             out["kernels"] = [[k[:80], round(v, 4), launches[k] / calls, *first_op[k]]
                               for k, v in ranked[:table]]
@@ -207,6 +208,30 @@ def gap_sizes(spans: Sequence[tuple], calls: int, largest: int = 8) -> dict[str,
             "largest": [[round(g, 2), sp[2], name(sp), name(before)] for g, sp, before in found[::-1][:largest]]}
 
 
+def kernel_kind(name: str) -> str:
+    """A kernel's name without the instance numbers XLA appends (fusion_1445 -> fusion,
+    "Memset 3" -> Memset), so that the 36 layers' copies of one kernel count together."""
+    return re.sub(r"([ _.]\d+)+$", "", name)
+
+
+def gap_pairs(spans: Sequence[tuple], calls: int, top: int = 16) -> list[list[Any]]:
+    """Where the idle time sits: the gaps grouped by (the kernel before, the kernel that waited),
+    each by `kernel_kind`, as [count per call, ms per call, mean us, before, waited, scope that
+    waited] for the `top` pairs with the most idle time. A pair with a long mean gap is a host
+    turn or a launch that costs more than the usual ~1 us. spans: (start us, duration us, scope,
+    kernel name)."""
+    found: dict[tuple[str, str, str], list[float]] = {}
+    for gap_us, span, before in _gaps(spans, calls):
+        key = (kernel_kind(str(before[3]))[:60] if before is not None and len(before) > 3 else "",
+               kernel_kind(str(span[3]))[:60] if len(span) > 3 else "", span[2])
+        acc = found.setdefault(key, [0, 0.0])
+        acc[0] += 1
+        acc[1] += gap_us
+    ranked = sorted(found.items(), key=lambda kv: -kv[1][1])[:top]
+    return [[round(n / calls, 2), round(us / 1e3 / calls, 4), round(us / n, 2), before, waited, scope]
+            for (before, waited, scope), (n, us) in ranked]
+
+
 def kernel_us(call: Callable[[], Any], calls: int) -> tuple[float, float]:
     """(GPU kernel us, wall us) per each of the `calls` chained calls in `call`'s program: the
     kernel time of one traced run (all its kernels), and the median wall time after warm-up."""
@@ -233,6 +258,8 @@ def scale_profile(profile: dict[str, Any], n: int) -> dict[str, Any]:
     if "gap_sizes" in profile:
         sizes = profile["gap_sizes"]
         scaled["gap_sizes"] = {**sizes, "buckets": {k: [c / n, ms / n] for k, (c, ms) in sizes["buckets"].items()}}
+    if "gap_pairs" in profile:
+        scaled["gap_pairs"] = [[c / n, ms / n, *rest] for c, ms, *rest in profile["gap_pairs"]]
     if "kernels" in profile:
         scaled["kernels"] = [[k, ms / n, count / n, *rest] for k, ms, count, *rest in profile["kernels"]]
     return scaled

@@ -139,18 +139,19 @@ def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool, rounds: i
 
 def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_len: int, profile: bool,
                    hlo_dir: str | None = None, rounds: int = ROUNDS_PER_CALL, dot_merger: str = "decoding",
-                   table: int = 0, command_buffers: str = "decoding") -> dict:
+                   table: int = 0, command_buffers: str = "decoding", xla_options: str = "") -> dict:
     state = make_state(cfg, dcfg, ctx, max_len, s.max_new_tokens, target.embed.dtype)
     as_decoding = "off" if s.method == "ddtree" else "default"  # speculative.DDTREE_COMPILER_OPTIONS
     dot_merger = as_decoding if dot_merger == "decoding" else dot_merger
     command_buffers = as_decoding if command_buffers == "decoding" else command_buffers
-    options = {**DOT_MERGER[dot_merger], **COMMAND_BUFFERS[command_buffers]} or None
+    options = {**DOT_MERGER[dot_merger], **COMMAND_BUFFERS[command_buffers], **parse_xla_options(xla_options)} or None
     ms, rnd, _, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile, rounds, options, table)
     fanout = preselect_fanout(s.preselect, s.budget)
     dump_hlo(hlo_dir, f"round_{s.method}_b{s.budget}_ctx{ctx}_r{rounds}_dm-{dot_merger}_cb-{command_buffers}"
                       f"_{s.attn_impl}_topk{s.top_k_chunk}_pre{fanout}_w{s.width}_res-{s.residual}", rnd.as_text())
     row = {"method": s.method, "budget": s.budget, "width": s.width, "ctx": ctx, "round_ms": ms,
-           "dot_merger": dot_merger, "command_buffers": command_buffers, "attn_impl": s.attn_impl,
+           "dot_merger": dot_merger, "command_buffers": command_buffers, "xla_options": xla_options,
+           "attn_impl": s.attn_impl,
            "top_k_chunk": s.top_k_chunk, "rank_max": s.rank_max,
            "preselect": fanout,
            "kv_compact": "kernel" if s.compact_kernel else "xla",
@@ -192,6 +193,24 @@ def _idle(prof: dict) -> str:
         return "-"
     parts = ", ".join(f"{k} {v:.2f}" for k, v in prof.get("gap_by_scope", {}).items() if v >= 0.005)
     return f"{prof['gap_ms']:.2f} ({parts})"
+
+
+def parse_xla_options(text: str) -> dict[str, Any]:
+    """--xla-options value: "" (none) or KEY=VALUE[,KEY=VALUE...] compile options for XLA
+    (true/false become bools, integers ints, anything else stays a string)."""
+    options: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise argparse.ArgumentTypeError(f"--xla-options takes KEY=VALUE items, got {item!r} in {text!r}")
+        low = value.lower()
+        options[key] = low == "true" if low in ("true", "false") else int(value) if value.lstrip("-").isdigit() else value
+    return options
+
+
+def _checked_xla_options(text: str) -> str:
+    parse_xla_options(text)
+    return text
 
 
 def parse_preselect(text: str) -> int | None:
@@ -259,6 +278,10 @@ def main() -> None:
                     help="XLA's command buffers (CUDA graphs) as decoding compiles them (off for DDTree, as "
                          "they are for DFlash), as they are, off, or every command type (all) (several: each "
                          "is timed, side by side)")
+    ap.add_argument("--xla-options", nargs="+", type=_checked_xla_options, default=[""],
+                    help="extra XLA compile options per variant, KEY=VALUE[,KEY=VALUE...] ('' for none), e.g. "
+                         "xla_gpu_enable_pdl=false (several: each is timed, side by side; a variant whose "
+                         "compile fails is reported and skipped)")
     ap.add_argument("--kernel-table", type=int, default=0, metavar="N",
                     help="with the profile: also list the N costliest kernels (launches, kind, op)")
     ap.add_argument("--out")
@@ -288,13 +311,21 @@ def main() -> None:
         ranks = args.rank_max if ddtree else [RANK_TOP_K_MAX]
         preselects = args.preselect if ddtree else [None]
         row_blocks = args.row_block if ddtree else [ROW_BLOCK]
-        for ai, chunk, rank, pre, rb, compact, res, r, dm, cb in itertools.product(
+        for ai, chunk, rank, pre, rb, compact, res, r, dm, cb, xo in itertools.product(
                 args.attn_impl, chunks, ranks, preselects, row_blocks, args.kv_compact, args.residual,
-                args.rounds_per_call, args.dot_merger, args.command_buffers):
+                args.rounds_per_call, args.dot_merger, args.command_buffers, args.xla_options):
             s = SpecSettings(block_size=dcfg.block_size, max_new_tokens=512, attn_impl=ai, top_k_chunk=chunk,
                              rank_max=rank, preselect=pre, row_block=rb, compact_kernel=compact == "kernel",
                              residual=res, **method)
-            yield s, r, dm, cb
+            yield s, r, dm, cb, xo
+
+    def bench_or_report(*a, **kw) -> dict | None:
+        """bench_settings, or None after logging why a variant failed (an unknown XLA option)."""
+        try:
+            return bench_settings(*a, **kw)
+        except Exception as err:  # noqa: BLE001 - one variant must not stop the others
+            log({"variant_failed": repr(err)[:400], "xla_options": kw.get("xla_options")})
+            return None
 
     rows = []
     for layout in args.layout:  # one target at a time: two 8B-shaped targets would be 33 GB
@@ -303,23 +334,26 @@ def main() -> None:
         first = len(rows)
         for ctx in args.ctx:
             rows.append(bench_ar(target, cfg, ctx, max_len, profile, args.kernel_table))
-            for (s, r, dm, cb), (dl, dp) in itertools.product(variants(method="dflash"), drafters.items()):
-                rows.append(bench_settings(target, cfg, dp, dcfg, s, ctx, max_len, profile, args.dump_hlo, r,
-                                           dm, args.kernel_table, cb) | {"draft_layout": dl})
+            for (s, r, dm, cb, xo), (dl, dp) in itertools.product(variants(method="dflash"), drafters.items()):
+                row = bench_or_report(target, cfg, dp, dcfg, s, ctx, max_len, profile, args.dump_hlo, r,
+                                      dm, args.kernel_table, cb, xla_options=xo)
+                rows += [row | {"draft_layout": dl}] if row else []
         for b in args.budgets:
-            for (s, r, dm, cb), (dl, dp) in itertools.product(variants(method="ddtree", budget=b), drafters.items()):
-                rows.append(bench_settings(target, cfg, dp, dcfg, s, args.ddtree_ctx, max_len, profile,
-                                           args.dump_hlo, r, dm, args.kernel_table, cb) | {"draft_layout": dl})
+            for (s, r, dm, cb, xo), (dl, dp) in itertools.product(variants(method="ddtree", budget=b),
+                                                                  drafters.items()):
+                row = bench_or_report(target, cfg, dp, dcfg, s, args.ddtree_ctx, max_len, profile,
+                                      args.dump_hlo, r, dm, args.kernel_table, cb, xla_options=xo)
+                rows += [row | {"draft_layout": dl}] if row else []
         for row in rows[first:]:
             row["layout"] = layout
         write_json(args.out, {"env": env, "rows": rows})
         del target
     print(f"\n{env['device']}, jax {env['jax']}, {args.model} target + {dcfg.num_layers}-layer drafter, "
           f"{dtype.name}, batch 1")
-    print("| method | budget | W | ctx | layout | draft layout | rounds/call | dot merger | command buffers | attention | top_k chunk "
+    print("| method | budget | W | ctx | layout | draft layout | rounds/call | dot merger | command buffers | XLA options | attention | top_k chunk "
           "| rank max | preselect | K/V compaction | residual | round ms | device ms | draft | tree | verify | accept | commit "
           "| other | idle ms (by stage that waited) |")
-    print("|---" * 24 + "|")
+    print("|---" * 25 + "|")
     for r in rows:
         prof = r.get("profile") or {}
         split = prof.get("by_scope", {})
@@ -327,6 +361,7 @@ def main() -> None:
         dev = f"{prof['device_ms']:.2f}" if "device_ms" in prof else "-"
         print(f"| {r['method']} | {r.get('budget', '-')} | {r.get('width', 1)} | {r['ctx']} | {r['layout']} | {r.get('draft_layout', '-')} | "
               f"{r['rounds_per_call']} | {r.get('dot_merger', '-')} | {r.get('command_buffers', '-')} | "
+              f"{r.get('xla_options') or '-'} | "
               f"{r.get('attn_impl', 'auto')} | "
               f"{r.get('top_k_chunk', '-') if r['method'] == 'ddtree' else '-'} | "
               f"{r.get('rank_max', '-') if r['method'] == 'ddtree' else '-'} | "
@@ -336,9 +371,11 @@ def main() -> None:
     for r in rows:  # how each row's idle time is made (bench.profile.gap_sizes)
         sizes = (r.get("profile") or {}).get("gap_sizes")
         if sizes:
-            print(f"gaps {r['method']} W {r.get('width', 1)}: " + ", ".join(
+            print(f"gaps {r['method']} W {r.get('width', 1)} {r.get('xla_options') or ''}: " + ", ".join(
                 f"{k}: {n:.0f} x = {ms:.3f} ms" for k, (n, ms) in sizes["buckets"].items())
                   + f"; largest: {sizes['largest'][:4]}")
+        for n, ms, mean, before, waited, scope in (r.get("profile") or {}).get("gap_pairs", [])[:10]:
+            print(f"  gap {scope}: {before} -> {waited}: {n:.1f} x {mean:.2f} us = {ms:.3f} ms")
 
 
 if __name__ == "__main__":
