@@ -22,8 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Row block of the tree-attention kernel: the tree width is padded to a multiple of it.
-ROW_BLOCK = 16
+# The tree width is 1 + budget rounded up to a multiple of this. 1: no padding, because the
+# verify's kernels pad their own rows (the Hopper kernel to 128-row blocks of W x group rows,
+# the Triton kernel by masking) and every padded node is a row of every GEMM. On an H200,
+# DDTree(256) at W 257 took 10.72-10.95 ms against 10.99-11.38 at W 272 (row block 16), and
+# budgets 16 / 64 / 512 were as fast or faster at 1 + budget (BENCHMARKS.md, nineteenth and
+# twentieth sessions).
+ROW_BLOCK = 1
 # Vocabulary chunk of the two-stage top_k (`chunked_top_k`); 0 = one top_k over the whole row.
 TOP_K_CHUNK = 2048
 # Longest row that the tree's top-k selections (per depth and over all depths) rank with
@@ -515,7 +520,7 @@ def chain_tree(block_tokens: jax.Array, width: int | None = None) -> Tree:
     """DFlash's draft as a degenerate tree: a single chain.
 
     block_tokens: [batch, bs] int, the root followed by the bs - 1 drafted tokens.
-    width: static int >= bs, node slots (default bs rounded up to a multiple of ROW_BLOCK).
+    width: static int >= bs, node slots (default bs, rounded up to a multiple of ROW_BLOCK).
     Slot i holds block_tokens[:, i] at depth i with parent i - 1; visibility is causal. Scores are
     all 0 (a chain carries no draft log-probs); padding as in `build_tree`.
     """

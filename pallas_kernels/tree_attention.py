@@ -36,7 +36,7 @@ from pallas_kernels import tree_attention_hopper as hopper
 from pallas_kernels.powers_of_two import is_power_of_two, next_power_of_two
 
 Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge",
-               "pallas-scaled-scores", "pallas-triton", "pallas-one-launch", "reference", "interpret"]
+               "pallas-scaled-scores", "pallas-pdl", "pallas-triton", "pallas-one-launch", "reference", "interpret"]
 # The kernels as dispatched ("pallas": on Hopper, `tree_attention_hopper` where it applies, fed
 # by the model's fused qkv epilogue), and the variants benchmarks time beside it:
 # "pallas-unfused", the same kernels with the model's epilogue in XLA (the default before the
@@ -46,6 +46,7 @@ Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-no-pingpong", "pallas
 # (`split_merge.py`); "pallas-reduced-merge", the thirteenth session's Hopper path (no turns,
 # padding warpgroups computing, the split merge in XLA as reductions); "pallas-scaled-scores",
 # "pallas" with the Hopper kernel scaling every score before its softmax (`Schedule.fma_scale` off);
+# "pallas-pdl", "pallas" with the Hopper kernel launched as a programmatic dependent (`Schedule.pdl`);
 # "pallas-triton", the Triton kernel alone; and
 # "pallas-one-launch", its default tiling without the tail launch (at W 272, the default before
 # the seventh session).
@@ -58,11 +59,12 @@ Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-no-pingpong", "pallas
 # together, and 64-key blocks; and (seventeenth) pairs of its programs in clusters of two SMs
 # loading their shared K/V blocks once, by TMA multicast.
 PALLAS_VARIANTS = ("pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge",
-                   "pallas-scaled-scores", "pallas-triton", "pallas-one-launch")
+                   "pallas-scaled-scores", "pallas-pdl", "pallas-triton", "pallas-one-launch")
 # The variants that run the Hopper kernel where it applies; those fed by the qkv epilogue.
 HOPPER_VARIANTS = ("pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge",
-                   "pallas-scaled-scores")
-_ROWS_VARIANTS = ("pallas", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge", "pallas-scaled-scores")
+                   "pallas-scaled-scores", "pallas-pdl")
+_ROWS_VARIANTS = ("pallas", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge", "pallas-scaled-scores",
+                  "pallas-pdl")
 
 # exp2 is the native GPU instruction; folding log2(e) into the score scale makes exp2 exact
 # replacement for exp.
@@ -642,6 +644,8 @@ def _hopper_schedule(which: str, batch: int, rows: int, kv_heads: int, max_len: 
         return dataclasses.replace(sched, fma_scale=False)
     if which == "pallas-xla-merge":  # today's kernel, its partials merged in jnp
         return dataclasses.replace(sched, merge_kernel=False)
+    if which == "pallas-pdl":
+        return dataclasses.replace(sched, pdl=True)
     return dataclasses.replace(sched, pingpong=which != "pallas-no-pingpong")
 
 

@@ -77,6 +77,10 @@ class Schedule:
       says).
     fma_scale: the softmax takes the row max of the raw scores and scales inside exp2's
       argument (s * scale - max, one fused multiply-add), rather than scaling every score first.
+    pdl: the kernel starts with `griddepcontrol.wait`, before it reads any input, and asks to be
+      launched as a programmatic dependent of the kernel before it (where this jax's Mosaic GPU
+      offers that: `pdl_supported`), so its launch and set-up overlap that kernel's end, as
+      XLA's own kernels already do.
     """
     full_blocks: int
     main_split: int
@@ -89,6 +93,7 @@ class Schedule:
     real_rows: int = 0
     merge_kernel: bool = True
     fma_scale: bool = True
+    pdl: bool = False
 
     @property
     def main_programs(self) -> int:
@@ -119,6 +124,27 @@ def schedule(batch: int, kv_heads: int, rows: int, max_len: int, num_sms: int = 
     tail_split = max(1, min(num_sms // heads, cap)) if tail else 1
     return Schedule(full_blocks=full, main_split=main_split, tail=bool(tail), tail_split=tail_split,
                     block_k=block_k, real_rows=rows)
+
+
+# The names a Mosaic GPU CompilerParams may give the programmatic-dependent-launch switch.
+_PDL_PARAMS = ("use_pdl", "uses_pdl", "enable_pdl", "pdl")
+
+
+def pdl_supported() -> str | None:
+    """The CompilerParams field that launches a Mosaic GPU kernel as a programmatic dependent
+    (PDL) in this jax, or None where it has none (the wait is then a no-op)."""
+    if plgpu is None:
+        return None
+    fields = {f.name for f in dataclasses.fields(plgpu.CompilerParams)}
+    return next((name for name in _PDL_PARAMS if name in fields), None)
+
+
+def compiler_params(sched: Schedule):
+    """The kernel's CompilerParams: approximate exp2, and PDL where `sched.pdl` and supported."""
+    extra = {}
+    if sched.pdl and (name := pdl_supported()):
+        extra[name] = True
+    return plgpu.CompilerParams(approx_math=True, **extra)
 
 
 def available() -> bool:
@@ -194,6 +220,8 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
     lse_ref [batch, kv_heads, programs, 128] f32 (log2 units; -inf where a split saw nothing).
     """
     block_k, stages = sched.block_k, sched.stages
+    if sched.pdl:  # everything below reads what earlier kernels wrote
+        plgpu.griddepcontrol_wait()
     (q_smem, k_smem, v_smem, bias_smem, lse_smem), barriers = scratch
     k_ready, v_ready, q_ready, bias_ready, k_free, v_free, turn = barriers
     b = lax.axis_index("batch")
@@ -452,7 +480,7 @@ def hopper_partials(q_rows: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: 
         grid_names=("program", "kv_head", "batch"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=compiler_params(sched),
     )
     return call(prefix_lens.astype(jnp.int32), q_rows, k, v, bias)
 

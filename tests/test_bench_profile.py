@@ -87,3 +87,18 @@ def test_gap_pairs_group_the_idle_time_by_kernel_kinds():
     assert pairs == [[1, 0.01, 10.0, "fusion", "Memset", "w"], [2, 0.006, 3.0, "gemm", "fusion", "v"]]
     scaled = scale_profile({"top_kernels": [], "gap_pairs": pairs}, 2)
     assert scaled["gap_pairs"][1][:3] == [1.0, 0.003, 3.0]
+
+
+def test_spec_round_xla_options_parse_and_refuse_bad_items():
+    import argparse
+
+    import pytest
+
+    from dflash_jax.bench.spec_round import parse_xla_options
+    assert parse_xla_options("") == {}
+    assert parse_xla_options("xla_gpu_enable_pdl=false") == {"xla_gpu_enable_pdl": False}
+    # A value may hold commas; the next item starts at the next KEY=.
+    assert parse_xla_options("xla_gpu_enable_command_buffer=FUSION,CUBLAS,xla_gpu_graph_min_graph_size=2") == {
+        "xla_gpu_enable_command_buffer": "FUSION,CUBLAS", "xla_gpu_graph_min_graph_size": 2}
+    with pytest.raises(argparse.ArgumentTypeError, match="KEY=VALUE"):
+        parse_xla_options("xla_gpu_enable_pdl")

@@ -92,7 +92,7 @@ def tree_paths(tree: Tree, b: int) -> list[tuple[tuple[int, ...], float]]:
 def check_structure(tree: Tree, n_valid: int) -> None:
     """Invariants every tree must satisfy, checked by walking parent pointers in numpy."""
     batch, width = tree.tokens.shape
-    assert width % 16 == 0
+    assert width >= n_valid, (width, n_valid)
     for arr in (tree.parents, tree.depths, tree.valid, tree.scores):
         assert arr.shape == (batch, width)
     assert tree.visible.shape == (batch, width, width)
@@ -347,7 +347,7 @@ def test_equals_best_first_heap_realistic_shapes(top_k_chunk: int, preselect: in
     lp = random_log_probs(11, (batch, depth, vocab), sharpness=4.0)
     tree = build_tree(jnp.asarray(lp), jnp.array([3, 4], jnp.int32), budget, top_k_chunk=top_k_chunk,
                       preselect=preselect)
-    assert tree.width == 272
+    assert tree.width == 1 + budget  # tree_width: no padding by default
     check_structure(tree, 1 + budget)
     for b in range(batch):
         got = dict(tree_paths(tree, b))
@@ -358,13 +358,15 @@ def test_equals_best_first_heap_realistic_shapes(top_k_chunk: int, preselect: in
 
 
 def test_tree_width() -> None:
-    assert tree_width(1) == 16
-    assert tree_width(15) == 16
-    assert tree_width(16) == 32
+    assert tree_width(1) == 2  # the root and one node: no padding by default
+    assert tree_width(16) == 17
     assert tree_width(255) == 256
-    assert tree_width(256) == 272
-    assert tree_width(512) == 528
+    assert tree_width(256) == 257
+    assert tree_width(512) == 513
     assert tree_width(7, row_block=8) == 8
+    assert tree_width(15, row_block=16) == 16
+    assert tree_width(16, row_block=16) == 32
+    assert tree_width(256, row_block=16) == 272
 
 
 def test_explicit_wider_width_pads() -> None:
@@ -394,7 +396,7 @@ def test_ancestors_visible_on_hand_tree() -> None:
 
 def test_chain_tree() -> None:
     block = jnp.array([[10, 11, 12, 13, 14], [20, 21, 22, 23, 24]], jnp.int32)
-    tree = chain_tree(block)
+    tree = chain_tree(block, width=16)  # padded: slots 5..15 are invalid
     assert tree.width == 16
     check_structure(tree, 5)
     np.testing.assert_array_equal(np.asarray(tree.tokens)[:, :5], np.asarray(block))
@@ -406,8 +408,8 @@ def test_chain_tree() -> None:
     np.testing.assert_array_equal(np.asarray(tree.visible),
                                   np.asarray(ancestors_visible(tree.parents, tree.valid)))
     assert chain_tree(jnp.zeros((1, 16), jnp.int32)).width == 16
-    assert chain_tree(jnp.zeros((1, 17), jnp.int32)).width == 32
-    assert chain_tree(block, width=5).width == 5
+    assert chain_tree(jnp.zeros((1, 17), jnp.int32)).width == 17  # default: bs (ROW_BLOCK 1)
+    assert chain_tree(block).width == 5
 
 
 def test_bad_arguments_name_the_argument() -> None:

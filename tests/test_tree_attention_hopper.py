@@ -167,6 +167,35 @@ def test_hopper_kernel_lowers_for_cuda(pingpong, skip_padding, fma_scale, block_
     assert text.count("xla.gpu.triton") == 1  # the split-K merge (`split_merge.py`)
 
 
+@pytest.mark.parametrize("pdl", [True, False])
+def test_hopper_kernel_waits_for_its_predecessor_only_with_pdl(pdl, monkeypatch):
+    """`Schedule.pdl` puts one griddepcontrol.wait in the kernel (before its first read), and
+    the launch asks for PDL where this jax's CompilerParams can; without it, no wait."""
+    q = jax.ShapeDtypeStruct((1, 272, 32, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 5120, 8, 128), jnp.bfloat16)
+    args = [q, kv, kv, jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1, 272, 272), jnp.bool_)]
+    sched = dataclasses.replace(hopper.schedule(1, 8, 272 * 4, 5120), pdl=pdl)
+    from jax.experimental.mosaic.gpu import core as mgpu_core
+    monkeypatch.setattr(mgpu_core, "KNOWN_KERNELS", {})  # this lowering's kernels only
+    lowered = hopper.hopper_partials.trace(
+        jax.ShapeDtypeStruct((1, 8, sched.padded_rows, 128), jnp.bfloat16), kv, kv,
+        jax.ShapeDtypeStruct((1,), jnp.int32),
+        jax.ShapeDtypeStruct((1, sched.padded_rows, hopper.bias_columns(272, 128)), jnp.bfloat16),
+        width=272, scale=1.0, sched=sched).lower(lowering_platforms=("cuda",))
+    module = lowered.as_text()
+    # The kernel's MLIR travels serialised inside the custom call; the wait is an inline asm string.
+    assert module.count("mosaic_gpu") >= 1
+    kernels = [bytes(k) for k in mgpu_core.KNOWN_KERNELS.values()]
+    assert len(kernels) == 1
+    assert (b"griddepcontrol.wait" in kernels[0]) == pdl
+    params = hopper.compiler_params(sched)
+    name = hopper.pdl_supported()
+    if name:
+        assert getattr(params, name) is pdl
+    fn = functools.partial(hopper.tree_attention_hopper, scale=128 ** -0.5, sched=sched)
+    assert jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text().count("mosaic_gpu") >= 1
+
+
 def test_hopper_partials_validate_shapes():
     sched = hopper.schedule(1, 2, 64 * 4, 512)
     q = jnp.zeros((1, 2, sched.padded_rows, 64), jnp.bfloat16)
@@ -217,10 +246,11 @@ def test_gpu_hopper_kernel_matches_reference(batch, width, kv_heads, group, head
     ref = tree_attention_reference(q, k, v, prefix_lens, visible)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert rel_err(out, ref) < 1.5e-2
-    # The same kernel with its compute warpgroups not taking turns (`Schedule.pingpong`), and
-    # scaling the scores the other way (`Schedule.fma_scale`).
+    # The same kernel with its compute warpgroups not taking turns (`Schedule.pingpong`),
+    # scaling the scores the other way (`Schedule.fma_scale`), and launched as a programmatic
+    # dependent of the kernel before it (`Schedule.pdl`).
     default = hopper.schedule(batch, kv_heads, width * group, max_len)
-    for fields in (dict(pingpong=False), dict(fma_scale=not default.fma_scale)):
+    for fields in (dict(pingpong=False), dict(fma_scale=not default.fma_scale), dict(pdl=not default.pdl)):
         sched = dataclasses.replace(default, **fields)
         out = jax.jit(functools.partial(hopper.tree_attention_hopper, scale=head_dim ** -0.5, sched=sched))(
             q, k, v, prefix_lens, visible)
@@ -234,7 +264,8 @@ def test_variants_reach_the_kernel_with_their_schedule(monkeypatch):
     # (pingpong, unrolled_merge, real_rows, merge_kernel)
     want = {"pallas": (True, True, 272 * 4, True), "pallas-unfused": (True, True, 272 * 4, True),
             "pallas-no-pingpong": (False, True, 272 * 4, True), "pallas-xla-merge": (True, True, 272 * 4, False),
-            "pallas-reduced-merge": (False, False, 0, False), "pallas-scaled-scores": (True, True, 272 * 4, True)}
+            "pallas-reduced-merge": (False, False, 0, False), "pallas-scaled-scores": (True, True, 272 * 4, True),
+            "pallas-pdl": (True, True, 272 * 4, True)}
     seen = {}
     monkeypatch.setattr(hopper, "tree_attention_hopper",
                         lambda *a, sched, **kw: seen.setdefault("sched", sched) and a[0])
@@ -247,6 +278,7 @@ def test_variants_reach_the_kernel_with_their_schedule(monkeypatch):
         got = seen["sched"]
         assert (got.pingpong, got.unrolled_merge, got.real_rows, got.merge_kernel) == fields, impl
         assert got.fma_scale == (impl not in ("pallas-scaled-scores", "pallas-reduced-merge")), impl
+        assert got.pdl == (impl == "pallas-pdl"), impl
         rows = dispatch.rows_schedule(1, 272, 32, 8, 128, 5120, jnp.bfloat16, impl)
         if impl == "pallas-unfused":
             assert rows is None  # the path without the qkv epilogue

@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import functools
 import itertools
+import re
 import time
 from typing import Any, Callable
 
@@ -148,7 +149,8 @@ def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_le
     ms, rnd, _, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile, rounds, options, table)
     fanout = preselect_fanout(s.preselect, s.budget)
     dump_hlo(hlo_dir, f"round_{s.method}_b{s.budget}_ctx{ctx}_r{rounds}_dm-{dot_merger}_cb-{command_buffers}"
-                      f"_{s.attn_impl}_topk{s.top_k_chunk}_pre{fanout}_w{s.width}_res-{s.residual}", rnd.as_text())
+                      f"_{s.attn_impl}_topk{s.top_k_chunk}_pre{fanout}_w{s.width}_res-{s.residual}"
+                      f"{'_xla-' + re.sub(r'[^A-Za-z0-9]+', '-', xla_options) if xla_options else ''}", rnd.as_text())
     row = {"method": s.method, "budget": s.budget, "width": s.width, "ctx": ctx, "round_ms": ms,
            "dot_merger": dot_merger, "command_buffers": command_buffers, "xla_options": xla_options,
            "attn_impl": s.attn_impl,
@@ -197,9 +199,10 @@ def _idle(prof: dict) -> str:
 
 def parse_xla_options(text: str) -> dict[str, Any]:
     """--xla-options value: "" (none) or KEY=VALUE[,KEY=VALUE...] compile options for XLA
-    (true/false become bools, integers ints, anything else stays a string)."""
+    (true/false become bools, integers ints, anything else stays a string; a value may hold
+    commas, e.g. xla_gpu_enable_command_buffer=FUSION,CUBLAS)."""
     options: dict[str, Any] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
+    for item in filter(None, (part.strip() for part in re.split(r",(?=\s*[A-Za-z_][A-Za-z0-9_]*=)", text))):
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise argparse.ArgumentTypeError(f"--xla-options takes KEY=VALUE items, got {item!r} in {text!r}")
