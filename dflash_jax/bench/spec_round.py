@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import itertools
 import re
+import statistics
 import time
 from typing import Any, Callable
 
@@ -140,13 +141,14 @@ def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool, rounds: i
 
 def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_len: int, profile: bool,
                    hlo_dir: str | None = None, rounds: int = ROUNDS_PER_CALL, dot_merger: str = "decoding",
-                   table: int = 0, command_buffers: str = "decoding", xla_options: str = "") -> dict:
+                   table: int = 0, command_buffers: str = "decoding", xla_options: str = "",
+                   timers: list | None = None) -> dict:
     state = make_state(cfg, dcfg, ctx, max_len, s.max_new_tokens, target.embed.dtype)
     as_decoding = "off" if s.method == "ddtree" else "default"  # speculative.DDTREE_COMPILER_OPTIONS
     dot_merger = as_decoding if dot_merger == "decoding" else dot_merger
     command_buffers = as_decoding if command_buffers == "decoding" else command_buffers
     options = {**DOT_MERGER[dot_merger], **COMMAND_BUFFERS[command_buffers], **parse_xla_options(xla_options)} or None
-    ms, rnd, _, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile, rounds, options, table)
+    ms, rnd, call, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile, rounds, options, table)
     fanout = preselect_fanout(s.preselect, s.budget)
     dump_hlo(hlo_dir, f"round_{s.method}_b{s.budget}_ctx{ctx}_r{rounds}_dm-{dot_merger}_cb-{command_buffers}"
                       f"_{s.attn_impl}_topk{s.top_k_chunk}_pre{fanout}_w{s.width}_res-{s.residual}"
@@ -159,7 +161,24 @@ def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_le
            "kv_compact": "kernel" if s.compact_kernel else "xla",
            "residual": s.residual, **extra}
     log(row)
+    if timers is not None:  # kept compiled, with its state, for `interleaved_medians`
+        timers.append((row, call, rounds))
     return row
+
+
+def interleaved_medians(timers: list, repeats: int, iters: int = 5) -> None:
+    """Times every kept variant again, taking turns (A B C A B C ...) `repeats` times, so that
+    clock and thermal drift over the run falls on all of them alike; each row gets
+    round_ms_interleaved (the median of its turns' medians) and the turns themselves."""
+    turns: dict[int, list[float]] = {i: [] for i in range(len(timers))}
+    for _ in range(repeats):
+        for i, (_, call, rounds) in enumerate(timers):
+            turns[i].append(time_fn(call, warmup=1, iters=iters)["median_ms"] / rounds)
+    for i, (row, _, _) in enumerate(timers):
+        row["round_ms_interleaved"] = statistics.median(turns[i])
+        row["round_ms_turns"] = [round(t, 4) for t in turns[i]]
+        log({"interleaved": row["round_ms_interleaved"], "method": row["method"], "width": row["width"],
+             "attn_impl": row["attn_impl"], "xla_options": row["xla_options"]})
 
 
 def bench_ar(target, cfg, ctx: int, max_len: int, profile: bool, table: int = 0) -> dict:
@@ -285,6 +304,10 @@ def main() -> None:
                     help="extra XLA compile options per variant, KEY=VALUE[,KEY=VALUE...] ('' for none), e.g. "
                          "xla_gpu_enable_pdl=false (several: each is timed, side by side; a variant whose "
                          "compile fails is reported and skipped)")
+    ap.add_argument("--interleave", type=int, default=0, metavar="R",
+                    help="after all variants: time them again in turns, R rounds of turns, and report each "
+                         "one's median (round_ms_interleaved: drift falls on all alike; keeps every "
+                         "variant's program and state in memory until then)")
     ap.add_argument("--kernel-table", type=int, default=0, metavar="N",
                     help="with the profile: also list the N costliest kernels (launches, kind, op)")
     ap.add_argument("--out")
@@ -322,10 +345,12 @@ def main() -> None:
                              residual=res, **method)
             yield s, r, dm, cb, xo
 
+    timers: list | None = [] if args.interleave > 0 else None
+
     def bench_or_report(*a, **kw) -> dict | None:
         """bench_settings, or None after logging why a variant failed (an unknown XLA option)."""
         try:
-            return bench_settings(*a, **kw)
+            return bench_settings(*a, **kw, timers=timers)
         except Exception as err:  # noqa: BLE001 - one variant must not stop the others
             log({"variant_failed": repr(err)[:400], "xla_options": kw.get("xla_options")})
             return None
@@ -340,15 +365,22 @@ def main() -> None:
             for (s, r, dm, cb, xo), (dl, dp) in itertools.product(variants(method="dflash"), drafters.items()):
                 row = bench_or_report(target, cfg, dp, dcfg, s, ctx, max_len, profile, args.dump_hlo, r,
                                       dm, args.kernel_table, cb, xla_options=xo)
-                rows += [row | {"draft_layout": dl}] if row else []
+                if row:
+                    row["draft_layout"] = dl
+                    rows.append(row)
         for b in args.budgets:
             for (s, r, dm, cb, xo), (dl, dp) in itertools.product(variants(method="ddtree", budget=b),
                                                                   drafters.items()):
                 row = bench_or_report(target, cfg, dp, dcfg, s, args.ddtree_ctx, max_len, profile,
                                       args.dump_hlo, r, dm, args.kernel_table, cb, xla_options=xo)
-                rows += [row | {"draft_layout": dl}] if row else []
+                if row:
+                    row["draft_layout"] = dl
+                    rows.append(row)
         for row in rows[first:]:
             row["layout"] = layout
+        if timers:  # before the target goes: the kept programs read it
+            interleaved_medians(timers, args.interleave)
+            timers.clear()
         write_json(args.out, {"env": env, "rows": rows})
         del target
     print(f"\n{env['device']}, jax {env['jax']}, {args.model} target + {dcfg.num_layers}-layer drafter, "
@@ -371,6 +403,11 @@ def main() -> None:
               f"{r.get('preselect', '-') if r['method'] == 'ddtree' else '-'} | {r.get('kv_compact', '-')} | "
               f"{r.get('residual', '-')} | {r['round_ms']:.2f} | "
               f"{dev} | " + " | ".join(cells) + f" | {_idle(prof)} |")
+    for r in rows:
+        if "round_ms_interleaved" in r:
+            print(f"interleaved {r['method']} W {r.get('width', 1)} {r.get('attn_impl', '')} "
+                  f"{r.get('xla_options') or '-'} rounds/call {r['rounds_per_call']}: {r['round_ms_interleaved']:.3f} ms "
+                  f"(turns {r['round_ms_turns']})")
     for r in rows:  # how each row's idle time is made (bench.profile.gap_sizes)
         sizes = (r.get("profile") or {}).get("gap_sizes")
         if sizes:
