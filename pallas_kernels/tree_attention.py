@@ -36,7 +36,8 @@ from pallas_kernels import tree_attention_hopper as hopper
 from pallas_kernels.powers_of_two import is_power_of_two, next_power_of_two
 
 Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge",
-               "pallas-scaled-scores", "pallas-pdl", "pallas-triton", "pallas-one-launch", "reference", "interpret"]
+               "pallas-scaled-scores", "pallas-pdl", "pallas-hopper-64", "pallas-triton", "pallas-one-launch",
+               "reference", "interpret"]
 # The kernels as dispatched ("pallas": on Hopper, `tree_attention_hopper` where it applies, fed
 # by the model's fused qkv epilogue), and the variants benchmarks time beside it:
 # "pallas-unfused", the same kernels with the model's epilogue in XLA (the default before the
@@ -47,6 +48,8 @@ Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-no-pingpong", "pallas
 # padding warpgroups computing, the split merge in XLA as reductions); "pallas-scaled-scores",
 # "pallas" with the Hopper kernel scaling every score before its softmax (`Schedule.fma_scale` off);
 # "pallas-pdl", "pallas" with the Hopper kernel launched as a programmatic dependent (`Schedule.pdl`);
+# "pallas-hopper-64", "pallas" with the Hopper kernel from 64 rows per kv head (HOPPER_SMALL_ROWS:
+# DFlash's 16-token verify and drafter pass, DDTree(16)'s 17 tokens at group 4) instead of 128;
 # "pallas-triton", the Triton kernel alone; and
 # "pallas-one-launch", its default tiling without the tail launch (at W 272, the default before
 # the seventh session).
@@ -59,12 +62,12 @@ Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-no-pingpong", "pallas
 # together, and 64-key blocks; and (seventeenth) pairs of its programs in clusters of two SMs
 # loading their shared K/V blocks once, by TMA multicast.
 PALLAS_VARIANTS = ("pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge",
-                   "pallas-scaled-scores", "pallas-pdl", "pallas-triton", "pallas-one-launch")
+                   "pallas-scaled-scores", "pallas-pdl", "pallas-hopper-64", "pallas-triton", "pallas-one-launch")
 # The variants that run the Hopper kernel where it applies; those fed by the qkv epilogue.
 HOPPER_VARIANTS = ("pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge",
-                   "pallas-scaled-scores", "pallas-pdl")
+                   "pallas-scaled-scores", "pallas-pdl", "pallas-hopper-64")
 _ROWS_VARIANTS = ("pallas", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge", "pallas-scaled-scores",
-                  "pallas-pdl")
+                  "pallas-pdl", "pallas-hopper-64")
 
 # exp2 is the native GPU instruction; folding log2(e) into the score scale makes exp2 exact
 # replacement for exp.
@@ -594,28 +597,36 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens:
 # Hopper
 # --------------------------------------------------------------------------------------------
 
-# Rows per kv head (width x group) from which "pallas" takes the Hopper kernel on sm_90.
+# Rows per kv head (width x group) from which "pallas" takes the Hopper kernel on sm_90; from
+# which "pallas-hopper-64" does.
 HOPPER_MIN_ROWS = 128
+HOPPER_SMALL_ROWS = 64
 # Widths up to which it does: its mask is a [batch, W x group, ~W] bf16 bias, by its shape 9 MB
 # per sequence at W 1024 x group 4 but 138 MB at a 4096-token prefill (sizes computed, not
 # measured), which keeps the Triton kernel.
 HOPPER_MAX_WIDTH = 1024
 
 
-def hopper_takes(width: int, q_heads: int, kv_heads: int, head_dim: int, max_len: int, dtype) -> bool:
+def hopper_takes(width: int, q_heads: int, kv_heads: int, head_dim: int, max_len: int, dtype,
+                 min_rows: int = HOPPER_MIN_ROWS) -> bool:
     """Whether "pallas" runs `tree_attention_hopper` for this shape on this machine: a GPU of
     compute capability 9.x, bf16/f16, head_dim 64 or 128, a cache length that is a multiple of
     8 (the TMA's tiling), at least HOPPER_MIN_ROWS rows per kv head and at most HOPPER_MAX_WIDTH
     new tokens."""
     return (jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim in (64, 128)
-            and max_len % 8 == 0 and width * (q_heads // kv_heads) >= HOPPER_MIN_ROWS
+            and max_len % 8 == 0 and width * (q_heads // kv_heads) >= min_rows
             and width <= HOPPER_MAX_WIDTH and hopper.available())
 
 
-def hopper_applies(q: jax.Array, k: jax.Array) -> bool:
-    """`hopper_takes` for these arrays (and k in q's dtype)."""
+def _min_rows(which: str) -> int:
+    return HOPPER_SMALL_ROWS if which == "pallas-hopper-64" else HOPPER_MIN_ROWS
+
+
+def hopper_applies(q: jax.Array, k: jax.Array, impl: Impl = "pallas") -> bool:
+    """`hopper_takes` for these arrays (and k in q's dtype), with the row threshold of `impl`."""
     _, width, q_heads, head_dim = q.shape
-    return k.dtype == q.dtype and hopper_takes(width, q_heads, k.shape[2], head_dim, k.shape[1], q.dtype)
+    return k.dtype == q.dtype and hopper_takes(width, q_heads, k.shape[2], head_dim, k.shape[1], q.dtype,
+                                               _min_rows(resolve_impl(impl)))
 
 
 def rows_schedule(batch: int, width: int, q_heads: int, kv_heads: int, head_dim: int, max_len: int,
@@ -629,7 +640,7 @@ def rows_schedule(batch: int, width: int, q_heads: int, kv_heads: int, head_dim:
     which = resolve_impl(impl)
     if which not in _ROWS_VARIANTS:
         return None
-    if not hopper_takes(width, q_heads, kv_heads, head_dim, max_len, dtype):
+    if not hopper_takes(width, q_heads, kv_heads, head_dim, max_len, dtype, _min_rows(which)):
         return None
     return _hopper_schedule(which, batch, width * (q_heads // kv_heads), kv_heads, max_len)
 
@@ -700,7 +711,7 @@ def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Ar
     which = resolve_impl(impl)
     if which == "reference":
         return tree_attention_reference(q, k, v, prefix_lens, visible, scale=scale)
-    if which in HOPPER_VARIANTS and hopper_applies(q, k):
+    if which in HOPPER_VARIANTS and hopper_applies(q, k, which):
         _check_shapes(q, k, v, prefix_lens, visible)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         batch, width, q_heads, _ = q.shape

@@ -234,6 +234,11 @@ GPU_CASES = [
     (1, 65, 8, 4, 128, 4400, [4001], True),      # budget 64 at row block 1
     (1, 513, 8, 4, 128, 4616, [4000], True),     # budget 512 at row block 1
 ]
+# Below HOPPER_MIN_ROWS: only "pallas-hopper-64" takes the Hopper kernel.
+GPU_SMALL_CASES = [
+    (1, 16, 8, 4, 128, 4224, [4100], False),     # DFlash's verify: a chain of 16 (64 rows)
+    (2, 17, 8, 4, 128, 4400, [4000, 77], True),  # DDTree(16) at W 17 (68 rows)
+]
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
@@ -257,6 +262,33 @@ def test_gpu_hopper_kernel_matches_reference(batch, width, kv_heads, group, head
         assert rel_err(out, ref) < 1.5e-2, fields
 
 
+@pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("batch,width,kv_heads,group,head_dim,max_len,lens,tree", GPU_SMALL_CASES)
+def test_gpu_hopper_kernel_from_64_rows_matches_reference(batch, width, kv_heads, group, head_dim, max_len,
+                                                          lens, tree):
+    q, k, v, prefix_lens, visible = make_case(7, batch, width, kv_heads, group, head_dim, max_len,
+                                              lens, jnp.bfloat16, tree)
+    assert not dispatch.hopper_applies(q, k) and dispatch.hopper_applies(q, k, "pallas-hopper-64")
+    out = jax.jit(functools.partial(tree_attention, impl="pallas-hopper-64"))(q, k, v, prefix_lens, visible)
+    ref = tree_attention_reference(q, k, v, prefix_lens, visible)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert rel_err(out, ref) < 1.5e-2
+
+
+def test_hopper_64_variant_takes_the_rows_the_default_leaves(monkeypatch):
+    """From 64 rows per kv head (DFlash's 16 tokens x group 4) "pallas-hopper-64" runs the Hopper
+    kernel where "pallas" keeps the Triton one; under 64 (an AR step) neither does."""
+    monkeypatch.setattr(hopper, "available", lambda: True)
+    kv = jnp.zeros((1, 5120, 8, 128), jnp.bfloat16)
+    for width, default, small in ((16, False, True), (17, False, True), (15, False, False), (32, True, True),
+                                  (1, False, False)):
+        q = jnp.zeros((1, width, 32, 128), jnp.bfloat16)
+        assert dispatch.hopper_applies(q, kv) == default, width
+        assert dispatch.hopper_applies(q, kv, "pallas-hopper-64") == small, width
+        got = dispatch.rows_schedule(1, width, 32, 8, 128, 5120, jnp.bfloat16, "pallas-hopper-64")
+        assert (got is not None) == small, width
+
+
 def test_variants_reach_the_kernel_with_their_schedule(monkeypatch):
     """Each Hopper variant gets its own schedule, on the model's row path (`rows_schedule`) and
     through the dispatcher alike."""
@@ -265,7 +297,7 @@ def test_variants_reach_the_kernel_with_their_schedule(monkeypatch):
     want = {"pallas": (True, True, 272 * 4, True), "pallas-unfused": (True, True, 272 * 4, True),
             "pallas-no-pingpong": (False, True, 272 * 4, True), "pallas-xla-merge": (True, True, 272 * 4, False),
             "pallas-reduced-merge": (False, False, 0, False), "pallas-scaled-scores": (True, True, 272 * 4, True),
-            "pallas-pdl": (True, True, 272 * 4, True)}
+            "pallas-pdl": (True, True, 272 * 4, True), "pallas-hopper-64": (True, True, 272 * 4, True)}
     seen = {}
     monkeypatch.setattr(hopper, "tree_attention_hopper",
                         lambda *a, sched, **kw: seen.setdefault("sched", sched) and a[0])
