@@ -36,7 +36,7 @@ from pallas_kernels import tree_attention_hopper as hopper
 from pallas_kernels.powers_of_two import is_power_of_two, next_power_of_two
 
 Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge",
-               "pallas-scaled-scores", "pallas-pdl", "pallas-hopper-64", "pallas-triton", "pallas-one-launch",
+               "pallas-scaled-scores", "pallas-pdl", "pallas-min-rows-128", "pallas-triton", "pallas-one-launch",
                "reference", "interpret"]
 # The kernels as dispatched ("pallas": on Hopper, `tree_attention_hopper` where it applies, fed
 # by the model's fused qkv epilogue), and the variants benchmarks time beside it:
@@ -48,8 +48,9 @@ Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-no-pingpong", "pallas
 # padding warpgroups computing, the split merge in XLA as reductions); "pallas-scaled-scores",
 # "pallas" with the Hopper kernel scaling every score before its softmax (`Schedule.fma_scale` off);
 # "pallas-pdl", "pallas" with the Hopper kernel launched as a programmatic dependent (`Schedule.pdl`);
-# "pallas-hopper-64", "pallas" with the Hopper kernel from 64 rows per kv head (HOPPER_SMALL_ROWS:
-# DFlash's 16-token verify and drafter pass, DDTree(16)'s 17 tokens at group 4) instead of 128;
+# "pallas-min-rows-128", "pallas" leaving rows per kv head under 128 (HOPPER_OLD_MIN_ROWS: DFlash's
+# 16-token verify and drafter pass, DDTree(16)'s 17 tokens at group 4) to the Triton kernel, the
+# default before the twentieth session;
 # "pallas-triton", the Triton kernel alone; and
 # "pallas-one-launch", its default tiling without the tail launch (at W 272, the default before
 # the seventh session).
@@ -62,12 +63,12 @@ Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-no-pingpong", "pallas
 # together, and 64-key blocks; and (seventeenth) pairs of its programs in clusters of two SMs
 # loading their shared K/V blocks once, by TMA multicast.
 PALLAS_VARIANTS = ("pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge",
-                   "pallas-scaled-scores", "pallas-pdl", "pallas-hopper-64", "pallas-triton", "pallas-one-launch")
+                   "pallas-scaled-scores", "pallas-pdl", "pallas-min-rows-128", "pallas-triton", "pallas-one-launch")
 # The variants that run the Hopper kernel where it applies; those fed by the qkv epilogue.
 HOPPER_VARIANTS = ("pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge",
-                   "pallas-scaled-scores", "pallas-pdl", "pallas-hopper-64")
+                   "pallas-scaled-scores", "pallas-pdl", "pallas-min-rows-128")
 _ROWS_VARIANTS = ("pallas", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge", "pallas-scaled-scores",
-                  "pallas-pdl", "pallas-hopper-64")
+                  "pallas-pdl", "pallas-min-rows-128")
 
 # exp2 is the native GPU instruction; folding log2(e) into the score scale makes exp2 exact
 # replacement for exp.
@@ -597,10 +598,13 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens:
 # Hopper
 # --------------------------------------------------------------------------------------------
 
-# Rows per kv head (width x group) from which "pallas" takes the Hopper kernel on sm_90; from
-# which "pallas-hopper-64" does.
-HOPPER_MIN_ROWS = 128
-HOPPER_SMALL_ROWS = 64
+# Rows per kv head (width x group) from which "pallas" takes the Hopper kernel on sm_90 (one
+# warpgroup's 64 rows; an AR step's 4 keep the Triton kernel), and from which
+# "pallas-min-rows-128" does. At 64 rows (DFlash's 16 tokens x group 4, and its drafter) the
+# Hopper kernel made a DFlash round 6.32 ms against 6.72 with the Triton kernel, DDTree(16) at
+# W 17 6.53 against 7.05 (H200, in turns; BENCHMARKS.md, twentieth session).
+HOPPER_MIN_ROWS = 64
+HOPPER_OLD_MIN_ROWS = 128
 # Widths up to which it does: its mask is a [batch, W x group, ~W] bf16 bias, by its shape 9 MB
 # per sequence at W 1024 x group 4 but 138 MB at a 4096-token prefill (sizes computed, not
 # measured), which keeps the Triton kernel.
@@ -619,7 +623,7 @@ def hopper_takes(width: int, q_heads: int, kv_heads: int, head_dim: int, max_len
 
 
 def _min_rows(which: str) -> int:
-    return HOPPER_SMALL_ROWS if which == "pallas-hopper-64" else HOPPER_MIN_ROWS
+    return HOPPER_OLD_MIN_ROWS if which == "pallas-min-rows-128" else HOPPER_MIN_ROWS
 
 
 def hopper_applies(q: jax.Array, k: jax.Array, impl: Impl = "pallas") -> bool:

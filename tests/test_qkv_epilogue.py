@@ -196,9 +196,10 @@ def test_gpu_epilogue_matches_reference(batch, width, kv_heads, group, head_dim,
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("width", [272, 264, 257])  # budget 256 at row blocks 16, 8 and 1
+# budget 256 at row blocks 16, 8 and 1; DFlash's 16 tokens and DDTree(16)'s 17 (64 and 68 rows)
+@pytest.mark.parametrize("width", [272, 264, 257, 16, 17])
 def test_gpu_forward_on_the_fused_path_matches_reference(width):
-    """A bf16 forward of a budget-256 tree: epilogue + Hopper kernel against the reference attention."""
+    """A bf16 forward of a tree: epilogue + Hopper kernel against the reference attention."""
     cfg = tiny_config(hidden_size=256, num_heads=16, num_kv_heads=4, head_dim=128, num_layers=3)
     batch, max_len = 2, 1024
     params = model_lib.init_params(cfg, jax.random.key(4), jnp.bfloat16, fused=True)

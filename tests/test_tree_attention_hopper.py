@@ -211,7 +211,8 @@ def test_dispatch_needs_hopper_and_an_aligned_cache(monkeypatch):
     assert dispatch.hopper_applies(q, jnp.zeros((1, 5120, 8, 128), jnp.bfloat16))
     assert not dispatch.hopper_applies(q, jnp.zeros((1, 5121, 8, 128), jnp.bfloat16))
     assert not dispatch.hopper_applies(q.astype(jnp.float32), jnp.zeros((1, 5120, 8, 128), jnp.float32))
-    assert not dispatch.hopper_applies(q[:, :16], jnp.zeros((1, 5120, 8, 128), jnp.bfloat16))  # DFlash, AR
+    assert not dispatch.hopper_applies(q[:, :15], jnp.zeros((1, 5120, 8, 128), jnp.bfloat16))  # 60 rows
+    assert not dispatch.hopper_applies(q[:, :1], jnp.zeros((1, 5120, 8, 128), jnp.bfloat16))  # an AR step
     long = jnp.zeros((1, dispatch.HOPPER_MAX_WIDTH + 16, 32, 128), jnp.bfloat16)  # a long prefill
     assert not dispatch.hopper_applies(long, jnp.zeros((1, 5120, 8, 128), jnp.bfloat16))
     monkeypatch.setattr(hopper, "available", lambda: False)
@@ -234,7 +235,8 @@ GPU_CASES = [
     (1, 65, 8, 4, 128, 4400, [4001], True),      # budget 64 at row block 1
     (1, 513, 8, 4, 128, 4616, [4000], True),     # budget 512 at row block 1
 ]
-# Below HOPPER_MIN_ROWS: only "pallas-hopper-64" takes the Hopper kernel.
+# From HOPPER_MIN_ROWS (64) to 127 rows: "pallas" takes the Hopper kernel, "pallas-min-rows-128"
+# (the old threshold) the Triton one.
 GPU_SMALL_CASES = [
     (1, 16, 8, 4, 128, 4224, [4100], False),     # DFlash's verify: a chain of 16 (64 rows)
     (2, 17, 8, 4, 128, 4400, [4000, 77], True),  # DDTree(16) at W 17 (68 rows)
@@ -268,25 +270,26 @@ def test_gpu_hopper_kernel_from_64_rows_matches_reference(batch, width, kv_heads
                                                           lens, tree):
     q, k, v, prefix_lens, visible = make_case(7, batch, width, kv_heads, group, head_dim, max_len,
                                               lens, jnp.bfloat16, tree)
-    assert not dispatch.hopper_applies(q, k) and dispatch.hopper_applies(q, k, "pallas-hopper-64")
-    out = jax.jit(functools.partial(tree_attention, impl="pallas-hopper-64"))(q, k, v, prefix_lens, visible)
+    assert dispatch.hopper_applies(q, k) and not dispatch.hopper_applies(q, k, "pallas-min-rows-128")
+    out = jax.jit(functools.partial(tree_attention, impl="pallas"))(q, k, v, prefix_lens, visible)
     ref = tree_attention_reference(q, k, v, prefix_lens, visible)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert rel_err(out, ref) < 1.5e-2
 
 
-def test_hopper_64_variant_takes_the_rows_the_default_leaves(monkeypatch):
-    """From 64 rows per kv head (DFlash's 16 tokens x group 4) "pallas-hopper-64" runs the Hopper
-    kernel where "pallas" keeps the Triton one; under 64 (an AR step) neither does."""
+def test_hopper_kernel_from_64_rows_and_the_old_threshold(monkeypatch):
+    """From 64 rows per kv head (DFlash's 16 tokens x group 4) "pallas" runs the Hopper kernel
+    where "pallas-min-rows-128" keeps the Triton one; under 64 (an AR step) neither does."""
     monkeypatch.setattr(hopper, "available", lambda: True)
     kv = jnp.zeros((1, 5120, 8, 128), jnp.bfloat16)
-    for width, default, small in ((16, False, True), (17, False, True), (15, False, False), (32, True, True),
-                                  (1, False, False)):
+    for width, default, old in ((16, True, False), (17, True, False), (15, False, False), (32, True, True),
+                                (1, False, False)):
         q = jnp.zeros((1, width, 32, 128), jnp.bfloat16)
         assert dispatch.hopper_applies(q, kv) == default, width
-        assert dispatch.hopper_applies(q, kv, "pallas-hopper-64") == small, width
-        got = dispatch.rows_schedule(1, width, 32, 8, 128, 5120, jnp.bfloat16, "pallas-hopper-64")
-        assert (got is not None) == small, width
+        assert dispatch.hopper_applies(q, kv, "pallas-min-rows-128") == old, width
+        assert (dispatch.rows_schedule(1, width, 32, 8, 128, 5120, jnp.bfloat16, "pallas") is not None) == default, width
+        got = dispatch.rows_schedule(1, width, 32, 8, 128, 5120, jnp.bfloat16, "pallas-min-rows-128")
+        assert (got is not None) == old, width
 
 
 def test_variants_reach_the_kernel_with_their_schedule(monkeypatch):
@@ -297,7 +300,7 @@ def test_variants_reach_the_kernel_with_their_schedule(monkeypatch):
     want = {"pallas": (True, True, 272 * 4, True), "pallas-unfused": (True, True, 272 * 4, True),
             "pallas-no-pingpong": (False, True, 272 * 4, True), "pallas-xla-merge": (True, True, 272 * 4, False),
             "pallas-reduced-merge": (False, False, 0, False), "pallas-scaled-scores": (True, True, 272 * 4, True),
-            "pallas-pdl": (True, True, 272 * 4, True), "pallas-hopper-64": (True, True, 272 * 4, True)}
+            "pallas-pdl": (True, True, 272 * 4, True), "pallas-min-rows-128": (True, True, 272 * 4, True)}
     seen = {}
     monkeypatch.setattr(hopper, "tree_attention_hopper",
                         lambda *a, sched, **kw: seen.setdefault("sched", sched) and a[0])
