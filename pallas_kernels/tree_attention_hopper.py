@@ -77,10 +77,10 @@ class Schedule:
       says).
     fma_scale: the softmax takes the row max of the raw scores and scales inside exp2's
       argument (s * scale - max, one fused multiply-add), rather than scaling every score first.
-    pdl: the kernel starts with `griddepcontrol.wait`, before it reads any input, and asks to be
-      launched as a programmatic dependent of the kernel before it (where this jax's Mosaic GPU
-      offers that: `pdl_supported`), so its launch and set-up overlap that kernel's end, as
-      XLA's own kernels already do.
+    pdl: the kernel starts with `griddepcontrol.wait`, before it reads any input; jax 0.11.2's
+      Mosaic GPU then launches it as a programmatic dependent of the kernel before it (older
+      ones launch it as usual, and the wait returns at once), so its launch and set-up overlap
+      that kernel's end, as XLA's own kernels already do.
     """
     full_blocks: int
     main_split: int
@@ -124,27 +124,6 @@ def schedule(batch: int, kv_heads: int, rows: int, max_len: int, num_sms: int = 
     tail_split = max(1, min(num_sms // heads, cap)) if tail else 1
     return Schedule(full_blocks=full, main_split=main_split, tail=bool(tail), tail_split=tail_split,
                     block_k=block_k, real_rows=rows)
-
-
-# The names a Mosaic GPU CompilerParams may give the programmatic-dependent-launch switch.
-_PDL_PARAMS = ("use_pdl", "uses_pdl", "enable_pdl", "pdl")
-
-
-def pdl_supported() -> str | None:
-    """The CompilerParams field that launches a Mosaic GPU kernel as a programmatic dependent
-    (PDL) in this jax, or None where it has none (the wait is then a no-op)."""
-    if plgpu is None:
-        return None
-    fields = {f.name for f in dataclasses.fields(plgpu.CompilerParams)}
-    return next((name for name in _PDL_PARAMS if name in fields), None)
-
-
-def compiler_params(sched: Schedule):
-    """The kernel's CompilerParams: approximate exp2, and PDL where `sched.pdl` and supported."""
-    extra = {}
-    if sched.pdl and (name := pdl_supported()):
-        extra[name] = True
-    return plgpu.CompilerParams(approx_math=True, **extra)
 
 
 def available() -> bool:
@@ -480,7 +459,7 @@ def hopper_partials(q_rows: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: 
         grid_names=("program", "kv_head", "batch"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
-        compiler_params=compiler_params(sched),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
     )
     return call(prefix_lens.astype(jnp.int32), q_rows, k, v, bias)
 

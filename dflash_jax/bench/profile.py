@@ -203,9 +203,17 @@ def gap_sizes(spans: Sequence[tuple], calls: int, largest: int = 8) -> dict[str,
                 buckets[key][0] += 1 / calls
                 buckets[key][1] += gap_us / 1e3 / calls
                 break
-    name = lambda sp: str(sp[3])[:60] if sp is not None and len(sp) > 3 else ""  # noqa: E731
     return {"buckets": {k: [round(n, 2), round(ms, 4)] for k, (n, ms) in buckets.items()},
-            "largest": [[round(g, 2), sp[2], name(sp), name(before)] for g, sp, before in found[::-1][:largest]]}
+            "largest": [[round(g, 2), sp[2], _span_name(sp), _span_name(before)]
+                        for g, sp, before in found[::-1][:largest]]}
+
+
+def _span_name(span: tuple | None, kind: bool = False) -> str:
+    """A span's kernel name (its `kernel_kind` if `kind`), cut to 60 characters; "" for none."""
+    if span is None or len(span) <= 3:
+        return ""
+    name = str(span[3])
+    return (kernel_kind(name) if kind else name)[:60]
 
 
 def kernel_kind(name: str) -> str:
@@ -222,8 +230,7 @@ def gap_pairs(spans: Sequence[tuple], calls: int, top: int = 16) -> list[list[An
     kernel name)."""
     found: dict[tuple[str, str, str], list[float]] = {}
     for gap_us, span, before in _gaps(spans, calls):
-        key = (kernel_kind(str(before[3]))[:60] if before is not None and len(before) > 3 else "",
-               kernel_kind(str(span[3]))[:60] if len(span) > 3 else "", span[2])
+        key = (_span_name(before, kind=True), _span_name(span, kind=True), span[2])
         acc = found.setdefault(key, [0, 0.0])
         acc[0] += 1
         acc[1] += gap_us
