@@ -77,6 +77,13 @@ class Schedule:
       says).
     fma_scale: the softmax takes the row max of the raw scores and scales inside exp2's
       argument (s * scale - max, one fused multiply-add), rather than scaling every score first.
+    tails_last: one grid axis for (kv head, program) that numbers every kv head's full-block
+      programs before any partial-block (tail) program. The GPU starts blocks in about the
+      order of their index, so this puts all the long programs in the first wave and leaves the
+      short tail programs to the SMs as they come free; with the kv head as a grid axis of its
+      own (False), each head's tail programs come right after its full ones, and at W 257 (128
+      full and 128 tail programs) the first wave holds 64 tail programs while the last heads'
+      full programs wait for SMs.
     pdl: the kernel starts with `griddepcontrol.wait`, before it reads any input; jax 0.11.2's
       Mosaic GPU then launches it as a programmatic dependent of the kernel before it (older
       ones launch it as usual, and the wait returns at once), so its launch and set-up overlap
@@ -93,6 +100,7 @@ class Schedule:
     real_rows: int = 0
     merge_kernel: bool = True
     fma_scale: bool = True
+    tails_last: bool = True
     pdl: bool = False
 
     @property
@@ -171,9 +179,35 @@ def _transposed(ref):
     return ref.transpose((1, 0))
 
 
-def _program(sched: Schedule) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """This program's (row block, split, number of splits) from its index on the "program" axis."""
-    c = lax.axis_index("program")
+def head_and_program(sched: Schedule, kv_heads: int, c: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """With `sched.tails_last`: the kv head of the program at c on the grid's "program" axis
+    (over kv_heads * programs) and its index among that head's programs (as `merge` numbers
+    them: full-block programs, then tail ones). Indices below kv_heads * main_programs are the
+    full-block programs, head by head; the rest the tail programs, head by head."""
+    if not sched.tail:
+        n = jnp.int32(sched.main_programs)
+        return lax.div(c, n), lax.rem(c, n)
+    if not sched.full_blocks:
+        n = jnp.int32(sched.tail_split)
+        return lax.div(c, n), lax.rem(c, n)
+    mains = jnp.int32(kv_heads * sched.main_programs)
+    in_tail = c >= mains
+    t = jnp.maximum(c - mains, 0)
+    head = jnp.where(in_tail, lax.div(t, jnp.int32(sched.tail_split)), lax.div(c, jnp.int32(sched.main_programs)))
+    program = jnp.where(in_tail, sched.main_programs + lax.rem(t, jnp.int32(sched.tail_split)),
+                        lax.rem(c, jnp.int32(sched.main_programs)))
+    return head, program
+
+
+def _head_and_program(sched: Schedule, kv_heads: int) -> tuple[jax.Array, jax.Array]:
+    """This program's kv head and its index among that head's `sched.programs` programs."""
+    if not sched.tails_last:
+        return lax.axis_index("kv_head"), lax.axis_index("program")
+    return head_and_program(sched, kv_heads, lax.axis_index("program"))
+
+
+def _program(sched: Schedule, c: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """This program's (row block, split, number of splits) from its index c among its kv head's."""
     if not sched.tail:
         n = jnp.int32(sched.main_split)
         return lax.div(c, n), lax.rem(c, n), n
@@ -186,7 +220,7 @@ def _program(sched: Schedule) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 
 def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, *, sched: Schedule,
-            width: int, qk_scale: float):
+            width: int, kv_heads: int, qk_scale: float):
     """One program: one sequence, one kv head, 128 rows, one split of the key blocks.
 
     Key block j holds slots j*block_k .. (j+1)*block_k - 1, for j < cdiv(L + W, block_k). The
@@ -204,9 +238,8 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
     (q_smem, k_smem, v_smem, bias_smem, lse_smem), barriers = scratch
     k_ready, v_ready, q_ready, bias_ready, k_free, v_free, turn = barriers
     b = lax.axis_index("batch")
-    head = lax.axis_index("kv_head")
-    program = lax.axis_index("program")
-    row_block, split, split_k = _program(sched)
+    head, program = _head_and_program(sched, kv_heads)
+    row_block, split, split_k = _program(sched, program)
     wg = lax.axis_index("wg")
     dtype = q_smem.dtype
 
@@ -445,7 +478,7 @@ def hopper_partials(q_rows: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: 
         )
         pl.run_scoped(
             lambda *scratch: _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref,
-                                     scratch, sched=sched, width=width,
+                                     scratch, sched=sched, width=width, kv_heads=kv_heads,
                                      qk_scale=float(scale) * _LOG2E),
             smem, barriers, collective_axes="wg")
 
@@ -455,8 +488,8 @@ def hopper_partials(q_rows: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: 
     call = plgpu.kernel(
         entry,
         out_type=out_type,
-        grid=(programs, kv_heads, batch),
-        grid_names=("program", "kv_head", "batch"),
+        grid=(kv_heads * programs, batch) if sched.tails_last else (programs, kv_heads, batch),
+        grid_names=("program", "batch") if sched.tails_last else ("program", "kv_head", "batch"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),

@@ -147,10 +147,28 @@ def test_schedule_fills_one_wave():
     assert hopper.schedule(1, 8, 16 * 4, 300).tail_split == 1
 
 
+@pytest.mark.parametrize("rows", [257 * 4, 272 * 4, 256 * 4, 16 * 4, 1])
+def test_grid_order_puts_every_full_block_program_first(rows):
+    """`head_and_program` maps the flat grid one to one onto (kv head, program), every head's
+    full-block programs at lower indices than any tail program, each head's programs in order."""
+    kv_heads = 8
+    sched = hopper.schedule(1, kv_heads, rows, 5120)
+    c = jnp.arange(kv_heads * sched.programs, dtype=jnp.int32)
+    head, program = (np.asarray(a) for a in hopper.head_and_program(sched, kv_heads, c))
+    pairs = set(zip(head.tolist(), program.tolist()))
+    assert pairs == {(h, p) for h in range(kv_heads) for p in range(sched.programs)}
+    is_tail = program >= sched.main_programs
+    assert not np.any(is_tail[:kv_heads * sched.main_programs]) and np.all(is_tail[kv_heads * sched.main_programs:])
+    for h in range(kv_heads):
+        assert np.all(np.diff(program[head == h]) > 0)
+        assert np.all(np.diff(np.flatnonzero(head == h)[~is_tail[head == h]]) == 1)  # a head's full blocks together
+
+
 @pytest.mark.parametrize("pingpong", [True, False])
 @pytest.mark.parametrize("skip_padding", [True, False])
-@pytest.mark.parametrize("fma_scale,block_k,stages", [(True, 128, 2), (False, 128, 2), (True, 64, 4)])
-def test_hopper_kernel_lowers_for_cuda(pingpong, skip_padding, fma_scale, block_k, stages):
+@pytest.mark.parametrize("fma_scale,block_k,stages,tails_last", [(True, 128, 2, True), (False, 128, 2, True),
+                                                                  (True, 64, 4, True), (True, 128, 2, False)])
+def test_hopper_kernel_lowers_for_cuda(pingpong, skip_padding, fma_scale, block_k, stages, tails_last):
     """The Mosaic GPU kernel traces and lowers for cuda without a GPU (one custom call, and one
     Triton launch merging its partials), with and without turns, with the padding warpgroup
     skipping its products (real_rows) or not, scaling in exp2's argument or first, on 128- and
@@ -160,7 +178,7 @@ def test_hopper_kernel_lowers_for_cuda(pingpong, skip_padding, fma_scale, block_
     args = [q, kv, kv, jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1, 272, 272), jnp.bool_)]
     sched = hopper.schedule(1, 8, 272 * 4, 5120)
     sched = dataclasses.replace(sched, pingpong=pingpong, real_rows=sched.real_rows if skip_padding else 0,
-                                fma_scale=fma_scale, block_k=block_k, stages=stages)
+                                fma_scale=fma_scale, block_k=block_k, stages=stages, tails_last=tails_last)
     fn = functools.partial(hopper.tree_attention_hopper, scale=128 ** -0.5, sched=sched)
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 1
@@ -250,10 +268,12 @@ def test_gpu_hopper_kernel_matches_reference(batch, width, kv_heads, group, head
     assert out.shape == q.shape and out.dtype == q.dtype
     assert rel_err(out, ref) < 1.5e-2
     # The same kernel with its compute warpgroups not taking turns (`Schedule.pingpong`),
-    # scaling the scores the other way (`Schedule.fma_scale`), and launched as a programmatic
-    # dependent of the kernel before it (`Schedule.pdl`).
+    # scaling the scores the other way (`Schedule.fma_scale`), launched as a programmatic
+    # dependent of the kernel before it (`Schedule.pdl`), and on the grid in the other order
+    # (`Schedule.tails_last`).
     default = hopper.schedule(batch, kv_heads, width * group, max_len)
-    for fields in (dict(pingpong=False), dict(fma_scale=not default.fma_scale), dict(pdl=not default.pdl)):
+    for fields in (dict(pingpong=False), dict(fma_scale=not default.fma_scale), dict(pdl=not default.pdl),
+                   dict(tails_last=not default.tails_last)):
         sched = dataclasses.replace(default, **fields)
         out = jax.jit(functools.partial(hopper.tree_attention_hopper, scale=head_dim ** -0.5, sched=sched))(
             q, k, v, prefix_lens, visible)
@@ -296,7 +316,8 @@ def test_variants_reach_the_kernel_with_their_schedule(monkeypatch):
     want = {"pallas": (True, True, 272 * 4, True), "pallas-unfused": (True, True, 272 * 4, True),
             "pallas-no-pingpong": (False, True, 272 * 4, True), "pallas-xla-merge": (True, True, 272 * 4, False),
             "pallas-reduced-merge": (False, False, 0, False), "pallas-scaled-scores": (True, True, 272 * 4, True),
-            "pallas-pdl": (True, True, 272 * 4, True), "pallas-min-rows-128": (True, True, 272 * 4, True)}
+            "pallas-pdl": (True, True, 272 * 4, True), "pallas-min-rows-128": (True, True, 272 * 4, True),
+            "pallas-heads-major": (True, True, 272 * 4, True)}
     seen = {}
     monkeypatch.setattr(hopper, "tree_attention_hopper",
                         lambda *a, sched, **kw: seen.setdefault("sched", sched) and a[0])
@@ -310,6 +331,7 @@ def test_variants_reach_the_kernel_with_their_schedule(monkeypatch):
         assert (got.pingpong, got.unrolled_merge, got.real_rows, got.merge_kernel) == fields, impl
         assert got.fma_scale == (impl not in ("pallas-scaled-scores", "pallas-reduced-merge")), impl
         assert got.pdl == (impl == "pallas-pdl"), impl
+        assert got.tails_last == (impl != "pallas-heads-major"), impl
         rows = dispatch.rows_schedule(1, 272, 32, 8, 128, 5120, jnp.bfloat16, impl)
         if impl == "pallas-unfused":
             assert rows is None  # the path without the qkv epilogue
