@@ -13,6 +13,6 @@ timeout 150 python -m dflash_jax.bench.tree_attention_bench --hopper --contexts 
   --hopper-sched headsmajor:tails_last=false --hopper-sched t8:tail_split=8 --hopper-sched t32:tail_split=32 \
   --iters 20 --reps 5 --out $OUT/hopper_order.json 2>&1 | grep -E "hopper|ctx=|rror" | tee $OUT/hopper_order.log
 echo "=== rounds"
-timeout 230 python -m dflash_jax.bench.spec_round --ctx 4096 --budgets 256 64 512 --attn-impl auto pallas-heads-major --no-profile \
+timeout 300 python -m dflash_jax.bench.spec_round --ctx 4096 --budgets 256 64 512 --attn-impl auto pallas-heads-major --no-profile \
   --interleave 4 --out $OUT/rounds_order.json > $OUT/rounds_order.raw 2>&1
 grep -E "^\||^interleaved|rror|fail" $OUT/rounds_order.raw
