@@ -57,11 +57,13 @@ class Shape:
 
     @property
     def max_len(self) -> int:
-        return self.ctx + self.width
+        """Cache slots: ctx + W rounded up to a multiple of 8 (the Hopper kernel's TMA tiling
+        needs that, and the model's caches have it; W 257 would otherwise leave 4353)."""
+        return -(-(self.ctx + self.width) // 8) * 8
 
     def kv_bytes(self, itemsize: int) -> int:
         """Bytes of K and V in slots 0..ctx+W-1."""
-        return 2 * self.batch * self.max_len * self.kv_heads * self.head_dim * itemsize
+        return 2 * self.batch * (self.ctx + self.width) * self.kv_heads * self.head_dim * itemsize
 
     def min_bytes(self, itemsize: int) -> int:
         """K/V read once, q read once, out written once."""
