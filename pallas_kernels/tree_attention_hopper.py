@@ -26,7 +26,9 @@ its output normalised with its log-sum-exp; `split_merge.py` (a Triton kernel, i
 so that the tail's 16 splits are no long pole) merges them straight into tokens, or, with
 `Schedule.merge_kernel` False, `merge` does in jnp, the splits summed elementwise (an earlier
 Triton merge, one program per 16 tokens looping over the splits, lost to XLA by 0.5 ms a round:
-BENCHMARKS.md, thirteenth session).
+BENCHMARKS.md, thirteenth session). The grid numbers every kv head's full-block programs before
+any tail program (`Schedule.tails_last`), so the long programs all start in the first wave and
+the short tail ones take the SMs as those end (46.0 against 47.4 us alone at W 257, ctx 4K).
 
 Needs: bf16/f16, head_dim 64 or 128, a cache length (max_len) that is a multiple of 8, and cache
 slots from L+W to the end of the last key block that hold finite values (the TMA reads them
