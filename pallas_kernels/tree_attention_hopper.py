@@ -86,12 +86,6 @@ class Schedule:
       own (False), each head's tail programs come right after its full ones, and at W 257 (128
       full and 128 tail programs) the first wave holds 64 tail programs while the last heads'
       full programs wait for SMs.
-    fold_tail: no tail programs: each full-block program, after its own key blocks, takes the
-      partial block's rows over its share of the kv head's key blocks (program p of P:
-      blocks p * n // P .. (p + 1) * n // P - 1), written as tail partial p (so tail_split is
-      main_programs). The tail then costs each program 2-3 more key blocks instead of a second
-      wave of short programs whose fixed part (q load, first K/V, the write) outweighs their
-      work (7.8 us a layer at W 257, ctx 4K, against W 256). See `fold_tail`.
     pdl: the kernel starts with `griddepcontrol.wait`, before it reads any input; jax 0.11.2's
       Mosaic GPU then launches it as a programmatic dependent of the kernel before it (older
       ones launch it as usual, and the wait returns at once), so its launch and set-up overlap
@@ -110,7 +104,6 @@ class Schedule:
     fma_scale: bool = True
     tails_last: bool = True
     pdl: bool = False
-    fold_tail: bool = False
 
     @property
     def main_programs(self) -> int:
@@ -121,21 +114,8 @@ class Schedule:
         return self.main_programs + (self.tail_split if self.tail else 0)
 
     @property
-    def launched(self) -> int:
-        """Programs launched per (sequence, kv head): the tail's fold into the full-block ones."""
-        return self.main_programs if self.fold_tail else self.programs
-
-    @property
     def padded_rows(self) -> int:
         return (self.full_blocks + self.tail) * ROWS_PER_BLOCK
-
-
-def fold_tail(sched: Schedule) -> Schedule:
-    """`sched` with its partial block folded into the full-block programs (`Schedule.fold_tail`),
-    where it has both; otherwise unchanged."""
-    if not (sched.full_blocks and sched.tail):
-        return sched
-    return dataclasses.replace(sched, fold_tail=True, tail_split=sched.main_programs)
 
 
 def schedule(batch: int, kv_heads: int, rows: int, max_len: int, num_sms: int = 132,
@@ -206,7 +186,7 @@ def head_and_program(sched: Schedule, kv_heads: int, c: jax.Array) -> tuple[jax.
     (over kv_heads * programs) and its index among that head's programs (as `merge` numbers
     them: full-block programs, then tail ones). Indices below kv_heads * main_programs are the
     full-block programs, head by head; the rest the tail programs, head by head."""
-    if not sched.tail or sched.fold_tail:
+    if not sched.tail:
         n = jnp.int32(sched.main_programs)
         return lax.div(c, n), lax.rem(c, n)
     if not sched.full_blocks:
@@ -228,16 +208,9 @@ def _head_and_program(sched: Schedule, kv_heads: int) -> tuple[jax.Array, jax.Ar
     return head_and_program(sched, kv_heads, lax.axis_index("program"))
 
 
-def tail_share(program, total, programs: int):
-    """With `Schedule.fold_tail`: the key blocks [lo, hi) of the partial block's rows that the
-    full-block program `program` (of a kv head's `programs`) takes after its own; the shares
-    cover blocks 0..total-1 once each, in order, their sizes differing by at most one."""
-    return program * total // programs, (program + 1) * total // programs
-
-
 def _program(sched: Schedule, c: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """This program's (row block, split, number of splits) from its index c among its kv head's."""
-    if not sched.tail or sched.fold_tail:
+    if not sched.tail:
         n = jnp.int32(sched.main_split)
         return lax.div(c, n), lax.rem(c, n), n
     if not sched.full_blocks:
@@ -250,8 +223,7 @@ def _program(sched: Schedule, c: jax.Array) -> tuple[jax.Array, jax.Array, jax.A
 
 def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, *, sched: Schedule,
             width: int, kv_heads: int, qk_scale: float):
-    """One program: one sequence, one kv head, 128 rows, one split of the key blocks (and, with
-    `sched.fold_tail`, then the partial block's rows over a share of the key blocks).
+    """One program: one sequence, one kv head, 128 rows, one split of the key blocks.
 
     Key block j holds slots j*block_k .. (j+1)*block_k - 1, for j < cdiv(L + W, block_k). The
     blocks before floor(L / block_k) are wholly in the prefix and need no mask; the others take
@@ -279,160 +251,155 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
     per_split = lax.div(total + split_k - 1, split_k)
     lo = jnp.minimum(split * per_split, total)
     hi = jnp.minimum(lo + per_split, total)
-    if sched.fold_tail:  # this program's share of the tail's key blocks, after its own
-        tail_lo, tail_hi = tail_share(program, total, sched.main_programs)
-    else:
-        tail_lo = tail_hi = jnp.int32(0)
 
     pingpong = sched.pingpong
-    q_tile = q_smem.at[wg]
-    bias_tile = bias_smem.at[wg]
-    wgmma_layout = plgpu.Layout.WGMMA
+    row0 = row_block * ROWS_PER_BLOCK + wg * ROWS_PER_WG
+
+    def slot_of(i):
+        return lax.rem(i - lo, jnp.int32(stages))
+
+    def await_next_k(i):
+        pl.when(i + 1 < hi)(lambda: plgpu.barrier_wait(k_ready.at[slot_of(i + 1)]))
 
     def take_turn():
         plgpu.barrier_arrive(turn)
         plgpu.barrier_wait(turn)
 
-    def rows(lo, hi, base, row0, out_program):
-        """This warpgroup's 64 rows from row0 against key blocks lo..hi-1, the base-th K/V the
-        memory warpgroup streams onwards; written as partial out_program."""
+    def turns_before():
+        if pingpong:
+            # Warpgroup 1 starts a turn behind warpgroup 0 and warpgroup 0 ends one turn after
+            # it, so both arrive at `turn` equally often; K block `lo` is awaited here, each
+            # later one inside the step before it.
+            pl.when(wg == 1)(take_turn)
+            pl.when(lo < hi)(lambda: plgpu.barrier_wait(k_ready.at[0]))
 
-        def slot_of(i):
-            return lax.rem(base + i - lo, jnp.int32(stages))
+    def turns_after():
+        if pingpong:
+            pl.when(wg == 0)(take_turn)
 
-        def await_next_k(i):
-            pl.when(i + 1 < hi)(lambda: plgpu.barrier_wait(k_ready.at[slot_of(i + 1)]))
+    def _idle():
+        """A warpgroup whose 64 rows are all padding (the second half of a last block that is
+        half full, as at W 272 x group 4): no products, only its part in freeing the K/V slots
+        and in the turns, in step with the other warpgroup, which then has the tensor cores."""
+        turns_before()
 
-        def turns_before():
+        @pl.loop(lo, hi)
+        def _step(i):
+            slot = slot_of(i)
             if pingpong:
-                # Warpgroup 1 starts a turn behind warpgroup 0 and warpgroup 0 ends one turn after
-                # it, so both arrive at `turn` equally often; K block `lo` is awaited here, each
-                # later one inside the step before it.
-                pl.when(wg == 1)(take_turn)
-                pl.when(lo < hi)(lambda: plgpu.barrier_wait(k_ready.at[slot_of(lo)]))
-
-        def turns_after():
+                take_turn()
+            else:
+                plgpu.barrier_wait(k_ready.at[slot])
+            plgpu.barrier_arrive(k_free.at[slot])
             if pingpong:
-                pl.when(wg == 0)(take_turn)
+                plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(v_ready.at[slot])
+            if pingpong:
+                plgpu.barrier_wait(turn)
+                await_next_k(i)
+            plgpu.barrier_arrive(v_free.at[slot])
 
-        def _idle():
-            """A warpgroup whose 64 rows are all padding (the second half of a last block that is
-            half full, as at W 272 x group 4): no products, only its part in freeing the K/V slots
-            and in the turns, in step with the other warpgroup, which then has the tensor cores."""
-            turns_before()
+        turns_after()
 
-            @pl.loop(lo, hi)
-            def _step(i):
-                slot = slot_of(i)
-                if pingpong:
+    q_tile = q_smem.at[wg]
+    bias_tile = bias_smem.at[wg]
+    first_masked = jnp.maximum(lo, n_clean)
+    wgmma_layout = plgpu.Layout.WGMMA
+
+    def load_bias(step):
+        cols = pl.ds((step - n_clean) * block_k, block_k)
+        plgpu.copy_gmem_to_smem(bias_ref.at[b, pl.ds(row0, ROWS_PER_WG), cols], bias_tile,
+                                bias_ready.at[wg])
+
+    def start():
+        """Loads this warpgroup's q rows (and the first bias block); the softmax's initial state."""
+        plgpu.copy_gmem_to_smem(q_ref.at[b, head, pl.ds(row0, ROWS_PER_WG)], q_tile, q_ready.at[wg])
+        pl.when(first_masked < hi)(lambda: load_bias(first_masked))
+        plgpu.barrier_wait(q_ready.at[wg])
+        row_layout = wgmma_layout.reduce(1)
+        m_i = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), _M_INIT, jnp.float32), row_layout)
+        l_i = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), 0.0, jnp.float32), row_layout)
+        acc = plgpu.layout_cast(jnp.full((ROWS_PER_WG, q_tile.shape[-1]), 0.0, jnp.float32),
+                                wgmma_layout)
+        return acc, m_i, l_i
+
+    def softmax(i, s, acc, m_i, l_i, masked: bool):
+        """The online softmax of key block i's scores s [64, block_k] (raw q.k): the rescaled
+        acc, the new running max and sum, and P in the input dtype for P @ V."""
+        scale_first = not sched.fma_scale
+        if scale_first:
+            s = s * qk_scale
+        if masked:  # the bias is 0 / -inf, the same scaled or not
+            plgpu.barrier_wait(bias_ready.at[wg])
+            s = s + bias_tile[...].astype(jnp.float32)
+            pl.when(i + 1 < hi)(lambda: load_bias(i + 1))
+        row_max = s.max(axis=1)
+        m_new = jnp.maximum(m_i, row_max if scale_first else row_max * qk_scale)
+        alpha = jnp.exp2(m_i - m_new)
+        m_cols = lax.broadcast_in_dim(m_new, s.shape, [0])
+        p = jnp.exp2(s - m_cols if scale_first else s * qk_scale - m_cols)
+        l_i = l_i * alpha + p.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        return acc, m_new, l_i, p.astype(dtype)
+
+    def finish(acc, m_i, l_i):
+        """Normalises the rows and writes them with their log-sum-exp."""
+        seen = l_i > 0
+        inv = 1.0 / jnp.where(seen, l_i, 1.0)
+        q_tile[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+        lse_smem.at[wg][...] = jnp.where(seen, m_i + jnp.log2(jnp.where(seen, l_i, 1.0)), -jnp.inf)
+        plgpu.commit_smem()
+        out_rows = pl.ds(wg * ROWS_PER_WG, ROWS_PER_WG)
+        plgpu.copy_smem_to_gmem(q_tile, out_ref.at[b, head, program, out_rows])
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, head, program, out_rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    def _work():
+        """The warpgroup's 64 rows of q against its split of the key blocks."""
+        carry = start()
+
+        def step(i, carry, masked: bool):
+            acc, m_i, l_i = carry
+            slot = slot_of(i)
+            if not pingpong:
+                plgpu.barrier_wait(k_ready.at[slot])
+
+            def scores(acc_ref):
+                plgpu.wgmma(acc_ref, q_tile, _transposed(k_smem.at[slot]))
+                if pingpong:  # the other warpgroup's P @ V goes next, while this one waits
                     take_turn()
-                else:
-                    plgpu.barrier_wait(k_ready.at[slot])
-                plgpu.barrier_arrive(k_free.at[slot])
-                if pingpong:
-                    plgpu.barrier_arrive(turn)
+                return acc_ref[...]
+
+            s = pl.run_scoped(scores, plgpu.ACC((ROWS_PER_WG, block_k), jnp.float32))
+            plgpu.barrier_arrive(k_free.at[slot])
+            acc, m_new, l_i, p16 = softmax(i, s, acc, m_i, l_i, masked)
+            if pingpong:
+                # The softmax must be done before this warpgroup hands over its turn.
+                acc, m_new, l_i, p16 = lax.optimization_barrier((acc, m_new, l_i, p16))
+                plgpu.barrier_arrive(turn)
                 plgpu.barrier_wait(v_ready.at[slot])
-                if pingpong:
-                    plgpu.barrier_wait(turn)
+                plgpu.barrier_wait(turn)
+            else:
+                plgpu.barrier_wait(v_ready.at[slot])
+
+            def values(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                if pingpong:  # wait for the next K block while this product runs
                     await_next_k(i)
-                plgpu.barrier_arrive(v_free.at[slot])
 
-            turns_after()
+            acc = pl.run_state(values)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_new, l_i
 
-        first_masked = jnp.maximum(lo, n_clean)
+        turns_before()
+        carry = lax.fori_loop(lo, jnp.minimum(hi, n_clean), functools.partial(step, masked=False), carry)
+        carry = lax.fori_loop(first_masked, hi, functools.partial(step, masked=True), carry)
+        turns_after()
+        finish(*carry)
 
-        def load_bias(step):
-            cols = pl.ds((step - n_clean) * block_k, block_k)
-            plgpu.copy_gmem_to_smem(bias_ref.at[b, pl.ds(row0, ROWS_PER_WG), cols], bias_tile,
-                                    bias_ready.at[wg])
-
-        def start():
-            """Loads the q rows (and the first bias block); the softmax's initial state."""
-            plgpu.copy_gmem_to_smem(q_ref.at[b, head, pl.ds(row0, ROWS_PER_WG)], q_tile, q_ready.at[wg])
-            pl.when(first_masked < hi)(lambda: load_bias(first_masked))
-            plgpu.barrier_wait(q_ready.at[wg])
-            row_layout = wgmma_layout.reduce(1)
-            m_i = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), _M_INIT, jnp.float32), row_layout)
-            l_i = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), 0.0, jnp.float32), row_layout)
-            acc = plgpu.layout_cast(jnp.full((ROWS_PER_WG, q_tile.shape[-1]), 0.0, jnp.float32),
-                                    wgmma_layout)
-            return acc, m_i, l_i
-
-        def softmax(i, s, acc, m_i, l_i, masked: bool):
-            """The online softmax of key block i's scores s [64, block_k] (raw q.k): the rescaled
-            acc, the new running max and sum, and P in the input dtype for P @ V."""
-            scale_first = not sched.fma_scale
-            if scale_first:
-                s = s * qk_scale
-            if masked:  # the bias is 0 / -inf, the same scaled or not
-                plgpu.barrier_wait(bias_ready.at[wg])
-                s = s + bias_tile[...].astype(jnp.float32)
-                pl.when(i + 1 < hi)(lambda: load_bias(i + 1))
-            row_max = s.max(axis=1)
-            m_new = jnp.maximum(m_i, row_max if scale_first else row_max * qk_scale)
-            alpha = jnp.exp2(m_i - m_new)
-            m_cols = lax.broadcast_in_dim(m_new, s.shape, [0])
-            p = jnp.exp2(s - m_cols if scale_first else s * qk_scale - m_cols)
-            l_i = l_i * alpha + p.sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            return acc, m_new, l_i, p.astype(dtype)
-
-        def finish(acc, m_i, l_i):
-            """Normalises the rows and writes them with their log-sum-exp (q_tile and lse_smem
-            are free again when this returns)."""
-            seen = l_i > 0
-            inv = 1.0 / jnp.where(seen, l_i, 1.0)
-            q_tile[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
-            lse_smem.at[wg][...] = jnp.where(seen, m_i + jnp.log2(jnp.where(seen, l_i, 1.0)), -jnp.inf)
-            plgpu.commit_smem()
-            out_rows = pl.ds(wg * ROWS_PER_WG, ROWS_PER_WG)
-            plgpu.copy_smem_to_gmem(q_tile, out_ref.at[b, head, out_program, out_rows])
-            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, head, out_program, out_rows])
-            plgpu.wait_smem_to_gmem(0)
-
-        def _work():
-            """The warpgroup's 64 rows of q against the key blocks lo..hi-1."""
-            carry = start()
-
-            def step(i, carry, masked: bool):
-                acc, m_i, l_i = carry
-                slot = slot_of(i)
-                if not pingpong:
-                    plgpu.barrier_wait(k_ready.at[slot])
-
-                def scores(acc_ref):
-                    plgpu.wgmma(acc_ref, q_tile, _transposed(k_smem.at[slot]))
-                    if pingpong:  # the other warpgroup's P @ V goes next, while this one waits
-                        take_turn()
-                    return acc_ref[...]
-
-                s = pl.run_scoped(scores, plgpu.ACC((ROWS_PER_WG, block_k), jnp.float32))
-                plgpu.barrier_arrive(k_free.at[slot])
-                acc, m_new, l_i, p16 = softmax(i, s, acc, m_i, l_i, masked)
-                if pingpong:
-                    # The softmax must be done before this warpgroup hands over its turn.
-                    acc, m_new, l_i, p16 = lax.optimization_barrier((acc, m_new, l_i, p16))
-                    plgpu.barrier_arrive(turn)
-                    plgpu.barrier_wait(v_ready.at[slot])
-                    plgpu.barrier_wait(turn)
-                else:
-                    plgpu.barrier_wait(v_ready.at[slot])
-
-                def values(acc_ref):
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                    if pingpong:  # wait for the next K block while this product runs
-                        await_next_k(i)
-
-                acc = pl.run_state(values)(plgpu.ACC.init(acc))
-                plgpu.barrier_arrive(v_free.at[slot])
-                return acc, m_new, l_i
-
-            turns_before()
-            carry = lax.fori_loop(lo, jnp.minimum(hi, n_clean), functools.partial(step, masked=False), carry)
-            carry = lax.fori_loop(first_masked, hi, functools.partial(step, masked=True), carry)
-            turns_after()
-            finish(*carry)
-
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
         if not sched.real_rows:  # every row counts as real: no warpgroup is idle
             _work()
             return
@@ -440,34 +407,22 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
         pl.when(idle)(_idle)
         pl.when(jnp.logical_not(idle))(_work)
 
-    @pl.when(wg < COMPUTE_WGS)
-    def _compute():
-        plgpu.set_max_registers(232, action="increase")
-        rows(lo, hi, jnp.int32(0), row_block * ROWS_PER_BLOCK + wg * ROWS_PER_WG, program)
-        if sched.fold_tail:
-            rows(tail_lo, tail_hi, hi - lo, sched.full_blocks * ROWS_PER_BLOCK + wg * ROWS_PER_WG,
-                 sched.main_programs + program)
-
     @pl.when(wg == COMPUTE_WGS)
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
-        own = hi - lo
-        steps = own + (tail_hi - tail_lo)
 
-        def issue(step, slot):
-            block = jnp.where(step < own, lo + step, tail_lo + step - own)
-            keys = pl.ds(block * block_k, block_k)
+        def issue(i, slot):
+            keys = pl.ds(i * block_k, block_k)
             plgpu.copy_gmem_to_smem(k_ref.at[b, keys, head], k_smem.at[slot], k_ready.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[b, keys, head], v_smem.at[slot], v_ready.at[slot])
 
         for j in range(stages):
-            pl.when(j < steps)(functools.partial(issue, jnp.int32(j), j))
+            pl.when(lo + j < hi)(functools.partial(issue, lo + j, j))
 
-        @pl.loop(jnp.int32(stages), steps)
-        def _stream(step):
-            slot = lax.rem(step, jnp.int32(stages))
-            block = jnp.where(step < own, lo + step, tail_lo + step - own)
-            keys = pl.ds(block * block_k, block_k)
+        @pl.loop(lo + stages, hi)
+        def _stream(i):
+            slot = lax.rem(i - lo, jnp.int32(stages))
+            keys = pl.ds(i * block_k, block_k)
             plgpu.barrier_wait(k_free.at[slot])
             plgpu.copy_gmem_to_smem(k_ref.at[b, keys, head], k_smem.at[slot], k_ready.at[slot])
             plgpu.barrier_wait(v_free.at[slot])
@@ -535,7 +490,7 @@ def hopper_partials(q_rows: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: 
     call = plgpu.kernel(
         entry,
         out_type=out_type,
-        grid=(kv_heads * sched.launched, batch) if sched.tails_last else (sched.launched, kv_heads, batch),
+        grid=(kv_heads * programs, batch) if sched.tails_last else (programs, kv_heads, batch),
         grid_names=("program", "batch") if sched.tails_last else ("program", "kv_head", "batch"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",

@@ -164,55 +164,21 @@ def test_grid_order_puts_every_full_block_program_first(rows):
         assert np.all(np.diff(np.flatnonzero(head == h)[~is_tail[head == h]]) == 1)  # a head's full blocks together
 
 
-@pytest.mark.parametrize("rows", [257 * 4, 272 * 4, 513 * 4, 144 * 4])
-@pytest.mark.parametrize("kv_heads", [8, 2])
-def test_folded_tail_launches_the_full_block_programs_only(rows, kv_heads):
-    """`fold_tail`: the grid holds each kv head's full-block programs once (and no tail
-    programs), the partials keep their layout (one tail partial per full-block program), and
-    the programs' shares of the tail's key blocks cover every block once, in order."""
-    sched = hopper.schedule(1, kv_heads, rows, 5120)
-    folded = hopper.fold_tail(sched)
-    assert folded.fold_tail and folded.launched == sched.main_programs
-    assert folded.tail_split == folded.main_programs and folded.programs == 2 * sched.main_programs
-    assert folded.padded_rows == sched.padded_rows
-    c = jnp.arange(kv_heads * folded.launched, dtype=jnp.int32)
-    head, program = (np.asarray(a) for a in hopper.head_and_program(folded, kv_heads, c))
-    assert set(zip(head.tolist(), program.tolist())) == {(h, p) for h in range(kv_heads)
-                                                          for p in range(folded.main_programs)}
-    for total in (1, 2, 3, 35, 36, 41, 67):  # key blocks of a kv head
-        shares = [hopper.tail_share(p, total, folded.main_programs) for p in range(folded.main_programs)]
-        assert shares[0][0] == 0 and shares[-1][1] == total
-        assert all(a[1] == b[0] for a, b in zip(shares, shares[1:]))
-        sizes = [hi - lo for lo, hi in shares]
-        assert min(sizes) >= 0 and max(sizes) - min(sizes) <= 1
-
-
-def test_fold_tail_leaves_schedules_without_both_kinds_of_block():
-    for rows in (256 * 4, 16 * 4, 17 * 4):  # whole blocks only; a partial block only
-        sched = hopper.schedule(1, 8, rows, 5120)
-        assert hopper.fold_tail(sched) == sched
-
-
 @pytest.mark.parametrize("pingpong", [True, False])
 @pytest.mark.parametrize("skip_padding", [True, False])
-@pytest.mark.parametrize("fma_scale,block_k,stages,tails_last,fold", [
-    (True, 128, 2, True, False), (False, 128, 2, True, False), (True, 64, 4, True, False),
-    (True, 128, 2, False, False), (True, 128, 2, True, True), (True, 64, 4, False, True)])
-def test_hopper_kernel_lowers_for_cuda(pingpong, skip_padding, fma_scale, block_k, stages, tails_last, fold):
+@pytest.mark.parametrize("fma_scale,block_k,stages,tails_last", [(True, 128, 2, True), (False, 128, 2, True),
+                                                                  (True, 64, 4, True), (True, 128, 2, False)])
+def test_hopper_kernel_lowers_for_cuda(pingpong, skip_padding, fma_scale, block_k, stages, tails_last):
     """The Mosaic GPU kernel traces and lowers for cuda without a GPU (one custom call, and one
     Triton launch merging its partials), with and without turns, with the padding warpgroup
     skipping its products (real_rows) or not, scaling in exp2's argument or first, on 128- and
-    64-key blocks, in either grid order, with the partial block in programs of its own or
-    folded into the full-block ones."""
+    64-key blocks."""
     q = jax.ShapeDtypeStruct((1, 272, 32, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 5120, 8, 128), jnp.bfloat16)
     args = [q, kv, kv, jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1, 272, 272), jnp.bool_)]
     sched = hopper.schedule(1, 8, 272 * 4, 5120)
     sched = dataclasses.replace(sched, pingpong=pingpong, real_rows=sched.real_rows if skip_padding else 0,
                                 fma_scale=fma_scale, block_k=block_k, stages=stages, tails_last=tails_last)
-    if fold:
-        sched = hopper.fold_tail(sched)
-        assert sched.fold_tail
     fn = functools.partial(hopper.tree_attention_hopper, scale=128 ** -0.5, sched=sched)
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 1
@@ -306,33 +272,12 @@ def test_gpu_hopper_kernel_matches_reference(batch, width, kv_heads, group, head
     # dependent of the kernel before it (`Schedule.pdl`), and on the grid in the other order
     # (`Schedule.tails_last`).
     default = hopper.schedule(batch, kv_heads, width * group, max_len)
-    variants = [dataclasses.replace(default, **fields) for fields in (
-        dict(pingpong=False), dict(fma_scale=not default.fma_scale), dict(pdl=not default.pdl),
-        dict(tails_last=not default.tails_last))]
-    for sched in variants:
+    for fields in (dict(pingpong=False), dict(fma_scale=not default.fma_scale), dict(pdl=not default.pdl),
+                   dict(tails_last=not default.tails_last)):
+        sched = dataclasses.replace(default, **fields)
         out = jax.jit(functools.partial(hopper.tree_attention_hopper, scale=head_dim ** -0.5, sched=sched))(
             q, k, v, prefix_lens, visible)
-        assert rel_err(out, ref) < 1.5e-2, sched
-
-
-@pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("tails_last", [True, False])
-@pytest.mark.parametrize("batch,width,kv_heads,group,head_dim,max_len,lens,tree",
-                         [case for case in GPU_CASES if case[1] * case[3] % hopper.ROWS_PER_BLOCK
-                          and case[1] * case[3] > hopper.ROWS_PER_BLOCK])
-def test_gpu_folded_tail_matches_reference(batch, width, kv_heads, group, head_dim, max_len, lens, tree,
-                                           tails_last):
-    """The partial block's rows taken by the full-block programs after their own key blocks
-    (`Schedule.fold_tail`), in both grid orders: the cases with full and partial blocks, among
-    them shares of no key block (no prefix: 3 key blocks over 8 programs)."""
-    q, k, v, prefix_lens, visible = make_case(7, batch, width, kv_heads, group, head_dim, max_len,
-                                              lens, jnp.bfloat16, tree)
-    sched = hopper.schedule(batch, kv_heads, width * group, max_len)
-    sched = hopper.fold_tail(dataclasses.replace(sched, tails_last=tails_last))
-    assert sched.fold_tail
-    out = jax.jit(functools.partial(hopper.tree_attention_hopper, scale=head_dim ** -0.5, sched=sched))(
-        q, k, v, prefix_lens, visible)
-    assert rel_err(out, tree_attention_reference(q, k, v, prefix_lens, visible)) < 1.5e-2
+        assert rel_err(out, ref) < 1.5e-2, fields
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
@@ -372,7 +317,7 @@ def test_variants_reach_the_kernel_with_their_schedule(monkeypatch):
             "pallas-no-pingpong": (False, True, 272 * 4, True), "pallas-xla-merge": (True, True, 272 * 4, False),
             "pallas-reduced-merge": (False, False, 0, False), "pallas-scaled-scores": (True, True, 272 * 4, True),
             "pallas-pdl": (True, True, 272 * 4, True), "pallas-min-rows-128": (True, True, 272 * 4, True),
-            "pallas-heads-major": (True, True, 272 * 4, True), "pallas-fold-tail": (True, True, 272 * 4, True)}
+            "pallas-heads-major": (True, True, 272 * 4, True)}
     seen = {}
     monkeypatch.setattr(hopper, "tree_attention_hopper",
                         lambda *a, sched, **kw: seen.setdefault("sched", sched) and a[0])
@@ -387,7 +332,6 @@ def test_variants_reach_the_kernel_with_their_schedule(monkeypatch):
         assert got.fma_scale == (impl not in ("pallas-scaled-scores", "pallas-reduced-merge")), impl
         assert got.pdl == (impl == "pallas-pdl"), impl
         assert got.tails_last == (impl != "pallas-heads-major"), impl
-        assert got.fold_tail == (impl == "pallas-fold-tail"), impl
         rows = dispatch.rows_schedule(1, 272, 32, 8, 128, 5120, jnp.bfloat16, impl)
         if impl == "pallas-unfused":
             assert rows is None  # the path without the qkv epilogue

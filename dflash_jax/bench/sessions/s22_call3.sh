@@ -1,6 +1,8 @@
 #!/bin/bash
 # Twenty-second session, call 3: the partial block folded into the full-block programs
 # (Schedule.fold_tail, attention variant pallas-fold-tail) against today's tail programs.
+# Ran at commit e9f5dd7 with its launch constants made Python ints; both were removed after it
+# (the round no faster: BENCHMARKS.md, twenty-second session).
 # 1. The kernel alone at ctx 4K, W 257 / 513 (each checked against the float32 reference).
 # 2. GPU parity of the folded kernel (both grid orders), two pytest processes side by side.
 # 3. DDTree(256) rounds, both, in turns.
