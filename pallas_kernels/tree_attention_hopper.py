@@ -28,7 +28,7 @@ so that the tail's 16 splits are no long pole) merges them straight into tokens,
 Triton merge, one program per 16 tokens looping over the splits, lost to XLA by 0.5 ms a round:
 BENCHMARKS.md, thirteenth session). The grid numbers every kv head's full-block programs before
 any tail program (`Schedule.tails_last`), so the long programs all start in the first wave and
-the short tail ones take the SMs as those end (46.0 against 47.4 us alone at W 257, ctx 4K).
+the short tail ones take the SMs as those end (the kernel 39.3 against 40.3 us at W 257, ctx 4K).
 
 Needs: bf16/f16, head_dim 64 or 128, a cache length (max_len) that is a multiple of 8, and cache
 slots from L+W to the end of the last key block that hold finite values (the TMA reads them
