@@ -10,12 +10,14 @@ what the library picks and how far from the matrix rate each lands:
 * with the op that follows it in the layer fused or not (`+res`: the residual add; `+silu`:
   SiLU(gate) * up), to see which of them XLA folds into the GEMM;
 * `--splits`: as `splits` products over slices of K, float32 partials out (as
-  `model.split_k_product` asks for them), the sum left to the consumer (not timed).
+  `model.split_k_product` asks for them), the sum left to the consumer (not timed);
+* `gate_up+silu:kernel`: the same step as `gate_up+silu` by `pallas_kernels.gate_up_silu` (one
+  Mosaic GPU launch; weights [2, mlp, in], the rows padded to its tiles before the program).
 
 Each variant runs `--layers` products with distinct weights (so no weight is read from L2) in
 one jitted program with XLA's dot merger off (it would merge products that share an input).
 Reported per product: the GPU's kernel time from a profiler trace (gaps excluded), the kernels
-launched, and TFLOP/s.
+launched, TFLOP/s, and the wall time of the whole program per product (gaps included).
 
     python -m dflash_jax.bench.gemm_shapes --rows 272 256 --out gemm.json
 """
@@ -28,7 +30,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.bench.common import environment, log, write_json
+from dflash_jax.bench.common import environment, log, time_fn, write_json
 from dflash_jax.bench.profile import kernel_events
 from dflash_jax.speculative import DOT_MERGER_OFF
 
@@ -39,6 +41,8 @@ PRODUCTS = {
     "o+res": (4096, 4096, "res"),
     "gate_up": (4096, 24576, None),
     "gate_up+silu": (4096, 24576, "silu"),
+    "gate_up+silu:kernel": (4096, 24576, "silu-kernel"),
+    "gate_up+silu:kernel-pdl": (4096, 24576, "silu-kernel-pdl"),
     "down": (12288, 4096, None),
     "down+res": (12288, 4096, "res"),
     "lm_head": (4096, 151936, "f32"),
@@ -55,6 +59,11 @@ def product(x: jax.Array, w: jax.Array, layout: str, after: str | None, res: jax
         ws = w.reshape(splits, k // splits, -1) if layout == "in_out" else w.reshape(-1, splits, k // splits)
         eq = "tsk,sko->sto" if layout == "in_out" else "tsk,osk->sto"
         return jnp.einsum(eq, xs, ws, preferred_element_type=jnp.float32)
+    if after in ("silu-kernel", "silu-kernel-pdl"):  # w: [2, mlp, in]; x padded to the kernel's tiles
+        import dataclasses
+        from pallas_kernels.gate_up_silu import gate_up_silu_padded, token_tiles
+        tiles = dataclasses.replace(token_tiles(x.shape[0]), pdl=after.endswith("pdl"))
+        return gate_up_silu_padded(x, w, tiles=tiles)
     eq = "ti,io->to" if layout == "in_out" else "ti,oi->to"
     if after == "f32":
         return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32)
@@ -79,12 +88,19 @@ def measure(name: str, rows: int, layout: str, layers: int, calls: int, splits: 
     n = layers if name != "lm_head" else min(layers, 4)
     keys = jax.random.split(jax.random.key(rows), n + 2)
     shape = (d_in, d_out) if layout == "in_out" else (d_out, d_in)
+    if after in ("silu-kernel", "silu-kernel-pdl"):
+        from pallas_kernels.gate_up_silu import token_tiles
+        shape = (2, d_out // 2, d_in)
+        tokens = token_tiles(rows).tokens
+        x_rows = -(-rows // tokens) * tokens
+    else:
+        x_rows = rows
     weights = tuple(jax.random.normal(k, shape, jnp.bfloat16) * 0.02 for k in keys[:n])
-    x = jax.random.normal(keys[n], (rows, d_in), jnp.bfloat16)
-    res = jax.random.normal(keys[n + 1], (rows, d_out if after != "silu" else d_out // 2), jnp.bfloat16)
+    x = jax.random.normal(keys[n], (x_rows, d_in), jnp.bfloat16)
+    res = jax.random.normal(keys[n + 1], (rows, d_out // 2 if after and after.startswith("silu") else d_out),
+                            jnp.bfloat16)
     fn = program(layout, after, splits)(x, res, weights).compile(compiler_options=DOT_MERGER_OFF)
-    for _ in range(3):
-        jax.block_until_ready(fn(x, res, weights))
+    wall = time_fn(lambda: fn(x, res, weights), warmup=3, iters=10)["median_ms"] * 1e3 / n
     trace_dir = tempfile.mkdtemp()
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         for _ in range(calls):
@@ -97,6 +113,7 @@ def measure(name: str, rows: int, layout: str, layers: int, calls: int, splits: 
     flop = 2 * rows * d_in * d_out
     del weights
     return {"product": name, "rows": rows, "layout": layout, "splits": splits, "us": round(us, 2),
+            "wall_us": round(wall, 2),
             "kernels": round(len(events) / calls / n, 2), "tflops": round(flop / us / 1e6, 1),
             "by_kernel_us": {k: round(v / calls / n, 2) for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])}}
 
@@ -113,18 +130,20 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     results = []
-    print("| product | rows | layout | splits | us | kernels | TFLOP/s | costliest kernel |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| product | rows | layout | splits | kernel us | wall us | kernels | TFLOP/s | costliest kernel |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in args.products:
         for rows in args.rows:
             for layout in args.layouts:
                 for splits in args.splits:
                     if splits > 1 and PRODUCTS[name][2] is not None:
                         continue  # split partials end at the product
+                    if (PRODUCTS[name][2] or "").startswith("silu-kernel") and layout != "out_in":
+                        continue  # the kernel takes its weights [2, mlp, in] only
                     r = measure(name, rows, layout, args.layers, args.calls, splits)
                     results.append(r)
                     top = next(iter(r["by_kernel_us"].items()))
-                    print(f"| {name} | {rows} | {layout} | {splits} | {r['us']} | {r['kernels']} | {r['tflops']} | "
+                    print(f"| {name} | {rows} | {layout} | {splits} | {r['us']} | {r['wall_us']} | {r['kernels']} | {r['tflops']} | "
                           f"{top[0]} {top[1]} |", flush=True)
     log("done")
     write_json(args.out, {"env": environment(), "rows": results})

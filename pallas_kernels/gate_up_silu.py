@@ -1,0 +1,252 @@
+"""The MLP's gated activation on Hopper (sm_90): silu(x @ gate) * (x @ up) in one Pallas Mosaic
+GPU kernel.
+
+At the rows of a 256-node tree (W 257) XLA runs this as a cuBLAS GEMM into [rows, 2, mlp], a
+cuBLAS Memset before it, and a fusion for the activation after it: three launches, each after
+an idle gap of about 1.7-1.9 us (cuBLAS kernels are not launched as programmatic dependents),
+and the [rows, 2 x 12288] product written and read back once. This kernel writes only the
+activation, [rows, mlp].
+
+Orientation. The rows are few (257) and the weights many, so the weights take wgmma's M side
+(64 per warpgroup, no padding) and the rows its N side (a multiple of 8: 257 rows cost 272, not
+the 320 of 64-row blocks). Both operands are then K-major in shared memory: the weights stored
+[out, in] (`[2, mlp, embed]`) and x as it is ([rows, embed]), its tile viewed transposed. The
+product comes out [cols, rows] and is stored transposed into the [rows, cols] tile that TMA
+writes.
+
+Block (one program): 64 output columns x `tokens` rows.
+* warpgroup 0 computes the gate's 64 columns, warpgroup 1 the up projection's same 64 columns,
+  both from the same x tile; warpgroup 1 hands its product (rounded to the input dtype, as
+  XLA's product is) to warpgroup 0 through shared memory, which applies silu(g) * u and stores
+  the tile;
+* warpgroup 2 streams x and weight tiles (K blocks of `block_k`) into a ring of `stages` slots
+  with TMA; a slot is freed once both compute warpgroups' products that read it are done.
+
+Grid: one program per (column block, row tile), row tiles fastest, so the programs that read
+the same weights run side by side and the second finds them in L2. At 257 rows and mlp 12288:
+192 column blocks x 2 row tiles of 136 = 384 programs, 2.9 waves on 132 SMs (cuBLAS's own
+tiling of the product, 128 x 136, makes the same count).
+
+Needs: bf16/f16, embed a multiple of block_k, mlp a multiple of 64. This file holds, side by
+side: the tile settings, the reference (`gate_up_silu_reference`), the kernel, its launch, and
+`gate_up_silu`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+try:  # Mosaic GPU ships with jaxlib; absent on some builds.
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # pragma: no cover - depends on the jaxlib build
+    plgpu = None
+
+COLS = 64  # output columns per program: wgmma's M for one warpgroup
+MAX_TOKENS = 136  # rows per tile at most: 257 rows -> 2 tiles of 136
+_SMEM_BYTES = 227 * 1024  # an sm_90 block's shared memory
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """tokens: rows per tile (a multiple of 8, at most 256); block_k: the K step (a multiple
+    of 64); stages: K steps in flight; pdl: the kernel starts with `griddepcontrol.wait`, so
+    jax launches it as a programmatic dependent of the kernel before it (its launch and set-up
+    overlap that kernel's end)."""
+    tokens: int
+    block_k: int = 64
+    stages: int = 5
+    pdl: bool = False
+
+    def smem_bytes(self, itemsize: int = 2) -> int:
+        ring = self.stages * (self.tokens + 2 * COLS) * self.block_k
+        return (ring + 2 * COLS * self.tokens) * itemsize
+
+
+def token_tiles(rows: int) -> Tiles:
+    """Rows split into the fewest tiles of at most MAX_TOKENS, each a multiple of 8."""
+    n = pl.cdiv(rows, MAX_TOKENS)
+    return Tiles(tokens=pl.cdiv(pl.cdiv(rows, n), 8) * 8)
+
+
+def available() -> bool:
+    """Whether the local backend can run the kernel: a GPU of compute capability 9.x."""
+    if plgpu is None or jax.default_backend() != "gpu":
+        return False
+    cap = str(getattr(jax.local_devices(backend="gpu")[0], "compute_capability", ""))
+    return cap.startswith("9.")
+
+
+def gate_up_silu_reference(x: jax.Array, w: jax.Array) -> jax.Array:
+    """What XLA computes for the same step: x [rows, embed], w [2, mlp, embed] (gate, up as
+    [out, in]) -> silu(x @ gate.T) * (x @ up.T) [rows, mlp] in x's dtype, the products rounded
+    to x's dtype first (as the model's `mlp_activation` does)."""
+    both = jnp.einsum("se,tme->stm", x, w, preferred_element_type=x.dtype).astype(jnp.float32)
+    return (jax.nn.silu(both[:, 0]) * both[:, 1]).astype(x.dtype)
+
+
+def _transposed(ref):
+    """ref viewed as its transpose (the API moved between jax releases)."""
+    if hasattr(plgpu, "transpose_ref"):
+        return plgpu.transpose_ref(ref, (1, 0))
+    return ref.transpose((1, 0))
+
+
+def _kernel(x_ref, w_ref, out_ref, scratch, *, tiles: Tiles, row_tiles: int, k_steps: int):
+    """One program: 64 columns of the activation for one tile of rows.
+
+    Refs (GMEM): x_ref [rows_padded, embed]; w_ref [2, mlp, embed]; out_ref [rows_padded, mlp].
+    """
+    if tiles.pdl:  # everything below reads what earlier kernels wrote
+        plgpu.griddepcontrol_wait()
+    (x_smem, w_smem, up_smem, out_smem), (x_ready, w_ready, free, up_ready) = scratch
+    stages, bk, tokens = tiles.stages, tiles.block_k, tiles.tokens
+    p = lax.axis_index("program")
+    t0 = lax.rem(p, jnp.int32(row_tiles)) * tokens
+    c0 = lax.div(p, jnp.int32(row_tiles)) * COLS
+    wg = lax.axis_index("wg")
+    dtype = x_smem.dtype
+
+    @pl.when(wg < 2)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+
+        def products(acc_ref):
+            def step(i, carry):
+                slot = lax.rem(i, jnp.int32(stages))
+                plgpu.barrier_wait(x_ready.at[slot])
+                plgpu.barrier_wait(w_ready.at[slot])
+                plgpu.wgmma(acc_ref, w_smem.at[slot, wg], _transposed(x_smem.at[slot]))
+                # At most this step's product in flight: the one before it has read its slot.
+                plgpu.wgmma_wait(1)
+                pl.when(i > 0)(lambda: plgpu.barrier_arrive(free.at[lax.rem(i + stages - 1, jnp.int32(stages))]))
+                return carry
+
+            lax.fori_loop(0, k_steps, step, None)
+            plgpu.wgmma_wait(0)
+            return acc_ref[...]
+
+        acc = pl.run_scoped(products, plgpu.ACC((COLS, tokens), jnp.float32))
+        # Rounded as XLA's product is, before the activation.
+        product = acc.astype(dtype)
+
+        # Both tiles are held [rows, cols] (rows a multiple of 8, not of 64, so they cannot be
+        # tiled the other way round), written and read through a transposed view.
+        @pl.when(wg == 1)
+        def _hand_over():
+            _transposed(up_smem)[...] = plgpu.layout_cast(product, plgpu.Layout.WGMMA_TRANSPOSED)
+            plgpu.barrier_arrive(up_ready)
+
+        @pl.when(wg == 0)
+        def _activate():
+            plgpu.barrier_wait(up_ready)
+            up = plgpu.load(_transposed(up_smem), (), layout=plgpu.Layout.WGMMA_TRANSPOSED)
+            up = plgpu.layout_cast(up, plgpu.Layout.WGMMA).astype(jnp.float32)
+            gate = product.astype(jnp.float32)
+            h = (gate / (1.0 + jnp.exp(-gate)) * up).astype(dtype)
+            _transposed(out_smem)[...] = plgpu.layout_cast(h, plgpu.Layout.WGMMA_TRANSPOSED)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem, out_ref.at[pl.ds(t0, tokens), pl.ds(c0, COLS)])
+            plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def issue(i, slot):
+            ks = pl.ds(i * bk, bk)
+            plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(t0, tokens), ks], x_smem.at[slot], x_ready.at[slot])
+            plgpu.copy_gmem_to_smem(w_ref.at[:, pl.ds(c0, COLS), ks], w_smem.at[slot], w_ready.at[slot])
+
+        for j in range(min(stages, k_steps)):
+            issue(j, j)
+
+        @pl.loop(stages, k_steps)
+        def _stream(i):
+            slot = lax.rem(i, jnp.int32(stages))
+            plgpu.barrier_wait(free.at[slot])
+            issue(i, slot)
+
+
+# A jit of its own: a model calls the kernel once per layer, and JAX lowers a jitted function
+# once per program, not once per call.
+@functools.partial(jax.jit, static_argnames=("tiles",))
+def gate_up_silu_padded(x: jax.Array, w: jax.Array, *, tiles: Tiles) -> jax.Array:
+    """The kernel on rows that are a whole number of tiles.
+
+    x: [rows, embed] with rows a multiple of tiles.tokens; w: [2, mlp, embed]. Returns
+    [rows, mlp] in x's dtype.
+    """
+    if plgpu is None:
+        raise RuntimeError("gate_up_silu needs jax's Mosaic GPU backend")
+    rows, embed = x.shape
+    bk, stages, tokens = tiles.block_k, tiles.stages, tiles.tokens
+    if w.ndim != 3 or w.shape[0] != 2 or w.shape[2] != embed:
+        raise ValueError(f"gate_up_silu: w {w.shape} must be [2, mlp, embed={embed}] (gate, up as [out, in])")
+    mlp = w.shape[1]
+    if x.dtype not in (jnp.bfloat16, jnp.float16) or w.dtype != x.dtype:
+        raise ValueError(f"gate_up_silu: x {x.dtype} and w {w.dtype} must be one dtype, bf16 or f16")
+    if rows % tokens or tokens % 8 or tokens > 256:
+        raise ValueError(f"gate_up_silu: rows={rows} must be a multiple of tiles.tokens={tokens}, "
+                         "itself a multiple of 8 and at most 256")
+    if embed % bk or bk % 64:
+        raise ValueError(f"gate_up_silu: embed={embed} must be a multiple of block_k={bk} (a multiple of 64)")
+    if mlp % COLS:
+        raise ValueError(f"gate_up_silu: w's mlp={mlp} must be a multiple of {COLS}")
+    if tiles.smem_bytes(x.dtype.itemsize) > _SMEM_BYTES:
+        raise ValueError(f"gate_up_silu: {tiles} needs {tiles.smem_bytes(x.dtype.itemsize)} bytes of shared "
+                         f"memory, more than {_SMEM_BYTES}")
+    swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    row_tiles = rows // tokens
+
+    def entry(x_ref, w_ref, out_ref):
+        smem = (
+            plgpu.SMEM((stages, tokens, bk), x.dtype, transforms=swizzled),
+            plgpu.SMEM((stages, 2, COLS, bk), x.dtype, transforms=swizzled),
+            plgpu.SMEM((tokens, COLS), x.dtype, transforms=swizzled),
+            plgpu.SMEM((tokens, COLS), x.dtype, transforms=swizzled),
+        )
+        barriers = (
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both compute warpgroups
+            plgpu.Barrier(num_arrivals=1),
+        )
+        pl.run_scoped(
+            lambda *scratch: _kernel(x_ref, w_ref, out_ref, scratch, tiles=tiles, row_tiles=row_tiles,
+                                     k_steps=embed // bk),
+            smem, barriers, collective_axes="wg")
+
+    call = plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct((rows, mlp), x.dtype),
+        grid=((mlp // COLS) * row_tiles,),
+        grid_names=("program",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )
+    return call(x, w)
+
+
+def gate_up_silu(x: jax.Array, w: jax.Array, tiles: Tiles | None = None) -> jax.Array:
+    """silu(x @ w[0].T) * (x @ w[1].T) for x [..., embed] and w [2, mlp, embed]: [..., mlp].
+
+    The rows are padded with zeros to whole tiles (`token_tiles`) and the padding dropped after.
+    """
+    lead, embed = x.shape[:-1], x.shape[-1]
+    rows = 1
+    for d in lead:
+        rows *= d
+    tiles = tiles or token_tiles(rows)
+    flat = x.reshape(rows, embed)
+    padded = pl.cdiv(rows, tiles.tokens) * tiles.tokens
+    if padded != rows:
+        flat = jnp.pad(flat, ((0, padded - rows), (0, 0)))
+    out = gate_up_silu_padded(flat, w, tiles=tiles)
+    return out[:rows].reshape(*lead, w.shape[1])

@@ -1,0 +1,81 @@
+"""The MLP's gated activation kernel (Mosaic GPU, Hopper).
+
+On CPU: its tiling of the rows, its argument checks, and its lowering for cuda. On an H100/H200:
+the kernel against `gate_up_silu_reference` (what XLA computes for the model's MLP).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import gate_up_silu as gus
+
+ON_HOPPER = gus.available()
+
+
+@pytest.mark.parametrize("rows,tokens,tiles", [(257, 136, 2), (272, 136, 2), (136, 136, 1), (17, 24, 1),
+                                               (1, 8, 1), (513, 136, 4), (300, 104, 3)])
+def test_rows_split_into_the_fewest_tiles_of_at_most_136(rows, tokens, tiles):
+    t = gus.token_tiles(rows)
+    assert t.tokens == tokens and t.tokens % 8 == 0 and t.tokens <= gus.MAX_TOKENS
+    assert -(-rows // t.tokens) == tiles and tiles * t.tokens - rows < 8 * tiles
+    assert t.smem_bytes() <= gus._SMEM_BYTES
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("rows,embed,mlp", [(272, 4096, 12288), (24, 512, 256)])
+def test_kernel_lowers_for_cuda(rows, embed, mlp, pdl):
+    t = gus.Tiles(tokens=gus.token_tiles(rows).tokens, pdl=pdl)
+    x = jax.ShapeDtypeStruct((rows, embed), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((2, mlp, embed), jnp.bfloat16)
+    text = jax.jit(lambda x, w: gus.gate_up_silu_padded(x, w, tiles=t)).trace(x, w).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 1
+
+
+@pytest.mark.parametrize("x_shape,w_shape,dtype,tiles,match", [
+    ((272, 512), (256, 512), jnp.bfloat16, gus.Tiles(136), "w .* must be \\[2, mlp, embed=512\\]"),
+    ((272, 512), (2, 256, 256), jnp.bfloat16, gus.Tiles(136), "w .* must be \\[2, mlp, embed=512\\]"),
+    ((272, 512), (2, 256, 512), jnp.float32, gus.Tiles(136), "bf16 or f16"),
+    ((270, 512), (2, 256, 512), jnp.bfloat16, gus.Tiles(136), "rows=270 must be a multiple"),
+    ((272, 520), (2, 256, 520), jnp.bfloat16, gus.Tiles(136), "embed=520 must be a multiple of block_k"),
+    ((272, 512), (2, 200, 512), jnp.bfloat16, gus.Tiles(136), "mlp=200 must be a multiple of 64"),
+    ((272, 512), (2, 256, 512), jnp.bfloat16, gus.Tiles(136, stages=8), "bytes of shared memory"),
+])
+def test_bad_arguments_get_one_clear_error(x_shape, w_shape, dtype, tiles, match):
+    x = jax.ShapeDtypeStruct(x_shape, dtype)
+    w = jax.ShapeDtypeStruct(w_shape, dtype)
+    with pytest.raises(ValueError, match=match):
+        jax.jit(lambda x, w: gus.gate_up_silu_padded(x, w, tiles=tiles)).trace(x, w)
+
+
+def test_reference_is_the_models_mlp_activation():
+    """The reference is what `model.mlp_activation` computes from the fused [embed, 2, mlp] weight."""
+    from dflash_jax.model import MLPParams, mlp_activation
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((1, 20, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((2, 128, 64)) * 0.1, jnp.bfloat16)
+    ours = gus.gate_up_silu_reference(x[0], w)
+    model = mlp_activation(MLPParams(gate_up=jnp.transpose(w, (2, 0, 1))), x)[0]
+    np.testing.assert_array_equal(np.asarray(ours, np.float32), np.asarray(model, np.float32))
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("rows,embed,mlp,pdl", [(257, 4096, 12288, False), (272, 4096, 12288, True),
+                                                (17, 512, 256, False), (136, 1024, 640, False),
+                                                (513, 512, 128, False)])
+def test_gpu_kernel_matches_reference(rows, embed, mlp, pdl):
+    rng = np.random.default_rng(rows)
+    x = jnp.asarray(rng.standard_normal((rows, embed)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((2, mlp, embed)) / np.sqrt(embed), jnp.bfloat16)
+    t = gus.Tiles(tokens=gus.token_tiles(rows).tokens, pdl=pdl)
+    out = np.asarray(jax.jit(lambda x, w: gus.gate_up_silu(x, w, t))(x, w), np.float64)
+    ref = np.asarray(gus.gate_up_silu_reference(x, w), np.float64)
+    assert out.shape == (rows, mlp) and np.all(np.isfinite(out))
+    err = np.max(np.abs(out - ref)) / np.max(np.abs(ref))
+    assert err < 2e-2, err
+    # Every tile and column block lands where it belongs: the mean error is far below the max.
+    assert np.mean(np.abs(out - ref)) < 1e-2 * np.mean(np.abs(ref))
