@@ -23,7 +23,8 @@ Block (one program): 64 output columns x `tokens` rows.
   with TMA; a slot is freed once both compute warpgroups' products that read it are done.
 
 Grid: one program per (column block, row tile), row tiles fastest, so the programs that read
-the same weights run side by side and the second finds them in L2. At 257 rows and mlp 12288:
+the same weights run side by side and the second finds them in L2 (or, with `Tiles.pair`, in
+clusters of two that load them once). At 257 rows and mlp 12288:
 192 column blocks x 2 row tiles of 136 = 384 programs, 2.9 waves on 132 SMs (cuBLAS's own
 tiling of the product, 128 x 136, makes the same count).
 
@@ -57,11 +58,16 @@ class Tiles:
     """tokens: rows per tile (a multiple of 8, at most 256); block_k: the K step (a multiple
     of 64); stages: K steps in flight; pdl: the kernel starts with `griddepcontrol.wait`, so
     jax launches it as a programmatic dependent of the kernel before it (its launch and set-up
-    overlap that kernel's end)."""
+    overlap that kernel's end); pair: programs run in clusters of two SMs, the two row tiles
+    of one column block, which share their weight tiles: each SM loads half of every weight
+    tile and TMA multicasts it to both (the weights' share of L2 reads halves), and a slot is
+    freed only once the compute warpgroups of both SMs are done with it. Needs an even number
+    of row tiles."""
     tokens: int
     block_k: int = 64
     stages: int = 5
     pdl: bool = False
+    pair: bool = False
 
     def smem_bytes(self, itemsize: int = 2) -> int:
         ring = self.stages * (self.tokens + 2 * COLS) * self.block_k
@@ -107,8 +113,13 @@ def _kernel(x_ref, w_ref, out_ref, scratch, *, tiles: Tiles, row_tiles: int, k_s
     (x_smem, w_smem, up_smem, out_smem), (x_ready, w_ready, free, up_ready) = scratch
     stages, bk, tokens = tiles.stages, tiles.block_k, tiles.tokens
     p = lax.axis_index("program")
-    t0 = lax.rem(p, jnp.int32(row_tiles)) * tokens
-    c0 = lax.div(p, jnp.int32(row_tiles)) * COLS
+    if tiles.pair:  # a cluster of two: the row tiles 2j and 2j + 1 of one column block
+        half = jnp.int32(row_tiles // 2)
+        t0 = (lax.rem(p, half) * 2 + lax.axis_index("pair")) * tokens
+        c0 = lax.div(p, half) * COLS
+    else:
+        t0 = lax.rem(p, jnp.int32(row_tiles)) * tokens
+        c0 = lax.div(p, jnp.int32(row_tiles)) * COLS
     wg = lax.axis_index("wg")
     dtype = x_smem.dtype
 
@@ -122,9 +133,12 @@ def _kernel(x_ref, w_ref, out_ref, scratch, *, tiles: Tiles, row_tiles: int, k_s
                 plgpu.barrier_wait(x_ready.at[slot])
                 plgpu.barrier_wait(w_ready.at[slot])
                 plgpu.wgmma(acc_ref, w_smem.at[slot, wg], _transposed(x_smem.at[slot]))
-                # At most this step's product in flight: the one before it has read its slot.
+                # At most this step's product in flight: the one before it has read its slot,
+                # which is freed if a later load needs it (with `pair` the other SM may have
+                # exited by the time the last ones would be freed).
                 plgpu.wgmma_wait(1)
-                pl.when(i > 0)(lambda: plgpu.barrier_arrive(free.at[lax.rem(i + stages - 1, jnp.int32(stages))]))
+                pl.when((i > 0) & (i - 1 + stages < k_steps))(
+                    lambda: plgpu.barrier_arrive(free.at[lax.rem(i + stages - 1, jnp.int32(stages))]))
                 return carry
 
             lax.fori_loop(0, k_steps, step, None)
@@ -161,7 +175,11 @@ def _kernel(x_ref, w_ref, out_ref, scratch, *, tiles: Tiles, row_tiles: int, k_s
         def issue(i, slot):
             ks = pl.ds(i * bk, bk)
             plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(t0, tokens), ks], x_smem.at[slot], x_ready.at[slot])
-            plgpu.copy_gmem_to_smem(w_ref.at[:, pl.ds(c0, COLS), ks], w_smem.at[slot], w_ready.at[slot])
+            w_tile = w_ref.at[:, pl.ds(c0, COLS), ks]
+            if tiles.pair:
+                plgpu.copy_gmem_to_smem(w_tile, w_smem.at[slot], w_ready.at[slot], collective_axes="pair")
+            else:
+                plgpu.copy_gmem_to_smem(w_tile, w_smem.at[slot], w_ready.at[slot])
 
         for j in range(min(stages, k_steps)):
             issue(j, j)
@@ -176,11 +194,12 @@ def _kernel(x_ref, w_ref, out_ref, scratch, *, tiles: Tiles, row_tiles: int, k_s
 # A jit of its own: a model calls the kernel once per layer, and JAX lowers a jitted function
 # once per program, not once per call.
 @functools.partial(jax.jit, static_argnames=("tiles",))
-def gate_up_silu_padded(x: jax.Array, w: jax.Array, *, tiles: Tiles) -> jax.Array:
-    """The kernel on rows that are a whole number of tiles.
+def gate_up_silu_kernel(x: jax.Array, w: jax.Array, *, tiles: Tiles) -> jax.Array:
+    """The kernel on x's rows as they are.
 
-    x: [rows, embed] with rows a multiple of tiles.tokens; w: [2, mlp, embed]. Returns
-    [rows, mlp] in x's dtype.
+    x: [rows, embed], rows a multiple of 8 (the tiling of shared memory) and >= tiles.tokens;
+    w: [2, mlp, embed]. Returns [rows, mlp] in x's dtype. Where rows are not a whole number of tiles, the last tile reads zeros past the end
+    of x and its rows past the end of the output are not written (TMA's bounds handling).
     """
     if plgpu is None:
         raise RuntimeError("gate_up_silu needs jax's Mosaic GPU backend")
@@ -191,8 +210,8 @@ def gate_up_silu_padded(x: jax.Array, w: jax.Array, *, tiles: Tiles) -> jax.Arra
     mlp = w.shape[1]
     if x.dtype not in (jnp.bfloat16, jnp.float16) or w.dtype != x.dtype:
         raise ValueError(f"gate_up_silu: x {x.dtype} and w {w.dtype} must be one dtype, bf16 or f16")
-    if rows % tokens or tokens % 8 or tokens > 256:
-        raise ValueError(f"gate_up_silu: rows={rows} must be a multiple of tiles.tokens={tokens}, "
+    if rows < tokens or rows % 8 or tokens % 8 or tokens > 256:
+        raise ValueError(f"gate_up_silu: rows={rows} must be a multiple of 8 and at least tiles.tokens={tokens}, "
                          "itself a multiple of 8 and at most 256")
     if embed % bk or bk % 64:
         raise ValueError(f"gate_up_silu: embed={embed} must be a multiple of block_k={bk} (a multiple of 64)")
@@ -201,8 +220,10 @@ def gate_up_silu_padded(x: jax.Array, w: jax.Array, *, tiles: Tiles) -> jax.Arra
     if tiles.smem_bytes(x.dtype.itemsize) > _SMEM_BYTES:
         raise ValueError(f"gate_up_silu: {tiles} needs {tiles.smem_bytes(x.dtype.itemsize)} bytes of shared "
                          f"memory, more than {_SMEM_BYTES}")
+    row_tiles = pl.cdiv(rows, tokens)
+    if tiles.pair and row_tiles % 2:
+        raise ValueError(f"gate_up_silu: pair needs an even number of row tiles, rows={rows} make {row_tiles}")
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    row_tiles = rows // tokens
 
     def entry(x_ref, w_ref, out_ref):
         smem = (
@@ -214,7 +235,9 @@ def gate_up_silu_padded(x: jax.Array, w: jax.Array, *, tiles: Tiles) -> jax.Arra
         barriers = (
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both compute warpgroups
+            # Both compute warpgroups (of both SMs, with `pair`).
+            (plgpu.ClusterBarrier(collective_axes=("pair",), num_arrivals=2, num_barriers=stages) if tiles.pair
+             else plgpu.Barrier(num_arrivals=2, num_barriers=stages)),
             plgpu.Barrier(num_arrivals=1),
         )
         pl.run_scoped(
@@ -225,8 +248,9 @@ def gate_up_silu_padded(x: jax.Array, w: jax.Array, *, tiles: Tiles) -> jax.Arra
     call = plgpu.kernel(
         entry,
         out_type=jax.ShapeDtypeStruct((rows, mlp), x.dtype),
-        grid=((mlp // COLS) * row_tiles,),
+        grid=((mlp // COLS) * row_tiles // (2 if tiles.pair else 1),),
         grid_names=("program",),
+        **(dict(cluster=(2,), cluster_names=("pair",)) if tiles.pair else {}),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -234,10 +258,12 @@ def gate_up_silu_padded(x: jax.Array, w: jax.Array, *, tiles: Tiles) -> jax.Arra
     return call(x, w)
 
 
-def gate_up_silu(x: jax.Array, w: jax.Array, tiles: Tiles | None = None) -> jax.Array:
+def gate_up_silu(x: jax.Array, w: jax.Array, tiles: Tiles | None = None, pad: bool = False) -> jax.Array:
     """silu(x @ w[0].T) * (x @ w[1].T) for x [..., embed] and w [2, mlp, embed]: [..., mlp].
 
-    The rows are padded with zeros to whole tiles (`token_tiles`) and the padding dropped after.
+    The rows are padded with zeros to a multiple of 8 (the last tile may be partial,
+    `gate_up_silu_kernel`), or with `pad` (and wherever there are fewer rows than one tile) to
+    whole tiles (`token_tiles`); the padding is dropped after.
     """
     lead, embed = x.shape[:-1], x.shape[-1]
     rows = 1
@@ -245,8 +271,9 @@ def gate_up_silu(x: jax.Array, w: jax.Array, tiles: Tiles | None = None) -> jax.
         rows *= d
     tiles = tiles or token_tiles(rows)
     flat = x.reshape(rows, embed)
-    padded = pl.cdiv(rows, tiles.tokens) * tiles.tokens
+    whole = pl.cdiv(rows, tiles.tokens) * tiles.tokens
+    padded = whole if pad or rows < tiles.tokens else pl.cdiv(rows, 8) * 8
     if padded != rows:
         flat = jnp.pad(flat, ((0, padded - rows), (0, 0)))
-    out = gate_up_silu_padded(flat, w, tiles=tiles)
+    out = gate_up_silu_kernel(flat, w, tiles=tiles)
     return out[:rows].reshape(*lead, w.shape[1])

@@ -25,13 +25,14 @@ def test_rows_split_into_the_fewest_tiles_of_at_most_136(rows, tokens, tiles):
     assert t.smem_bytes() <= gus._SMEM_BYTES
 
 
-@pytest.mark.parametrize("pdl", [False, True])
-@pytest.mark.parametrize("rows,embed,mlp", [(272, 4096, 12288), (24, 512, 256)])
-def test_kernel_lowers_for_cuda(rows, embed, mlp, pdl):
-    t = gus.Tiles(tokens=gus.token_tiles(rows).tokens, pdl=pdl)
+@pytest.mark.parametrize("pdl,pair", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("rows,embed,mlp", [(272, 4096, 12288), (264, 4096, 12288), (48, 512, 256)])
+def test_kernel_lowers_for_cuda(rows, embed, mlp, pdl, pair):
+    tokens = gus.token_tiles(rows).tokens
+    t = gus.Tiles(tokens=tokens if not pair or -(-rows // tokens) % 2 == 0 else rows // 2, pdl=pdl, pair=pair)
     x = jax.ShapeDtypeStruct((rows, embed), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((2, mlp, embed), jnp.bfloat16)
-    text = jax.jit(lambda x, w: gus.gate_up_silu_padded(x, w, tiles=t)).trace(x, w).lower(
+    text = jax.jit(lambda x, w: gus.gate_up_silu_kernel(x, w, tiles=t)).trace(x, w).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 1
 
@@ -40,7 +41,10 @@ def test_kernel_lowers_for_cuda(rows, embed, mlp, pdl):
     ((272, 512), (256, 512), jnp.bfloat16, gus.Tiles(136), "w .* must be \\[2, mlp, embed=512\\]"),
     ((272, 512), (2, 256, 256), jnp.bfloat16, gus.Tiles(136), "w .* must be \\[2, mlp, embed=512\\]"),
     ((272, 512), (2, 256, 512), jnp.float32, gus.Tiles(136), "bf16 or f16"),
-    ((270, 512), (2, 256, 512), jnp.bfloat16, gus.Tiles(136), "rows=270 must be a multiple"),
+    ((120, 512), (2, 256, 512), jnp.bfloat16, gus.Tiles(136), "rows=120 must be a multiple of 8 and at least tiles.tokens=136"),
+    ((272, 512), (2, 256, 512), jnp.bfloat16, gus.Tiles(100), "multiple of 8"),
+    ((257, 512), (2, 256, 512), jnp.bfloat16, gus.Tiles(136), "rows=257 must be a multiple of 8"),
+    ((408, 512), (2, 256, 512), jnp.bfloat16, gus.Tiles(136, pair=True), "pair needs an even number of row tiles"),
     ((272, 520), (2, 256, 520), jnp.bfloat16, gus.Tiles(136), "embed=520 must be a multiple of block_k"),
     ((272, 512), (2, 200, 512), jnp.bfloat16, gus.Tiles(136), "mlp=200 must be a multiple of 64"),
     ((272, 512), (2, 256, 512), jnp.bfloat16, gus.Tiles(136, stages=8), "bytes of shared memory"),
@@ -49,7 +53,7 @@ def test_bad_arguments_get_one_clear_error(x_shape, w_shape, dtype, tiles, match
     x = jax.ShapeDtypeStruct(x_shape, dtype)
     w = jax.ShapeDtypeStruct(w_shape, dtype)
     with pytest.raises(ValueError, match=match):
-        jax.jit(lambda x, w: gus.gate_up_silu_padded(x, w, tiles=tiles)).trace(x, w)
+        jax.jit(lambda x, w: gus.gate_up_silu_kernel(x, w, tiles=tiles)).trace(x, w)
 
 
 def test_reference_is_the_models_mlp_activation():
@@ -64,15 +68,18 @@ def test_reference_is_the_models_mlp_activation():
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("rows,embed,mlp,pdl", [(257, 4096, 12288, False), (272, 4096, 12288, True),
-                                                (17, 512, 256, False), (136, 1024, 640, False),
-                                                (513, 512, 128, False)])
-def test_gpu_kernel_matches_reference(rows, embed, mlp, pdl):
+@pytest.mark.parametrize("rows,embed,mlp,pdl,pair,pad", [
+    (257, 4096, 12288, False, False, True), (257, 4096, 12288, False, False, False),
+    (257, 4096, 12288, True, True, False), (272, 4096, 12288, False, True, True),
+    (17, 512, 256, False, False, False), (136, 1024, 640, False, False, False),
+    (513, 512, 128, False, True, False), (300, 512, 192, False, False, False),
+    (264, 4096, 12288, False, True, False)])
+def test_gpu_kernel_matches_reference(rows, embed, mlp, pdl, pair, pad):
     rng = np.random.default_rng(rows)
     x = jnp.asarray(rng.standard_normal((rows, embed)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((2, mlp, embed)) / np.sqrt(embed), jnp.bfloat16)
-    t = gus.Tiles(tokens=gus.token_tiles(rows).tokens, pdl=pdl)
-    out = np.asarray(jax.jit(lambda x, w: gus.gate_up_silu(x, w, t))(x, w), np.float64)
+    t = gus.Tiles(tokens=gus.token_tiles(rows).tokens, pdl=pdl, pair=pair)
+    out = np.asarray(jax.jit(lambda x, w: gus.gate_up_silu(x, w, t, pad=pad))(x, w), np.float64)
     ref = np.asarray(gus.gate_up_silu_reference(x, w), np.float64)
     assert out.shape == (rows, mlp) and np.all(np.isfinite(out))
     err = np.max(np.abs(out - ref)) / np.max(np.abs(ref))

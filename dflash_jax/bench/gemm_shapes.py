@@ -43,6 +43,10 @@ PRODUCTS = {
     "gate_up+silu": (4096, 24576, "silu"),
     "gate_up+silu:kernel": (4096, 24576, "silu-kernel"),
     "gate_up+silu:kernel-pdl": (4096, 24576, "silu-kernel-pdl"),
+    "gate_up+silu:kernel-pair": (4096, 24576, "silu-kernel-pair"),
+    "gate_up+silu:kernel-pair-pdl": (4096, 24576, "silu-kernel-pair-pdl"),
+    "gate_up+silu:kernel-pair-s4": (4096, 24576, "silu-kernel-pair-s4"),
+    "gate_up+silu:kernel-pair-rows": (4096, 24576, "silu-kernel-pair-rows"),
     "down": (12288, 4096, None),
     "down+res": (12288, 4096, "res"),
     "lm_head": (4096, 151936, "f32"),
@@ -59,11 +63,8 @@ def product(x: jax.Array, w: jax.Array, layout: str, after: str | None, res: jax
         ws = w.reshape(splits, k // splits, -1) if layout == "in_out" else w.reshape(-1, splits, k // splits)
         eq = "tsk,sko->sto" if layout == "in_out" else "tsk,osk->sto"
         return jnp.einsum(eq, xs, ws, preferred_element_type=jnp.float32)
-    if after in ("silu-kernel", "silu-kernel-pdl"):  # w: [2, mlp, in]; x padded to the kernel's tiles
-        import dataclasses
-        from pallas_kernels.gate_up_silu import gate_up_silu_padded, token_tiles
-        tiles = dataclasses.replace(token_tiles(x.shape[0]), pdl=after.endswith("pdl"))
-        return gate_up_silu_padded(x, w, tiles=tiles)
+    if after and after.startswith("silu-kernel"):  # w: [2, mlp, in]; x padded to the kernel's tiles
+        return _kernel_product(x, w, after.split("-")[2:])
     eq = "ti,io->to" if layout == "in_out" else "ti,oi->to"
     if after == "f32":
         return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32)
@@ -77,6 +78,17 @@ def product(x: jax.Array, w: jax.Array, layout: str, after: str | None, res: jax
     return y
 
 
+def _kernel_product(x: jax.Array, w: jax.Array, opts: list[str]) -> jax.Array:
+    """`pallas_kernels.gate_up_silu` with the tile options named in a product's name: pdl,
+    pair (clusters of two sharing the weights), s4 (4 stages); x comes padded to whole tiles,
+    but for "rows" (padded to a multiple of 8 only, the last tile partial)."""
+    import dataclasses
+    from pallas_kernels.gate_up_silu import gate_up_silu_kernel, token_tiles
+    tiles = dataclasses.replace(token_tiles(x.shape[0]), pdl="pdl" in opts, pair="pair" in opts,
+                                stages=4 if "s4" in opts else 5)
+    return gate_up_silu_kernel(x, w, tiles=tiles)
+
+
 def program(layout: str, after: str | None, splits: int) -> Callable:
     def run(x, res, weights):
         return tuple(product(x, w, layout, after, res, splits) for w in weights)
@@ -88,11 +100,11 @@ def measure(name: str, rows: int, layout: str, layers: int, calls: int, splits: 
     n = layers if name != "lm_head" else min(layers, 4)
     keys = jax.random.split(jax.random.key(rows), n + 2)
     shape = (d_in, d_out) if layout == "in_out" else (d_out, d_in)
-    if after in ("silu-kernel", "silu-kernel-pdl"):
+    if after and after.startswith("silu-kernel"):
         from pallas_kernels.gate_up_silu import token_tiles
         shape = (2, d_out // 2, d_in)
         tokens = token_tiles(rows).tokens
-        x_rows = -(-rows // tokens) * tokens
+        x_rows = -(-rows // 8) * 8 if after.endswith("rows") else -(-rows // tokens) * tokens
     else:
         x_rows = rows
     weights = tuple(jax.random.normal(k, shape, jnp.bfloat16) * 0.02 for k in keys[:n])
