@@ -62,12 +62,15 @@ class Tiles:
     of one column block, which share their weight tiles: each SM loads half of every weight
     tile and TMA multicasts it to both (the weights' share of L2 reads halves), and a slot is
     freed only once the compute warpgroups of both SMs are done with it. Needs an even number
-    of row tiles."""
+    of row tiles. programs: 0 for one program per job (a 64-column block of one row tile);
+    else at most this many programs (one per SM: 132 on an H200), each taking jobs in turn,
+    the next job's loads overlapping this one's activation and store."""
     tokens: int
     block_k: int = 64
     stages: int = 5
     pdl: bool = False
     pair: bool = False
+    programs: int = 0
 
     def smem_bytes(self, itemsize: int = 2) -> int:
         ring = self.stages * (self.tokens + 2 * COLS) * self.block_k
@@ -103,92 +106,113 @@ def _transposed(ref):
     return ref.transpose((1, 0))
 
 
-def _kernel(x_ref, w_ref, out_ref, scratch, *, tiles: Tiles, row_tiles: int, k_steps: int):
-    """One program: 64 columns of the activation for one tile of rows.
+def _kernel(x_ref, w_ref, out_ref, scratch, *, tiles: Tiles, row_tiles: int, k_steps: int, ctas: int,
+            jobs: int):
+    """One program: its jobs, each 64 columns of the activation for one tile of rows.
 
-    Refs (GMEM): x_ref [rows_padded, embed]; w_ref [2, mlp, embed]; out_ref [rows_padded, mlp].
+    A job q is column block q // row_tiles, row tile q % row_tiles (with `pair`, a cluster's
+    job q: column block q // (row_tiles / 2), row tiles 2 (q % (row_tiles / 2)) + 0 and + 1).
+    Program p (cluster p) takes jobs p, p + ctas, p + 2 ctas, ...; the ring of slots runs on
+    across them, so the next job's first loads land while this one's activation is stored.
+    Refs (GMEM): x_ref [rows, embed]; w_ref [2, mlp, embed]; out_ref [rows, mlp].
     """
     if tiles.pdl:  # everything below reads what earlier kernels wrote
         plgpu.griddepcontrol_wait()
-    (x_smem, w_smem, up_smem, out_smem), (x_ready, w_ready, free, up_ready) = scratch
+    (x_smem, w_smem, up_smem, out_smem), (x_ready, w_ready, free, up_ready, up_free) = scratch
     stages, bk, tokens = tiles.stages, tiles.block_k, tiles.tokens
     p = lax.axis_index("program")
-    if tiles.pair:  # a cluster of two: the row tiles 2j and 2j + 1 of one column block
-        half = jnp.int32(row_tiles // 2)
-        t0 = (lax.rem(p, half) * 2 + lax.axis_index("pair")) * tokens
-        c0 = lax.div(p, half) * COLS
-    else:
-        t0 = lax.rem(p, jnp.int32(row_tiles)) * tokens
-        c0 = lax.div(p, jnp.int32(row_tiles)) * COLS
+    my_jobs = lax.div(jnp.int32(jobs) - p + jnp.int32(ctas - 1), jnp.int32(ctas))
+    total = my_jobs * k_steps  # ring steps of this program
     wg = lax.axis_index("wg")
     dtype = x_smem.dtype
+
+    def origin(n):
+        """The first row and column of this program's n-th job."""
+        q = p + n * ctas
+        if tiles.pair:
+            half = jnp.int32(row_tiles // 2)
+            return (lax.rem(q, half) * 2 + lax.axis_index("pair")) * tokens, lax.div(q, half) * COLS
+        return lax.rem(q, jnp.int32(row_tiles)) * tokens, lax.div(q, jnp.int32(row_tiles)) * COLS
+
+    def release(g):
+        """Frees ring step g's slot if a later load needs it (with `pair` the other SM may have
+        exited by the time the last ones would be freed)."""
+        pl.when(g + stages < total)(lambda: plgpu.barrier_arrive(free.at[lax.rem(g, jnp.int32(stages))]))
 
     @pl.when(wg < 2)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
 
-        def products(acc_ref):
-            def step(i, carry):
-                slot = lax.rem(i, jnp.int32(stages))
-                plgpu.barrier_wait(x_ready.at[slot])
-                plgpu.barrier_wait(w_ready.at[slot])
-                plgpu.wgmma(acc_ref, w_smem.at[slot, wg], _transposed(x_smem.at[slot]))
-                # At most this step's product in flight: the one before it has read its slot,
-                # which is freed if a later load needs it (with `pair` the other SM may have
-                # exited by the time the last ones would be freed).
-                plgpu.wgmma_wait(1)
-                pl.when((i > 0) & (i - 1 + stages < k_steps))(
-                    lambda: plgpu.barrier_arrive(free.at[lax.rem(i + stages - 1, jnp.int32(stages))]))
-                return carry
+        def job(n, carry):
+            t0, c0 = origin(n)
+            base = n * k_steps
 
-            lax.fori_loop(0, k_steps, step, None)
-            plgpu.wgmma_wait(0)
-            return acc_ref[...]
+            def products(acc_ref):
+                def step(i, carry):
+                    g = base + i
+                    slot = lax.rem(g, jnp.int32(stages))
+                    plgpu.barrier_wait(x_ready.at[slot])
+                    plgpu.barrier_wait(w_ready.at[slot])
+                    plgpu.wgmma(acc_ref, w_smem.at[slot, wg], _transposed(x_smem.at[slot]))
+                    # At most this step's product in flight: the one before it has read its slot.
+                    plgpu.wgmma_wait(1)
+                    pl.when(i > 0)(lambda: release(g - 1))
+                    return carry
 
-        acc = pl.run_scoped(products, plgpu.ACC((COLS, tokens), jnp.float32))
-        # Rounded as XLA's product is, before the activation.
-        product = acc.astype(dtype)
+                lax.fori_loop(0, k_steps, step, None)
+                plgpu.wgmma_wait(0)
+                release(base + k_steps - 1)
+                return acc_ref[...]
 
-        # Both tiles are held [rows, cols] (rows a multiple of 8, not of 64, so they cannot be
-        # tiled the other way round), written and read through a transposed view.
-        @pl.when(wg == 1)
-        def _hand_over():
-            _transposed(up_smem)[...] = plgpu.layout_cast(product, plgpu.Layout.WGMMA_TRANSPOSED)
-            plgpu.barrier_arrive(up_ready)
+            acc = pl.run_scoped(products, plgpu.ACC((COLS, tokens), jnp.float32))
+            # Rounded as XLA's product is, before the activation.
+            product = acc.astype(dtype)
 
-        @pl.when(wg == 0)
-        def _activate():
-            plgpu.barrier_wait(up_ready)
-            up = plgpu.load(_transposed(up_smem), (), layout=plgpu.Layout.WGMMA_TRANSPOSED)
-            up = plgpu.layout_cast(up, plgpu.Layout.WGMMA).astype(jnp.float32)
-            gate = product.astype(jnp.float32)
-            h = (gate / (1.0 + jnp.exp(-gate)) * up).astype(dtype)
-            _transposed(out_smem)[...] = plgpu.layout_cast(h, plgpu.Layout.WGMMA_TRANSPOSED)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem, out_ref.at[pl.ds(t0, tokens), pl.ds(c0, COLS)])
-            plgpu.wait_smem_to_gmem(0)
+            # Both tiles are held [rows, cols] (rows a multiple of 8, not of 64, so they cannot
+            # be tiled the other way round), written and read through a transposed view.
+            @pl.when(wg == 1)
+            def _hand_over():
+                pl.when(n > 0)(lambda: plgpu.barrier_wait(up_free))  # the last job's is read
+                _transposed(up_smem)[...] = plgpu.layout_cast(product, plgpu.Layout.WGMMA_TRANSPOSED)
+                plgpu.barrier_arrive(up_ready)
+
+            @pl.when(wg == 0)
+            def _activate():
+                plgpu.barrier_wait(up_ready)
+                up = plgpu.load(_transposed(up_smem), (), layout=plgpu.Layout.WGMMA_TRANSPOSED)
+                up = plgpu.layout_cast(up, plgpu.Layout.WGMMA).astype(jnp.float32)
+                pl.when(n + 1 < my_jobs)(lambda: plgpu.barrier_arrive(up_free))
+                gate = product.astype(jnp.float32)
+                h = (gate / (1.0 + jnp.exp(-gate)) * up).astype(dtype)
+                # The last job's store has read the tile before it is written again.
+                pl.when(n > 0)(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
+                _transposed(out_smem)[...] = plgpu.layout_cast(h, plgpu.Layout.WGMMA_TRANSPOSED)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem, out_ref.at[pl.ds(t0, tokens), pl.ds(c0, COLS)])
+
+            return carry
+
+        lax.fori_loop(0, my_jobs, job, None)
+        pl.when(wg == 0)(lambda: plgpu.wait_smem_to_gmem(0))
 
     @pl.when(wg == 2)
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
 
-        def issue(i, slot):
-            ks = pl.ds(i * bk, bk)
+        def produce(g, carry):
+            t0, c0 = origin(lax.div(g, jnp.int32(k_steps)))
+            ks = pl.ds(lax.rem(g, jnp.int32(k_steps)) * bk, bk)
+            slot = lax.rem(g, jnp.int32(stages))
+            pl.when(g >= stages)(lambda: plgpu.barrier_wait(free.at[slot]))
             plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(t0, tokens), ks], x_smem.at[slot], x_ready.at[slot])
             w_tile = w_ref.at[:, pl.ds(c0, COLS), ks]
             if tiles.pair:
                 plgpu.copy_gmem_to_smem(w_tile, w_smem.at[slot], w_ready.at[slot], collective_axes="pair")
             else:
                 plgpu.copy_gmem_to_smem(w_tile, w_smem.at[slot], w_ready.at[slot])
+            return carry
 
-        for j in range(min(stages, k_steps)):
-            issue(j, j)
-
-        @pl.loop(stages, k_steps)
-        def _stream(i):
-            slot = lax.rem(i, jnp.int32(stages))
-            plgpu.barrier_wait(free.at[slot])
-            issue(i, slot)
+        lax.fori_loop(0, total, produce, None)
 
 
 # A jit of its own: a model calls the kernel once per layer, and JAX lowers a jitted function
@@ -224,6 +248,9 @@ def gate_up_silu_kernel(x: jax.Array, w: jax.Array, *, tiles: Tiles) -> jax.Arra
     if tiles.pair and row_tiles % 2:
         raise ValueError(f"gate_up_silu: pair needs an even number of row tiles, rows={rows} make {row_tiles}")
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    size = 2 if tiles.pair else 1
+    jobs = (mlp // COLS) * row_tiles // size  # per cluster of `size`
+    ctas = min(jobs, tiles.programs // size) if tiles.programs else jobs
 
     def entry(x_ref, w_ref, out_ref):
         smem = (
@@ -238,17 +265,18 @@ def gate_up_silu_kernel(x: jax.Array, w: jax.Array, *, tiles: Tiles) -> jax.Arra
             # Both compute warpgroups (of both SMs, with `pair`).
             (plgpu.ClusterBarrier(collective_axes=("pair",), num_arrivals=2, num_barriers=stages) if tiles.pair
              else plgpu.Barrier(num_arrivals=2, num_barriers=stages)),
-            plgpu.Barrier(num_arrivals=1),
+            plgpu.Barrier(num_arrivals=1),  # up's product handed over
+            plgpu.Barrier(num_arrivals=1),  # ... and read, so the next job's may be written
         )
         pl.run_scoped(
             lambda *scratch: _kernel(x_ref, w_ref, out_ref, scratch, tiles=tiles, row_tiles=row_tiles,
-                                     k_steps=embed // bk),
+                                     k_steps=embed // bk, ctas=ctas, jobs=jobs),
             smem, barriers, collective_axes="wg")
 
     call = plgpu.kernel(
         entry,
         out_type=jax.ShapeDtypeStruct((rows, mlp), x.dtype),
-        grid=((mlp // COLS) * row_tiles // (2 if tiles.pair else 1),),
+        grid=(ctas,),
         grid_names=("program",),
         **(dict(cluster=(2,), cluster_names=("pair",)) if tiles.pair else {}),
         num_threads=3,

@@ -47,6 +47,9 @@ PRODUCTS = {
     "gate_up+silu:kernel-pair-pdl": (4096, 24576, "silu-kernel-pair-pdl"),
     "gate_up+silu:kernel-pair-s4": (4096, 24576, "silu-kernel-pair-s4"),
     "gate_up+silu:kernel-pair-rows": (4096, 24576, "silu-kernel-pair-rows"),
+    "gate_up+silu:kernel-persist": (4096, 24576, "silu-kernel-persist"),
+    "gate_up+silu:kernel-pair-persist": (4096, 24576, "silu-kernel-pair-persist"),
+    "gate_up+silu:kernel-pair-persist-pdl": (4096, 24576, "silu-kernel-pair-persist-pdl"),
     "down": (12288, 4096, None),
     "down+res": (12288, 4096, "res"),
     "lm_head": (4096, 151936, "f32"),
@@ -80,12 +83,13 @@ def product(x: jax.Array, w: jax.Array, layout: str, after: str | None, res: jax
 
 def _kernel_product(x: jax.Array, w: jax.Array, opts: list[str]) -> jax.Array:
     """`pallas_kernels.gate_up_silu` with the tile options named in a product's name: pdl,
-    pair (clusters of two sharing the weights), s4 (4 stages); x comes padded to whole tiles,
+    pair (clusters of two sharing the weights), s4 (4 stages), persist (one program per SM,
+    taking jobs in turn); x comes padded to whole tiles,
     but for "rows" (padded to a multiple of 8 only, the last tile partial)."""
     import dataclasses
     from pallas_kernels.gate_up_silu import gate_up_silu_kernel, token_tiles
     tiles = dataclasses.replace(token_tiles(x.shape[0]), pdl="pdl" in opts, pair="pair" in opts,
-                                stages=4 if "s4" in opts else 5)
+                                stages=4 if "s4" in opts else 5, programs=132 if "persist" in opts else 0)
     return gate_up_silu_kernel(x, w, tiles=tiles)
 
 
