@@ -20,6 +20,7 @@ from dflash_jax.params import EMBED, HEAD_DIM, KV_HEADS, MLP, Q_HEADS, VOCAB, Sp
 from dflash_jax.rope import apply_rope, rope_tables
 from dflash_jax.sharding import (BATCH, attention, constrain, constrain_cache, embed_lookup, kv_heads_sharded,
                                  mesh_sizes, row_groups, row_parallel_chunks, specs_shardings)
+from pallas_kernels import gate_up_silu as gated
 from pallas_kernels import qkv_epilogue as epilogue
 from pallas_kernels import residual_norm as residual
 from pallas_kernels.tree_attention import rows_schedule, tree_attention_rows
@@ -59,11 +60,13 @@ class AttentionParams:
 @jax.tree_util.register_dataclass
 @dataclass
 class MLPParams:
-    """gate and up as checkpoints store them, or fused into gate_up (`fuse_projections`)."""
+    """gate and up as checkpoints store them, or fused into gate_up (`fuse_projections`), or
+    fused as the gated-activation kernel takes them (`kernel_mlp_layout`)."""
     gate: Any = None  # [embed, mlp]
     up: Any = None  # [embed, mlp]
     down: Any = None  # [mlp, embed]
     gate_up: Any = None  # [embed, 2, mlp]: gate, then up
+    gate_up_t: Any = None  # [2, mlp, embed]: gate, then up, each [out, in]
 
 
 @jax.tree_util.register_dataclass
@@ -214,6 +217,41 @@ def fuse_projections(params: ModelParams, cfg: ModelConfig, consume: bool = Fals
 
     fuse = jax.jit(_fused_weights, out_shardings=out_shardings)
     return dataclasses.replace(params, layers=fuse_layer_weights(params.layers, fuse, separate, fused, consume))
+
+
+def kernel_mlp_layout(params: ModelParams, consume: bool = False) -> ModelParams:
+    """The fused layout with each layer's gate_up stored [2, mlp, embed] (`gate_up_t`), as the
+    gated-activation kernel (`pallas_kernels/gate_up_silu.py`) takes it: the verify of a wide
+    tree then runs gate_up, SiLU and the product in one launch (`mlp_kernel_rows`); elsewhere
+    XLA takes the same weight. Same values. Params on a mesh come back unchanged (the kernel
+    runs on one device), and so do params already in this layout.
+    consume: delete each layer's [embed, 2, mlp] weight once its new one exists.
+    """
+    if not is_fused(params):
+        raise ValueError("kernel_mlp_layout: params must be in the fused layout (fuse_projections) first")
+    mesh = getattr(getattr(params.embed, "sharding", None), "mesh", None)
+    if (mesh is not None and not getattr(mesh, "empty", False)) or params.layers[0].mlp.gate_up_t is not None:
+        return params
+    turn = jax.jit(lambda w: jnp.transpose(w, (1, 2, 0)))
+
+    def separate(lp: LayerParams) -> tuple:
+        return (lp.mlp.gate_up,)
+
+    def fused(lp: LayerParams, gate_up_t: jax.Array) -> LayerParams:
+        return dataclasses.replace(lp, mlp=MLPParams(gate_up_t=gate_up_t, down=lp.mlp.down))
+
+    return dataclasses.replace(params, layers=fuse_layer_weights(params.layers, lambda w: (turn(w),), separate,
+                                                                 fused, consume))
+
+
+def mlp_kernel_rows(params: ModelParams, rows: int) -> int:
+    """Rows the verify's gated-activation kernel takes for `rows` tokens (padded to a multiple of
+    8), or 0 where XLA runs the step: weights not in `kernel_mlp_layout`, no Hopper GPU, or rows
+    that fill fewer than two of the kernel's row tiles."""
+    mlp = params.layers[0].mlp if params.layers else None
+    if mlp is None or mlp.gate_up_t is None or not gated.applies(rows, mlp.gate_up_t):
+        return 0
+    return -(-rows // 8) * 8
 
 
 def fuse_layer_weights(layers: tuple, fuse: Any, separate: Any, fused: Any, consume: bool) -> tuple:
@@ -369,10 +407,14 @@ def output_projection(p: AttentionParams, attn: jax.Array) -> jax.Array:
 
 def mlp_activation(p: MLPParams, x: jax.Array) -> jax.Array:
     """x [batch, seq, embed] -> SiLU(gate) * up [batch, seq, mlp] in x's dtype."""
-    if p.gate_up is not None:
+    if p.gate_up is not None or p.gate_up_t is not None:
         # One GEMM for both; like HF's bf16 Linear layers, gate and up are rounded to the
         # activation dtype before the SiLU (exact in float32).
-        both = jnp.einsum("bse,etm->bstm", x, p.gate_up, preferred_element_type=x.dtype).astype(jnp.float32)
+        if p.gate_up is not None:
+            both = jnp.einsum("bse,etm->bstm", x, p.gate_up, preferred_element_type=x.dtype)
+        else:
+            both = jnp.einsum("bse,tme->bstm", x, p.gate_up_t, preferred_element_type=x.dtype)
+        both = both.astype(jnp.float32)
         gate, up = both[:, :, 0], both[:, :, 1]
     else:
         gate = jnp.einsum("bse,em->bsm", x, p.gate, preferred_element_type=jnp.float32)
@@ -457,11 +499,14 @@ RESIDUAL_IMPLS = ("kernel", "jnp", "xla")
 
 
 def _after_attention_fused(lp: LayerParams, cfg: ModelConfig, x: jax.Array, attn: jax.Array,
-                           next_norm: jax.Array, splits: int, impl: str = "kernel"
+                           next_norm: jax.Array, splits: int, impl: str = "kernel", kernel_rows: int = 0
                            ) -> tuple[jax.Array, jax.Array]:
     """`_after_attention` and the next norm (`next_norm`), each projection's split-K sum,
     residual add and norm at once (`impl`: "kernel", one `residual_norm` launch, or "jnp"). Same
     values as the usual path up to the order of the float32 sums.
+    kernel_rows (`mlp_kernel_rows`): if not 0, the gated activation by its kernel, on the norm
+    padded with zero rows to kernel_rows (written so by the junction, no pad of its own), and
+    the down product over those rows too (the junction after it reads only the real ones).
     x: [batch, W, embed] -> (x, normed x), both [batch, W, embed].
     """
     batch, width, embed = x.shape
@@ -472,9 +517,13 @@ def _after_attention_fused(lp: LayerParams, cfg: ModelConfig, x: jax.Array, attn
     else:
         junction = functools.partial(residual.residual_norm_reference, eps=cfg.rms_norm_eps)
     o_parts = split_k_product(attn.reshape(rows, -1), lp.attn.o.reshape(-1, embed), splits)
-    x2, h = junction(x.reshape(rows, embed), o_parts, lp.mlp_norm)
-    act = mlp_activation(lp.mlp, h.reshape(batch, width, embed))
-    x3, h3 = junction(x2, split_k_product(act.reshape(rows, -1), lp.mlp.down, splits), next_norm)
+    if kernel_rows:
+        x2, h = junction(x.reshape(rows, embed), o_parts, lp.mlp_norm, norm_rows=kernel_rows)
+        act = gated.gate_up_silu_kernel(h, lp.mlp.gate_up_t, tiles=gated.decode_tiles(kernel_rows))
+    else:
+        x2, h = junction(x.reshape(rows, embed), o_parts, lp.mlp_norm)
+        act = mlp_activation(lp.mlp, h.reshape(batch, width, embed)).reshape(rows, -1)
+    x3, h3 = junction(x2, split_k_product(act, lp.mlp.down, splits), next_norm)
     return x3.reshape(batch, width, embed), h3.reshape(batch, width, embed)
 
 
@@ -514,6 +563,7 @@ def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions:
     starts = cache.lengths
     sched = epilogue_schedule(params, cfg, tokens.shape[0], tokens.shape[1], cache, x.dtype, attn_impl)
     splits = residual_splits(params, cfg, tokens.shape[0] * tokens.shape[1], sched, residual != "xla")
+    kernel_rows = mlp_kernel_rows(params, tokens.shape[0] * tokens.shape[1]) if splits else 0
     new_k, new_v, taps = [], [], {}
     norms = [lp.attn_norm for lp in params.layers[1:]] + [params.final_norm]  # each layer's next norm
     h = rms_norm(x, params.layers[0].attn_norm, cfg.rms_norm_eps)
@@ -528,7 +578,7 @@ def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions:
             v_buf = constrain_cache(write_rows(cache.v[i], v, starts))
             attn = attention(q, k_buf, v_buf, starts, visible, impl=attn_impl)  # shard_map under a mesh
         if splits:
-            x, h = _after_attention_fused(lp, cfg, x, attn, norms[i], splits, residual)
+            x, h = _after_attention_fused(lp, cfg, x, attn, norms[i], splits, residual, kernel_rows)
         else:
             x = _after_attention(lp, cfg, x, attn)
             h = rms_norm(x, norms[i], cfg.rms_norm_eps)

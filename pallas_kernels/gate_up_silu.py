@@ -83,6 +83,22 @@ def token_tiles(rows: int) -> Tiles:
     return Tiles(tokens=pl.cdiv(pl.cdiv(rows, n), 8) * 8)
 
 
+def decode_tiles(rows: int) -> Tiles:
+    """The tiles the model's verify uses at `rows` (a multiple of 8): `token_tiles`, paired
+    where the row tiles pair up."""
+    t = token_tiles(rows)
+    return dataclasses.replace(t, pair=pl.cdiv(rows, t.tokens) % 2 == 0)
+
+
+def applies(rows: int, w: jax.Array) -> bool:
+    """Whether the model's verify takes the kernel for `rows` tokens and weights w [2, mlp,
+    embed]: a Hopper GPU, bf16/f16, whole 64-column blocks and K steps, and rows (padded to a
+    multiple of 8) that fill at least two row tiles (one tile of 136 is 192 programs, 1.5 waves)."""
+    return (w.ndim == 3 and w.shape[0] == 2 and jnp.dtype(w.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and w.shape[1] % COLS == 0 and w.shape[2] % 64 == 0 and pl.cdiv(rows, 8) * 8 > MAX_TOKENS
+            and available())
+
+
 def available() -> bool:
     """Whether the local backend can run the kernel: a GPU of compute capability 9.x."""
     if plgpu is None or jax.default_backend() != "gpu":

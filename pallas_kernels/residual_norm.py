@@ -38,11 +38,13 @@ MAX_EMBED = 16384
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def _kernel(x_ref, parts_ref, w_ref, x_out_ref, h_ref, *, splits: int, embed: int, eps: float):
+def _kernel(x_ref, parts_ref, w_ref, x_out_ref, h_ref, *, splits: int, embed: int, eps: float, real: int):
     """One program: `rows` rows.
 
     Refs: x_ref [rows, E]; parts_ref [splits, rows, E] f32; w_ref [1, E]; x_out_ref, h_ref
-    [rows, E], where E is the embedding padded to a power of two (masked past `embed`).
+    [rows, E], where E is the embedding padded to a power of two (masked past `embed`). A
+    program at or past row block `real` only writes zeros to h (`norm_rows`); its x blocks are
+    the last real one again, written again with the same values.
     """
     cols = jnp.arange(x_ref.shape[-1], dtype=jnp.int32)
     ok = (cols < embed)[None, :]
@@ -60,7 +62,9 @@ def _kernel(x_ref, parts_ref, w_ref, x_out_ref, h_ref, *, splits: int, embed: in
     inv = jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) / embed + eps)
     w = plgpu.load(w_ref, mask=ok, other=0).astype(jnp.float32)
     plgpu.store(x_out_ref, x_new, mask=ok)
-    plgpu.store(h_ref, (w * (xf * inv)).astype(dtype), mask=ok)
+    h = w * (xf * inv)
+    h = jnp.where(pl.program_id(0) < real, h, 0.0)
+    plgpu.store(h_ref, h.astype(dtype), mask=ok)
 
 
 def applies(embed: int) -> bool:
@@ -76,8 +80,8 @@ def check(x: jax.Array, parts: jax.Array, weight: jax.Array) -> None:
     """Raises ValueError naming the argument whose shape or dtype does not fit."""
     if x.ndim != 2:
         raise ValueError(f"residual_norm: x must be [rows, embed], got {x.shape}")
-    if parts.ndim != 3 or parts.shape[1:] != x.shape:
-        raise ValueError(f"residual_norm: parts must be [splits, rows, embed] = [s, {x.shape[0]}, {x.shape[1]}], "
+    if parts.ndim != 3 or parts.shape[1] < x.shape[0] or parts.shape[2] != x.shape[1]:
+        raise ValueError(f"residual_norm: parts must be [splits, rows >= {x.shape[0]}, embed = {x.shape[1]}], "
                          f"got {parts.shape}")
     if parts.dtype != jnp.float32:
         raise ValueError(f"residual_norm: parts must be float32 partial sums, got {parts.dtype}")
@@ -89,22 +93,35 @@ def check(x: jax.Array, parts: jax.Array, weight: jax.Array) -> None:
         raise ValueError(f"residual_norm: x dtype {x.dtype} is not one of float32, bfloat16, float16")
 
 
+def _norm_rows(n: int, norm_rows: int | None) -> int:
+    if norm_rows is None:
+        return n
+    if norm_rows < n:
+        raise ValueError(f"residual_norm: norm_rows={norm_rows} must be at least x's {n} rows")
+    return norm_rows
+
+
 def residual_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, *, eps: float, rows: int = ROWS,
-                  num_warps: int | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                  num_warps: int | None = None, interpret: bool = False, norm_rows: int | None = None
+                  ) -> tuple[jax.Array, jax.Array]:
     """x + sum(parts) and its RMS norm, in one launch.
 
     Args:
       x: [rows, embed] the residual stream (bf16/f16/f32).
-      parts: [splits, rows, embed] float32 partial sums of the projection added to it.
+      parts: [splits, rows' >= rows, embed] float32 partial sums of the projection added to it
+        (the rows past x's are not read: a product over padded rows comes as it is).
       weight: [embed] the RMS norm's weight.
       rows, num_warps: rows per program (a power of two) and warps per program (default
         `num_warps_for(embed)`).
+      norm_rows: the norm's rows, at least x's: those past x's are zeros (the padded rows
+        a kernel after it wants, with no pad of their own).
     Returns:
-      (x_new [rows, embed] = x + round(sum(parts)), h [rows, embed] = rms_norm(x_new) * weight),
-      both in x's dtype.
+      (x_new [rows, embed] = x + round(sum(parts)), h [norm_rows, embed] = rms_norm(x_new) *
+      weight, then zeros), both in x's dtype.
     """
     check(x, parts, weight)
     n, embed = x.shape
+    out_rows = _norm_rows(n, norm_rows)
     splits = parts.shape[0]
     num_warps = num_warps_for(embed) if num_warps is None else num_warps
     if rows < 1 or rows & (rows - 1):
@@ -114,31 +131,39 @@ def residual_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, *, eps: flo
     padded = pl.cdiv(n, rows) * rows
     if padded != n:  # whole blocks of rows; the pad rows are computed and dropped
         x = jnp.pad(x, ((0, padded - n), (0, 0)))
-        parts = jnp.pad(parts, ((0, 0), (0, padded - n), (0, 0)))
+    if parts.shape[1] < padded:
+        parts = jnp.pad(parts, ((0, 0), (0, padded - parts.shape[1]), (0, 0)))
+    real = padded // rows  # row blocks of x
+    h_rows = max(padded, pl.cdiv(out_rows, rows) * rows)
     if block != embed:
         x = jnp.pad(x, ((0, 0), (0, block - embed)))
         parts = jnp.pad(parts, ((0, 0), (0, 0), (0, block - embed)))
         weight = jnp.pad(weight, (0, block - embed))
-    row_spec = pl.BlockSpec((rows, block), lambda i: (i, 0))
+    last = real - 1
+    row_spec = pl.BlockSpec((rows, block), lambda i: (jnp.minimum(i, last), 0))
     x_new, h = pl.pallas_call(
-        functools.partial(_kernel, splits=splits, embed=embed, eps=float(eps)),
-        grid=(padded // rows,),
-        in_specs=[row_spec, pl.BlockSpec((splits, rows, block), lambda i: (0, i, 0)),
+        functools.partial(_kernel, splits=splits, embed=embed, eps=float(eps), real=real),
+        grid=(h_rows // rows,),
+        in_specs=[row_spec, pl.BlockSpec((splits, rows, block), lambda i: (0, jnp.minimum(i, last), 0)),
                   pl.BlockSpec((1, block), lambda i: (0, 0))],
-        out_specs=(row_spec, row_spec),
-        out_shape=(jax.ShapeDtypeStruct((padded, block), x.dtype),) * 2,
+        out_specs=(row_spec, pl.BlockSpec((rows, block), lambda i: (i, 0))),
+        out_shape=(jax.ShapeDtypeStruct((padded, block), x.dtype), jax.ShapeDtypeStruct((h_rows, block), x.dtype)),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="residual_norm",
     )(x, parts, weight.reshape(1, block))
-    return x_new[:n, :embed], h[:n, :embed]
+    x_new = x_new if (padded, block) == (n, embed) else x_new[:n, :embed]
+    return x_new, h if (h_rows, block) == (out_rows, embed) else h[:out_rows, :embed]
 
 
-def residual_norm_reference(x: jax.Array, parts: jax.Array, weight: jax.Array, *, eps: float
-                            ) -> tuple[jax.Array, jax.Array]:
+def residual_norm_reference(x: jax.Array, parts: jax.Array, weight: jax.Array, *, eps: float,
+                            norm_rows: int | None = None) -> tuple[jax.Array, jax.Array]:
     """`residual_norm` in jnp, from the model's own norm."""
     from dflash_jax.model import rms_norm
 
     check(x, parts, weight)
-    x_new = x + jnp.sum(parts, axis=0).astype(x.dtype)
-    return x_new, rms_norm(x_new, weight, eps)
+    n = x.shape[0]
+    out_rows = _norm_rows(n, norm_rows)
+    x_new = x + jnp.sum(parts[:, :n], axis=0).astype(x.dtype)
+    h = rms_norm(x_new, weight, eps)
+    return x_new, h if out_rows == n else jnp.pad(h, ((0, out_rows - n), (0, 0)))

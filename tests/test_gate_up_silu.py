@@ -90,3 +90,67 @@ def test_gpu_kernel_matches_reference(rows, embed, mlp, pdl, pair, pad, programs
     assert err < 2e-2, err
     # Every tile and column block lands where it belongs: the mean error is far below the max.
     assert np.mean(np.abs(out - ref)) < 1e-2 * np.mean(np.abs(ref))
+
+
+def _tree_case(width: int):
+    """A tiny fused target, a batch of 2 trees of `width` tokens, and its cache."""
+    import dataclasses
+
+    from dflash_jax import model as model_lib
+    from dflash_jax.kv_cache import KVCache
+    from tests.test_qkv_epilogue import tiny_config
+    cfg = tiny_config(num_layers=3)
+    params = model_lib.init_params(cfg, jax.random.key(7), jnp.float32, fused=True)
+    leaves, tree = jax.tree.flatten(params)  # every weight scaled apart
+    keys = jax.random.split(jax.random.key(8), len(leaves))
+    params = jax.tree.unflatten(tree, [x * jax.random.uniform(k, x.shape, x.dtype, 0.5, 2.0)
+                                       for x, k in zip(leaves, keys)])
+    rng = np.random.default_rng(11)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, width)), jnp.int32)
+    lengths = jnp.asarray([3, 20], jnp.int32)
+    positions = lengths[:, None] + jnp.arange(width, dtype=jnp.int32)[None]
+    cache = dataclasses.replace(KVCache.create(cfg.num_layers, 2, 48, cfg.num_kv_heads, cfg.head_dim),
+                                lengths=lengths)
+    return model_lib, cfg, params, tokens, positions, cache
+
+
+def test_kernel_layout_is_the_fused_weights_turned():
+    model_lib, cfg, params, *_ = _tree_case(4)
+    turned = model_lib.kernel_mlp_layout(params)
+    for a, b in zip(params.layers, turned.layers):
+        assert b.mlp.gate_up is None and b.mlp.gate_up_t.shape == (2, cfg.intermediate_size, cfg.hidden_size)
+        np.testing.assert_array_equal(np.asarray(b.mlp.gate_up_t), np.transpose(np.asarray(a.mlp.gate_up), (1, 2, 0)))
+    assert model_lib.kernel_mlp_layout(turned) is turned
+    with pytest.raises(ValueError, match="fused layout"):
+        model_lib.kernel_mlp_layout(model_lib.init_params(cfg, jax.random.key(0), jnp.float32))
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_forward_in_the_kernel_layout(forced, monkeypatch):
+    """The kernel layout's forward against the fused layout's. On CPU XLA takes the [2, mlp,
+    embed] weight; `forced` drives the verify's kernel path (the junction's zero-padded norm, the
+    kernel on padded rows, the down product over them, the junction reading only the real rows)
+    with the kernel replaced by its reference, which also checks the rows it is given."""
+    model_lib, cfg, params, tokens, positions, cache = _tree_case(13)  # 26 rows -> 32
+    turned = model_lib.kernel_mlp_layout(params)
+    run = lambda p: model_lib.forward(p, cfg, tokens, positions, cache, tap_layers=(0, 2), return_hidden=True,  # noqa: E731
+                                      attn_impl="reference", residual="kernel")
+    monkeypatch.setattr(model_lib, "residual_splits", lambda *a, **kw: 2)
+    want = run(params)
+    seen = []
+    if forced:
+        def fake_kernel(h, w, *, tiles):
+            assert h.shape == (32, cfg.hidden_size) and tiles == gus.decode_tiles(32)
+            assert not np.any(np.asarray(h[26:]))  # the junction wrote zero rows past the real ones
+            seen.append(1)
+            return gus.gate_up_silu_reference(h, w)
+        monkeypatch.setattr(gus, "applies", lambda rows, w: True)
+        monkeypatch.setattr(gus, "gate_up_silu_kernel", fake_kernel)
+    got = run(turned)
+    assert len(seen) == (cfg.num_layers if forced else 0)
+    scale = lambda a: 1e-5 * float(np.abs(np.asarray(a)).max())  # noqa: E731
+    for name in ("logits", "hidden", "taps"):
+        g, w = getattr(got, name), getattr(want, name)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=scale(w), err_msg=name)
+    for a, b in zip(got.cache.k + got.cache.v, want.cache.k + want.cache.v):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=scale(b))

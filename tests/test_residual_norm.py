@@ -63,6 +63,32 @@ def test_kernel_matches_reference(rows, embed, splits, block, dtype):
     assert ulps(got[1], want[1]) <= 1.0
 
 
+@pytest.mark.parametrize("rows,extra_parts,norm_rows,block", [(13, 3, 16, 1), (7, 1, 12, 4), (9, 0, 9, 2),
+                                                              (5, 2, 5, 1)])
+def test_padded_rows_in_and_out(rows, extra_parts, norm_rows, block):
+    """Partials over more rows than x (a product over padded rows) are read only as far as x's;
+    with norm_rows the norm comes out padded with zero rows."""
+    x, parts, weight = make_case(rows, rows, 128, 2, jnp.bfloat16)
+    junk = jnp.full((2, extra_parts, 128), 1e30, jnp.float32)  # must not be read
+    long_parts = jnp.concatenate([parts, junk], axis=1)
+    got = residual_norm(x, long_parts, weight, eps=1e-6, rows=block, interpret=True, norm_rows=norm_rows)
+    want = residual_norm_reference(x, long_parts, weight, eps=1e-6, norm_rows=norm_rows)
+    plain = residual_norm_reference(x, parts, weight, eps=1e-6)
+    assert got[0].shape == (rows, 128) and got[1].shape == want[1].shape == (norm_rows, 128)
+    np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(plain[0], np.float32))
+    np.testing.assert_array_equal(np.asarray(want[1][:rows], np.float32), np.asarray(plain[1], np.float32))
+    assert ulps(got[1][:rows], plain[1]) <= 1.0
+    assert not np.any(np.asarray(got[1][rows:], np.float32)) and not np.any(np.asarray(want[1][rows:], np.float32))
+
+
+def test_norm_rows_below_the_rows_is_named():
+    x, parts, weight = make_case(0, 8, 128, 2, jnp.bfloat16)
+    with pytest.raises(ValueError, match="norm_rows=4 must be at least x's 8 rows"):
+        residual_norm(x, parts, weight, eps=1e-6, interpret=True, norm_rows=4)
+    with pytest.raises(ValueError, match="parts must be \\[splits, rows >= 8"):
+        residual_norm(x, parts[:, :6], weight, eps=1e-6, interpret=True)
+
+
 def test_reference_is_the_model_path():
     """x + round(x_in @ w) and rms_norm of it, as `_after_attention` computes them, equal the
     reference fed with the split-K partials of the same product (float32)."""
@@ -158,11 +184,12 @@ def test_forward_on_the_fused_residual_path(taps, impl, monkeypatch):
 
 
 @pytest.mark.skipif(not hopper.available(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("rows,embed,splits", [(272, 4096, 2), (528, 4096, 1), (80, 5120, 2)])
-def test_gpu_kernel_matches_reference(rows, embed, splits):
+@pytest.mark.parametrize("rows,embed,splits,norm_rows", [(272, 4096, 2, None), (528, 4096, 1, None),
+                                                         (80, 5120, 2, None), (257, 4096, 2, 264)])
+def test_gpu_kernel_matches_reference(rows, embed, splits, norm_rows):
     x, parts, weight = make_case(rows + embed, rows, embed, splits, jnp.bfloat16)
-    got = jax.jit(functools.partial(residual_norm, eps=1e-6))(x, parts, weight)
-    want = jax.jit(functools.partial(residual_norm_reference, eps=1e-6))(x, parts, weight)
+    got = jax.jit(functools.partial(residual_norm, eps=1e-6, norm_rows=norm_rows))(x, parts, weight)
+    want = jax.jit(functools.partial(residual_norm_reference, eps=1e-6, norm_rows=norm_rows))(x, parts, weight)
     np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
     assert ulps(got[1], want[1]) <= 1.0
 
