@@ -30,7 +30,7 @@ from dflash_jax.bench.ar_decode import layer_buffers, make_decoder, random_cache
 from dflash_jax.bench.common import LAYOUTS, SHAPES, dump_hlo, environment, log, time_fn, write_json
 from dflash_jax.bench.profile import profile_program, scale_profile
 from dflash_jax.config import default_tap_layers
-from dflash_jax.model import RESIDUAL_IMPLS, init_params
+from dflash_jax.model import RESIDUAL_IMPLS, init_params, kernel_mlp_layout
 from dflash_jax.speculative import COMMAND_BUFFERS_OFF, DOT_MERGER_OFF, SpecSettings, SpecState, spec_round
 from dflash_jax.stage_times import STAGES  # the round's named scopes
 from dflash_jax.tree import RANK_TOP_K_MAX, ROW_BLOCK, TOP_K_CHUNK, preselect_fanout
@@ -310,6 +310,10 @@ def main() -> None:
                          "variant's program and state in memory until then)")
     ap.add_argument("--kernel-table", type=int, default=0, metavar="N",
                     help="with the profile: also list the N costliest kernels (launches, kind, op)")
+    ap.add_argument("--mlp", nargs="+", choices=("xla", "kernel"), default=["xla"],
+                    help="DDTree's verify MLP: XLA's gate_up product and SiLU, or the gated-activation "
+                         "kernel on the target in `model.kernel_mlp_layout` where it applies (fused layout "
+                         "only; several: each is timed, side by side)")
     ap.add_argument("--out")
     args = ap.parse_args()
     env = environment()
@@ -368,13 +372,17 @@ def main() -> None:
                 if row:
                     row["draft_layout"] = dl
                     rows.append(row)
+        targets = {"xla": target}
+        if "kernel" in args.mlp and layout == "fused":  # both layouts kept: 7 GB more at Qwen3-8B
+            targets["kernel"] = kernel_mlp_layout(target)
         for b in args.budgets:
-            for (s, r, dm, cb, xo), (dl, dp) in itertools.product(variants(method="ddtree", budget=b),
-                                                                  drafters.items()):
-                row = bench_or_report(target, cfg, dp, dcfg, s, args.ddtree_ctx, max_len, profile,
+            for (s, r, dm, cb, xo), (dl, dp), mlp in itertools.product(
+                    variants(method="ddtree", budget=b), drafters.items(), [m for m in args.mlp if m in targets]):
+                row = bench_or_report(targets[mlp], cfg, dp, dcfg, s, args.ddtree_ctx, max_len, profile,
                                       args.dump_hlo, r, dm, args.kernel_table, cb, xla_options=xo)
                 if row:
                     row["draft_layout"] = dl
+                    row["mlp"] = mlp
                     rows.append(row)
         for row in rows[first:]:
             row["layout"] = layout
@@ -382,7 +390,7 @@ def main() -> None:
             interleaved_medians(timers, args.interleave)
             timers.clear()
         write_json(args.out, {"env": env, "rows": rows})
-        del target
+        del target, targets
     print(f"\n{env['device']}, jax {env['jax']}, {args.model} target + {dcfg.num_layers}-layer drafter, "
           f"{dtype.name}, batch 1")
     print("| method | budget | W | ctx | layout | draft layout | rounds/call | dot merger | command buffers | XLA options | attention | top_k chunk "
@@ -405,7 +413,7 @@ def main() -> None:
               f"{dev} | " + " | ".join(cells) + f" | {_idle(prof)} |")
     for r in rows:
         if "round_ms_interleaved" in r:
-            print(f"interleaved {r['method']} W {r.get('width', 1)} {r.get('attn_impl', '')} "
+            print(f"interleaved {r['method']} W {r.get('width', 1)} {r.get('attn_impl', '')} mlp {r.get('mlp', 'xla')} "
                   f"{r.get('xla_options') or '-'} rounds/call {r['rounds_per_call']}: {r['round_ms_interleaved']:.3f} ms "
                   f"(turns {r['round_ms_turns']})")
     for r in rows:  # how each row's idle time is made (bench.profile.gap_sizes)
