@@ -52,6 +52,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.tree_attention_hopper import available  # the same need: an sm_90 GPU
+
 try:  # Mosaic GPU ships with jaxlib; absent on some builds.
     from jax.experimental.pallas import mosaic_gpu as plgpu
 except ImportError:  # pragma: no cover - depends on the jaxlib build
@@ -106,14 +108,6 @@ def applies(rows: int, w: jax.Array) -> bool:
     return (w.ndim == 3 and w.shape[0] == 2 and jnp.dtype(w.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
             and w.shape[1] % COLS == 0 and w.shape[2] % 64 == 0 and pl.cdiv(rows, 8) * 8 > MAX_TOKENS
             and available())
-
-
-def available() -> bool:
-    """Whether the local backend can run the kernel: a GPU of compute capability 9.x."""
-    if plgpu is None or jax.default_backend() != "gpu":
-        return False
-    cap = str(getattr(jax.local_devices(backend="gpu")[0], "compute_capability", ""))
-    return cap.startswith("9.")
 
 
 def gate_up_silu_reference(x: jax.Array, w: jax.Array) -> jax.Array:
