@@ -52,7 +52,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.tree_attention_hopper import available  # the same need: an sm_90 GPU
+# The same need (an sm_90 GPU) and the same transposed view of a shared-memory tile.
+from pallas_kernels.tree_attention_hopper import _transposed, available
 
 try:  # Mosaic GPU ships with jaxlib; absent on some builds.
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -116,13 +117,6 @@ def gate_up_silu_reference(x: jax.Array, w: jax.Array) -> jax.Array:
     to x's dtype first (as the model's `mlp_activation` does)."""
     both = jnp.einsum("se,tme->stm", x, w, preferred_element_type=x.dtype).astype(jnp.float32)
     return (jax.nn.silu(both[:, 0]) * both[:, 1]).astype(x.dtype)
-
-
-def _transposed(ref):
-    """ref viewed as its transpose (the API moved between jax releases)."""
-    if hasattr(plgpu, "transpose_ref"):
-        return plgpu.transpose_ref(ref, (1, 0))
-    return ref.transpose((1, 0))
 
 
 def _kernel(x_ref, w_ref, out_ref, scratch, *, tiles: Tiles, row_tiles: int, k_steps: int, ctas: int,

