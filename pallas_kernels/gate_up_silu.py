@@ -76,13 +76,18 @@ class Tiles:
     freed only once the compute warpgroups of both SMs are done with it. Needs an even number
     of row tiles. programs: 0 for one program per job (a 64-column block of one row tile);
     else at most this many programs (one per SM: 132 on an H200), each taking jobs in turn,
-    the next job's loads overlapping this one's activation and store."""
+    the next job's loads overlapping this one's activation and store.
+    pingpong: the two compute warpgroups take whole jobs in turn (each computes a job's gate
+    and up products, in two accumulators), so that one warpgroup's activation and store run
+    while the other's products keep the tensor cores busy; with programs 0, one program per
+    two jobs. Not with pair."""
     tokens: int
     block_k: int = 64
     stages: int = 5
     pdl: bool = False
     pair: bool = False
     programs: int = 0
+    pingpong: bool = False
 
     def smem_bytes(self, itemsize: int = 2) -> int:
         ring = self.stages * (self.tokens + 2 * COLS) * self.block_k
@@ -96,10 +101,15 @@ def token_tiles(rows: int) -> Tiles:
 
 
 def decode_tiles(rows: int) -> Tiles:
-    """The tiles the model's verify uses at `rows` (a multiple of 8): `token_tiles`, paired
-    where the row tiles pair up."""
-    t = token_tiles(rows)
-    return dataclasses.replace(t, pair=pl.cdiv(rows, t.tokens) % 2 == 0)
+    """The tiles the model's verify uses at `rows` (a multiple of 8): `token_tiles`, the two
+    compute warpgroups taking jobs in turn (`Tiles.pingpong`), one program per SM."""
+    return dataclasses.replace(token_tiles(rows), pingpong=True, programs=sm_count())
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the local GPU (132 on an H200; 132 where none is seen)."""
+    devices = jax.local_devices()
+    return int(getattr(devices[0], "core_count", 0) or 132) if devices and devices[0].platform == "gpu" else 132
 
 
 def applies(rows: int, w: jax.Array) -> bool:
@@ -228,6 +238,103 @@ def _kernel(x_ref, w_ref, out_ref, scratch, *, tiles: Tiles, row_tiles: int, k_s
         lax.fori_loop(0, total, produce, None)
 
 
+def _pingpong_kernel(x_ref, w_ref, out_ref, scratch, *, tiles: Tiles, row_tiles: int, k_steps: int, ctas: int,
+                     jobs: int):
+    """One program with `Tiles.pingpong`: its jobs (as `_kernel` numbers them) taken in turn by
+    the two compute warpgroups, job n by warpgroup n % 2, each computing the gate's and the up
+    projection's 64 columns in two accumulators and storing the activation itself.
+
+    The memory warpgroup streams the jobs' K steps in job order through one ring of `stages`
+    slots, so a warpgroup's next job can only start as the other's products drain the ring:
+    the two take turns on the tensor cores, and each one's activation and store overlap the
+    other's products. Every slot has one set of barriers per warpgroup (index wg * stages +
+    slot): a barrier's phase is tracked by each thread that waits on it, so each must be waited
+    on by one warpgroup at every one of its phases.
+    Refs (GMEM): x_ref [rows, embed]; w_ref [2, mlp, embed]; out_ref [rows, mlp].
+    """
+    if tiles.pdl:  # everything below reads what earlier kernels wrote
+        plgpu.griddepcontrol_wait()
+    (x_smem, w_smem, out_smem), (x_ready, w_ready, free) = scratch
+    stages, bk, tokens = tiles.stages, tiles.block_k, tiles.tokens
+    p = lax.axis_index("program")
+    my_jobs = lax.div(jnp.int32(jobs) - p + jnp.int32(ctas - 1), jnp.int32(ctas))
+    total = my_jobs * k_steps  # ring steps of this program
+    wg = lax.axis_index("wg")
+    dtype = x_smem.dtype
+
+    def origin(n):
+        """The first row and column of this program's n-th job."""
+        q = p + n * ctas
+        return lax.rem(q, jnp.int32(row_tiles)) * tokens, lax.div(q, jnp.int32(row_tiles)) * COLS
+
+    def owned(bars, g):
+        """The barrier of ring step g's slot that belongs to the warpgroup of g's job."""
+        return bars.at[lax.rem(lax.div(g, jnp.int32(k_steps)), 2) * stages + lax.rem(g, jnp.int32(stages))]
+
+    @pl.when(wg < 2)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+
+        def release(g):
+            """Frees ring step g's slot if a later load needs it."""
+            pl.when(g + stages < total)(lambda: plgpu.barrier_arrive(owned(free, g)))
+
+        def job(j, carry):
+            n = wg + 2 * j
+            t0, c0 = origin(n)
+            base = n * k_steps
+
+            def products(gate_ref, up_ref):
+                def step(i, carry):
+                    g = base + i
+                    slot = lax.rem(g, jnp.int32(stages))
+                    plgpu.barrier_wait(owned(x_ready, g))
+                    plgpu.barrier_wait(owned(w_ready, g))
+                    x_t = _transposed(x_smem.at[slot])
+                    plgpu.wgmma(gate_ref, w_smem.at[slot, 0], x_t)
+                    plgpu.wgmma(up_ref, w_smem.at[slot, 1], x_t)
+                    # At most this step's two products in flight: the step before has read its slot.
+                    plgpu.wgmma_wait(2)
+                    pl.when(i > 0)(lambda: release(g - 1))
+                    return carry
+
+                lax.fori_loop(0, k_steps, step, None)
+                plgpu.wgmma_wait(0)
+                release(base + k_steps - 1)
+                return gate_ref[...], up_ref[...]
+
+            acc = plgpu.ACC((COLS, tokens), jnp.float32)
+            gate, up = pl.run_scoped(products, acc, acc)
+            # Rounded as XLA's product is, before the activation.
+            gate = gate.astype(dtype).astype(jnp.float32)
+            up = up.astype(dtype).astype(jnp.float32)
+            h = (gate / (1.0 + jnp.exp(-gate)) * up).astype(dtype)
+            # This warpgroup's last store has read its tile before it is written again.
+            pl.when(j > 0)(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
+            _transposed(out_smem.at[wg])[...] = plgpu.layout_cast(h, plgpu.Layout.WGMMA_TRANSPOSED)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem.at[wg], out_ref.at[pl.ds(t0, tokens), pl.ds(c0, COLS)])
+            return carry
+
+        lax.fori_loop(0, lax.div(my_jobs - wg + 1, 2), job, None)
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def produce(g, carry):
+            t0, c0 = origin(lax.div(g, jnp.int32(k_steps)))
+            ks = pl.ds(lax.rem(g, jnp.int32(k_steps)) * bk, bk)
+            slot = lax.rem(g, jnp.int32(stages))
+            pl.when(g >= stages)(lambda: plgpu.barrier_wait(owned(free, g - stages)))
+            plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(t0, tokens), ks], x_smem.at[slot], owned(x_ready, g))
+            plgpu.copy_gmem_to_smem(w_ref.at[:, pl.ds(c0, COLS), ks], w_smem.at[slot], owned(w_ready, g))
+            return carry
+
+        lax.fori_loop(0, total, produce, None)
+
+
 # A jit of its own: a model calls the kernel once per layer, and JAX lowers a jitted function
 # once per program, not once per call.
 @functools.partial(jax.jit, static_argnames=("tiles",))
@@ -260,10 +367,30 @@ def gate_up_silu_kernel(x: jax.Array, w: jax.Array, *, tiles: Tiles) -> jax.Arra
     row_tiles = pl.cdiv(rows, tokens)
     if tiles.pair and row_tiles % 2:
         raise ValueError(f"gate_up_silu: pair needs an even number of row tiles, rows={rows} make {row_tiles}")
+    if tiles.pair and tiles.pingpong:
+        raise ValueError("gate_up_silu: tiles.pingpong does not take pair")
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     size = 2 if tiles.pair else 1
     jobs = (mlp // COLS) * row_tiles // size  # per cluster of `size`
     ctas = min(jobs, tiles.programs // size) if tiles.programs else jobs
+    if tiles.pingpong:
+        ctas = min(jobs, tiles.programs) if tiles.programs else pl.cdiv(jobs, 2)
+
+    def pingpong_entry(x_ref, w_ref, out_ref):
+        smem = (
+            plgpu.SMEM((stages, tokens, bk), x.dtype, transforms=swizzled),
+            plgpu.SMEM((stages, 2, COLS, bk), x.dtype, transforms=swizzled),
+            plgpu.SMEM((2, tokens, COLS), x.dtype, transforms=swizzled),  # one output tile per warpgroup
+        )
+        barriers = (  # [warpgroup, slot], flattened
+            plgpu.Barrier(num_barriers=2 * stages),
+            plgpu.Barrier(num_barriers=2 * stages),
+            plgpu.Barrier(num_arrivals=1, num_barriers=2 * stages),
+        )
+        pl.run_scoped(
+            lambda *scratch: _pingpong_kernel(x_ref, w_ref, out_ref, scratch, tiles=tiles, row_tiles=row_tiles,
+                                              k_steps=embed // bk, ctas=ctas, jobs=jobs),
+            smem, barriers, collective_axes="wg")
 
     def entry(x_ref, w_ref, out_ref):
         smem = (
@@ -287,7 +414,7 @@ def gate_up_silu_kernel(x: jax.Array, w: jax.Array, *, tiles: Tiles) -> jax.Arra
             smem, barriers, collective_axes="wg")
 
     call = plgpu.kernel(
-        entry,
+        pingpong_entry if tiles.pingpong else entry,
         out_type=jax.ShapeDtypeStruct((rows, mlp), x.dtype),
         grid=(ctas,),
         grid_names=("program",),

@@ -25,13 +25,14 @@ def test_rows_split_into_the_fewest_tiles_of_at_most_136(rows, tokens, tiles):
     assert t.smem_bytes() <= gus._SMEM_BYTES
 
 
-@pytest.mark.parametrize("pdl,pair,programs", [(False, False, 0), (True, False, 0), (False, True, 0),
-                                               (True, True, 132), (False, False, 132), (False, True, 5)])
+@pytest.mark.parametrize("pdl,pair,programs,pingpong", [
+    (False, False, 0, False), (True, False, 0, False), (False, True, 0, False), (True, True, 132, False),
+    (False, False, 132, False), (False, True, 5, False), (False, False, 132, True), (True, False, 0, True)])
 @pytest.mark.parametrize("rows,embed,mlp", [(272, 4096, 12288), (264, 4096, 12288), (48, 512, 256)])
-def test_kernel_lowers_for_cuda(rows, embed, mlp, pdl, pair, programs):
+def test_kernel_lowers_for_cuda(rows, embed, mlp, pdl, pair, programs, pingpong):
     tokens = gus.token_tiles(rows).tokens
     t = gus.Tiles(tokens=tokens if not pair or -(-rows // tokens) % 2 == 0 else rows // 2, pdl=pdl, pair=pair,
-                  programs=programs)
+                  programs=programs, pingpong=pingpong)
     x = jax.ShapeDtypeStruct((rows, embed), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((2, mlp, embed), jnp.bfloat16)
     text = jax.jit(lambda x, w: gus.gate_up_silu_kernel(x, w, tiles=t)).trace(x, w).lower(
@@ -50,6 +51,7 @@ def test_kernel_lowers_for_cuda(rows, embed, mlp, pdl, pair, programs):
     ((272, 520), (2, 256, 520), jnp.bfloat16, gus.Tiles(136), "embed=520 must be a multiple of block_k"),
     ((272, 512), (2, 200, 512), jnp.bfloat16, gus.Tiles(136), "mlp=200 must be a multiple of 64"),
     ((272, 512), (2, 256, 512), jnp.bfloat16, gus.Tiles(136, stages=8), "bytes of shared memory"),
+    ((272, 512), (2, 256, 512), jnp.bfloat16, gus.Tiles(136, pair=True, pingpong=True), "pingpong does not take pair"),
 ])
 def test_bad_arguments_get_one_clear_error(x_shape, w_shape, dtype, tiles, match):
     x = jax.ShapeDtypeStruct(x_shape, dtype)
@@ -70,19 +72,23 @@ def test_reference_is_the_models_mlp_activation():
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("rows,embed,mlp,pdl,pair,pad,programs", [
-    (257, 4096, 12288, False, False, True, 0), (257, 4096, 12288, False, False, False, 0),
-    (257, 4096, 12288, True, True, False, 0), (272, 4096, 12288, False, True, True, 0),
-    (17, 512, 256, False, False, False, 0), (136, 1024, 640, False, False, False, 0),
-    (513, 512, 128, False, True, False, 0), (300, 512, 192, False, False, False, 0),
-    (264, 4096, 12288, False, True, False, 0),
-    (257, 4096, 12288, False, False, False, 132), (257, 4096, 12288, True, True, False, 132),
-    (300, 1024, 640, False, False, False, 4), (272, 1024, 640, False, True, False, 3)])
-def test_gpu_kernel_matches_reference(rows, embed, mlp, pdl, pair, pad, programs):
-    rng = np.random.default_rng(rows + programs)
+@pytest.mark.parametrize("rows,embed,mlp,pdl,pair,pad,programs,pingpong", [
+    (257, 4096, 12288, False, False, True, 0, False), (257, 4096, 12288, False, False, False, 0, False),
+    (257, 4096, 12288, True, True, False, 0, False), (272, 4096, 12288, False, True, True, 0, False),
+    (17, 512, 256, False, False, False, 0, False), (136, 1024, 640, False, False, False, 0, False),
+    (513, 512, 128, False, True, False, 0, False), (300, 512, 192, False, False, False, 0, False),
+    (264, 4096, 12288, False, True, False, 0, False),
+    (257, 4096, 12288, False, False, False, 132, False), (257, 4096, 12288, True, True, False, 132, False),
+    (300, 1024, 640, False, False, False, 4, False), (272, 1024, 640, False, True, False, 3, False),
+    # Both warpgroups taking jobs in turn: odd and even jobs per program, one job, partial tiles.
+    (257, 4096, 12288, False, False, False, 132, True), (257, 4096, 12288, True, False, True, 132, True),
+    (300, 1024, 640, False, False, False, 4, True), (300, 1024, 640, False, False, False, 3, True),
+    (17, 512, 256, False, False, False, 0, True), (513, 512, 128, False, False, False, 0, True)])
+def test_gpu_kernel_matches_reference(rows, embed, mlp, pdl, pair, pad, programs, pingpong):
+    rng = np.random.default_rng(rows + programs + pingpong)
     x = jnp.asarray(rng.standard_normal((rows, embed)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((2, mlp, embed)) / np.sqrt(embed), jnp.bfloat16)
-    t = gus.Tiles(tokens=gus.token_tiles(rows).tokens, pdl=pdl, pair=pair, programs=programs)
+    t = gus.Tiles(tokens=gus.token_tiles(rows).tokens, pdl=pdl, pair=pair, programs=programs, pingpong=pingpong)
     out = np.asarray(jax.jit(lambda x, w: gus.gate_up_silu(x, w, t, pad=pad))(x, w), np.float64)
     ref = np.asarray(gus.gate_up_silu_reference(x, w), np.float64)
     assert out.shape == (rows, mlp) and np.all(np.isfinite(out))
