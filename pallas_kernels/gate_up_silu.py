@@ -102,8 +102,9 @@ def token_tiles(rows: int) -> Tiles:
 
 def decode_tiles(rows: int) -> Tiles:
     """The tiles the model's verify uses at `rows` (a multiple of 8): `token_tiles`, the two
-    compute warpgroups taking jobs in turn (`Tiles.pingpong`), one program per SM."""
-    return dataclasses.replace(token_tiles(rows), pingpong=True, programs=sm_count())
+    compute warpgroups taking jobs in turn (`Tiles.pingpong`), one program per SM, launched as
+    a programmatic dependent (`Tiles.pdl`)."""
+    return dataclasses.replace(token_tiles(rows), pingpong=True, programs=sm_count(), pdl=True)
 
 
 def sm_count() -> int:
