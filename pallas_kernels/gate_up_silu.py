@@ -38,12 +38,11 @@ it replaces. Both warpgroups on one job: 88-96 us a product in every variant (pa
 programs, PDL, 4 or 5 stages) against 82.7 us for XLA's three kernels, and the DDTree(256) round
 11.11 against 10.93 ms. Pingpong: 86.5 us alone (89.2 for pairs in the same command; 4 stages
 93.4), 87.9 us a layer inside the round against 84.1 for cuBLAS's GEMM + the SiLU fusion (+ a
-Memset);
-the round's device time even (10.25 against 10.28 ms) but its rounds slower (11.16 against
-10.99 ms, 11.39 against 11.07 in turns), the GPU idle longer in the tree and draft stages. So
-overlapping the epilogue was worth about 2-3 us a product; the main loop still runs at about
-630 TFLOP/s on its padded tiles (272 rows) against cuBLAS's 690-720. Nothing uses it by default: only params put
-in `model.kernel_mlp_layout` take it (`spec_round --mlp kernel`).
+Memset); the round's device time even (10.25 against 10.28 ms) but its rounds slower (11.16
+against 10.99 ms, 11.39 against 11.07 in turns), the GPU idle longer in the tree and draft
+stages. So overlapping the epilogue was worth about 2-3 us a product; the main loop still runs
+at about 630 TFLOP/s on its padded tiles (272 rows) against cuBLAS's 690-720. Nothing uses it by
+default: only params put in `model.kernel_mlp_layout` take it (`spec_round --mlp kernel`).
 
 Needs: bf16/f16, embed a multiple of block_k, mlp a multiple of 64. This file holds, side by
 side: the tile settings, the reference (`gate_up_silu_reference`), the kernel, its launch, and
