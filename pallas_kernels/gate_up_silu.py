@@ -137,6 +137,82 @@ def gate_up_silu_reference(x: jax.Array, w: jax.Array) -> jax.Array:
     return (jax.nn.silu(both[:, 0]) * both[:, 1]).astype(x.dtype)
 
 
+def _program_jobs(tiles: Tiles, row_tiles: int, k_steps: int, ctas: int, jobs: int):
+    """This program's job count, its ring steps (k_steps a job), and `origin(n)`: the first row
+    and column of its n-th job (see `_kernel` for how jobs are numbered)."""
+    p = lax.axis_index("program")
+    my_jobs = lax.div(jnp.int32(jobs) - p + jnp.int32(ctas - 1), jnp.int32(ctas))
+
+    def origin(n):
+        q = p + n * ctas
+        if tiles.pair:
+            half = jnp.int32(row_tiles // 2)
+            return (lax.rem(q, half) * 2 + lax.axis_index("pair")) * tiles.tokens, lax.div(q, half) * COLS
+        return lax.rem(q, jnp.int32(row_tiles)) * tiles.tokens, lax.div(q, jnp.int32(row_tiles)) * COLS
+
+    return my_jobs, my_jobs * k_steps, origin
+
+
+def _stream(x_ref, w_ref, x_smem, w_smem, barrier, *, tiles: Tiles, k_steps: int, total, origin) -> None:
+    """The memory warpgroup: ring steps 0..total-1 in order, step g's x and weight tiles (K block
+    g % k_steps of job g // k_steps) into slot g % stages once the step `stages` before has
+    freed it. barrier(kind, g): the barrier of step g's slot for kind "x", "w" or "free"."""
+    plgpu.set_max_registers(40, action="decrease")
+    stages, bk, tokens = tiles.stages, tiles.block_k, tiles.tokens
+
+    def produce(g, carry):
+        t0, c0 = origin(lax.div(g, jnp.int32(k_steps)))
+        ks = pl.ds(lax.rem(g, jnp.int32(k_steps)) * bk, bk)
+        slot = lax.rem(g, jnp.int32(stages))
+        pl.when(g >= stages)(lambda: plgpu.barrier_wait(barrier("free", g - stages)))
+        plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(t0, tokens), ks], x_smem.at[slot], barrier("x", g))
+        w_tile = w_ref.at[:, pl.ds(c0, COLS), ks]
+        if tiles.pair:
+            plgpu.copy_gmem_to_smem(w_tile, w_smem.at[slot], barrier("w", g), collective_axes="pair")
+        else:
+            plgpu.copy_gmem_to_smem(w_tile, w_smem.at[slot], barrier("w", g))
+        return carry
+
+    lax.fori_loop(0, total, produce, None)
+
+
+def _k_loop(base, *, k_steps: int, stages: int, barrier, issue, products: int, release) -> None:
+    """A compute warpgroup's K loop over one job: ring steps base .. base + k_steps - 1, each
+    waiting for its x and weight tiles (barrier(kind, g), as `_stream` takes it), issuing
+    `products` wgmma products on its slot (issue(slot)), and freeing the step before's slot
+    once only this step's products are in flight (release(g))."""
+    def step(i, carry):
+        g = base + i
+        slot = lax.rem(g, jnp.int32(stages))
+        plgpu.barrier_wait(barrier("x", g))
+        plgpu.barrier_wait(barrier("w", g))
+        issue(slot)
+        plgpu.wgmma_wait(products)
+        pl.when(i > 0)(lambda: release(g - 1))
+        return carry
+
+    lax.fori_loop(0, k_steps, step, None)
+    plgpu.wgmma_wait(0)
+    release(base + k_steps - 1)
+
+
+def _activation(gate: jax.Array, up: jax.Array, dtype) -> jax.Array:
+    """silu(gate) * up in `dtype`, from products rounded to `dtype` first as XLA's product is."""
+    gate = gate.astype(dtype).astype(jnp.float32)
+    return (gate / (1.0 + jnp.exp(-gate)) * up.astype(dtype).astype(jnp.float32)).astype(dtype)
+
+
+def _store(h: jax.Array, out_smem, out_ref, t0, c0, first) -> None:
+    """h [COLS, tokens] (WGMMA layout) into out_ref's tile at rows t0, columns c0, through
+    out_smem [tokens, COLS] held [rows, cols] (rows a multiple of 8, not of 64, so it cannot be
+    tiled the other way round) and written through a transposed view. Unless `first`, this
+    warpgroup's last store has read out_smem before it is written again."""
+    pl.when(jnp.logical_not(first))(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
+    _transposed(out_smem)[...] = plgpu.layout_cast(h, plgpu.Layout.WGMMA_TRANSPOSED)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, out_ref.at[pl.ds(t0, out_smem.shape[0]), pl.ds(c0, COLS)])
+
+
 def _kernel(x_ref, w_ref, out_ref, scratch, *, tiles: Tiles, row_tiles: int, k_steps: int, ctas: int,
             jobs: int):
     """One program: its jobs, each 64 columns of the activation for one tile of rows.
@@ -150,25 +226,18 @@ def _kernel(x_ref, w_ref, out_ref, scratch, *, tiles: Tiles, row_tiles: int, k_s
     if tiles.pdl:  # everything below reads what earlier kernels wrote
         plgpu.griddepcontrol_wait()
     (x_smem, w_smem, up_smem, out_smem), (x_ready, w_ready, free, up_ready, up_free) = scratch
-    stages, bk, tokens = tiles.stages, tiles.block_k, tiles.tokens
-    p = lax.axis_index("program")
-    my_jobs = lax.div(jnp.int32(jobs) - p + jnp.int32(ctas - 1), jnp.int32(ctas))
-    total = my_jobs * k_steps  # ring steps of this program
+    stages, tokens = tiles.stages, tiles.tokens
+    my_jobs, total, origin = _program_jobs(tiles, row_tiles, k_steps, ctas, jobs)
     wg = lax.axis_index("wg")
     dtype = x_smem.dtype
 
-    def origin(n):
-        """The first row and column of this program's n-th job."""
-        q = p + n * ctas
-        if tiles.pair:
-            half = jnp.int32(row_tiles // 2)
-            return (lax.rem(q, half) * 2 + lax.axis_index("pair")) * tokens, lax.div(q, half) * COLS
-        return lax.rem(q, jnp.int32(row_tiles)) * tokens, lax.div(q, jnp.int32(row_tiles)) * COLS
+    bars = {"x": x_ready, "w": w_ready, "free": free}
+    barrier = lambda kind, g: bars[kind].at[lax.rem(g, jnp.int32(stages))]  # noqa: E731
 
     def release(g):
         """Frees ring step g's slot if a later load needs it (with `pair` the other SM may have
         exited by the time the last ones would be freed)."""
-        pl.when(g + stages < total)(lambda: plgpu.barrier_arrive(free.at[lax.rem(g, jnp.int32(stages))]))
+        pl.when(g + stages < total)(lambda: plgpu.barrier_arrive(barrier("free", g)))
 
     @pl.when(wg < 2)
     def _compute():
@@ -176,31 +245,17 @@ def _kernel(x_ref, w_ref, out_ref, scratch, *, tiles: Tiles, row_tiles: int, k_s
 
         def job(n, carry):
             t0, c0 = origin(n)
-            base = n * k_steps
 
             def products(acc_ref):
-                def step(i, carry):
-                    g = base + i
-                    slot = lax.rem(g, jnp.int32(stages))
-                    plgpu.barrier_wait(x_ready.at[slot])
-                    plgpu.barrier_wait(w_ready.at[slot])
-                    plgpu.wgmma(acc_ref, w_smem.at[slot, wg], _transposed(x_smem.at[slot]))
-                    # At most this step's product in flight: the one before it has read its slot.
-                    plgpu.wgmma_wait(1)
-                    pl.when(i > 0)(lambda: release(g - 1))
-                    return carry
-
-                lax.fori_loop(0, k_steps, step, None)
-                plgpu.wgmma_wait(0)
-                release(base + k_steps - 1)
+                _k_loop(n * k_steps, k_steps=k_steps, stages=stages, barrier=barrier, products=1, release=release,
+                        issue=lambda slot: plgpu.wgmma(acc_ref, w_smem.at[slot, wg], _transposed(x_smem.at[slot])))
                 return acc_ref[...]
 
             acc = pl.run_scoped(products, plgpu.ACC((COLS, tokens), jnp.float32))
             # Rounded as XLA's product is, before the activation.
             product = acc.astype(dtype)
 
-            # Both tiles are held [rows, cols] (rows a multiple of 8, not of 64, so they cannot
-            # be tiled the other way round), written and read through a transposed view.
+            # Held [rows, cols] as the output tile is (`_store`).
             @pl.when(wg == 1)
             def _hand_over():
                 pl.when(n > 0)(lambda: plgpu.barrier_wait(up_free))  # the last job's is read
@@ -211,39 +266,17 @@ def _kernel(x_ref, w_ref, out_ref, scratch, *, tiles: Tiles, row_tiles: int, k_s
             def _activate():
                 plgpu.barrier_wait(up_ready)
                 up = plgpu.load(_transposed(up_smem), (), layout=plgpu.Layout.WGMMA_TRANSPOSED)
-                up = plgpu.layout_cast(up, plgpu.Layout.WGMMA).astype(jnp.float32)
+                up = plgpu.layout_cast(up, plgpu.Layout.WGMMA)
                 pl.when(n + 1 < my_jobs)(lambda: plgpu.barrier_arrive(up_free))
-                gate = product.astype(jnp.float32)
-                h = (gate / (1.0 + jnp.exp(-gate)) * up).astype(dtype)
-                # The last job's store has read the tile before it is written again.
-                pl.when(n > 0)(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
-                _transposed(out_smem)[...] = plgpu.layout_cast(h, plgpu.Layout.WGMMA_TRANSPOSED)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out_smem, out_ref.at[pl.ds(t0, tokens), pl.ds(c0, COLS)])
+                _store(_activation(product, up, dtype), out_smem, out_ref, t0, c0, first=n == 0)
 
             return carry
 
         lax.fori_loop(0, my_jobs, job, None)
         pl.when(wg == 0)(lambda: plgpu.wait_smem_to_gmem(0))
 
-    @pl.when(wg == 2)
-    def _memory():
-        plgpu.set_max_registers(40, action="decrease")
-
-        def produce(g, carry):
-            t0, c0 = origin(lax.div(g, jnp.int32(k_steps)))
-            ks = pl.ds(lax.rem(g, jnp.int32(k_steps)) * bk, bk)
-            slot = lax.rem(g, jnp.int32(stages))
-            pl.when(g >= stages)(lambda: plgpu.barrier_wait(free.at[slot]))
-            plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(t0, tokens), ks], x_smem.at[slot], x_ready.at[slot])
-            w_tile = w_ref.at[:, pl.ds(c0, COLS), ks]
-            if tiles.pair:
-                plgpu.copy_gmem_to_smem(w_tile, w_smem.at[slot], w_ready.at[slot], collective_axes="pair")
-            else:
-                plgpu.copy_gmem_to_smem(w_tile, w_smem.at[slot], w_ready.at[slot])
-            return carry
-
-        lax.fori_loop(0, total, produce, None)
+    pl.when(wg == 2)(lambda: _stream(x_ref, w_ref, x_smem, w_smem, barrier, tiles=tiles, k_steps=k_steps,
+                                     total=total, origin=origin))
 
 
 def _pingpong_kernel(x_ref, w_ref, out_ref, scratch, *, tiles: Tiles, row_tiles: int, k_steps: int, ctas: int,
@@ -263,21 +296,17 @@ def _pingpong_kernel(x_ref, w_ref, out_ref, scratch, *, tiles: Tiles, row_tiles:
     if tiles.pdl:  # everything below reads what earlier kernels wrote
         plgpu.griddepcontrol_wait()
     (x_smem, w_smem, out_smem), (x_ready, w_ready, free) = scratch
-    stages, bk, tokens = tiles.stages, tiles.block_k, tiles.tokens
-    p = lax.axis_index("program")
-    my_jobs = lax.div(jnp.int32(jobs) - p + jnp.int32(ctas - 1), jnp.int32(ctas))
-    total = my_jobs * k_steps  # ring steps of this program
+    stages, tokens = tiles.stages, tiles.tokens
+    my_jobs, total, origin = _program_jobs(tiles, row_tiles, k_steps, ctas, jobs)
     wg = lax.axis_index("wg")
     dtype = x_smem.dtype
 
-    def origin(n):
-        """The first row and column of this program's n-th job."""
-        q = p + n * ctas
-        return lax.rem(q, jnp.int32(row_tiles)) * tokens, lax.div(q, jnp.int32(row_tiles)) * COLS
+    bars = {"x": x_ready, "w": w_ready, "free": free}
 
-    def owned(bars, g):
+    def barrier(kind, g):
         """The barrier of ring step g's slot that belongs to the warpgroup of g's job."""
-        return bars.at[lax.rem(lax.div(g, jnp.int32(k_steps)), 2) * stages + lax.rem(g, jnp.int32(stages))]
+        owner = lax.rem(lax.div(g, jnp.int32(k_steps)), 2)
+        return bars[kind].at[owner * stages + lax.rem(g, jnp.int32(stages))]
 
     @pl.when(wg < 2)
     def _compute():
@@ -285,62 +314,32 @@ def _pingpong_kernel(x_ref, w_ref, out_ref, scratch, *, tiles: Tiles, row_tiles:
 
         def release(g):
             """Frees ring step g's slot if a later load needs it."""
-            pl.when(g + stages < total)(lambda: plgpu.barrier_arrive(owned(free, g)))
+            pl.when(g + stages < total)(lambda: plgpu.barrier_arrive(barrier("free", g)))
 
         def job(j, carry):
             n = wg + 2 * j
             t0, c0 = origin(n)
-            base = n * k_steps
 
             def products(gate_ref, up_ref):
-                def step(i, carry):
-                    g = base + i
-                    slot = lax.rem(g, jnp.int32(stages))
-                    plgpu.barrier_wait(owned(x_ready, g))
-                    plgpu.barrier_wait(owned(w_ready, g))
+                def issue(slot):
                     x_t = _transposed(x_smem.at[slot])
                     plgpu.wgmma(gate_ref, w_smem.at[slot, 0], x_t)
                     plgpu.wgmma(up_ref, w_smem.at[slot, 1], x_t)
-                    # At most this step's two products in flight: the step before has read its slot.
-                    plgpu.wgmma_wait(2)
-                    pl.when(i > 0)(lambda: release(g - 1))
-                    return carry
 
-                lax.fori_loop(0, k_steps, step, None)
-                plgpu.wgmma_wait(0)
-                release(base + k_steps - 1)
+                _k_loop(n * k_steps, k_steps=k_steps, stages=stages, barrier=barrier, issue=issue, products=2,
+                        release=release)
                 return gate_ref[...], up_ref[...]
 
             acc = plgpu.ACC((COLS, tokens), jnp.float32)
             gate, up = pl.run_scoped(products, acc, acc)
-            # Rounded as XLA's product is, before the activation.
-            gate = gate.astype(dtype).astype(jnp.float32)
-            up = up.astype(dtype).astype(jnp.float32)
-            h = (gate / (1.0 + jnp.exp(-gate)) * up).astype(dtype)
-            # This warpgroup's last store has read its tile before it is written again.
-            pl.when(j > 0)(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
-            _transposed(out_smem.at[wg])[...] = plgpu.layout_cast(h, plgpu.Layout.WGMMA_TRANSPOSED)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem.at[wg], out_ref.at[pl.ds(t0, tokens), pl.ds(c0, COLS)])
+            _store(_activation(gate, up, dtype), out_smem.at[wg], out_ref, t0, c0, first=j == 0)
             return carry
 
         lax.fori_loop(0, lax.div(my_jobs - wg + 1, 2), job, None)
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == 2)
-    def _memory():
-        plgpu.set_max_registers(40, action="decrease")
-
-        def produce(g, carry):
-            t0, c0 = origin(lax.div(g, jnp.int32(k_steps)))
-            ks = pl.ds(lax.rem(g, jnp.int32(k_steps)) * bk, bk)
-            slot = lax.rem(g, jnp.int32(stages))
-            pl.when(g >= stages)(lambda: plgpu.barrier_wait(owned(free, g - stages)))
-            plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(t0, tokens), ks], x_smem.at[slot], owned(x_ready, g))
-            plgpu.copy_gmem_to_smem(w_ref.at[:, pl.ds(c0, COLS), ks], w_smem.at[slot], owned(w_ready, g))
-            return carry
-
-        lax.fori_loop(0, total, produce, None)
+    pl.when(wg == 2)(lambda: _stream(x_ref, w_ref, x_smem, w_smem, barrier, tiles=tiles, k_steps=k_steps,
+                                     total=total, origin=origin))
 
 
 # A jit of its own: a model calls the kernel once per layer, and JAX lowers a jitted function

@@ -102,3 +102,17 @@ def test_spec_round_xla_options_parse_and_refuse_bad_items():
         "xla_gpu_enable_command_buffer": "FUSION,CUBLAS", "xla_gpu_graph_min_graph_size": 2}
     with pytest.raises(argparse.ArgumentTypeError, match="KEY=VALUE"):
         parse_xla_options("xla_gpu_enable_pdl")
+
+
+def test_launch_cost_chains_compute_what_they_chain():
+    """The launch-cost bench's programs: the chain and the while loop apply the step as many
+    times as they say (on CPU only the XLA kind runs; its measurement reports every field)."""
+    from dflash_jax.bench import launch_cost
+    step, x = launch_cost.step_and_input("xla")
+    want = x
+    for _ in range(6):
+        want = jnp.tanh(want) * 0.5 + 0.25
+    assert jnp.allclose(launch_cost.chain(step, 6)(x), want)
+    assert jnp.allclose(launch_cost.looped(step, 3)(x, jnp.int32(2)), want)
+    row = launch_cost.measure("xla", 6, 2)
+    assert row["chain"] == 6 and row["wall_us"] > 0 and row["loop_wall_us"] > 0 and row["kernels_seen"] >= 1
