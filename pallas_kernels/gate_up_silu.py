@@ -87,7 +87,8 @@ class Tiles:
     pingpong: the two compute warpgroups take whole jobs in turn (each computes a job's gate
     and up products, in two accumulators), so that one warpgroup's activation and store run
     while the other's products keep the tensor cores busy; with programs 0, one program per
-    two jobs. Not with pair."""
+    two jobs; the warpgroups take turns on one output tile, which leaves shared memory for 6
+    stages at 136 rows. Not with pair."""
     tokens: int
     block_k: int = 64
     stages: int = 5
@@ -98,7 +99,8 @@ class Tiles:
 
     def smem_bytes(self, itemsize: int = 2) -> int:
         ring = self.stages * (self.tokens + 2 * COLS) * self.block_k
-        return (ring + 2 * COLS * self.tokens) * itemsize
+        tiles = 1 if self.pingpong else 2  # pingpong: one output tile, passed between the warpgroups
+        return (ring + tiles * COLS * self.tokens) * itemsize
 
 
 def token_tiles(rows: int) -> Tiles:
@@ -109,9 +111,9 @@ def token_tiles(rows: int) -> Tiles:
 
 def decode_tiles(rows: int) -> Tiles:
     """The tiles the model's verify uses at `rows` (a multiple of 8): `token_tiles`, the two
-    compute warpgroups taking jobs in turn (`Tiles.pingpong`), one program per SM, launched as
-    a programmatic dependent (`Tiles.pdl`)."""
-    return dataclasses.replace(token_tiles(rows), pingpong=True, programs=sm_count(), pdl=True)
+    compute warpgroups taking jobs in turn (`Tiles.pingpong`) over 6 stages, one program per SM,
+    launched as a programmatic dependent (`Tiles.pdl`)."""
+    return dataclasses.replace(token_tiles(rows), pingpong=True, programs=sm_count(), pdl=True, stages=6)
 
 
 def sm_count() -> int:
@@ -202,12 +204,11 @@ def _activation(gate: jax.Array, up: jax.Array, dtype) -> jax.Array:
     return (gate / (1.0 + jnp.exp(-gate)) * up.astype(dtype).astype(jnp.float32)).astype(dtype)
 
 
-def _store(h: jax.Array, out_smem, out_ref, t0, c0, first) -> None:
+def _store(h: jax.Array, out_smem, out_ref, t0, c0) -> None:
     """h [COLS, tokens] (WGMMA layout) into out_ref's tile at rows t0, columns c0, through
     out_smem [tokens, COLS] held [rows, cols] (rows a multiple of 8, not of 64, so it cannot be
-    tiled the other way round) and written through a transposed view. Unless `first`, this
-    warpgroup's last store has read out_smem before it is written again."""
-    pl.when(jnp.logical_not(first))(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
+    tiled the other way round) and written through a transposed view. The caller sees to it
+    that the last store from out_smem has read it."""
     _transposed(out_smem)[...] = plgpu.layout_cast(h, plgpu.Layout.WGMMA_TRANSPOSED)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(out_smem, out_ref.at[pl.ds(t0, out_smem.shape[0]), pl.ds(c0, COLS)])
@@ -268,7 +269,10 @@ def _kernel(x_ref, w_ref, out_ref, scratch, *, tiles: Tiles, row_tiles: int, k_s
                 up = plgpu.load(_transposed(up_smem), (), layout=plgpu.Layout.WGMMA_TRANSPOSED)
                 up = plgpu.layout_cast(up, plgpu.Layout.WGMMA)
                 pl.when(n + 1 < my_jobs)(lambda: plgpu.barrier_arrive(up_free))
-                _store(_activation(product, up, dtype), out_smem, out_ref, t0, c0, first=n == 0)
+                h = _activation(product, up, dtype)
+                # The last job's store has read the tile before it is written again.
+                pl.when(n > 0)(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
+                _store(h, out_smem, out_ref, t0, c0)
 
             return carry
 
@@ -290,12 +294,14 @@ def _pingpong_kernel(x_ref, w_ref, out_ref, scratch, *, tiles: Tiles, row_tiles:
     the two take turns on the tensor cores, and each one's activation and store overlap the
     other's products. Every slot has one set of barriers per warpgroup (index wg * stages +
     slot): a barrier's phase is tracked by each thread that waits on it, so each must be waited
-    on by one warpgroup at every one of its phases.
+    on by one warpgroup at every one of its phases. The output tile is passed in job order: job
+    n's warpgroup writes it once job n - 1's store has read it (`out_free`, one barrier per
+    warpgroup, arrived at by the other).
     Refs (GMEM): x_ref [rows, embed]; w_ref [2, mlp, embed]; out_ref [rows, mlp].
     """
     if tiles.pdl:  # everything below reads what earlier kernels wrote
         plgpu.griddepcontrol_wait()
-    (x_smem, w_smem, out_smem), (x_ready, w_ready, free) = scratch
+    (x_smem, w_smem, out_smem), (x_ready, w_ready, free, out_free) = scratch
     stages, tokens = tiles.stages, tiles.tokens
     my_jobs, total, origin = _program_jobs(tiles, row_tiles, k_steps, ctas, jobs)
     wg = lax.axis_index("wg")
@@ -332,7 +338,11 @@ def _pingpong_kernel(x_ref, w_ref, out_ref, scratch, *, tiles: Tiles, row_tiles:
 
             acc = plgpu.ACC((COLS, tokens), jnp.float32)
             gate, up = pl.run_scoped(products, acc, acc)
-            _store(_activation(gate, up, dtype), out_smem.at[wg], out_ref, t0, c0, first=j == 0)
+            h = _activation(gate, up, dtype)
+            pl.when(n > 0)(lambda: plgpu.barrier_wait(out_free.at[wg]))  # job n - 1's store has read it
+            _store(h, out_smem, out_ref, t0, c0)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            plgpu.barrier_arrive(out_free.at[1 - wg])
             return carry
 
         lax.fori_loop(0, lax.div(my_jobs - wg + 1, 2), job, None)
@@ -387,12 +397,13 @@ def gate_up_silu_kernel(x: jax.Array, w: jax.Array, *, tiles: Tiles) -> jax.Arra
         smem = (
             plgpu.SMEM((stages, tokens, bk), x.dtype, transforms=swizzled),
             plgpu.SMEM((stages, 2, COLS, bk), x.dtype, transforms=swizzled),
-            plgpu.SMEM((2, tokens, COLS), x.dtype, transforms=swizzled),  # one output tile per warpgroup
+            plgpu.SMEM((tokens, COLS), x.dtype, transforms=swizzled),
         )
-        barriers = (  # [warpgroup, slot], flattened
+        barriers = (  # [warpgroup, slot], flattened; then the output tile's, by warpgroup
             plgpu.Barrier(num_barriers=2 * stages),
             plgpu.Barrier(num_barriers=2 * stages),
             plgpu.Barrier(num_arrivals=1, num_barriers=2 * stages),
+            plgpu.Barrier(num_arrivals=1, num_barriers=2),
         )
         pl.run_scoped(
             lambda *scratch: _pingpong_kernel(x_ref, w_ref, out_ref, scratch, tiles=tiles, row_tiles=row_tiles,

@@ -27,12 +27,14 @@ def test_rows_split_into_the_fewest_tiles_of_at_most_136(rows, tokens, tiles):
 
 @pytest.mark.parametrize("pdl,pair,programs,pingpong", [
     (False, False, 0, False), (True, False, 0, False), (False, True, 0, False), (True, True, 132, False),
-    (False, False, 132, False), (False, True, 5, False), (False, False, 132, True), (True, False, 0, True)])
+    (False, False, 132, False), (False, True, 5, False), (False, False, 132, True), (True, False, 0, True),
+    (True, False, 132, "s6")])
 @pytest.mark.parametrize("rows,embed,mlp", [(272, 4096, 12288), (264, 4096, 12288), (48, 512, 256)])
 def test_kernel_lowers_for_cuda(rows, embed, mlp, pdl, pair, programs, pingpong):
     tokens = gus.token_tiles(rows).tokens
     t = gus.Tiles(tokens=tokens if not pair or -(-rows // tokens) % 2 == 0 else rows // 2, pdl=pdl, pair=pair,
-                  programs=programs, pingpong=pingpong)
+                  programs=programs, pingpong=bool(pingpong), stages=6 if pingpong == "s6" else 5)
+    assert t.smem_bytes() <= gus._SMEM_BYTES
     x = jax.ShapeDtypeStruct((rows, embed), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((2, mlp, embed), jnp.bfloat16)
     text = jax.jit(lambda x, w: gus.gate_up_silu_kernel(x, w, tiles=t)).trace(x, w).lower(
@@ -83,12 +85,14 @@ def test_reference_is_the_models_mlp_activation():
     # Both warpgroups taking jobs in turn: odd and even jobs per program, one job, partial tiles.
     (257, 4096, 12288, False, False, False, 132, True), (257, 4096, 12288, True, False, True, 132, True),
     (300, 1024, 640, False, False, False, 4, True), (300, 1024, 640, False, False, False, 3, True),
-    (17, 512, 256, False, False, False, 0, True), (513, 512, 128, False, False, False, 0, True)])
+    (17, 512, 256, False, False, False, 0, True), (513, 512, 128, False, False, False, 0, True),
+    (257, 4096, 12288, True, False, False, 132, "s6"), (300, 1024, 640, False, False, False, 3, "s6")])
 def test_gpu_kernel_matches_reference(rows, embed, mlp, pdl, pair, pad, programs, pingpong):
-    rng = np.random.default_rng(rows + programs + pingpong)
+    rng = np.random.default_rng(rows + programs + bool(pingpong))
     x = jnp.asarray(rng.standard_normal((rows, embed)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((2, mlp, embed)) / np.sqrt(embed), jnp.bfloat16)
-    t = gus.Tiles(tokens=gus.token_tiles(rows).tokens, pdl=pdl, pair=pair, programs=programs, pingpong=pingpong)
+    t = gus.Tiles(tokens=gus.token_tiles(rows).tokens, pdl=pdl, pair=pair, programs=programs,
+                  pingpong=bool(pingpong), stages=6 if pingpong == "s6" else 5)
     out = np.asarray(jax.jit(lambda x, w: gus.gate_up_silu(x, w, t, pad=pad))(x, w), np.float64)
     ref = np.asarray(gus.gate_up_silu_reference(x, w), np.float64)
     assert out.shape == (rows, mlp) and np.all(np.isfinite(out))

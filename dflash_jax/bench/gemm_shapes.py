@@ -53,6 +53,8 @@ PRODUCTS = {
     "gate_up+silu:kernel-pingpong": (4096, 24576, "silu-kernel-pingpong"),
     "gate_up+silu:kernel-pingpong-pdl": (4096, 24576, "silu-kernel-pingpong-pdl"),
     "gate_up+silu:kernel-pingpong-s4": (4096, 24576, "silu-kernel-pingpong-s4"),
+    "gate_up+silu:kernel-pingpong-s6": (4096, 24576, "silu-kernel-pingpong-s6"),
+    "gate_up+silu:kernel-pingpong-s6-pdl": (4096, 24576, "silu-kernel-pingpong-s6-pdl"),
     "down": (12288, 4096, None),
     "down+res": (12288, 4096, "res"),
     "lm_head": (4096, 151936, "f32"),
@@ -86,14 +88,14 @@ def product(x: jax.Array, w: jax.Array, layout: str, after: str | None, res: jax
 
 def _kernel_product(x: jax.Array, w: jax.Array, opts: list[str]) -> jax.Array:
     """`pallas_kernels.gate_up_silu` with the tile options named in a product's name: pdl,
-    pair (clusters of two sharing the weights), s4 (4 stages), persist (one program per SM,
+    pair (clusters of two sharing the weights), s4 / s6 (4 / 6 stages), persist (one program per SM,
     taking jobs in turn), pingpong (the compute warpgroups taking jobs in turn, one program per
     SM); x comes padded to whole tiles,
     but for "rows" (padded to a multiple of 8 only, the last tile partial)."""
     import dataclasses
     from pallas_kernels.gate_up_silu import gate_up_silu_kernel, token_tiles
     tiles = dataclasses.replace(token_tiles(x.shape[0]), pdl="pdl" in opts, pair="pair" in opts,
-                                stages=4 if "s4" in opts else 5, pingpong="pingpong" in opts,
+                                stages=4 if "s4" in opts else 6 if "s6" in opts else 5, pingpong="pingpong" in opts,
                                 programs=132 if "persist" in opts or "pingpong" in opts else 0)
     return gate_up_silu_kernel(x, w, tiles=tiles)
 
