@@ -14,7 +14,11 @@ launch, so the time per kernel is what issuing one costs:
 * `gap us`: the GPU's idle time between consecutive kernels of the chain, per kernel;
 * `loop wall us`: the same kernels as `--loop-iters` iterations of a while loop (its trip count
   a traced value, as the decoding loop's is), per kernel: the loop's own cost per iteration
-  shows as the difference from `wall us`.
+  shows as the difference from `wall us`;
+* `issue behind a GEMM us`: the time until the call returns when the chain waits on a long
+  matrix product first (`lead ms` of GPU time, timed beside it). Launches that the host can
+  queue behind running work return long before the product ends; a launch that waits for the
+  GPU to reach it holds the call until the product is done.
 
     python -m dflash_jax.bench.launch_cost --chain 240 --out launch_cost.json
 """
@@ -87,6 +91,22 @@ def looped(step: Callable, per_iter: int) -> Callable:
     return jax.jit(run)
 
 
+def behind_lead(step: Callable, n: int, size: int = 8192) -> tuple[Callable, jax.Array, Callable]:
+    """The chain after a [size, size] x [size, size] bf16 product that it depends on, and the
+    product alone."""
+    def lead(a):
+        return jnp.dot(a, a, preferred_element_type=jnp.float32)
+
+    def run(x, a):
+        m = lead(a)
+        x = x + (m[: x.shape[0], : x.shape[1]] * 0).astype(x.dtype)
+        for _ in range(n):
+            x = step(x)
+        return x
+    a = jax.random.normal(jax.random.key(2), (size, size), jnp.bfloat16)
+    return jax.jit(run), a, jax.jit(lead)
+
+
 def issue_us(fn: Callable[[], Any], iters: int = 10) -> float:
     """Median time until `fn()` returns, before waiting for its result."""
     times = []
@@ -114,10 +134,13 @@ def measure(kind: str, n: int, loop_iters: int) -> dict[str, Any]:
     loop = looped(step, per_iter)
     iters = jnp.int32(loop_iters)
     loop_wall = time_fn(lambda: loop(x, iters), warmup=3, iters=20)["median_ms"] * 1e3
+    behind, a, lead = behind_lead(step, n)
+    lead_ms = time_fn(lambda: lead(a), warmup=3, iters=10)["median_ms"]
     return {"kind": kind, "chain": n, "kernels_seen": len(events), "wall_us": round(wall / n, 2),
             "issue_us": round(issue / n, 2), "kernel_us": round(busy / max(len(events), 1), 2),
             "gap_us": round((span - busy) / max(len(events) - 1, 1), 2),
-            "loop_iters": loop_iters, "loop_wall_us": round(loop_wall / (per_iter * loop_iters), 2)}
+            "loop_iters": loop_iters, "loop_wall_us": round(loop_wall / (per_iter * loop_iters), 2),
+            "lead_ms": round(lead_ms, 3), "issue_behind_lead_us": round(issue_us(lambda: behind(x, a)), 1)}
 
 
 def main() -> None:
@@ -134,14 +157,15 @@ def main() -> None:
         except Exception as e:  # one kind failing (no Mosaic GPU on this build) leaves the others
             rows.append({"kind": kind, "error": f"{type(e).__name__}: {e}"[:400]})
         log(rows[-1])
-    print("| kind | kernels | wall us | issue us | kernel us | gap us | in a while loop: wall us |")
-    print("|---|---|---|---|---|---|---|")
+    print("| kind | kernels | wall us | issue us | kernel us | gap us | in a while loop: wall us | lead ms | "
+          "issue behind the lead us |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['kind']} | error: {r['error'][:80]} | | | | | |")
+            print(f"| {r['kind']} | error: {r['error'][:80]} | | | | | | | |")
         else:
             print(f"| {r['kind']} | {r['kernels_seen']} | {r['wall_us']} | {r['issue_us']} | {r['kernel_us']} | "
-                  f"{r['gap_us']} | {r['loop_wall_us']} |")
+                  f"{r['gap_us']} | {r['loop_wall_us']} | {r['lead_ms']} | {r['issue_behind_lead_us']} |")
     if args.out:
         write_json(args.out, {"env": environment(), "rows": rows})
 
