@@ -116,6 +116,6 @@ def test_launch_cost_chains_compute_what_they_chain():
     assert jnp.allclose(launch_cost.looped(step, 3)(x, jnp.int32(2)), want)
     behind, a, _ = launch_cost.behind_lead(step, 6, size=128)
     assert jnp.allclose(behind(x, a), want)
-    row = launch_cost.measure("xla", 6, 2)
+    row = launch_cost.measure("xla", 6, 2, lead_size=128)
     assert row["chain"] == 6 and row["wall_us"] > 0 and row["loop_wall_us"] > 0 and row["kernels_seen"] >= 1
     assert row["lead_ms"] > 0 and row["issue_behind_lead_us"] > 0

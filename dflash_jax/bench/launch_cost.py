@@ -119,7 +119,7 @@ def issue_us(fn: Callable[[], Any], iters: int = 10) -> float:
     return statistics.median(times)
 
 
-def measure(kind: str, n: int, loop_iters: int) -> dict[str, Any]:
+def measure(kind: str, n: int, loop_iters: int, lead_size: int = 8192) -> dict[str, Any]:
     step, x = step_and_input(kind)
     fn = chain(step, n)
     wall = time_fn(lambda: fn(x), warmup=3, iters=20)["median_ms"] * 1e3
@@ -134,7 +134,7 @@ def measure(kind: str, n: int, loop_iters: int) -> dict[str, Any]:
     loop = looped(step, per_iter)
     iters = jnp.int32(loop_iters)
     loop_wall = time_fn(lambda: loop(x, iters), warmup=3, iters=20)["median_ms"] * 1e3
-    behind, a, lead = behind_lead(step, n)
+    behind, a, lead = behind_lead(step, n, lead_size)
     lead_ms = time_fn(lambda: lead(a), warmup=3, iters=10)["median_ms"]
     return {"kind": kind, "chain": n, "kernels_seen": len(events), "wall_us": round(wall / n, 2),
             "issue_us": round(issue / n, 2), "kernel_us": round(busy / max(len(events), 1), 2),
