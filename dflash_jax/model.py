@@ -225,8 +225,8 @@ def kernel_mlp_layout(params: ModelParams, consume: bool = False) -> ModelParams
     tree then runs gate_up, SiLU and the product in one launch (`mlp_kernel_rows`); elsewhere
     XLA takes the same weight. Same values. Not the default: at 257 rows on an H200 the kernel
     lost to XLA's gate_up + SiLU (DDTree(256) 11.11 against 10.93 ms, BENCHMARKS.md, twenty-third
-    session; with its warpgroups taking jobs in turn, 11.16 against 10.99, twenty-fourth
-    session). Params on a mesh come back unchanged (the kernel
+    session; with its warpgroups taking jobs in turn over 6 stages, 10.64 against 10.60,
+    twenty-fourth session). Params on a mesh come back unchanged (the kernel
     runs on one device), and so do params already in this layout.
     consume: delete each layer's [embed, 2, mlp] weight once its new one exists.
     """

@@ -30,19 +30,19 @@ tiling of the product, 128 x 136, makes the same count).
 
 With `Tiles.pingpong` (what the model's verify takes) the two compute warpgroups take whole jobs
 in turn instead: each computes a job's gate and up products in two accumulators and stores its
-activation while the other's products run, so the epilogue no longer holds up the tensor cores.
+activation while the other's products run, so the epilogue no longer holds up the tensor cores;
+they pass one output tile between them, which leaves shared memory for 6 stages.
 
 Measured (BENCHMARKS.md, twenty-third and twenty-fourth sessions; H200, 257 rows, Qwen3-8B
-shape): correct (13 GPU parity cases, then 19 with the pingpong ones), but not faster than what
-it replaces. Both warpgroups on one job: 88-96 us a product in every variant (pairs, persistent
-programs, PDL, 4 or 5 stages) against 82.7 us for XLA's three kernels, and the DDTree(256) round
-11.11 against 10.93 ms. Pingpong: 86.5 us alone (89.2 for pairs in the same command; 4 stages
-93.4), 87.9 us a layer inside the round against 84.1 for cuBLAS's GEMM + the SiLU fusion (+ a
-Memset); the round's device time even (10.25 against 10.28 ms) but its rounds slower (11.16
-against 10.99 ms, 11.39 against 11.07 in turns), the GPU idle longer in the tree and draft
-stages. So overlapping the epilogue was worth about 2-3 us a product; the main loop still runs
-at about 630 TFLOP/s on its padded tiles (272 rows) against cuBLAS's 690-720. Nothing uses it by
-default: only params put in `model.kernel_mlp_layout` take it (`spec_round --mlp kernel`).
+shape): correct (every GPU parity case), and now as fast as what it replaces, not faster. Both
+warpgroups on one job: 88-96 us a product in every variant (pairs, persistent programs, PDL, 4
+or 5 stages) against 82.7 us for XLA's three kernels; the DDTree(256) round 11.11 against 10.93
+ms. Pingpong: 83.6 us alone at 5 stages, **80.8 at 6** against 82.2 for XLA's cuBLAS GEMM + SiLU
+fusion + Memset in the same command; in the round 84.9 us a layer against cuBLAS's 76.7 plus
+the fusion and the Memset, and DDTree(256) 10.64 against 10.60 ms (10.58 against 10.56 at 32
+rounds a call). The main loop (m64n136 products, 64-wide K steps) is what still trails
+cuBLAS's. Nothing uses it by default: only params put in `model.kernel_mlp_layout` take it
+(`spec_round --mlp kernel`).
 
 Needs: bf16/f16, embed a multiple of block_k, mlp a multiple of 64. This file holds, side by
 side: the tile settings, the reference (`gate_up_silu_reference`), the kernel, its launch, and
