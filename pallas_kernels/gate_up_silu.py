@@ -178,11 +178,16 @@ def _stream(x_ref, w_ref, x_smem, w_smem, barrier, *, tiles: Tiles, k_steps: int
     lax.fori_loop(0, total, produce, None)
 
 
-def _k_loop(base, *, k_steps: int, stages: int, barrier, issue, products: int, release) -> None:
+def _k_loop(base, *, k_steps: int, stages: int, total, barrier, issue, products: int) -> None:
     """A compute warpgroup's K loop over one job: ring steps base .. base + k_steps - 1, each
     waiting for its x and weight tiles (barrier(kind, g), as `_stream` takes it), issuing
     `products` wgmma products on its slot (issue(slot)), and freeing the step before's slot
-    once only this step's products are in flight (release(g))."""
+    once only this step's products are in flight, where a later load (of the program's `total`
+    ring steps) needs it: with `pair` the other SM may have exited by the time the last ones
+    would be freed."""
+    def release(g):
+        pl.when(g + stages < total)(lambda: plgpu.barrier_arrive(barrier("free", g)))
+
     def step(i, carry):
         g = base + i
         slot = lax.rem(g, jnp.int32(stages))
@@ -233,12 +238,10 @@ def _kernel(x_ref, w_ref, out_ref, scratch, *, tiles: Tiles, row_tiles: int, k_s
     dtype = x_smem.dtype
 
     bars = {"x": x_ready, "w": w_ready, "free": free}
-    barrier = lambda kind, g: bars[kind].at[lax.rem(g, jnp.int32(stages))]  # noqa: E731
 
-    def release(g):
-        """Frees ring step g's slot if a later load needs it (with `pair` the other SM may have
-        exited by the time the last ones would be freed)."""
-        pl.when(g + stages < total)(lambda: plgpu.barrier_arrive(barrier("free", g)))
+    def barrier(kind, g):
+        """The barrier of ring step g's slot."""
+        return bars[kind].at[lax.rem(g, jnp.int32(stages))]
 
     @pl.when(wg < 2)
     def _compute():
@@ -248,7 +251,7 @@ def _kernel(x_ref, w_ref, out_ref, scratch, *, tiles: Tiles, row_tiles: int, k_s
             t0, c0 = origin(n)
 
             def products(acc_ref):
-                _k_loop(n * k_steps, k_steps=k_steps, stages=stages, barrier=barrier, products=1, release=release,
+                _k_loop(n * k_steps, k_steps=k_steps, stages=stages, total=total, barrier=barrier, products=1,
                         issue=lambda slot: plgpu.wgmma(acc_ref, w_smem.at[slot, wg], _transposed(x_smem.at[slot])))
                 return acc_ref[...]
 
@@ -318,10 +321,6 @@ def _pingpong_kernel(x_ref, w_ref, out_ref, scratch, *, tiles: Tiles, row_tiles:
     def _compute():
         plgpu.set_max_registers(232, action="increase")
 
-        def release(g):
-            """Frees ring step g's slot if a later load needs it."""
-            pl.when(g + stages < total)(lambda: plgpu.barrier_arrive(barrier("free", g)))
-
         def job(j, carry):
             n = wg + 2 * j
             t0, c0 = origin(n)
@@ -332,8 +331,8 @@ def _pingpong_kernel(x_ref, w_ref, out_ref, scratch, *, tiles: Tiles, row_tiles:
                     plgpu.wgmma(gate_ref, w_smem.at[slot, 0], x_t)
                     plgpu.wgmma(up_ref, w_smem.at[slot, 1], x_t)
 
-                _k_loop(n * k_steps, k_steps=k_steps, stages=stages, barrier=barrier, issue=issue, products=2,
-                        release=release)
+                _k_loop(n * k_steps, k_steps=k_steps, stages=stages, total=total, barrier=barrier, issue=issue,
+                        products=2)
                 return gate_ref[...], up_ref[...]
 
             acc = plgpu.ACC((COLS, tokens), jnp.float32)
@@ -389,9 +388,8 @@ def gate_up_silu_kernel(x: jax.Array, w: jax.Array, *, tiles: Tiles) -> jax.Arra
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     size = 2 if tiles.pair else 1
     jobs = (mlp // COLS) * row_tiles // size  # per cluster of `size`
-    ctas = min(jobs, tiles.programs // size) if tiles.programs else jobs
-    if tiles.pingpong:
-        ctas = min(jobs, tiles.programs) if tiles.programs else pl.cdiv(jobs, 2)
+    # With programs 0: one program per job, or per two jobs with pingpong (never with pair).
+    ctas = min(jobs, tiles.programs // size) if tiles.programs else pl.cdiv(jobs, 2 if tiles.pingpong else 1)
 
     def pingpong_entry(x_ref, w_ref, out_ref):
         smem = (
