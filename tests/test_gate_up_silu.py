@@ -82,7 +82,7 @@ def test_reference_is_the_models_mlp_activation():
     (264, 4096, 12288, False, True, False, 0, False),
     (257, 4096, 12288, False, False, False, 132, False), (257, 4096, 12288, True, True, False, 132, False),
     (300, 1024, 640, False, False, False, 4, False), (272, 1024, 640, False, True, False, 3, False),
-    # Both warpgroups taking jobs in turn: odd and even jobs per program, one job, partial tiles.
+    # Both warpgroups taking jobs in turn: odd and even job counts per program, partial tiles.
     (257, 4096, 12288, False, False, False, 132, True), (257, 4096, 12288, True, False, True, 132, True),
     (300, 1024, 640, False, False, False, 4, True), (300, 1024, 640, False, False, False, 3, True),
     (17, 512, 256, False, False, False, 0, True), (513, 512, 128, False, False, False, 0, True),
