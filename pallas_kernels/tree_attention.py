@@ -36,8 +36,8 @@ from pallas_kernels import tree_attention_hopper as hopper
 from pallas_kernels.powers_of_two import is_power_of_two, next_power_of_two
 
 Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge",
-               "pallas-scaled-scores", "pallas-pdl", "pallas-min-rows-128", "pallas-heads-major", "pallas-triton",
-               "pallas-one-launch", "reference", "interpret"]
+               "pallas-scaled-scores", "pallas-pdl", "pallas-min-rows-128", "pallas-heads-major", "pallas-fold-tail",
+               "pallas-triton", "pallas-one-launch", "reference", "interpret"]
 # The kernels as dispatched ("pallas": on Hopper, `tree_attention_hopper` where it applies, fed
 # by the model's fused qkv epilogue), and the variants benchmarks time beside it:
 # "pallas-unfused", the same kernels with the model's epilogue in XLA (the default before the
@@ -52,7 +52,9 @@ Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-no-pingpong", "pallas
 # 16-token verify and drafter pass, DDTree(16)'s 17 tokens at group 4) to the Triton kernel, the
 # default before the twentieth session; "pallas-heads-major", "pallas" with the Hopper kernel's
 # grid ordered by kv head, each head's tail programs right after its full ones
-# (`Schedule.tails_last` off), the default before the twenty-first session;
+# (`Schedule.tails_last` off), the default before the twenty-first session; "pallas-fold-tail",
+# "pallas" with a partial block of at most 8 rows (W 257 at group 4) taken by the full-block
+# programs' memory warpgroups on the K/V they stream, swap-AB (`Schedule.fold_tail`);
 # "pallas-triton", the Triton kernel alone; and
 # "pallas-one-launch", its default tiling without the tail launch (at W 272, the default before
 # the seventh session).
@@ -67,13 +69,14 @@ Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-no-pingpong", "pallas
 # rows taken by the full-block programs after their own key blocks instead of by tail programs
 # (the kernel 1.8 us faster at W 257, the DDTree(256) round no faster).
 PALLAS_VARIANTS = ("pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge",
-                   "pallas-scaled-scores", "pallas-pdl", "pallas-min-rows-128", "pallas-heads-major", "pallas-triton",
-                   "pallas-one-launch")
+                   "pallas-scaled-scores", "pallas-pdl", "pallas-min-rows-128", "pallas-heads-major",
+                   "pallas-fold-tail", "pallas-triton", "pallas-one-launch")
 # The variants that run the Hopper kernel where it applies; those fed by the qkv epilogue.
 HOPPER_VARIANTS = ("pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge",
-                   "pallas-scaled-scores", "pallas-pdl", "pallas-min-rows-128", "pallas-heads-major")
+                   "pallas-scaled-scores", "pallas-pdl", "pallas-min-rows-128", "pallas-heads-major",
+                   "pallas-fold-tail")
 _ROWS_VARIANTS = ("pallas", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge", "pallas-scaled-scores",
-                  "pallas-pdl", "pallas-min-rows-128", "pallas-heads-major")
+                  "pallas-pdl", "pallas-min-rows-128", "pallas-heads-major", "pallas-fold-tail")
 
 # exp2 is the native GPU instruction; folding log2(e) into the score scale makes exp2 exact
 # replacement for exp.
@@ -668,6 +671,8 @@ def _hopper_schedule(which: str, batch: int, rows: int, kv_heads: int, max_len: 
         return dataclasses.replace(sched, pdl=True)
     if which == "pallas-heads-major":
         return dataclasses.replace(sched, tails_last=False)
+    if which == "pallas-fold-tail":
+        return hopper.fold_tail(sched)
     return dataclasses.replace(sched, pingpong=which != "pallas-no-pingpong")
 
 

@@ -60,6 +60,12 @@ except ImportError:  # pragma: no cover - depends on the jaxlib build
 ROWS_PER_WG = 64  # wgmma's M per warpgroup
 COMPUTE_WGS = 2
 ROWS_PER_BLOCK = ROWS_PER_WG * COMPUTE_WGS
+# A folded tail's rows on wgmma's N side (`Schedule.fold_tail`): its accumulators then take 8
+# registers a thread each, which the memory warpgroup's 48 hold.
+TAIL_COLS = 8
+# Registers a thread: the compute warpgroups', and the memory warpgroup's without and with a
+# folded tail (3 x 128 threads x these fit the SM's 64K).
+_COMPUTE_REGS, _MEMORY_REGS, _MEMORY_REGS_FOLDED = 232, 40, 48
 _LOG2E = 1.4426950408889634
 # Finite, so a row with no visible key in a step never computes (-inf) - (-inf).
 _M_INIT = -1e30
@@ -90,6 +96,13 @@ class Schedule:
       Mosaic GPU then launches it as a programmatic dependent of the kernel before it (older
       ones launch it as usual, and the wait returns at once), so its launch and set-up overlap
       that kernel's end, as XLA's own kernels already do.
+    fold_tail: no tail programs. A partial block of at most `TAIL_COLS` real rows (W 257 x
+      group 4: 4 rows) is taken by the memory warpgroups of the full-block programs, on the
+      K/V tiles they stream anyway: block i of a kv head by the program of row block
+      i % full_blocks, keys on wgmma's M side and the rows on N (swap-AB: S^T = K Q^T,
+      O^T = V^T P^T), so the rows cost 8 columns of each product, not a 64-row warpgroup.
+      Program p's share is written as tail partial p (tail_split is main_programs). See
+      `fold_tail`.
     """
     full_blocks: int
     main_split: int
@@ -104,6 +117,7 @@ class Schedule:
     fma_scale: bool = True
     tails_last: bool = True
     pdl: bool = False
+    fold_tail: bool = False
 
     @property
     def main_programs(self) -> int:
@@ -111,7 +125,13 @@ class Schedule:
 
     @property
     def programs(self) -> int:
+        """Partials per (sequence, kv head): the full-block programs', then the tail's."""
         return self.main_programs + (self.tail_split if self.tail else 0)
+
+    @property
+    def launched(self) -> int:
+        """Programs launched per (sequence, kv head): with `fold_tail`, the full-block ones."""
+        return self.main_programs if self.fold_tail else self.programs
 
     @property
     def padded_rows(self) -> int:
@@ -134,6 +154,16 @@ def schedule(batch: int, kv_heads: int, rows: int, max_len: int, num_sms: int = 
     tail_split = max(1, min(num_sms // heads, cap)) if tail else 1
     return Schedule(full_blocks=full, main_split=main_split, tail=bool(tail), tail_split=tail_split,
                     block_k=block_k, real_rows=rows)
+
+
+def fold_tail(sched: Schedule) -> Schedule:
+    """`sched` with its partial block taken by the full-block programs (`Schedule.fold_tail`)
+    where it has both kinds of block and the partial one at most TAIL_COLS real rows; else
+    `sched` unchanged."""
+    tail_rows = sched.real_rows - sched.full_blocks * ROWS_PER_BLOCK
+    if not (sched.full_blocks and sched.tail and 0 < tail_rows <= TAIL_COLS):
+        return sched
+    return dataclasses.replace(sched, fold_tail=True, tail_split=sched.main_programs)
 
 
 def available() -> bool:
@@ -186,7 +216,7 @@ def head_and_program(sched: Schedule, kv_heads: int, c: jax.Array) -> tuple[jax.
     (over kv_heads * programs) and its index among that head's programs (as `merge` numbers
     them: full-block programs, then tail ones). Indices below kv_heads * main_programs are the
     full-block programs, head by head; the rest the tail programs, head by head."""
-    if not sched.tail:
+    if not sched.tail or sched.fold_tail:
         n = jnp.int32(sched.main_programs)
         return lax.div(c, n), lax.rem(c, n)
     if not sched.full_blocks:
@@ -210,7 +240,7 @@ def _head_and_program(sched: Schedule, kv_heads: int) -> tuple[jax.Array, jax.Ar
 
 def _program(sched: Schedule, c: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """This program's (row block, split, number of splits) from its index c among its kv head's."""
-    if not sched.tail:
+    if not sched.tail or sched.fold_tail:
         n = jnp.int32(sched.main_split)
         return lax.div(c, n), lax.rem(c, n), n
     if not sched.full_blocks:
@@ -219,6 +249,20 @@ def _program(sched: Schedule, c: jax.Array) -> tuple[jax.Array, jax.Array, jax.A
     row_block = jnp.where(in_tail, sched.full_blocks, lax.div(c, jnp.int32(sched.main_split)))
     split = jnp.where(in_tail, c - sched.main_programs, lax.rem(c, jnp.int32(sched.main_split)))
     return row_block, split, jnp.where(in_tail, sched.tail_split, sched.main_split).astype(jnp.int32)
+
+
+def split_range(split, splits, total):
+    """Key blocks [lo, hi) of split `split` of `splits` over a kv head's `total` blocks."""
+    per_split = lax.div(total + splits - 1, splits)
+    lo = jnp.minimum(split * per_split, total)
+    return lo, jnp.minimum(lo + per_split, total)
+
+
+def takes_tail_block(block, row_block, full_blocks: int):
+    """With `Schedule.fold_tail`: whether the program of `row_block` takes key block `block`
+    for the partial block's rows. Every program of a split streams the split's blocks; this
+    gives each block to one of them."""
+    return lax.rem(block, jnp.int32(full_blocks)) == row_block
 
 
 def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, *, sched: Schedule,
@@ -237,8 +281,8 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
     block_k, stages = sched.block_k, sched.stages
     if sched.pdl:  # everything below reads what earlier kernels wrote
         plgpu.griddepcontrol_wait()
-    (q_smem, k_smem, v_smem, bias_smem, lse_smem), barriers = scratch
-    k_ready, v_ready, q_ready, bias_ready, k_free, v_free, turn = barriers
+    (q_smem, k_smem, v_smem, bias_smem, lse_smem, *tail_smem), barriers = scratch
+    k_ready, v_ready, q_ready, bias_ready, k_free, v_free, turn, *tail_ready = barriers
     b = lax.axis_index("batch")
     head, program = _head_and_program(sched, kv_heads)
     row_block, split, split_k = _program(sched, program)
@@ -248,12 +292,11 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
     prefix_len = lens_ref[b]
     n_clean = lax.div(prefix_len, jnp.int32(block_k))
     total = lax.div(prefix_len + width + block_k - 1, jnp.int32(block_k))
-    per_split = lax.div(total + split_k - 1, split_k)
-    lo = jnp.minimum(split * per_split, total)
-    hi = jnp.minimum(lo + per_split, total)
+    lo, hi = split_range(split, split_k, total)
 
     pingpong = sched.pingpong
     row0 = row_block * ROWS_PER_BLOCK + wg * ROWS_PER_WG
+    tail_row0 = sched.full_blocks * ROWS_PER_BLOCK  # the partial block's first row
 
     def slot_of(i):
         return lax.rem(i - lo, jnp.int32(stages))
@@ -399,7 +442,7 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(_COMPUTE_REGS, action="increase")
         if not sched.real_rows:  # every row counts as real: no warpgroup is idle
             _work()
             return
@@ -407,9 +450,90 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
         pl.when(idle)(_idle)
         pl.when(jnp.logical_not(idle))(_work)
 
+    def _tail_of_block(i, slot, carry):
+        """Folded tail (`Schedule.fold_tail`), by the memory warpgroup: the partial block's
+        TAIL_COLS rows against key block i in `slot`, keys on wgmma's M side. Frees the K slot
+        once S^T = K Q^T is read, then takes the V block; returns the softmax state."""
+        qt_smem, bt_smem, pt_smem, _ = tail_smem
+        ot, m_t, l_t = carry
+
+        def scores(acc_ref):
+            plgpu.wgmma(acc_ref, k_smem.at[slot], _transposed(qt_smem))
+            return acc_ref[...]
+
+        st = pl.run_scoped(scores, plgpu.ACC((block_k, TAIL_COLS), jnp.float32))
+        plgpu.barrier_arrive(k_free.at[slot])
+        plgpu.barrier_wait(v_ready.at[slot])
+
+        def add_bias(st):
+            cols = pl.ds((i - n_clean) * block_k, block_k)
+            plgpu.copy_gmem_to_smem(bias_ref.at[b, pl.ds(tail_row0, TAIL_COLS), cols], bt_smem, tail_ready[0])
+            plgpu.barrier_wait(tail_ready[0])
+            bias = plgpu.layout_cast(_transposed(bt_smem)[...], plgpu.Layout.WGMMA_TRANSPOSED)
+            return st + plgpu.layout_cast(bias, wgmma_layout).astype(jnp.float32)
+
+        st = lax.cond(i >= n_clean, add_bias, lambda st: st, st)
+        m_new = jnp.maximum(m_t, st.max(axis=0) * qk_scale)
+        alpha = jnp.exp2(m_t - m_new)
+        p = jnp.exp2(st * qk_scale - lax.broadcast_in_dim(m_new, st.shape, [1]))
+        l_t = l_t * alpha + p.sum(axis=0)
+        ot = ot * lax.broadcast_in_dim(alpha, ot.shape, [1])
+        _transposed(pt_smem)[...] = plgpu.layout_cast(p.astype(dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+        plgpu.commit_smem()
+
+        def values(acc_ref):
+            plgpu.wgmma(acc_ref, _transposed(v_smem.at[slot]), _transposed(pt_smem))
+
+        return pl.run_state(values)(plgpu.ACC.init(ot)), m_new, l_t
+
+    def _fold_tail():
+        """The memory warpgroup with a folded tail: each K/V block is awaited here as well, and
+        the blocks of this program's row block (i % full_blocks) go through `_tail_of_block`
+        before their slots are freed and refilled; then the tail partial is written."""
+        qt_smem, _, _, lse_t_smem = tail_smem
+        plgpu.copy_gmem_to_smem(q_ref.at[b, head, pl.ds(tail_row0, TAIL_COLS)], qt_smem, tail_ready[0])
+        plgpu.barrier_wait(tail_ready[0])
+        col_layout = wgmma_layout.reduce(0)
+        carry = (plgpu.layout_cast(jnp.full((qt_smem.shape[-1], TAIL_COLS), 0.0, jnp.float32), wgmma_layout),
+                 plgpu.layout_cast(jnp.full((TAIL_COLS,), _M_INIT, jnp.float32), col_layout),
+                 plgpu.layout_cast(jnp.full((TAIL_COLS,), 0.0, jnp.float32), col_layout))
+
+        def skip(slot, carry):
+            plgpu.barrier_arrive(k_free.at[slot])
+            plgpu.barrier_wait(v_ready.at[slot])
+            return carry
+
+        def block(i, carry):
+            slot = lax.rem(i - lo, jnp.int32(stages))
+            plgpu.barrier_wait(k_ready.at[slot])
+            carry = lax.cond(takes_tail_block(i, row_block, sched.full_blocks),
+                             functools.partial(_tail_of_block, i, slot), functools.partial(skip, slot), carry)
+            plgpu.barrier_arrive(v_free.at[slot])
+            pl.when(i + stages < hi)(functools.partial(refill, i + stages, slot))
+            return carry
+
+        def refill(i, slot):
+            keys = pl.ds(i * block_k, block_k)
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.copy_gmem_to_smem(k_ref.at[b, keys, head], k_smem.at[slot], k_ready.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[b, keys, head], v_smem.at[slot], v_ready.at[slot])
+
+        ot, m_t, l_t = lax.fori_loop(lo, hi, block, carry)
+        seen = l_t > 0
+        inv = 1.0 / jnp.where(seen, l_t, 1.0)
+        out_t = (ot * lax.broadcast_in_dim(inv, ot.shape, [1])).astype(dtype)
+        _transposed(qt_smem)[...] = plgpu.layout_cast(out_t, plgpu.Layout.WGMMA_TRANSPOSED)
+        lse_t_smem[...] = jnp.where(seen, m_t + jnp.log2(jnp.where(seen, l_t, 1.0)), -jnp.inf)
+        plgpu.commit_smem()
+        tail_program = sched.main_programs + program
+        plgpu.copy_smem_to_gmem(qt_smem, out_ref.at[b, head, tail_program, pl.ds(0, TAIL_COLS)])
+        plgpu.copy_smem_to_gmem(lse_t_smem, lse_ref.at[b, head, tail_program, pl.ds(0, TAIL_COLS)])
+        plgpu.wait_smem_to_gmem(0)
+
     @pl.when(wg == COMPUTE_WGS)
     def _memory():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(_MEMORY_REGS_FOLDED if sched.fold_tail else _MEMORY_REGS, action="decrease")
 
         def issue(i, slot):
             keys = pl.ds(i * block_k, block_k)
@@ -418,6 +542,9 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
 
         for j in range(stages):
             pl.when(lo + j < hi)(functools.partial(issue, lo + j, j))
+        if sched.fold_tail:
+            _fold_tail()
+            return
 
         @pl.loop(lo + stages, hi)
         def _stream(i):
@@ -469,15 +596,21 @@ def hopper_partials(q_rows: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: 
             plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, bk), jnp.bfloat16, transforms=swizzled),
             plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG), jnp.float32),
         )
+        if sched.fold_tail:  # the tail's q (then its output), bias and P^T; its log-sum-exp
+            smem += (plgpu.SMEM((TAIL_COLS, head_dim), dtype, transforms=swizzled),
+                     plgpu.SMEM((TAIL_COLS, bk), jnp.bfloat16, transforms=swizzled),
+                     plgpu.SMEM((TAIL_COLS, bk), dtype, transforms=swizzled),
+                     plgpu.SMEM((TAIL_COLS,), jnp.float32))
+        freers = COMPUTE_WGS + sched.fold_tail  # with a folded tail the memory warpgroup frees too
         barriers = (
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=COMPUTE_WGS),
             plgpu.Barrier(num_barriers=COMPUTE_WGS),
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=freers, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=freers, num_barriers=stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # turns on the tensor cores (pingpong)
-        )
+        ) + ((plgpu.Barrier(num_barriers=1),) if sched.fold_tail else ())
         pl.run_scoped(
             lambda *scratch: _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref,
                                      scratch, sched=sched, width=width, kv_heads=kv_heads,
@@ -490,7 +623,7 @@ def hopper_partials(q_rows: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: 
     call = plgpu.kernel(
         entry,
         out_type=out_type,
-        grid=(kv_heads * programs, batch) if sched.tails_last else (programs, kv_heads, batch),
+        grid=(kv_heads * sched.launched, batch) if sched.tails_last else (sched.launched, kv_heads, batch),
         grid_names=("program", "batch") if sched.tails_last else ("program", "kv_head", "batch"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",

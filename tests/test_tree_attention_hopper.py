@@ -164,6 +164,72 @@ def test_grid_order_puts_every_full_block_program_first(rows):
         assert np.all(np.diff(np.flatnonzero(head == h)[~is_tail[head == h]]) == 1)  # a head's full blocks together
 
 
+@pytest.mark.parametrize("rows,kv_heads", [(257 * 4, 8), (513 * 4, 8), (65 * 4, 8), (129 * 8, 2), (258 * 4, 2)])
+def test_folded_tail_launches_the_full_block_programs_only(rows, kv_heads):
+    """`fold_tail`: the grid holds each kv head's full-block programs once (no tail programs),
+    the partials keep their layout (one tail partial per full-block program), and each key
+    block of a kv head goes to exactly one program for the tail's rows, one that streams it."""
+    sched = hopper.schedule(1, kv_heads, rows, 5120)
+    folded = hopper.fold_tail(sched)
+    assert folded.fold_tail and folded.launched == sched.main_programs
+    assert folded.tail_split == folded.main_programs and folded.programs == 2 * sched.main_programs
+    assert folded.padded_rows == sched.padded_rows and 0 < rows - folded.full_blocks * 128 <= hopper.TAIL_COLS
+    c = jnp.arange(kv_heads * folded.launched, dtype=jnp.int32)
+    head, program = (np.asarray(a) for a in hopper.head_and_program(folded, kv_heads, c))
+    assert sorted(zip(head.tolist(), program.tolist())) == [(h, p) for h in range(kv_heads)
+                                                            for p in range(folded.main_programs)]
+    for total in (1, 2, 3, 35, 36, 41, 67):  # key blocks of a kv head
+        owners = {i: [] for i in range(total)}
+        for p in range(folded.main_programs):
+            row_block, split = divmod(p, folded.main_split)
+            lo, hi = (int(x) for x in hopper.split_range(jnp.int32(split), jnp.int32(folded.main_split),
+                                                         jnp.int32(total)))
+            for i in range(lo, hi):
+                if hopper.takes_tail_block(jnp.int32(i), jnp.int32(row_block), folded.full_blocks):
+                    owners[i].append(p)
+        assert all(len(ps) == 1 for ps in owners.values()), (total, owners)
+
+
+def test_fold_tail_leaves_other_schedules_as_they_are():
+    """No fold without both kinds of block, with a partial block over TAIL_COLS rows (W 272: 64
+    rows), or with the real rows unknown."""
+    for rows in (256 * 4, 16 * 4, 17 * 4, 272 * 4, 264 * 4):
+        sched = hopper.schedule(1, 8, rows, 5120)
+        assert hopper.fold_tail(sched) == sched, rows
+    unknown = dataclasses.replace(hopper.schedule(1, 8, 257 * 4, 5120), real_rows=0)
+    assert hopper.fold_tail(unknown) == unknown
+
+
+@pytest.mark.parametrize("width,group,head_dim,tails_last,pingpong", [
+    (257, 4, 128, True, True), (257, 4, 128, False, True), (257, 4, 128, True, False), (129, 8, 64, True, True)])
+def test_folded_tail_kernel_lowers_for_cuda(width, group, head_dim, tails_last, pingpong, monkeypatch):
+    """With `fold_tail` the kernel lowers for cuda (in either grid order, with and without
+    turns, 4 or 8 tail rows), as one Mosaic kernel whose products include the tail's swap-AB
+    ones: N = TAIL_COLS columns, which the kernel without the fold has none of."""
+    from jax.experimental.mosaic.gpu import core as mgpu_core
+    kv_heads = 8 if group == 4 else 2
+    kv = jax.ShapeDtypeStruct((1, 5120, kv_heads, head_dim), jnp.bfloat16)
+    base = dataclasses.replace(hopper.schedule(1, kv_heads, width * group, 5120), tails_last=tails_last,
+                               pingpong=pingpong)
+    texts = []
+    for sched in (hopper.fold_tail(base), base):
+        monkeypatch.setattr(mgpu_core, "KNOWN_KERNELS", {})
+        hopper.hopper_partials.trace(
+            jax.ShapeDtypeStruct((1, kv_heads, sched.padded_rows, head_dim), jnp.bfloat16), kv, kv,
+            jax.ShapeDtypeStruct((1,), jnp.int32),
+            jax.ShapeDtypeStruct((1, sched.padded_rows, hopper.bias_columns(width, 128)), jnp.bfloat16),
+            width=width, scale=1.0, sched=sched).lower(lowering_platforms=("cuda",))
+        [kernel] = [bytes(k) for k in mgpu_core.KNOWN_KERNELS.values()]
+        texts.append(kernel)
+    folded, plain = texts
+    assert b"n8k16" in folded and b"n8k16" not in plain
+    q = jax.ShapeDtypeStruct((1, width, kv_heads * group, head_dim), jnp.bfloat16)
+    args = [q, kv, kv, jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1, width, width), jnp.bool_)]
+    fn = functools.partial(hopper.tree_attention_hopper, scale=head_dim ** -0.5, sched=hopper.fold_tail(base))
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == 1  # the split-K merge, over the folded tail's partials too
+
+
 @pytest.mark.parametrize("pingpong", [True, False])
 @pytest.mark.parametrize("skip_padding", [True, False])
 @pytest.mark.parametrize("fma_scale,block_k,stages,tails_last", [(True, 128, 2, True), (False, 128, 2, True),
@@ -280,6 +346,37 @@ def test_gpu_hopper_kernel_matches_reference(batch, width, kv_heads, group, head
         assert rel_err(out, ref) < 1.5e-2, fields
 
 
+# Partial blocks of at most TAIL_COLS rows, which `fold_tail` folds.
+GPU_FOLD_CASES = [
+    (2, 257, 8, 4, 128, 4400, [4096, 1001], True),  # DDTree(256): a 4-row tail
+    (1, 65, 8, 4, 128, 4400, [4001], True),         # DDTree(64)
+    (1, 513, 8, 4, 128, 4616, [4000], True),        # DDTree(512): 16 row blocks, no split
+    (1, 257, 8, 4, 128, 264, [0], True),            # no prefix: 3 key blocks, most programs take none
+    (1, 257, 8, 4, 128, 4376, [4096], False),       # causal
+    (2, 129, 2, 8, 64, 704, [300, 5], True),        # head_dim 64, group 8: an 8-row tail
+]
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("tails_last", [True, False])
+@pytest.mark.parametrize("batch,width,kv_heads,group,head_dim,max_len,lens,tree", GPU_FOLD_CASES)
+def test_gpu_folded_tail_matches_reference(batch, width, kv_heads, group, head_dim, max_len, lens, tree,
+                                           tails_last):
+    """The partial block's rows taken by the full-block programs' memory warpgroups
+    (`Schedule.fold_tail`), in both grid orders, against the reference."""
+    q, k, v, prefix_lens, visible = make_case(7, batch, width, kv_heads, group, head_dim, max_len,
+                                              lens, jnp.bfloat16, tree)
+    sched = hopper.schedule(batch, kv_heads, width * group, max_len)
+    sched = hopper.fold_tail(dataclasses.replace(sched, tails_last=tails_last))
+    assert sched.fold_tail
+    out = jax.jit(functools.partial(hopper.tree_attention_hopper, scale=head_dim ** -0.5, sched=sched))(
+        q, k, v, prefix_lens, visible)
+    ref = tree_attention_reference(q, k, v, prefix_lens, visible)
+    assert out.shape == q.shape and rel_err(out, ref) < 1.5e-2
+    tail = slice(sched.full_blocks * hopper.ROWS_PER_BLOCK // group, width)  # the folded tokens alone
+    assert rel_err(out[:, tail], ref[:, tail]) < 1.5e-2
+
+
 @pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("batch,width,kv_heads,group,head_dim,max_len,lens,tree", GPU_SMALL_CASES)
 def test_gpu_hopper_kernel_from_64_rows_matches_reference(batch, width, kv_heads, group, head_dim, max_len,
@@ -317,7 +414,7 @@ def test_variants_reach_the_kernel_with_their_schedule(monkeypatch):
             "pallas-no-pingpong": (False, True, 272 * 4, True), "pallas-xla-merge": (True, True, 272 * 4, False),
             "pallas-reduced-merge": (False, False, 0, False), "pallas-scaled-scores": (True, True, 272 * 4, True),
             "pallas-pdl": (True, True, 272 * 4, True), "pallas-min-rows-128": (True, True, 272 * 4, True),
-            "pallas-heads-major": (True, True, 272 * 4, True)}
+            "pallas-heads-major": (True, True, 272 * 4, True), "pallas-fold-tail": (True, True, 272 * 4, True)}
     seen = {}
     monkeypatch.setattr(hopper, "tree_attention_hopper",
                         lambda *a, sched, **kw: seen.setdefault("sched", sched) and a[0])
@@ -332,11 +429,22 @@ def test_variants_reach_the_kernel_with_their_schedule(monkeypatch):
         assert got.fma_scale == (impl not in ("pallas-scaled-scores", "pallas-reduced-merge")), impl
         assert got.pdl == (impl == "pallas-pdl"), impl
         assert got.tails_last == (impl != "pallas-heads-major"), impl
+        assert not got.fold_tail, impl  # W 272's 64-row partial block is not folded
         rows = dispatch.rows_schedule(1, 272, 32, 8, 128, 5120, jnp.bfloat16, impl)
         if impl == "pallas-unfused":
             assert rows is None  # the path without the qkv epilogue
         else:
             assert rows == got, impl
+
+
+def test_fold_tail_variant_folds_a_few_row_tail(monkeypatch):
+    """"pallas-fold-tail" folds W 257's 4-row partial block (and "pallas" does not), on the
+    model's row path and through the dispatcher."""
+    monkeypatch.setattr(hopper, "available", lambda: True)
+    for impl, fold in (("pallas-fold-tail", True), ("pallas", False)):
+        got = dispatch.rows_schedule(1, 257, 32, 8, 128, 5120, jnp.bfloat16, impl)
+        assert got.fold_tail == fold and got.launched == (16 if fold else 32), impl
+        assert got == dispatch._hopper_schedule(impl, 1, 257 * 4, 8, 5120)
 
 
 def test_bench_hopper_sched_specs():

@@ -184,10 +184,13 @@ def max_rel_err(out: jax.Array, ref: jax.Array) -> float:
 
 
 def _hopper_variant(shape: Shape, **fields) -> AttnFn:
-    """`tree_attention_hopper` with its default schedule for `shape` changed by `fields`."""
+    """`tree_attention_hopper` with its default schedule for `shape` changed by `fields`
+    (`fold_tail=true` through `hopper.fold_tail`, which sets the tail's partials to match)."""
     group = shape.q_heads // shape.kv_heads
+    fold = fields.pop("fold_tail", False)
     sched = dataclasses.replace(hopper.schedule(1, shape.kv_heads, shape.width * group, shape.max_len,
                                                 gpu_limits().num_sms), **fields)
+    sched = hopper.fold_tail(sched) if fold else sched
     return functools.partial(hopper.tree_attention_hopper, scale=shape.head_dim ** -0.5, sched=sched)
 
 
