@@ -61,11 +61,14 @@ ROWS_PER_WG = 64  # wgmma's M per warpgroup
 COMPUTE_WGS = 2
 ROWS_PER_BLOCK = ROWS_PER_WG * COMPUTE_WGS
 # A folded tail's rows on wgmma's N side (`Schedule.fold_tail`): its accumulators then take 8
-# registers a thread each, which the memory warpgroup's 48 hold.
+# registers a thread each.
 TAIL_COLS = 8
-# Registers a thread: the compute warpgroups', and the memory warpgroup's without and with a
-# folded tail (3 x 128 threads x these fit the SM's 64K).
-_COMPUTE_REGS, _MEMORY_REGS, _MEMORY_REGS_FOLDED = 232, 40, 48
+# Registers a thread (compute warpgroups, memory warpgroup), without and with a folded tail.
+# The kernel launches 384 threads at 168 registers (64K / 384, in steps of 8), and a warpgroup
+# can only take what another gave back (setmaxnreg), so 2 * compute + memory <= 3 * 168: with
+# more, the compute warpgroups wait for registers forever.
+REGISTERS = {False: (232, 40), True: (224, 56)}
+LAUNCH_REGISTERS = 168
 _LOG2E = 1.4426950408889634
 # Finite, so a row with no visible key in a step never computes (-inf) - (-inf).
 _M_INIT = -1e30
@@ -442,7 +445,7 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
-        plgpu.set_max_registers(_COMPUTE_REGS, action="increase")
+        plgpu.set_max_registers(REGISTERS[sched.fold_tail][0], action="increase")
         if not sched.real_rows:  # every row counts as real: no warpgroup is idle
             _work()
             return
@@ -533,7 +536,7 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
 
     @pl.when(wg == COMPUTE_WGS)
     def _memory():
-        plgpu.set_max_registers(_MEMORY_REGS_FOLDED if sched.fold_tail else _MEMORY_REGS, action="decrease")
+        plgpu.set_max_registers(REGISTERS[sched.fold_tail][1], action="decrease")
 
         def issue(i, slot):
             keys = pl.ds(i * block_k, block_k)

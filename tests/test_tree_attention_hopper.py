@@ -190,6 +190,17 @@ def test_folded_tail_launches_the_full_block_programs_only(rows, kv_heads):
         assert all(len(ps) == 1 for ps in owners.values()), (total, owners)
 
 
+def test_warpgroup_registers_fit_what_the_launch_gives():
+    """setmaxnreg: the compute warpgroups can only take the registers the memory warpgroup gave
+    back from the launch's 168 a thread (more deadlocks the kernel: the twenty-fifth session's
+    first folded kernel, at 232 / 48, hung on the GPU); steps of 8, as the instruction needs."""
+    threads = (hopper.COMPUTE_WGS + 1) * 128
+    assert hopper.LAUNCH_REGISTERS == 65536 // threads // 8 * 8
+    for fold, (compute, memory) in hopper.REGISTERS.items():
+        assert compute % 8 == 0 and memory % 8 == 0 and 24 <= memory < hopper.LAUNCH_REGISTERS < compute <= 256
+        assert hopper.COMPUTE_WGS * (compute - hopper.LAUNCH_REGISTERS) <= hopper.LAUNCH_REGISTERS - memory, fold
+
+
 def test_fold_tail_leaves_other_schedules_as_they_are():
     """No fold without both kinds of block, with a partial block over TAIL_COLS rows (W 272: 64
     rows), or with the real rows unknown."""
