@@ -8,7 +8,7 @@ F='^WARNING|^I0000|^W0000|DeprecationWarning|warnings.warn'
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv
 echo "=== first case"
 JAX_PLATFORMS=cuda timeout -s KILL 90 python -m pytest -q -x -p no:warnings tests/test_tree_attention_hopper.py \
-  -k "folded_tail_matches and True-2-257" 2>&1 | grep -Ev "$F" | tail -n 30 | tee $OUT/gpu_test_fold_first.log
+  -k "folded_tail_matches and 2-257-8-4-128-4400-lens0-True-True" 2>&1 | grep -Ev "$F" | tail -n 30 | tee $OUT/gpu_test_fold_first.log
 grep -q "1 passed" $OUT/gpu_test_fold_first.log || exit 1
 echo "=== parity"
 JAX_PLATFORMS=cuda python -m pytest --collect-only -q -p no:warnings tests/test_tree_attention_hopper.py \
