@@ -36,7 +36,7 @@ from pallas_kernels import tree_attention_hopper as hopper
 from pallas_kernels.powers_of_two import is_power_of_two, next_power_of_two
 
 Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge",
-               "pallas-scaled-scores", "pallas-pdl", "pallas-min-rows-128", "pallas-heads-major", "pallas-fold-tail",
+               "pallas-scaled-scores", "pallas-pdl", "pallas-min-rows-128", "pallas-heads-major", "pallas-tail-programs",
                "pallas-triton", "pallas-one-launch", "reference", "interpret"]
 # The kernels as dispatched ("pallas": on Hopper, `tree_attention_hopper` where it applies, fed
 # by the model's fused qkv epilogue), and the variants benchmarks time beside it:
@@ -52,9 +52,11 @@ Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-no-pingpong", "pallas
 # 16-token verify and drafter pass, DDTree(16)'s 17 tokens at group 4) to the Triton kernel, the
 # default before the twentieth session; "pallas-heads-major", "pallas" with the Hopper kernel's
 # grid ordered by kv head, each head's tail programs right after its full ones
-# (`Schedule.tails_last` off), the default before the twenty-first session; "pallas-fold-tail",
-# "pallas" with a partial block of at most 8 rows (W 257 at group 4) taken by the full-block
-# programs' memory warpgroups on the K/V they stream, swap-AB (`Schedule.fold_tail`);
+# (`Schedule.tails_last` off), the default before the twenty-first session;
+# "pallas-tail-programs", "pallas" with a partial block of at most 8 rows (W 257 at group 4) in
+# programs of its own instead of taken by the full-block programs' memory warpgroups
+# (`Schedule.fold_tail`, which every other Hopper variant but "pallas-reduced-merge" applies), the
+# default before the twenty-fifth session;
 # "pallas-triton", the Triton kernel alone; and
 # "pallas-one-launch", its default tiling without the tail launch (at W 272, the default before
 # the seventh session).
@@ -70,13 +72,13 @@ Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-no-pingpong", "pallas
 # (the kernel 1.8 us faster at W 257, the DDTree(256) round no faster).
 PALLAS_VARIANTS = ("pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge",
                    "pallas-scaled-scores", "pallas-pdl", "pallas-min-rows-128", "pallas-heads-major",
-                   "pallas-fold-tail", "pallas-triton", "pallas-one-launch")
+                   "pallas-tail-programs", "pallas-triton", "pallas-one-launch")
 # The variants that run the Hopper kernel where it applies; those fed by the qkv epilogue.
 HOPPER_VARIANTS = ("pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge",
                    "pallas-scaled-scores", "pallas-pdl", "pallas-min-rows-128", "pallas-heads-major",
-                   "pallas-fold-tail")
+                   "pallas-tail-programs")
 _ROWS_VARIANTS = ("pallas", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge", "pallas-scaled-scores",
-                  "pallas-pdl", "pallas-min-rows-128", "pallas-heads-major", "pallas-fold-tail")
+                  "pallas-pdl", "pallas-min-rows-128", "pallas-heads-major", "pallas-tail-programs")
 
 # exp2 is the native GPU instruction; folding log2(e) into the score scale makes exp2 exact
 # replacement for exp.
@@ -658,8 +660,17 @@ def rows_schedule(batch: int, width: int, q_heads: int, kv_heads: int, head_dim:
 
 
 def _hopper_schedule(which: str, batch: int, rows: int, kv_heads: int, max_len: int) -> hopper.Schedule:
-    """The Hopper kernel's schedule for `rows` rows per kv head as the variant `which` runs it."""
-    sched = hopper.schedule(batch, kv_heads, rows, max_len, gpu_limits().num_sms)
+    """The Hopper kernel's schedule for `rows` rows per kv head as the variant `which` runs it:
+    a partial block of at most 8 rows folded into the full-block programs (`hopper.fold_tail`;
+    the kernel 40.6 against 46.0 us at W 257, ctx 4K, and DDTree(256) 10.87 against 11.01 ms in
+    turns, BENCHMARKS.md, twenty-fifth session) except in "pallas-tail-programs" and the
+    thirteenth session's "pallas-reduced-merge"."""
+    sched = _variant_schedule(which, hopper.schedule(batch, kv_heads, rows, max_len, gpu_limits().num_sms))
+    return sched if which in ("pallas-tail-programs", "pallas-reduced-merge") else hopper.fold_tail(sched)
+
+
+def _variant_schedule(which: str, sched: hopper.Schedule) -> hopper.Schedule:
+    """The default schedule `sched` with the variant `which`'s fields changed."""
     if which == "pallas-reduced-merge":  # the thirteenth session's kernel and merge, as they were
         return dataclasses.replace(sched, pingpong=False, unrolled_merge=False, real_rows=0, merge_kernel=False,
                                    fma_scale=False)
@@ -671,8 +682,8 @@ def _hopper_schedule(which: str, batch: int, rows: int, kv_heads: int, max_len: 
         return dataclasses.replace(sched, pdl=True)
     if which == "pallas-heads-major":
         return dataclasses.replace(sched, tails_last=False)
-    if which == "pallas-fold-tail":
-        return hopper.fold_tail(sched)
+    if which == "pallas-tail-programs":
+        return sched
     return dataclasses.replace(sched, pingpong=which != "pallas-no-pingpong")
 
 

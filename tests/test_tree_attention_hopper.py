@@ -425,7 +425,7 @@ def test_variants_reach_the_kernel_with_their_schedule(monkeypatch):
             "pallas-no-pingpong": (False, True, 272 * 4, True), "pallas-xla-merge": (True, True, 272 * 4, False),
             "pallas-reduced-merge": (False, False, 0, False), "pallas-scaled-scores": (True, True, 272 * 4, True),
             "pallas-pdl": (True, True, 272 * 4, True), "pallas-min-rows-128": (True, True, 272 * 4, True),
-            "pallas-heads-major": (True, True, 272 * 4, True), "pallas-fold-tail": (True, True, 272 * 4, True)}
+            "pallas-heads-major": (True, True, 272 * 4, True), "pallas-tail-programs": (True, True, 272 * 4, True)}
     seen = {}
     monkeypatch.setattr(hopper, "tree_attention_hopper",
                         lambda *a, sched, **kw: seen.setdefault("sched", sched) and a[0])
@@ -449,10 +449,12 @@ def test_variants_reach_the_kernel_with_their_schedule(monkeypatch):
 
 
 def test_fold_tail_variant_folds_a_few_row_tail(monkeypatch):
-    """"pallas-fold-tail" folds W 257's 4-row partial block (and "pallas" does not), on the
-    model's row path and through the dispatcher."""
+    """"pallas" (and the variants but two) folds W 257's 4-row partial block, and
+    "pallas-tail-programs" and "pallas-reduced-merge" do not, on the model's row path and
+    through the dispatcher."""
     monkeypatch.setattr(hopper, "available", lambda: True)
-    for impl, fold in (("pallas-fold-tail", True), ("pallas", False)):
+    for impl, fold in (("pallas", True), ("pallas-pdl", True), ("pallas-tail-programs", False),
+                       ("pallas-reduced-merge", False)):
         got = dispatch.rows_schedule(1, 257, 32, 8, 128, 5120, jnp.bfloat16, impl)
         assert got.fold_tail == fold and got.launched == (16 if fold else 32), impl
         assert got == dispatch._hopper_schedule(impl, 1, 257 * 4, 8, 5120)
