@@ -30,6 +30,12 @@ BENCHMARKS.md, thirteenth session). The grid numbers every kv head's full-block 
 any tail program (`Schedule.tails_last`), so the long programs all start in the first wave and
 the short tail ones take the SMs as those end (the kernel 39.3 against 40.3 us at W 257, ctx 4K).
 
+A partial block of at most TAIL_COLS real rows (W 257 x group 4: the 4 rows of the 257th token)
+is instead folded into the full-block programs (`Schedule.fold_tail`, `fold_tail`): their memory
+warpgroups take it on the K/V tiles they stream, swap-AB (keys on wgmma's M side, the rows on N),
+one tail partial per program (the kernel 40.6 against 46.0 us at W 257, ctx 4K, twenty-fifth
+session).
+
 Needs: bf16/f16, head_dim 64 or 128, a cache length (max_len) that is a multiple of 8, and cache
 slots from L+W to the end of the last key block that hold finite values (the TMA reads them
 unmasked and the bias hides them; the model's caches start as zeros). `tree_attention.py`
