@@ -682,8 +682,6 @@ def _variant_schedule(which: str, sched: hopper.Schedule) -> hopper.Schedule:
         return dataclasses.replace(sched, pdl=True)
     if which == "pallas-heads-major":
         return dataclasses.replace(sched, tails_last=False)
-    if which == "pallas-tail-programs":
-        return sched
     return dataclasses.replace(sched, pingpong=which != "pallas-no-pingpong")
 
 

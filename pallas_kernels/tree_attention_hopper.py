@@ -495,6 +495,15 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
 
         return pl.run_state(values)(plgpu.ACC.init(ot)), m_new, l_t
 
+    def refill(i):
+        """The memory warpgroup loads key block i into its slot once the block before it there
+        (i - stages) is freed."""
+        slot, keys = slot_of(i), pl.ds(i * block_k, block_k)
+        plgpu.barrier_wait(k_free.at[slot])
+        plgpu.copy_gmem_to_smem(k_ref.at[b, keys, head], k_smem.at[slot], k_ready.at[slot])
+        plgpu.barrier_wait(v_free.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[b, keys, head], v_smem.at[slot], v_ready.at[slot])
+
     def _fold_tail():
         """The memory warpgroup with a folded tail: each K/V block is awaited here as well, and
         the blocks of this program's row block (i % full_blocks) go through `_tail_of_block`
@@ -513,20 +522,13 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
             return carry
 
         def block(i, carry):
-            slot = lax.rem(i - lo, jnp.int32(stages))
+            slot = slot_of(i)
             plgpu.barrier_wait(k_ready.at[slot])
             carry = lax.cond(takes_tail_block(i, row_block, sched.full_blocks),
                              functools.partial(_tail_of_block, i, slot), functools.partial(skip, slot), carry)
             plgpu.barrier_arrive(v_free.at[slot])
-            pl.when(i + stages < hi)(functools.partial(refill, i + stages, slot))
+            pl.when(i + stages < hi)(functools.partial(refill, i + stages))
             return carry
-
-        def refill(i, slot):
-            keys = pl.ds(i * block_k, block_k)
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.copy_gmem_to_smem(k_ref.at[b, keys, head], k_smem.at[slot], k_ready.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[b, keys, head], v_smem.at[slot], v_ready.at[slot])
 
         ot, m_t, l_t = lax.fori_loop(lo, hi, block, carry)
         seen = l_t > 0
@@ -555,14 +557,7 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
             _fold_tail()
             return
 
-        @pl.loop(lo + stages, hi)
-        def _stream(i):
-            slot = lax.rem(i - lo, jnp.int32(stages))
-            keys = pl.ds(i * block_k, block_k)
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.copy_gmem_to_smem(k_ref.at[b, keys, head], k_smem.at[slot], k_ready.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[b, keys, head], v_smem.at[slot], v_ready.at[slot])
+        pl.loop(lo + stages, hi)(refill)
 
 
 # A jit of its own: a model calls the kernel once per layer, and JAX lowers a jitted function
