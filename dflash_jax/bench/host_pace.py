@@ -157,6 +157,67 @@ def host_costs(host: list[dict], threads: dict[tuple, str], calls: int, top: int
     return {**out, "note": note} if note else out
 
 
+def kernel_family(name: str) -> str:
+    """The kind of launch a GPU kernel's name says it came from."""
+    low = name.lower()
+    if low.startswith("memset") or "memset" in low:
+        return "memset"
+    if low.startswith("memcpy"):
+        return "memcpy"
+    if "mosaic" in low:
+        return "mosaic gpu"
+    if any(s in low for s in ("nvjet", "cutlass", "cublas", "sm90_xmma", "gemv")) and "gemm_fusion" not in low:
+        return "cublas"
+    if low.startswith("gemm_fusion") or "triton_gemm" in low:
+        return "xla triton gemm"
+    if any(low.startswith(s) for s in ("loop_", "input_", "fusion", "wrapped_", "copy", "convert", "transpose",
+                                       "reduce", "concatenate", "slice", "dynamic", "select", "bitcast")):
+        return "xla fusion"
+    return "pallas triton / other"
+
+
+def launch_costs(gpu: list[dict], host: list[dict], calls: int) -> dict[str, Any]:
+    """Host time per launch by kind of kernel, from the launching thread's API events (those
+    with a correlation id): `pre_us`, the time since the previous launch call ended (the runtime's
+    own work for this launch: XLA's thunk, argument set-up, TMA descriptors); `api_us`, the launch
+    call itself (which also holds the time it waits for room in the GPU's queue). Medians, and
+    the sum of both per call, ms; with the API names seen."""
+    kernel_of = {}
+    for e in gpu:
+        c = _correlation(e)
+        if c is not None:
+            kernel_of[c] = str(e.get("name", ""))
+    per_thread: dict[tuple, list[dict]] = {}
+    for e in host:
+        if _correlation(e) is not None:
+            per_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    if not per_thread:
+        return {"error": "no host events with a correlation id"}
+    calls_seen = max(per_thread.values(), key=len)
+    calls_seen.sort(key=lambda e: float(e["ts"]))
+    kinds: dict[str, dict[str, list[float]]] = {}
+    api_names: dict[str, int] = {}
+    prev_end = None
+    for e in calls_seen:
+        ts, dur = float(e["ts"]), float(e.get("dur", 0.0))
+        name = str(e.get("name", ""))[:40]
+        api_names[name] = api_names.get(name, 0) + 1
+        kind = kernel_family(kernel_of.get(_correlation(e), name))
+        row = kinds.setdefault(kind, {"pre": [], "api": []})
+        if prev_end is not None and ts - prev_end < 5000:  # not across calls
+            row["pre"].append(ts - prev_end)
+        row["api"].append(dur)
+        prev_end = ts + dur
+    table = {}
+    for kind, row in kinds.items():
+        pre, api = row["pre"], row["api"]
+        table[kind] = {"launches_per_call": len(api) / calls,
+                       "median_pre_us": round(statistics.median(pre), 2) if pre else None,
+                       "median_api_us": round(statistics.median(api), 2),
+                       "ms_per_call": round((sum(pre) + sum(api)) / 1e3 / calls, 4)}
+    return {"by_kind": table, "api_names": dict(sorted(api_names.items(), key=lambda kv: -kv[1])[:12])}
+
+
 def issue_ms(fn, iters: int = 10) -> float:
     """Median ms until `fn()` returns, with nothing in flight before it, before waiting."""
     times = []
@@ -229,7 +290,8 @@ def main() -> None:
                "wall_ms_per_round": round(wall / rounds, 3), "issue_ms_per_round": round(issue / rounds, 3),
                "pipelined_ms_per_round": round(piped / (args.pipeline * rounds), 3),
                "slack": slack_by_scope(gpu, host, names, calls * rounds),
-               "host": host_costs(host, threads, calls * rounds)}
+               "host": host_costs(host, threads, calls * rounds),
+               "launches": launch_costs(gpu, host, calls * rounds)}
         log(row)
         rows.append(row)
     for r in rows:
@@ -243,7 +305,17 @@ def main() -> None:
             print(f"| {scope} | {t['kernels_per_call']:.1f} | {t['median_slack_us']} | {t['min_slack_us']} | "
                   f"{t[f'kernels_slack_under_{int(SLACK_US)}us_per_call']:.1f} | {t['idle_ms_per_call']} | "
                   f"{t[f'idle_ms_slack_under_{int(SLACK_US)}us_per_call']} |")
-        print("host, per round:", json.dumps(r["host"])[:3000])
+        print("host, per round:", json.dumps(r["host"])[:1500])
+        launches = r["launches"]
+        if "by_kind" in launches:
+            print("| launch kind | launches / round | median pre us | median API us | host ms / round |")
+            print("|---|---|---|---|---|")
+            for kind, t in sorted(launches["by_kind"].items(), key=lambda kv: -kv[1]["ms_per_call"]):
+                print(f"| {kind} | {t['launches_per_call']:.1f} | {t['median_pre_us']} | {t['median_api_us']} | "
+                      f"{t['ms_per_call']} |")
+            print("API calls:", launches["api_names"])
+        else:
+            print("launches:", launches)
     if args.out:
         write_json(args.out, {"env": env, "rows": rows})
 
