@@ -25,6 +25,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=None, help="drafter block size (default: drafter's)")
     p.add_argument("--budget", type=int, default=64, help="DDTree node budget")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--rounds-per-check", type=int, default=1,
+                   help="dflash/ddtree: rounds between two reads of whether every sequence is done")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -123,7 +125,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                               None if mesh is None else sh.placement(mesh))
             settings = SpecSettings(method=args.method, block_size=args.block_size or dcfg.block_size,
                                     budget=args.budget, sampling=sampling, max_new_tokens=args.max_new_tokens,
-                                    stop_tokens=stop)
+                                    stop_tokens=stop, rounds_per_check=args.rounds_per_check)
             run = pipeline.run_speculative(params, cfg, dparams, dcfg, prompts, lens, settings,
                                            seed=args.seed)
             if args.stage_times:

@@ -6,8 +6,9 @@ One round (DESIGN.md, "The round"):
   3. verify  -- one target pass over the W tree slots with tree attention;
   4. accept  -- walk down the tree following the target (or rejection-sample the chain);
   5. commit  -- compact accepted K/V, extend the drafter context, emit tokens, update `done`.
-The generation is a `lax.while_loop` of rounds; every sequence of the batch has its own
-length, tree, accepted count and stop state.
+The generation is a `lax.while_loop` of rounds (`SpecSettings.rounds_per_check` of them between
+two looks at `done`); every sequence of the batch has its own length, tree, accepted count and
+stop state.
 """
 from __future__ import annotations
 
@@ -56,6 +57,10 @@ class SpecSettings:
     # each (`model.residual_splits`); "jnp": the same ops left to XLA; "xla": the usual path
     # (`model.RESIDUAL_IMPLS`), e.g. to compare them.
     residual: str = "kernel"
+    # The generation's loop looks at `done` (which the host must read back) once every this many
+    # rounds; rounds run after every sequence is done change nothing but cost their time. Between
+    # checks the host issues rounds ahead of the GPU instead of waiting for each one to end.
+    rounds_per_check: int = 1
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -70,6 +75,9 @@ class SpecSettings:
             raise ValueError(f"residual must be one of {RESIDUAL_IMPLS}, got {self.residual!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if isinstance(self.rounds_per_check, bool) or not isinstance(self.rounds_per_check, int) \
+                or self.rounds_per_check < 1:
+            raise ValueError(f"rounds_per_check must be an int >= 1, got {self.rounds_per_check!r}")
 
     @property
     def width(self) -> int:
@@ -291,8 +299,13 @@ def start_state(target: ModelParams, cfg: ModelConfig, dparams: Any, dcfg: Any, 
 def _generate(target: ModelParams, cfg: ModelConfig, dparams: Any, dcfg: Any, prompts: jax.Array,
               prompt_lens: jax.Array, key: jax.Array, *, settings: SpecSettings, max_len: int) -> Generation:
     state = start_state(target, cfg, dparams, dcfg, prompts, prompt_lens, key, max_len, settings)
-    state = jax.lax.while_loop(lambda st: ~jnp.all(st.done),
-                               lambda st: spec_round(st, target, cfg, dparams, dcfg, settings), state)
+
+    def rounds(st: SpecState) -> SpecState:
+        # A round of a finished sequence commits and emits nothing (`commit_stage`'s `active`).
+        return jax.lax.fori_loop(0, settings.rounds_per_check,
+                                 lambda _, s: spec_round(s, target, cfg, dparams, dcfg, settings), st)
+
+    state = jax.lax.while_loop(lambda st: ~jnp.all(st.done), rounds, state)
     return Generation(tokens=state.out, num_tokens=state.count, accepted=state.accepted,
                       rounds=state.rounds)
 

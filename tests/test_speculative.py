@@ -85,6 +85,33 @@ def test_greedy_ddtree_equals_greedy_ar_at_any_width(pair, ar_tokens, budget, ro
     assert got == ar_tokens
 
 
+@pytest.mark.parametrize("method,temperature", [("ddtree", 0.0), ("dflash", 1.0)])
+def test_rounds_between_checks_change_nothing_but_time(pair, ar_tokens, method, temperature):
+    """`rounds_per_check` > 1: the loop reads `done` every k rounds, and the rounds run after every
+    sequence is done change nothing: the same tokens, counts, rounds and acceptance (greedy: AR's
+    tokens; sampled: the same draws), over 20 prompts in one batch, which end in different rounds."""
+    cfg, params, dcfg, dparams = pair
+    arr, lens = pad_prompts(prompts_20(SMALL_VOCAB), multiple=32)
+    sampling = SamplingParams(temperature=temperature)
+
+    def run(k):
+        s = (SpecSettings(method="ddtree", block_size=16, budget=16, max_new_tokens=NEW, rounds_per_check=k)
+             if method == "ddtree" else
+             SpecSettings(method="dflash", block_size=4, max_new_tokens=NEW, sampling=sampling, rounds_per_check=k))
+        g = generate_speculative(params, cfg, dparams, dcfg, jnp.asarray(arr), jnp.asarray(lens),
+                                 jax.random.key(3), settings=s, max_len=256)
+        return {f: np.asarray(getattr(g, f)) for f in ("tokens", "num_tokens", "accepted", "rounds")}
+
+    one = run(1)
+    assert len(set(one["rounds"].tolist())) > 1  # the sequences end in different rounds
+    k = next(k for k in (3, 4, 5, 7) if one["rounds"].max() % k)  # so rounds past the end do run
+    more = run(k)
+    for field in one:
+        np.testing.assert_array_equal(more[field], one[field], err_msg=f"{field}, rounds_per_check={k}")
+    if temperature == 0.0:
+        assert [one["tokens"][b, :one["num_tokens"][b]].tolist() for b in range(20)] == ar_tokens
+
+
 def test_greedy_dflash_matches_dflash_generate(tmp_path, monkeypatch):
     """Same weights: our tokens and per-round acceptance lengths equal the PyTorch reference's."""
     import dflash.model as ref
@@ -196,6 +223,8 @@ def test_bad_settings():
         SpecSettings(block_size=1)
     with pytest.raises(ValueError, match="row_block"):
         SpecSettings(method="ddtree", budget=4, row_block=0)
+    with pytest.raises(ValueError, match="rounds_per_check"):
+        SpecSettings(rounds_per_check=0)
 
 
 @pytest.mark.parametrize("method,temperature", [("ddtree", 0.0), ("dflash", 1.0)])

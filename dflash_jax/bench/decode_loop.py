@@ -1,0 +1,115 @@
+"""A round as decoding runs it: the generation's own loop, against the round benchmark's.
+
+`spec_round` times rounds in a `fori_loop` of 8, whose trip count XLA knows, so the host issues
+round after round without waiting. The generation (`speculative.generate_speculative`) loops until
+every sequence is done: a `while_loop` whose condition the host reads back before it issues the
+next round (XLA's while thunk), so each round starts with the GPU waiting for the host to issue
+its first kernels. `SpecSettings.rounds_per_check` = k reads `done` once every k rounds.
+
+Per setting, on the random-weight target (Qwen3-8B shape, 5-layer drafter, batch 1, a random
+prompt of --ctx tokens): the median wall time of a whole generation of --new tokens, of the
+prefill alone (`speculative.start_state`, compiled the same way), and so the decode time per
+round run (`(generation - prefill) / rounds run`, where rounds run = k * ceil(rounds / k)) and per
+round needed. Beside them, in the same process, `spec_round`'s 8-round call.
+
+    python -m dflash_jax.bench.decode_loop --budget 256 --ctx 4096 --new 64 --rounds-per-check 1 4 8
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax import drafter as dr
+from dflash_jax.bench.common import SHAPES, environment, log, time_fn, write_json
+from dflash_jax.bench.spec_round import drafter_config, make_state, round_program
+from dflash_jax.model import init_params
+from dflash_jax.speculative import (DDTREE_COMPILER_OPTIONS, SpecSettings, speculative_program, start_state)
+
+
+def median_ms(fn, iters: int) -> float:
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--budget", type=int, default=256)
+    ap.add_argument("--ctx", type=int, default=4096, help="prompt tokens")
+    ap.add_argument("--new", type=int, default=64, help="max new tokens per generation")
+    ap.add_argument("--rounds-per-check", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    env = environment()
+    print(env, flush=True)
+    cfg = SHAPES[args.model]
+    dcfg = drafter_config(cfg)
+    dparams = dr.fuse_draft_projections(dr.init_draft_params(dcfg, jax.random.key(1), jnp.bfloat16), dcfg)
+    target = jax.block_until_ready(init_params(cfg, jax.random.key(0), jnp.bfloat16, fused=True))
+    prompts = jax.random.randint(jax.random.key(2), (1, args.ctx), 0, cfg.vocab_size - 1, jnp.int32)
+    lens = jnp.full((1,), args.ctx, jnp.int32)
+    key = jax.random.key(0)
+    base = SpecSettings(method="ddtree", budget=args.budget, block_size=dcfg.block_size, max_new_tokens=args.new)
+    max_len = -(-(args.ctx + args.new + base.cache_slack()) // 128) * 128
+    log("weights ready")
+
+    prefill = jax.jit(lambda t, d, p, l, k: start_state(t, cfg, d, dcfg, p, l, k, max_len, base),
+                      compiler_options=DDTREE_COMPILER_OPTIONS)
+    jax.block_until_ready(prefill(target, dparams, prompts, lens, key).count)  # compiles
+    prefill_ms = median_ms(lambda: prefill(target, dparams, prompts, lens, key).count, args.iters)
+    log(f"prefill {prefill_ms:.2f} ms")
+    rows: list[dict[str, Any]] = []
+    for k in args.rounds_per_check:
+        s = SpecSettings(method="ddtree", budget=args.budget, block_size=dcfg.block_size, max_new_tokens=args.new,
+                         rounds_per_check=k)
+        program = speculative_program(s)
+        t0 = time.perf_counter()
+        gen = program(target, cfg, dparams, dcfg, prompts, lens, key, settings=s, max_len=max_len)
+        rounds = int(jax.device_get(gen.rounds).max())
+        compile_s = time.perf_counter() - t0
+        total = median_ms(lambda: program(target, cfg, dparams, dcfg, prompts, lens, key, settings=s,
+                                          max_len=max_len).tokens, args.iters)
+        run = k * math.ceil(rounds / k)
+        row = {"rounds_per_check": k, "rounds": rounds, "rounds_run": run, "generation_ms": round(total, 2),
+               "prefill_ms": round(prefill_ms, 2), "ms_per_round_run": round((total - prefill_ms) / run, 3),
+               "ms_per_round_needed": round((total - prefill_ms) / rounds, 3), "first_call_s": round(compile_s, 1)}
+        log(row)
+        rows.append(row)
+    # The round benchmark's program, same weights, same context, same process.
+    state = make_state(cfg, dcfg, args.ctx, max_len, base.max_new_tokens, jnp.bfloat16)
+    start = jnp.array(state.cache.lengths)
+    rnd = round_program(cfg, dcfg, base).lower(state, start, target=target, dparams=dparams).compile(
+        compiler_options=DDTREE_COMPILER_OPTIONS)
+    box = {"state": state}
+
+    def call():
+        box["state"] = rnd(box["state"], start, target=target, dparams=dparams)
+        return box["state"].count
+
+    bench_ms = time_fn(call, warmup=2, iters=10)["median_ms"] / 8
+    log(f"spec_round's 8-round call: {bench_ms:.3f} ms a round")
+    print(f"\n{env['device']}, jax {env['jax']}, DDTree({args.budget}), prompt {args.ctx}, {args.new} new tokens, "
+          f"batch 1 (random weights: about one token a round)")
+    print("| rounds per check | rounds | rounds run | generation ms | prefill ms | ms / round run | ms / round needed |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['rounds_per_check']} | {r['rounds']} | {r['rounds_run']} | {r['generation_ms']} | "
+              f"{r['prefill_ms']} | {r['ms_per_round_run']} | {r['ms_per_round_needed']} |")
+    print(f"| spec_round (fori_loop of 8) | | | | | {bench_ms:.3f} | |")
+    if args.out:
+        write_json(args.out, {"env": env, "rows": rows, "spec_round_ms": bench_ms})
+
+
+if __name__ == "__main__":
+    main()
