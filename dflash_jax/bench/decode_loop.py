@@ -18,27 +18,15 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from dflash_jax import drafter as dr
 from dflash_jax.bench.common import SHAPES, environment, log, time_fn, write_json
-from dflash_jax.bench.spec_round import drafter_config, make_state, round_program
-from dflash_jax.model import init_params
+from dflash_jax.bench.spec_round import decoding_pair, make_state, round_program
 from dflash_jax.speculative import (DDTREE_COMPILER_OPTIONS, SpecSettings, speculative_program, start_state)
-
-
-def median_ms(fn, iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -53,10 +41,7 @@ def main() -> None:
     args = ap.parse_args()
     env = environment()
     print(env, flush=True)
-    cfg = SHAPES[args.model]
-    dcfg = drafter_config(cfg)
-    dparams = dr.fuse_draft_projections(dr.init_draft_params(dcfg, jax.random.key(1), jnp.bfloat16), dcfg)
-    target = jax.block_until_ready(init_params(cfg, jax.random.key(0), jnp.bfloat16, fused=True))
+    cfg, dcfg, dparams, target = decoding_pair(args.model)
     prompts = jax.random.randint(jax.random.key(2), (1, args.ctx), 0, cfg.vocab_size - 1, jnp.int32)
     lens = jnp.full((1,), args.ctx, jnp.int32)
     key = jax.random.key(0)
@@ -66,8 +51,8 @@ def main() -> None:
 
     prefill = jax.jit(lambda t, d, p, l, k: start_state(t, cfg, d, dcfg, p, l, k, max_len, base),
                       compiler_options=DDTREE_COMPILER_OPTIONS)
-    jax.block_until_ready(prefill(target, dparams, prompts, lens, key).count)  # compiles
-    prefill_ms = median_ms(lambda: prefill(target, dparams, prompts, lens, key).count, args.iters)
+    prefill_ms = time_fn(lambda: prefill(target, dparams, prompts, lens, key).count, warmup=1,
+                         iters=args.iters)["median_ms"]
     log(f"prefill {prefill_ms:.2f} ms")
     rows: list[dict[str, Any]] = []
     for k in args.rounds_per_check:
@@ -78,8 +63,8 @@ def main() -> None:
         gen = program(target, cfg, dparams, dcfg, prompts, lens, key, settings=s, max_len=max_len)
         rounds = int(jax.device_get(gen.rounds).max())
         compile_s = time.perf_counter() - t0
-        total = median_ms(lambda: program(target, cfg, dparams, dcfg, prompts, lens, key, settings=s,
-                                          max_len=max_len).tokens, args.iters)
+        total = time_fn(lambda: program(target, cfg, dparams, dcfg, prompts, lens, key, settings=s,
+                                        max_len=max_len).tokens, warmup=0, iters=args.iters)["median_ms"]
         run = k * math.ceil(rounds / k)
         row = {"rounds_per_check": k, "rounds": rounds, "rounds_run": run, "generation_ms": round(total, 2),
                "prefill_ms": round(prefill_ms, 2), "ms_per_round_run": round((total - prefill_ms) / run, 3),

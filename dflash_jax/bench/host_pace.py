@@ -26,10 +26,7 @@ the queue and the GPU waits for the host. This measures, for one compiled round 
 from __future__ import annotations
 
 import argparse
-import glob
-import gzip
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -38,26 +35,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dflash_jax import drafter as dr
 from dflash_jax.bench.common import SHAPES, environment, log, time_fn, write_json
-from dflash_jax.bench.profile import hlo_op_names, scope_of
-from dflash_jax.bench.spec_round import drafter_config, make_state, round_program
-from dflash_jax.model import init_params
+from dflash_jax.bench.profile import hlo_op_names, scope_of, thread_names, trace_events
+from dflash_jax.bench.spec_round import decoding_pair, make_state, round_program
 from dflash_jax.speculative import DDTREE_COMPILER_OPTIONS, SpecSettings
 from dflash_jax.stage_times import STAGES
 
 _CORRELATION_KEYS = ("correlation_id", "correlation id", "correlationId")
 SLACK_US = 10.0
-
-
-def _trace_events(trace_dir: str) -> list[dict[str, Any]]:
-    paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*perfetto*.json.gz"), recursive=True),
-                   key=os.path.getmtime)
-    if not paths:
-        return []
-    with gzip.open(paths[-1], "rt") as f:
-        trace = json.load(f)
-    return trace["traceEvents"] if isinstance(trace, dict) else trace
 
 
 def _correlation(event: dict[str, Any]) -> str | None:
@@ -70,8 +55,7 @@ def _correlation(event: dict[str, Any]) -> str | None:
 
 def split_events(events: list[dict[str, Any]]) -> tuple[list[dict], list[dict], dict[tuple, str]]:
     """(GPU kernel events on stream lines, host events, thread names) of a perfetto trace."""
-    threads = {(e.get("pid"), e.get("tid")): str(e.get("args", {}).get("name", ""))
-               for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    threads = thread_names(events)
     gpu, host = [], []
     for e in events:
         if e.get("ph") != "X":
@@ -256,10 +240,7 @@ def main() -> None:
     args = ap.parse_args()
     env = environment()
     print(env, flush=True)
-    cfg = SHAPES[args.model]
-    dcfg = drafter_config(cfg)
-    dparams = dr.fuse_draft_projections(dr.init_draft_params(dcfg, jax.random.key(1), jnp.bfloat16), dcfg)
-    target = jax.block_until_ready(init_params(cfg, jax.random.key(0), jnp.bfloat16, fused=True))
+    cfg, dcfg, dparams, target = decoding_pair(args.model)
     max_len = args.ctx + 1024
     s = SpecSettings(method="ddtree", budget=args.budget, block_size=dcfg.block_size, max_new_tokens=512,
                      attn_impl=args.attn_impl)
@@ -284,7 +265,7 @@ def main() -> None:
         with jax.profiler.trace(trace, create_perfetto_trace=True):
             for _ in range(calls):
                 jax.block_until_ready(call())
-        gpu, host, threads = split_events(_trace_events(trace))
+        gpu, host, threads = split_events(trace_events(trace))
         names = hlo_op_names(rnd.as_text())
         row = {"budget": args.budget, "ctx": args.ctx, "rounds_per_call": rounds,
                "wall_ms_per_round": round(wall / rounds, 3), "issue_ms_per_round": round(issue / rounds, 3),

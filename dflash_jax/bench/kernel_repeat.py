@@ -37,8 +37,10 @@ CASES = {
 
 
 def make_inputs(seed: int, batch: int, width: int, kv_heads: int, group: int, head_dim: int, max_len: int,
-                lens: list[int]) -> tuple[jax.Array, ...]:
-    """As the GPU parity tests make them: slots past L+W hold large finite values."""
+                lens: list[int], dtype: Any = jnp.bfloat16, tree: bool = True) -> tuple[Any, ...]:
+    """Random q/k/v, lens and visibility (None: causal), as the GPU parity tests make them. Slots
+    past L+W hold large finite values: the kernel reads the rest of its last key block unmasked
+    (its documented contract), and the bias must hide them."""
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((batch, width, kv_heads * group, head_dim))
     k = rng.standard_normal((batch, max_len, kv_heads, head_dim))
@@ -46,9 +48,9 @@ def make_inputs(seed: int, batch: int, width: int, kv_heads: int, group: int, he
     for b, length in enumerate(lens):
         k[b, length + width:] *= 50.0
         v[b, length + width:] *= 50.0
-    visible = jnp.asarray(random_tree_visibility(rng, batch, width))
-    return (jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16),
-            jnp.asarray(lens, jnp.int32), visible)
+    visible = jnp.asarray(random_tree_visibility(rng, batch, width)) if tree else None
+    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(lens, jnp.int32),
+            visible)
 
 
 def _rel(out: np.ndarray, ref: np.ndarray) -> float:

@@ -47,17 +47,27 @@ def _diagnose(events: list[dict[str, Any]]) -> dict[str, Any]:
                               for e in events[:3]]}
 
 
-def kernel_events(trace_dir: str) -> list[dict[str, Any]]:
-    """Kernel events (GPU stream lines) of the newest perfetto trace under `trace_dir`."""
+def trace_events(trace_dir: str) -> list[dict[str, Any]]:
+    """The events of the newest perfetto trace under `trace_dir` ([] if there is none)."""
     paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*perfetto*.json.gz"), recursive=True),
                    key=os.path.getmtime)
     if not paths:
         return []
     with gzip.open(paths[-1], "rt") as f:
         trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    threads = {(e.get("pid"), e.get("tid")): str(e.get("args", {}).get("name", ""))
-               for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
+def thread_names(events: list[dict[str, Any]]) -> dict[tuple, str]:
+    """{(pid, tid): the line's name} of a trace's events (GPU stream lines start with "Stream")."""
+    return {(e.get("pid"), e.get("tid")): str(e.get("args", {}).get("name", ""))
+            for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+
+
+def kernel_events(trace_dir: str) -> list[dict[str, Any]]:
+    """Kernel events (GPU stream lines) of the newest perfetto trace under `trace_dir`."""
+    events = trace_events(trace_dir)
+    threads = thread_names(events)
     gpu = [e for e in events if e.get("ph") == "X"
            and threads.get((e.get("pid"), e.get("tid")), "").lower().startswith("stream")]
     # No GPU streams (a CPU run): the CPU runtime's per-instruction events stand in for kernels.

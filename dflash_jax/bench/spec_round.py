@@ -46,6 +46,16 @@ def drafter_config(cfg, layers: int = 5, block_size: int = 16) -> dr.DraftConfig
                           rope=cfg.rope, max_position_embeddings=cfg.max_position_embeddings)
 
 
+def decoding_pair(model: str, dtype=jnp.bfloat16) -> tuple[Any, dr.DraftConfig, Any, Any]:
+    """(cfg, dcfg, drafter params, target params) with random weights in the decoding layout (both
+    fused), as `spec_round`'s defaults time them: the `SHAPES[model]` target and a 5-layer drafter."""
+    cfg = SHAPES[model]
+    dcfg = drafter_config(cfg)
+    dparams = dr.fuse_draft_projections(dr.init_draft_params(dcfg, jax.random.key(1), dtype), dcfg)
+    target = jax.block_until_ready(init_params(cfg, jax.random.key(0), dtype, fused=True))
+    return cfg, dcfg, dparams, target
+
+
 def make_state(cfg, dcfg, ctx: int, max_len: int, max_new: int, dtype=jnp.bfloat16) -> SpecState:
     cache = random_cache(cfg, 1, max_len, ctx, dtype)
     dk, dv = layer_buffers(jax.random.key(5), (1, max_len, dcfg.num_kv_heads, dcfg.head_dim), dcfg.num_layers, dtype)
