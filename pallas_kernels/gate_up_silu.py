@@ -155,6 +155,16 @@ def _program_jobs(tiles: Tiles, row_tiles: int, k_steps: int, ctas: int, jobs: i
     return my_jobs, my_jobs * k_steps, origin
 
 
+def _program_start(tiles: Tiles, row_tiles: int, k_steps: int, ctas: int, jobs: int):
+    """What both kernels begin with: with `Tiles.pdl`, the wait for the kernel before (everything
+    after it reads what earlier kernels wrote); then this program's jobs (`_program_jobs`: how
+    many, its ring steps, a job's origin) and its warpgroup."""
+    if tiles.pdl:
+        plgpu.griddepcontrol_wait()
+    my_jobs, total, origin = _program_jobs(tiles, row_tiles, k_steps, ctas, jobs)
+    return my_jobs, total, origin, lax.axis_index("wg")
+
+
 def _stream(x_ref, w_ref, x_smem, w_smem, barrier, *, tiles: Tiles, k_steps: int, total, origin) -> None:
     """The memory warpgroup: ring steps 0..total-1 in order, step g's x and weight tiles (K block
     g % k_steps of job g // k_steps) into slot g % stages once the step `stages` before has
@@ -229,13 +239,9 @@ def _kernel(x_ref, w_ref, out_ref, scratch, *, tiles: Tiles, row_tiles: int, k_s
     across them, so the next job's first loads land while this one's activation is stored.
     Refs (GMEM): x_ref [rows, embed]; w_ref [2, mlp, embed]; out_ref [rows, mlp].
     """
-    if tiles.pdl:  # everything below reads what earlier kernels wrote
-        plgpu.griddepcontrol_wait()
     (x_smem, w_smem, up_smem, out_smem), (x_ready, w_ready, free, up_ready, up_free) = scratch
-    stages, tokens = tiles.stages, tiles.tokens
-    my_jobs, total, origin = _program_jobs(tiles, row_tiles, k_steps, ctas, jobs)
-    wg = lax.axis_index("wg")
-    dtype = x_smem.dtype
+    stages, tokens, dtype = tiles.stages, tiles.tokens, x_smem.dtype
+    my_jobs, total, origin, wg = _program_start(tiles, row_tiles, k_steps, ctas, jobs)
 
     bars = {"x": x_ready, "w": w_ready, "free": free}
 
@@ -302,13 +308,9 @@ def _pingpong_kernel(x_ref, w_ref, out_ref, scratch, *, tiles: Tiles, row_tiles:
     warpgroup, arrived at by the other).
     Refs (GMEM): x_ref [rows, embed]; w_ref [2, mlp, embed]; out_ref [rows, mlp].
     """
-    if tiles.pdl:  # everything below reads what earlier kernels wrote
-        plgpu.griddepcontrol_wait()
     (x_smem, w_smem, out_smem), (x_ready, w_ready, free, out_free) = scratch
-    stages, tokens = tiles.stages, tiles.tokens
-    my_jobs, total, origin = _program_jobs(tiles, row_tiles, k_steps, ctas, jobs)
-    wg = lax.axis_index("wg")
-    dtype = x_smem.dtype
+    stages, tokens, dtype = tiles.stages, tiles.tokens, x_smem.dtype
+    my_jobs, total, origin, wg = _program_start(tiles, row_tiles, k_steps, ctas, jobs)
 
     bars = {"x": x_ready, "w": w_ready, "free": free}
 
