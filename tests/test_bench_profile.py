@@ -119,3 +119,32 @@ def test_launch_cost_chains_compute_what_they_chain():
     row = launch_cost.measure("xla", 6, 2, lead_size=128)
     assert row["chain"] == 6 and row["wall_us"] > 0 and row["loop_wall_us"] > 0 and row["kernels_seen"] >= 1
     assert row["lead_ms"] > 0 and row["issue_behind_lead_us"] > 0
+
+
+def test_host_pace_reads_slack_and_launch_costs_from_a_trace():
+    """The GPU-only analysis of `bench.host_pace` on a hand-made trace: a host line with two
+    launch calls, a stream line with their kernels, matched by correlation id."""
+    from dflash_jax.bench.host_pace import launch_costs, slack_by_scope, split_events
+
+    events = [{"ph": "M", "name": "thread_name", "pid": 1, "tid": 1, "args": {"name": "python"}},
+              {"ph": "M", "name": "thread_name", "pid": 2, "tid": 7, "args": {"name": "Stream #7"}},
+              {"ph": "X", "pid": 1, "tid": 1, "name": "cuLaunchKernelEx", "ts": 0.0, "dur": 4.0,
+               "args": {"correlation_id": 1}},
+              {"ph": "X", "pid": 1, "tid": 1, "name": "cuLaunchKernelEx", "ts": 10.0, "dur": 5.0,
+               "args": {"correlation_id": 2}},
+              {"ph": "X", "pid": 2, "tid": 7, "name": "nvjet_sm90_tst", "ts": 100.0, "dur": 20.0,
+               "args": {"correlation_id": 1, "hlo_op": "gemm"}},
+              {"ph": "X", "pid": 2, "tid": 7, "name": "loop_add_fusion", "ts": 123.0, "dur": 2.0,
+               "args": {"correlation_id": 2, "hlo_op": "add"}}]
+    gpu, host, _ = split_events(events)
+    assert [e["name"] for e in gpu] == ["nvjet_sm90_tst", "loop_add_fusion"] and len(host) == 2
+    names = {"gemm": "jit(r)/verify/dot_general", "add": "jit(r)/draft/add"}
+    slack = slack_by_scope(gpu, host, names, calls=1)
+    assert slack["matched_kernels"] == 2
+    assert slack["by_scope"]["verify"]["median_slack_us"] == 96.0  # 100 - (0 + 4)
+    assert slack["by_scope"]["draft"]["median_slack_us"] == 108.0  # 123 - (10 + 5)
+    assert slack["by_scope"]["draft"]["idle_ms_per_call"] == 0.003  # 123 - 120
+    costs = launch_costs(gpu, host, calls=1)["by_kind"]
+    assert costs["cublas"]["median_api_us"] == 4.0 and costs["cublas"]["median_pre_us"] is None
+    assert costs["xla fusion"]["median_pre_us"] == 6.0  # 10 - (0 + 4)
+    assert costs["xla fusion"]["ms_per_call"] == 0.011  # (6 + 5) us

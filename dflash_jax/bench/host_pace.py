@@ -36,7 +36,8 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.bench.common import SHAPES, environment, log, time_fn, write_json
-from dflash_jax.bench.profile import hlo_op_names, scope_of, thread_names, trace_events
+from dflash_jax.bench.launch_cost import issue_us
+from dflash_jax.bench.profile import hlo_op_names, on_gpu_stream, scope_of, thread_names, trace_events
 from dflash_jax.bench.spec_round import decoding_pair, make_state, round_program
 from dflash_jax.speculative import DDTREE_COMPILER_OPTIONS, SpecSettings
 from dflash_jax.stage_times import STAGES
@@ -58,17 +59,16 @@ def split_events(events: list[dict[str, Any]]) -> tuple[list[dict], list[dict], 
     threads = thread_names(events)
     gpu, host = [], []
     for e in events:
-        if e.get("ph") != "X":
-            continue
-        line = threads.get((e.get("pid"), e.get("tid")), "").lower()
-        (gpu if line.startswith("stream") else host).append(e)
+        if e.get("ph") == "X":
+            (gpu if on_gpu_stream(e, threads) else host).append(e)
     return gpu, host, threads
 
 
 def slack_by_scope(gpu: list[dict], host: list[dict], names: dict[str, str], calls: int
                    ) -> dict[str, Any]:
     """Per stage: kernels, median slack (us), kernels and idle GPU time (ms per call) with slack
-    under SLACK_US. Idle time is the gap before a kernel since the previous kernel's end."""
+    under SLACK_US. Idle time is the gap before a kernel since the previous kernel's end, the
+    host's turns between the traced calls included (they fall before the calls' first kernels)."""
     launch_end = {}
     for e in host:
         c = _correlation(e)
@@ -79,9 +79,9 @@ def slack_by_scope(gpu: list[dict], host: list[dict], names: dict[str, str], cal
     matched = 0
     prev_end = None
     for e in kernels:
-        start = float(e["ts"])
+        start, end = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
         gap = 0.0 if prev_end is None else max(0.0, start - prev_end)
-        prev_end = start + float(e.get("dur", 0.0)) if prev_end is None else max(prev_end, start + float(e.get("dur", 0.0)))
+        prev_end = end if prev_end is None else max(prev_end, end)
         args = e.get("args", {})
         op = names.get(str(args.get("hlo_op", "")), "") or names.get(str(e.get("name", "")), "")
         scope = scope_of(op, STAGES)
@@ -110,14 +110,19 @@ def slack_by_scope(gpu: list[dict], host: list[dict], names: dict[str, str], cal
     return {"matched_kernels": matched, "kernels": len(kernels), "kernel_arg_keys": arg_keys, "by_scope": table}
 
 
+def launch_calls_by_thread(host: list[dict]) -> dict[tuple, list[dict]]:
+    """{(pid, tid): that host thread's launch calls (events with a correlation id)}."""
+    per_thread: dict[tuple, list[dict]] = {}
+    for e in host:
+        if _correlation(e) is not None:
+            per_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    return per_thread
+
+
 def host_costs(host: list[dict], threads: dict[tuple, str], calls: int, top: int = 25) -> dict[str, Any]:
     """The launching thread (the host thread with the most launch calls) and its costliest
     events by name, ms per call (nested events counted each on their own)."""
-    per_thread: dict[tuple, int] = {}
-    for e in host:
-        if _correlation(e) is not None:
-            key = (e.get("pid"), e.get("tid"))
-            per_thread[key] = per_thread.get(key, 0) + 1
+    per_thread = {key: len(launches) for key, launches in launch_calls_by_thread(host).items()}
     note = None
     if not per_thread:  # no launch calls to find it by: the busiest host thread
         note = ("no host events with a correlation id; arg keys seen: "
@@ -144,7 +149,7 @@ def host_costs(host: list[dict], threads: dict[tuple, str], calls: int, top: int
 def kernel_family(name: str) -> str:
     """The kind of launch a GPU kernel's name says it came from."""
     low = name.lower()
-    if low.startswith("memset") or "memset" in low:
+    if "memset" in low:
         return "memset"
     if low.startswith("memcpy"):
         return "memcpy"
@@ -171,10 +176,7 @@ def launch_costs(gpu: list[dict], host: list[dict], calls: int) -> dict[str, Any
         c = _correlation(e)
         if c is not None:
             kernel_of[c] = str(e.get("name", ""))
-    per_thread: dict[tuple, list[dict]] = {}
-    for e in host:
-        if _correlation(e) is not None:
-            per_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    per_thread = launch_calls_by_thread(host)
     if not per_thread:
         return {"error": "no host events with a correlation id"}
     calls_seen = max(per_thread.values(), key=len)
@@ -200,18 +202,6 @@ def launch_costs(gpu: list[dict], host: list[dict], calls: int) -> dict[str, Any
                        "median_api_us": round(statistics.median(api), 2),
                        "ms_per_call": round((sum(pre) + sum(api)) / 1e3 / calls, 4)}
     return {"by_kind": table, "api_names": dict(sorted(api_names.items(), key=lambda kv: -kv[1])[:12])}
-
-
-def issue_ms(fn, iters: int = 10) -> float:
-    """Median ms until `fn()` returns, with nothing in flight before it, before waiting."""
-    times = []
-    for _ in range(iters):
-        jax.block_until_ready(fn())
-        t0 = time.perf_counter()
-        out = fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-        jax.block_until_ready(out)
-    return statistics.median(times)
 
 
 def pipelined_ms(fn, depth: int, iters: int = 5) -> float:
@@ -257,7 +247,7 @@ def main() -> None:
             return box["state"].count
 
         wall = time_fn(call, warmup=2, iters=10)["median_ms"]
-        issue = issue_ms(call)
+        issue = issue_us(call) / 1e3
         piped = pipelined_ms(call, args.pipeline)
         trace = tempfile.mkdtemp()
         calls = 2

@@ -64,12 +64,16 @@ def thread_names(events: list[dict[str, Any]]) -> dict[tuple, str]:
             for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
 
 
+def on_gpu_stream(event: dict[str, Any], threads: dict[tuple, str]) -> bool:
+    """Whether a trace event lies on a GPU stream line (`thread_names`)."""
+    return threads.get((event.get("pid"), event.get("tid")), "").lower().startswith("stream")
+
+
 def kernel_events(trace_dir: str) -> list[dict[str, Any]]:
     """Kernel events (GPU stream lines) of the newest perfetto trace under `trace_dir`."""
     events = trace_events(trace_dir)
     threads = thread_names(events)
-    gpu = [e for e in events if e.get("ph") == "X"
-           and threads.get((e.get("pid"), e.get("tid")), "").lower().startswith("stream")]
+    gpu = [e for e in events if e.get("ph") == "X" and on_gpu_stream(e, threads)]
     # No GPU streams (a CPU run): the CPU runtime's per-instruction events stand in for kernels.
     return gpu or [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {})]
 
