@@ -17,6 +17,7 @@ round needed. Beside them, in the same process, `spec_round`'s 8-round call.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import time
 from typing import Any
@@ -25,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.bench.common import SHAPES, environment, log, time_fn, write_json
-from dflash_jax.bench.spec_round import decoding_pair, make_state, round_program
+from dflash_jax.bench.spec_round import decoding_pair, make_state, timed_rounds
 from dflash_jax.speculative import (DDTREE_COMPILER_OPTIONS, SpecSettings, speculative_program, start_state)
 
 
@@ -56,8 +57,7 @@ def main() -> None:
     log(f"prefill {prefill_ms:.2f} ms")
     rows: list[dict[str, Any]] = []
     for k in args.rounds_per_check:
-        s = SpecSettings(method="ddtree", budget=args.budget, block_size=dcfg.block_size, max_new_tokens=args.new,
-                         rounds_per_check=k)
+        s = dataclasses.replace(base, rounds_per_check=k)
         program = speculative_program(s)
         t0 = time.perf_counter()
         gen = program(target, cfg, dparams, dcfg, prompts, lens, key, settings=s, max_len=max_len)
@@ -73,16 +73,7 @@ def main() -> None:
         rows.append(row)
     # The round benchmark's program, same weights, same context, same process.
     state = make_state(cfg, dcfg, args.ctx, max_len, base.max_new_tokens, jnp.bfloat16)
-    start = jnp.array(state.cache.lengths)
-    rnd = round_program(cfg, dcfg, base).lower(state, start, target=target, dparams=dparams).compile(
-        compiler_options=DDTREE_COMPILER_OPTIONS)
-    box = {"state": state}
-
-    def call():
-        box["state"] = rnd(box["state"], start, target=target, dparams=dparams)
-        return box["state"].count
-
-    bench_ms = time_fn(call, warmup=2, iters=10)["median_ms"] / 8
+    bench_ms, _, _ = timed_rounds(target, dparams, cfg, dcfg, base, state, DDTREE_COMPILER_OPTIONS)
     log(f"spec_round's 8-round call: {bench_ms:.3f} ms a round")
     print(f"\n{env['device']}, jax {env['jax']}, DDTree({args.budget}), prompt {args.ctx}, {args.new} new tokens, "
           f"batch 1 (random weights: about one token a round)")

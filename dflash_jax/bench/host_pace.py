@@ -35,10 +35,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.bench.common import SHAPES, environment, log, time_fn, write_json
+from dflash_jax.bench.common import SHAPES, environment, log, write_json
 from dflash_jax.bench.launch_cost import issue_us
 from dflash_jax.bench.profile import hlo_op_names, on_gpu_stream, scope_of, thread_names, trace_events
-from dflash_jax.bench.spec_round import decoding_pair, make_state, round_program
+from dflash_jax.bench.spec_round import decoding_pair, make_state, timed_rounds
 from dflash_jax.speculative import DDTREE_COMPILER_OPTIONS, SpecSettings
 from dflash_jax.stage_times import STAGES
 
@@ -237,16 +237,8 @@ def main() -> None:
     rows = []
     for rounds in args.rounds:
         state = make_state(cfg, dcfg, args.ctx, max_len, s.max_new_tokens, jnp.bfloat16)
-        start = jnp.array(state.cache.lengths)
-        rnd = round_program(cfg, dcfg, s, rounds).lower(state, start, target=target, dparams=dparams).compile(
-            compiler_options=DDTREE_COMPILER_OPTIONS)
-        box = {"state": state}
-
-        def call():
-            box["state"] = rnd(box["state"], start, target=target, dparams=dparams)
-            return box["state"].count
-
-        wall = time_fn(call, warmup=2, iters=10)["median_ms"]
+        ms, rnd, call = timed_rounds(target, dparams, cfg, dcfg, s, state, DDTREE_COMPILER_OPTIONS, rounds=rounds)
+        wall = ms * rounds
         issue = issue_us(call) / 1e3
         piped = pipelined_ms(call, args.pipeline)
         trace = tempfile.mkdtemp()

@@ -98,13 +98,15 @@ def round_program(cfg, dcfg, s: SpecSettings, rounds: int = ROUNDS_PER_CALL):
 
 
 def timed_rounds(target, dparams, cfg, dcfg, s: SpecSettings, state: SpecState,
-                 compiler_options: dict[str, Any] | None = None) -> tuple[float, Any, Callable[[], jax.Array]]:
-    """Median ms per round of the fused, donated round, every round starting at `state`'s lengths.
+                 compiler_options: dict[str, Any] | None = None, rounds: int = ROUNDS_PER_CALL
+                 ) -> tuple[float, Any, Callable[[], jax.Array]]:
+    """Median ms per round of the fused, donated round (`rounds` a call), every round starting at
+    `state`'s lengths.
 
     Returns (ms, the compiled program, a call that runs it once more on the carried state) so
     callers can read its HLO (`.as_text()`) and profile it. `compiler_options` go to XLA as they are.
     """
-    ms, rnd, call, _ = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile=False,
+    ms, rnd, call, _ = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile=False, rounds=rounds,
                                      compiler_options=compiler_options)
     return ms, rnd, call
 
