@@ -89,6 +89,19 @@ def test_gap_pairs_group_the_idle_time_by_kernel_kinds():
     assert scaled["gap_pairs"][1][:3] == [1.0, 0.003, 3.0]
 
 
+def test_call_timeline_keeps_the_last_call_in_order():
+    from dflash_jax.bench.profile import call_timeline
+    # Two calls of three kernels, out of order; the 1000 us between them is the host's turn.
+    # The last call: a at 1040, b 5 us after a ends, c overlapping b (no idle).
+    spans = [(1060, 30, "v", "c", "jit(run)/while/verify/dot"), (0, 10, "d", "a", "x"),
+             (15, 10, "d", "b", "x"), (35, 5, "v", "c", "x"),
+             (1040, 10, "d", "a", "jit(run)/draft/add"), (1055, 10, "t", "b", "")]
+    line = call_timeline(spans, calls=2)
+    assert line == [[0.0, 10.0, 0.0, "d", "a", "draft/add"], [15.0, 10.0, 5.0, "t", "b", ""],
+                    [20.0, 30.0, 0.0, "v", "c", "verify/dot"]]
+    assert call_timeline(spans[1:4], calls=1)[0][:3] == [0.0, 10.0, 0.0]
+
+
 def test_spec_round_xla_options_parse_and_refuse_bad_items():
     import argparse
 

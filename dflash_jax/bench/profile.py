@@ -107,13 +107,14 @@ def scope_of(op_name: str, scopes: Sequence[str]) -> str:
 
 def profile_program(fn: Callable[[], Any], hlo_text: str, calls: int = 5,
                     scopes: Sequence[str] = (), log_dir: str | None = None,
-                    table: int = 0) -> dict[str, Any]:
+                    table: int = 0, timeline: bool = False) -> dict[str, Any]:
     """Device time per call of `fn()` (already compiled and warm), split by scope and by kind.
 
     Returns {"device_ms": kernel time per call, "by_scope": {scope: ms}, "by_kind": {kind: ms},
     "top_kernels": [(name, ms)], "unmapped_ms": kernel time whose instruction was not found}.
     table > 0 adds "kernels": the `table` costliest kernels as [name, ms, launches, kind, op_name]
-    per call, to see which op each one serves.
+    per call, to see which op each one serves. timeline adds "timeline": the last traced call's
+    kernels in order (`call_timeline`).
     Never raises: a benchmark aid must not stop the run (errors come back as {"error": ...}).
     """
     try:
@@ -145,7 +146,7 @@ def profile_program(fn: Callable[[], Any], hlo_text: str, calls: int = 5,
             name = str(e.get("name", ""))
             scope = scope_of(op, scopes)
             if "ts" in e:
-                spans.append((float(e["ts"]), float(e.get("dur", 0.0)), scope, name))
+                spans.append((float(e["ts"]), float(e.get("dur", 0.0)), scope, name, op))
             by_scope[scope] = by_scope.get(scope, 0.0) + ms
             kind = classify(name, op)
             by_kind[kind] = by_kind.get(kind, 0.0) + ms
@@ -164,11 +165,34 @@ def profile_program(fn: Callable[[], Any], hlo_text: str, calls: int = 5,
         if table > 0:
             out["kernels"] = [[k[:80], round(v, 4), launches[k] / calls, *first_op[k]]
                               for k, v in ranked[:table]]
+        if timeline:
+            out["timeline"] = call_timeline(spans, calls)
         if unmapped > 0.5 * total:
             out["diagnostic"] = _diagnose(events)
         return out
     except Exception as err:  # noqa: BLE001
         return {"error": repr(err)[:300]}
+
+
+def call_timeline(spans: Sequence[tuple], calls: int) -> list[list[Any]]:
+    """The last of `calls` traced calls, kernel by kernel in start order: [start us from the
+    call's first kernel, duration us, idle us before it, scope, kernel name, the op's last two
+    path parts]. The calls are told apart by the calls - 1 longest gaps (the host's turns).
+    spans: (start us, duration us, scope, kernel name, op name)."""
+    ordered = sorted(spans, key=lambda sp: sp[0])
+    if not ordered:
+        return []
+    turns = sorted(_gaps(ordered, 1), key=lambda g: -g[0])[:calls - 1]
+    first = max((g[1][0] for g in turns), default=ordered[0][0])
+    out, end = [], None
+    for ts, dur, scope, name, *op in ordered:
+        if ts < first:
+            continue
+        idle = max(0.0, ts - end) if end is not None else 0.0
+        end = ts + dur if end is None else max(end, ts + dur)
+        out.append([round(ts - first, 2), round(dur, 2), round(idle, 2), scope, name[:60],
+                    "/".join(str(op[0] if op else "").split("/")[-2:])[:80]])
+    return out
 
 
 def _gaps(spans: Sequence[tuple], calls: int) -> list[tuple[float, tuple, tuple]]:

@@ -127,7 +127,7 @@ COMMAND_BUFFERS = {"default": {}, "off": COMMAND_BUFFERS_OFF,
 
 
 def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool, rounds: int = ROUNDS_PER_CALL,
-                  compiler_options: dict[str, Any] | None = None, table: int = 0):
+                  compiler_options: dict[str, Any] | None = None, table: int = 0, timeline: bool = False):
     # Compiled ahead of time: the same executable is timed and profiled, and its HLO is at hand.
     t0 = time.perf_counter()
     start = jnp.array(state.cache.lengths)  # a copy: the state is donated
@@ -142,7 +142,8 @@ def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool, rounds: i
     t = time_fn(call_rounds, warmup=2, iters=10)
     where = None
     if profile:
-        where = scale_profile(profile_program(call_rounds, rnd.as_text(), calls=3, scopes=STAGES, table=table),
+        where = scale_profile(profile_program(call_rounds, rnd.as_text(), calls=3, scopes=STAGES, table=table,
+                                              timeline=timeline),
                               rounds)
     # Random weights can overflow to inf/NaN; say so, since such values would void the timing's realism.
     finite = all(bool(jnp.isfinite(x.astype(jnp.float32)).all()) for x in (box["state"].cache.k[-1],
@@ -154,13 +155,14 @@ def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool, rounds: i
 def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_len: int, profile: bool,
                    hlo_dir: str | None = None, rounds: int = ROUNDS_PER_CALL, dot_merger: str = "decoding",
                    table: int = 0, command_buffers: str = "decoding", xla_options: str = "",
-                   timers: list | None = None) -> dict:
+                   timers: list | None = None, timeline: bool = False) -> dict:
     state = make_state(cfg, dcfg, ctx, max_len, s.max_new_tokens, target.embed.dtype)
     as_decoding = "off" if s.method == "ddtree" else "default"  # speculative.DDTREE_COMPILER_OPTIONS
     dot_merger = as_decoding if dot_merger == "decoding" else dot_merger
     command_buffers = as_decoding if command_buffers == "decoding" else command_buffers
     options = {**DOT_MERGER[dot_merger], **COMMAND_BUFFERS[command_buffers], **parse_xla_options(xla_options)} or None
-    ms, rnd, call, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile, rounds, options, table)
+    ms, rnd, call, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile, rounds, options, table,
+                                         timeline)
     fanout = preselect_fanout(s.preselect, s.budget)
     dump_hlo(hlo_dir, f"round_{s.method}_b{s.budget}_ctx{ctx}_r{rounds}_dm-{dot_merger}_cb-{command_buffers}"
                       f"_{s.attn_impl}_topk{s.top_k_chunk}_pre{fanout}_w{s.width}_res-{s.residual}"
@@ -322,6 +324,9 @@ def main() -> None:
                          "variant's program and state in memory until then)")
     ap.add_argument("--kernel-table", type=int, default=0, metavar="N",
                     help="with the profile: also list the N costliest kernels (launches, kind, op)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="with the profile: also keep one traced call's kernels in order (start, duration, "
+                         "idle before, scope, name, op) in each DDTree row")
     ap.add_argument("--mlp", nargs="+", choices=("xla", "kernel"), default=["xla"],
                     help="DDTree's verify MLP: XLA's gate_up product and SiLU, or the gated-activation "
                          "kernel on the target in `model.kernel_mlp_layout` where it applies (fused layout "
@@ -391,7 +396,8 @@ def main() -> None:
             for (s, r, dm, cb, xo), (dl, dp), mlp in itertools.product(
                     variants(method="ddtree", budget=b), drafters.items(), [m for m in args.mlp if m in targets]):
                 row = bench_or_report(targets[mlp], cfg, dp, dcfg, s, args.ddtree_ctx, max_len, profile,
-                                      args.dump_hlo, r, dm, args.kernel_table, cb, xla_options=xo)
+                                      args.dump_hlo, r, dm, args.kernel_table, cb, xla_options=xo,
+                                      timeline=args.timeline)
                 if row:
                     row["draft_layout"] = dl
                     row["mlp"] = mlp
