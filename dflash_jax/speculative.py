@@ -61,12 +61,6 @@ class SpecSettings:
     # rounds; rounds run after every sequence is done change nothing but cost their time. Between
     # checks the host issues rounds ahead of the GPU instead of waiting for each one to end.
     rounds_per_check: int = 1
-    # The generation's loop runs each round from its verify on, ending with the next round's draft
-    # (`finish_round`, then `draft_stage`), the first draft made before the loop: the same work in
-    # the same order. After each look at `done` the host then issues the verify's long products
-    # first and is soon ahead of the GPU again, instead of issuing the draft's and the tree's
-    # short kernels one by one while the GPU waits for each. False: `spec_round` as one unit.
-    pipelined: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -266,13 +260,6 @@ def spec_round(state: SpecState, target: ModelParams, cfg: ModelConfig, dparams:
     """
     with jax.named_scope("draft"):
         draft, key, state = draft_stage(state, target, dparams, dcfg, s)
-    return finish_round(state, draft, key, target, cfg, dparams, dcfg, s)
-
-
-def finish_round(state: SpecState, draft: Draft, key: jax.Array, target: ModelParams, cfg: ModelConfig,
-                 dparams: Any, dcfg: Any, s: SpecSettings) -> SpecState:
-    """Steps 3-5 of a round whose draft (and the round's PRNG key, both from `draft_stage`) is at
-    hand: verify, accept, commit."""
     with jax.named_scope("verify"):
         logits, taps, cache = verify_stage(state, draft, target, cfg, dcfg, s)
     with jax.named_scope("accept"):
@@ -312,27 +299,13 @@ def start_state(target: ModelParams, cfg: ModelConfig, dparams: Any, dcfg: Any, 
 def _generate(target: ModelParams, cfg: ModelConfig, dparams: Any, dcfg: Any, prompts: jax.Array,
               prompt_lens: jax.Array, key: jax.Array, *, settings: SpecSettings, max_len: int) -> Generation:
     state = start_state(target, cfg, dparams, dcfg, prompts, prompt_lens, key, max_len, settings)
-    # A round of a finished sequence commits and emits nothing (`commit_stage`'s `active`).
-    if settings.pipelined:
-        def draft(st: SpecState) -> tuple[SpecState, Draft, jax.Array]:
-            with jax.named_scope("draft"):
-                drafted, round_key, st = draft_stage(st, target, dparams, dcfg, settings)
-            return st, drafted, round_key
 
-        def pipelined_round(_, carry: tuple[SpecState, Draft, jax.Array]) -> tuple[SpecState, Draft, jax.Array]:
-            return draft(finish_round(*carry, target, cfg, dparams, dcfg, settings))
+    def rounds(st: SpecState) -> SpecState:
+        # A round of a finished sequence commits and emits nothing (`commit_stage`'s `active`).
+        return jax.lax.fori_loop(0, settings.rounds_per_check,
+                                 lambda _, s: spec_round(s, target, cfg, dparams, dcfg, settings), st)
 
-        # The draft made after the last round is never verified.
-        state, _, _ = jax.lax.while_loop(
-            lambda carry: ~jnp.all(carry[0].done),
-            lambda carry: jax.lax.fori_loop(0, settings.rounds_per_check, pipelined_round, carry),
-            draft(state))
-    else:
-        state = jax.lax.while_loop(
-            lambda st: ~jnp.all(st.done),
-            lambda st: jax.lax.fori_loop(0, settings.rounds_per_check,
-                                         lambda _, s: spec_round(s, target, cfg, dparams, dcfg, settings), st),
-            state)
+    state = jax.lax.while_loop(lambda st: ~jnp.all(st.done), rounds, state)
     return Generation(tokens=state.out, num_tokens=state.count, accepted=state.accepted,
                       rounds=state.rounds)
 

@@ -112,35 +112,6 @@ def test_rounds_between_checks_change_nothing_but_time(pair, ar_tokens, method, 
         assert [one["tokens"][b, :one["num_tokens"][b]].tolist() for b in range(20)] == ar_tokens
 
 
-@pytest.mark.parametrize("method,temperature", [("ddtree", 0.0), ("ddtree", 1.0), ("dflash", 1.0)])
-def test_pipelined_loop_equals_whole_rounds(pair, ar_tokens, method, temperature):
-    """`SpecSettings.pipelined` (the loop runs verify-accept-commit, then the next round's draft,
-    the first draft before it) against `spec_round` as one unit: the same tokens, counts, rounds
-    and acceptance, greedy and sampled (the same PRNG draws), over 20 prompts in one batch that
-    end in different rounds, with done read every round and every 3."""
-    cfg, params, dcfg, dparams = pair
-    arr, lens = pad_prompts(prompts_20(SMALL_VOCAB), multiple=32)
-    sampling = SamplingParams(temperature=temperature)
-
-    def run(pipelined, k):
-        s = (SpecSettings(method="ddtree", block_size=16, budget=16, max_new_tokens=NEW, sampling=sampling,
-                          rounds_per_check=k, pipelined=pipelined) if method == "ddtree" else
-             SpecSettings(method="dflash", block_size=4, max_new_tokens=NEW, sampling=sampling,
-                          rounds_per_check=k, pipelined=pipelined))
-        g = generate_speculative(params, cfg, dparams, dcfg, jnp.asarray(arr), jnp.asarray(lens),
-                                 jax.random.key(5), settings=s, max_len=256)
-        return {f: np.asarray(getattr(g, f)) for f in ("tokens", "num_tokens", "accepted", "rounds")}
-
-    whole = run(False, 1)
-    assert len(set(whole["rounds"].tolist())) > 1
-    for k in (1, 3):
-        got = run(True, k)
-        for field in whole:
-            np.testing.assert_array_equal(got[field], whole[field], err_msg=f"{field}, rounds_per_check={k}")
-    if temperature == 0.0:
-        assert [whole["tokens"][b, :whole["num_tokens"][b]].tolist() for b in range(20)] == ar_tokens
-
-
 def test_greedy_dflash_matches_dflash_generate(tmp_path, monkeypatch):
     """Same weights: our tokens and per-round acceptance lengths equal the PyTorch reference's."""
     import dflash.model as ref

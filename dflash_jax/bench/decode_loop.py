@@ -4,10 +4,7 @@
 round after round without waiting. The generation (`speculative.generate_speculative`) loops until
 every sequence is done: a `while_loop` whose condition the host reads back before it issues the
 next round (XLA's while thunk), so each round starts with the GPU waiting for the host to issue
-its first kernels. `SpecSettings.rounds_per_check` = k reads `done` once every k rounds, and
-`SpecSettings.pipelined` ("--loop pipelined") starts each round of the loop at its verify, the
-next round's draft at its end, so the host issues the long products first after each check
-("whole": `spec_round` as one unit).
+its first kernels. `SpecSettings.rounds_per_check` = k reads `done` once every k rounds.
 
 Per setting, on the random-weight target (Qwen3-8B shape, 5-layer drafter, batch 1, a random
 prompt of --ctx tokens): the median wall time of a whole generation of --new tokens, of the
@@ -15,8 +12,7 @@ prefill alone (`speculative.start_state`, compiled the same way), and so the dec
 round run (`(generation - prefill) / rounds run`, where rounds run = k * ceil(rounds / k)) and per
 round needed. Beside them, in the same process, `spec_round`'s 8-round call.
 
-    python -m dflash_jax.bench.decode_loop --budget 256 --ctx 4096 --new 64 --rounds-per-check 1 4 8 \
-        --loop pipelined whole
+    python -m dflash_jax.bench.decode_loop --budget 256 --ctx 4096 --new 64 --rounds-per-check 1 4 8
 """
 from __future__ import annotations
 
@@ -41,9 +37,6 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=4096, help="prompt tokens")
     ap.add_argument("--new", type=int, default=64, help="max new tokens per generation")
     ap.add_argument("--rounds-per-check", type=int, nargs="+", default=[1, 4, 8])
-    ap.add_argument("--loop", nargs="+", choices=("pipelined", "whole"), default=["pipelined"],
-                    help="the generation's loop: rounds from verify to the next draft (SpecSettings.pipelined), "
-                         "or spec_round as one unit")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -63,8 +56,8 @@ def main() -> None:
                          iters=args.iters)["median_ms"]
     log(f"prefill {prefill_ms:.2f} ms")
     rows: list[dict[str, Any]] = []
-    for loop, k in ((loop, k) for loop in args.loop for k in args.rounds_per_check):
-        s = dataclasses.replace(base, rounds_per_check=k, pipelined=loop == "pipelined")
+    for k in args.rounds_per_check:
+        s = dataclasses.replace(base, rounds_per_check=k)
         program = speculative_program(s)
         t0 = time.perf_counter()
         gen = program(target, cfg, dparams, dcfg, prompts, lens, key, settings=s, max_len=max_len)
@@ -73,7 +66,7 @@ def main() -> None:
         total = time_fn(lambda: program(target, cfg, dparams, dcfg, prompts, lens, key, settings=s,
                                         max_len=max_len).tokens, warmup=0, iters=args.iters)["median_ms"]
         run = k * math.ceil(rounds / k)
-        row = {"loop": loop, "rounds_per_check": k, "rounds": rounds, "rounds_run": run, "generation_ms": round(total, 2),
+        row = {"rounds_per_check": k, "rounds": rounds, "rounds_run": run, "generation_ms": round(total, 2),
                "prefill_ms": round(prefill_ms, 2), "ms_per_round_run": round((total - prefill_ms) / run, 3),
                "ms_per_round_needed": round((total - prefill_ms) / rounds, 3), "first_call_s": round(compile_s, 1)}
         log(row)
@@ -84,13 +77,12 @@ def main() -> None:
     log(f"spec_round's 8-round call: {bench_ms:.3f} ms a round")
     print(f"\n{env['device']}, jax {env['jax']}, DDTree({args.budget}), prompt {args.ctx}, {args.new} new tokens, "
           f"batch 1 (random weights: about one token a round)")
-    print("| loop | rounds per check | rounds | rounds run | generation ms | prefill ms | ms / round run | "
-          "ms / round needed |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| rounds per check | rounds | rounds run | generation ms | prefill ms | ms / round run | ms / round needed |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['loop']} | {r['rounds_per_check']} | {r['rounds']} | {r['rounds_run']} | {r['generation_ms']} | "
+        print(f"| {r['rounds_per_check']} | {r['rounds']} | {r['rounds_run']} | {r['generation_ms']} | "
               f"{r['prefill_ms']} | {r['ms_per_round_run']} | {r['ms_per_round_needed']} |")
-    print(f"| spec_round (fori_loop of 8) | | | | | | {bench_ms:.3f} | |")
+    print(f"| spec_round (fori_loop of 8) | | | | | {bench_ms:.3f} | |")
     if args.out:
         write_json(args.out, {"env": env, "rows": rows, "spec_round_ms": bench_ms})
 
