@@ -39,7 +39,7 @@ def quantize(w: jax.Array, contracted: int) -> tuple[jax.Array, jax.Array]:
     return jnp.clip(jnp.round(w.astype(jnp.float32) / scale), -127, 127).astype(jnp.int8), scale
 
 
-def bench(name: str, iters: int) -> dict[str, Any]:
+def bench(name: str) -> dict[str, Any]:
     eq, xs, ws, contracted, copies = PRODUCTS[name]
     keys = jax.random.split(jax.random.key(0), copies + 1)
     x = jax.random.normal(keys[0], xs, jnp.bfloat16)
@@ -72,11 +72,10 @@ def bench(name: str, iters: int) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--products", nargs="+", choices=sorted(PRODUCTS), default=list(PRODUCTS))
-    ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out")
     args = ap.parse_args()
     env = environment()
-    rows = [bench(name, args.iters) for name in args.products]
+    rows = [bench(name) for name in args.products]
     print(f"\n{env['device']}, jax {env['jax']}: per weight, GPU kernel us (TB/s of weight bytes)")
     print("| product | rows | bf16 weight MB | bf16 us | int8 us | bf16 / int8 |")
     print("|---|---|---|---|---|---|")
