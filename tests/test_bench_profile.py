@@ -161,3 +161,18 @@ def test_host_pace_reads_slack_and_launch_costs_from_a_trace():
     assert costs["cublas"]["median_api_us"] == 4.0 and costs["cublas"]["median_pre_us"] is None
     assert costs["xla fusion"]["median_pre_us"] == 6.0  # 10 - (0 + 4)
     assert costs["xla fusion"]["ms_per_call"] == 0.011  # (6 + 5) us
+
+
+def test_int8_products_quantize_within_half_a_step():
+    from dflash_jax.bench.int8_products import quantize
+    w = jax.random.normal(jax.random.key(1), (64, 3, 5), jnp.float32)
+    w = w.at[:, 0, 0].set(0.0)  # an all-zero column keeps scale 1 and values 0
+    values, scale = quantize(w, contracted=1)
+    assert values.dtype == jnp.int8 and scale.shape == (3, 5)
+    assert int(jnp.max(jnp.abs(values.astype(jnp.int32)))) == 127
+    err = jnp.abs(values.astype(jnp.float32) * scale - w)
+    assert bool(jnp.all(err <= scale / 2 + 1e-6))
+    assert float(scale[0, 0]) == 1.0 and not bool(jnp.any(values[:, 0, 0]))
+    # Two contracted axes (the o product's [heads, head_dim, embed]): one scale per output column.
+    _, scale2 = quantize(w, contracted=2)
+    assert scale2.shape == (5,)
