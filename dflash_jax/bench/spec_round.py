@@ -14,6 +14,7 @@ per-instruction attribution. For each stage as its own program on real prompts, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 
 from dflash_jax import drafter as dr
 from dflash_jax.bench.ar_decode import layer_buffers, make_decoder, random_cache
+from dflash_jax.bench.clocks import ClockSampler
 from dflash_jax.bench.common import LAYOUTS, SHAPES, dump_hlo, environment, log, time_fn, write_json
 from dflash_jax.bench.profile import profile_program, scale_profile
 from dflash_jax.config import default_tap_layers
@@ -127,7 +129,8 @@ COMMAND_BUFFERS = {"default": {}, "off": COMMAND_BUFFERS_OFF,
 
 
 def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool, rounds: int = ROUNDS_PER_CALL,
-                  compiler_options: dict[str, Any] | None = None, table: int = 0, timeline: bool = False):
+                  compiler_options: dict[str, Any] | None = None, table: int = 0, timeline: bool = False,
+                  clocks: bool = False):
     # Compiled ahead of time: the same executable is timed and profiled, and its HLO is at hand.
     t0 = time.perf_counter()
     start = jnp.array(state.cache.lengths)  # a copy: the state is donated
@@ -139,7 +142,8 @@ def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool, rounds: i
     def call_rounds():
         box["state"] = rnd(box["state"], start, target=target, dparams=dparams)
         return box["state"].count
-    t = time_fn(call_rounds, warmup=2, iters=10)
+    with ClockSampler() if clocks else contextlib.nullcontext() as sampler:
+        t = time_fn(call_rounds, warmup=2, iters=10)
     where = None
     if profile:
         where = scale_profile(profile_program(call_rounds, rnd.as_text(), calls=3, scopes=STAGES, table=table,
@@ -149,20 +153,22 @@ def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool, rounds: i
     finite = all(bool(jnp.isfinite(x.astype(jnp.float32)).all()) for x in (box["state"].cache.k[-1],
                                                                             box["state"].cache.v[-1]))
     extra = {"compile_s": compile_s, "rounds_per_call": rounds, "profile": where, "kv_finite": finite}
+    if clocks:
+        extra["clocks"] = sampler.summary
     return t["median_ms"] / rounds, rnd, call_rounds, extra
 
 
 def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_len: int, profile: bool,
                    hlo_dir: str | None = None, rounds: int = ROUNDS_PER_CALL, dot_merger: str = "decoding",
                    table: int = 0, command_buffers: str = "decoding", xla_options: str = "",
-                   timers: list | None = None, timeline: bool = False) -> dict:
+                   timers: list | None = None, timeline: bool = False, clocks: bool = False) -> dict:
     state = make_state(cfg, dcfg, ctx, max_len, s.max_new_tokens, target.embed.dtype)
     as_decoding = "off" if s.method == "ddtree" else "default"  # speculative.DDTREE_COMPILER_OPTIONS
     dot_merger = as_decoding if dot_merger == "decoding" else dot_merger
     command_buffers = as_decoding if command_buffers == "decoding" else command_buffers
     options = {**DOT_MERGER[dot_merger], **COMMAND_BUFFERS[command_buffers], **parse_xla_options(xla_options)} or None
     ms, rnd, call, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile, rounds, options, table,
-                                         timeline)
+                                         timeline, clocks)
     fanout = preselect_fanout(s.preselect, s.budget)
     dump_hlo(hlo_dir, f"round_{s.method}_b{s.budget}_ctx{ctx}_r{rounds}_dm-{dot_merger}_cb-{command_buffers}"
                       f"_{s.attn_impl}_topk{s.top_k_chunk}_pre{fanout}_w{s.width}_res-{s.residual}"
@@ -327,6 +333,9 @@ def main() -> None:
     ap.add_argument("--timeline", action="store_true",
                     help="with the profile: also keep one traced call's kernels in order (start, duration, "
                          "idle before, scope, name, op) in each DDTree row")
+    ap.add_argument("--clocks", action="store_true",
+                    help="sample the SM clock, power and throttle reasons (nvidia-smi, every 50 ms) while each "
+                         "DDTree row is timed, and keep their medians in the row (bench/clocks.py)")
     ap.add_argument("--mlp", nargs="+", choices=("xla", "kernel"), default=["xla"],
                     help="DDTree's verify MLP: XLA's gate_up product and SiLU, or the gated-activation "
                          "kernel on the target in `model.kernel_mlp_layout` where it applies (fused layout "
@@ -397,7 +406,7 @@ def main() -> None:
                     variants(method="ddtree", budget=b), drafters.items(), [m for m in args.mlp if m in targets]):
                 row = bench_or_report(targets[mlp], cfg, dp, dcfg, s, args.ddtree_ctx, max_len, profile,
                                       args.dump_hlo, r, dm, args.kernel_table, cb, xla_options=xo,
-                                      timeline=args.timeline)
+                                      timeline=args.timeline, clocks=args.clocks)
                 if row:
                     row["draft_layout"] = dl
                     row["mlp"] = mlp
