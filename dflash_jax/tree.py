@@ -455,7 +455,7 @@ def _per_depth_best(log_probs: jax.Array, budget: int, chunk: int = TOP_K_CHUNK,
         # Kept in memory: otherwise XLA fuses the chain of gathers and adds of every level before
         # into this level's consumers and recomputes it there, so level d costs O(d): on an H200
         # its select fusions grew from 1.7 to 7.6 us over the 14 levels of DDTree(256), and stay
-        # at 1.3-1.4 us with the barrier (the tree 223-232 against 255-263 us a round;
+        # at 1.3-1.7 us with the barrier (the tree 223-232 against 255-263 us a round;
         # BENCHMARKS.md, twenty-seventh session).
         best, which = jax.lax.optimization_barrier((best, which))
         scores.append(best)
