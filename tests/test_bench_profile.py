@@ -191,3 +191,16 @@ def test_clock_samples_summarize_and_a_missing_smi_does_not_raise(monkeypatch):
     with clocks.ClockSampler() as sampler:
         pass
     assert sampler.summary == {"error": "no nvidia-smi"}
+
+
+def test_power_cap_windows_split_early_and_late_calls_and_samples():
+    from dflash_jax.bench.power_cap import PERIOD_MS, windows
+    # 10 calls of 100 ms from t = 0 s: the first 0.3 s hold calls 0-2 (0 and 1 left out: warm-up).
+    starts = [0.1 * i for i in range(10)]
+    times = [100.0, 100.0, 90.0, 80.0, 80.0, 80.0, 80.0, 120.0, 120.0, 120.0]
+    samples = [(1980.0, 400.0, 0)] * 15 + [(1665.0, 700.0, 4)] * 35  # 50 samples, 1 s at 20 ms
+    w = windows(starts, times, samples, early_s=0.3, tail=3)
+    assert w["early_calls"] == 1 and w["early_ms"] == 90.0
+    assert w["late_calls"] == 3 and w["late_ms"] == 120.0
+    assert w["early_clocks"]["samples"] == int(300 / PERIOD_MS) and w["early_clocks"]["power_capped"] == 0.0
+    assert w["late_clocks"]["samples"] == 18 and w["late_clocks"]["sm_clock_mhz"]["median"] == 1665.0

@@ -30,22 +30,30 @@ def _percentiles(values: Sequence[float]) -> dict[str, float]:
     return {"p10": ordered[n // 10], "median": statistics.median(ordered), "p90": ordered[(9 * n) // 10]}
 
 
-def summarize(lines: Sequence[str]) -> dict[str, Any]:
-    """nvidia-smi rows "clock MHz, power W, throttle bitmask" (csv, noheader, nounits) -> the
-    SM clock's and power's p10 / median / p90 and the fraction of samples power-capped or
-    thermally throttled. Rows that do not parse (a trailing partial line) are skipped."""
-    clocks, power, reasons = [], [], []
+def parse(lines: Sequence[str]) -> list[tuple[float, float, int]]:
+    """nvidia-smi rows "clock MHz, power W, throttle bitmask" (csv, noheader, nounits) ->
+    (clock, power, mask) per sample, in order; rows that do not parse (a trailing partial
+    line, "N/A") are skipped."""
+    samples = []
     for line in lines:
         parts = [p.strip() for p in line.split(",")]
         if len(parts) != 3:
             continue
         try:
-            clock, watts, mask = float(parts[0]), float(parts[1]), int(parts[2], 16)
+            samples.append((float(parts[0]), float(parts[1]), int(parts[2], 16)))
         except ValueError:
             continue
-        clocks.append(clock)
-        power.append(watts)
-        reasons.append(mask)
+    return samples
+
+
+def summarize(lines: Sequence[str]) -> dict[str, Any]:
+    """`parse`'s samples -> the SM clock's and power's p10 / median / p90 and the fraction of
+    samples power-capped or thermally throttled."""
+    return summarize_samples(parse(lines))
+
+
+def summarize_samples(samples: Sequence[tuple[float, float, int]]) -> dict[str, Any]:
+    clocks, power, reasons = [c for c, _, _ in samples], [p for _, p, _ in samples], [m for _, _, m in samples]
     if not clocks:
         return {"error": "no samples"}
     return {"samples": len(clocks), "sm_clock_mhz": _percentiles(clocks), "power_w": _percentiles(power),
@@ -67,6 +75,7 @@ class ClockSampler:
     def __init__(self, period_ms: int = 50, gpu: int = 0):
         self.period_ms, self.gpu = period_ms, gpu
         self.summary: dict[str, Any] = {"error": "not run"}
+        self.samples: list[tuple[float, float, int]] = []  # one per period_ms, in order
         self._proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "ClockSampler":
@@ -93,7 +102,8 @@ class ClockSampler:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             out, err = self._proc.communicate()
-        summary = summarize(out.splitlines())
+        self.samples = parse(out.splitlines())
+        summary = summarize_samples(self.samples)
         if "error" in summary and err.strip():
             summary["stderr"] = err.strip()[:200]
         self.summary = {**self.summary, **summary}
