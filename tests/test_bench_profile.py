@@ -182,11 +182,11 @@ def test_clock_samples_summarize_and_a_missing_smi_does_not_raise(monkeypatch):
     from dflash_jax.bench import clocks
     rows = ["1665, 698.0, 0x0000000000000004", "1755, 603.5, 0x0000000000000004",
             "1980, 150.2, 0x0000000000000000", "1605, 728.4, 0x0000000000000044", "1650, 7"]  # last: cut off
-    s = clocks.summarize(rows)
+    s = clocks.summarize_samples(clocks.parse(rows))
     assert s["samples"] == 4
     assert s["sm_clock_mhz"]["median"] == (1665 + 1755) / 2 and s["sm_clock_mhz"]["p10"] == 1605
     assert s["power_capped"] == 0.75 and s["thermal"] == 0.25  # 0x40: HW thermal
-    assert clocks.summarize(["N/A, N/A, N/A"]) == {"error": "no samples"}
+    assert clocks.summarize_samples(clocks.parse(["N/A, N/A, N/A"])) == {"error": "no samples"}
     monkeypatch.setattr(clocks.shutil, "which", lambda name: None)
     with clocks.ClockSampler() as sampler:
         pass

@@ -46,13 +46,9 @@ def parse(lines: Sequence[str]) -> list[tuple[float, float, int]]:
     return samples
 
 
-def summarize(lines: Sequence[str]) -> dict[str, Any]:
+def summarize_samples(samples: Sequence[tuple[float, float, int]]) -> dict[str, Any]:
     """`parse`'s samples -> the SM clock's and power's p10 / median / p90 and the fraction of
     samples power-capped or thermally throttled."""
-    return summarize_samples(parse(lines))
-
-
-def summarize_samples(samples: Sequence[tuple[float, float, int]]) -> dict[str, Any]:
     clocks, power, reasons = [c for c, _, _ in samples], [p for _, p, _ in samples], [m for _, _, m in samples]
     if not clocks:
         return {"error": "no samples"}
@@ -70,7 +66,7 @@ def _power_field(smi: str) -> str:
 
 class ClockSampler:
     """Samples GPU `gpu` every `period_ms` from entering the block to leaving it; then
-    `summary` holds `summarize`'s result (or {"error": ...})."""
+    `summary` holds `summarize_samples`' result (or {"error": ...})."""
 
     def __init__(self, period_ms: int = 50, gpu: int = 0):
         self.period_ms, self.gpu = period_ms, gpu

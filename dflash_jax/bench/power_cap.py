@@ -51,8 +51,7 @@ def windows(starts: list[float], times: list[float], samples: list, early_s: flo
     t0 = starts[0]
     early = [ms for t, ms in zip(starts[2:], times[2:]) if t - t0 < early_s]
     n_early = int(early_s * 1000 / PERIOD_MS)
-    late_span = sum(times[-tail:]) / 1000
-    n_late = max(1, int(late_span * 1000 / PERIOD_MS))
+    n_late = max(1, int(sum(times[-tail:]) / PERIOD_MS))
     return {"early_ms": round(statistics.median(early), 4) if early else None, "early_calls": len(early),
             "late_ms": round(statistics.median(times[-tail:]), 4), "late_calls": len(times[-tail:]),
             "early_clocks": summarize_samples(samples[:n_early]),

@@ -182,7 +182,7 @@ def call_timeline(spans: Sequence[tuple], calls: int) -> list[list[Any]]:
     ordered = sorted(spans, key=lambda sp: sp[0])
     if not ordered:
         return []
-    turns = sorted(_gaps(ordered, 1), key=lambda g: -g[0])[:calls - 1]
+    turns = _gaps(ordered, 1)[::-1][:calls - 1]  # the longest gaps (`_gaps` lists them ascending)
     first = max((g[1][0] for g in turns), default=ordered[0][0])
     out, end = [], None
     for ts, dur, scope, name, *op in ordered:
