@@ -112,6 +112,9 @@ class Schedule:
       O^T = V^T P^T), so the rows cost 8 columns of each product, not a 64-row warpgroup.
       Program p's share is written as tail partial p (tail_split is main_programs). See
       `fold_tail`.
+    compute_registers: registers a thread that the compute warpgroups take (`setmaxnreg`); the
+      memory warpgroup keeps what that leaves of the launch's (`warpgroup_registers`). 0: the
+      `REGISTERS` entry for `fold_tail`.
     """
     full_blocks: int
     main_split: int
@@ -127,6 +130,7 @@ class Schedule:
     tails_last: bool = True
     pdl: bool = False
     fold_tail: bool = False
+    compute_registers: int = 0
 
     @property
     def main_programs(self) -> int:
@@ -173,6 +177,20 @@ def fold_tail(sched: Schedule) -> Schedule:
     if not (sched.full_blocks and sched.tail and 0 < tail_rows <= TAIL_COLS):
         return sched
     return dataclasses.replace(sched, fold_tail=True, tail_split=sched.main_programs)
+
+
+def warpgroup_registers(sched: Schedule) -> tuple[int, int]:
+    """(compute, memory) registers a thread for `sched`: `REGISTERS[sched.fold_tail]`, or the
+    compute warpgroups at `sched.compute_registers` and the memory warpgroup at what the launch's
+    `LAUNCH_REGISTERS` a thread leaves it (a warpgroup can only take what another gave back)."""
+    if not sched.compute_registers:
+        return REGISTERS[sched.fold_tail]
+    compute = sched.compute_registers
+    memory = (COMPUTE_WGS + 1) * LAUNCH_REGISTERS - COMPUTE_WGS * compute
+    if compute % 8 or not LAUNCH_REGISTERS < compute <= 256 or memory < 24:
+        raise ValueError(f"compute_registers={compute} must be a multiple of 8 in ({LAUNCH_REGISTERS}, 256] "
+                         f"that leaves the memory warpgroup at least 24 (it would get {memory})")
+    return compute, memory
 
 
 def available() -> bool:
@@ -462,7 +480,7 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
-        plgpu.set_max_registers(REGISTERS[sched.fold_tail][0], action="increase")
+        plgpu.set_max_registers(warpgroup_registers(sched)[0], action="increase")
         if not sched.real_rows:  # every row counts as real: no warpgroup is idle
             _work()
             return
@@ -555,7 +573,7 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
 
     @pl.when(wg == COMPUTE_WGS)
     def _memory():
-        plgpu.set_max_registers(REGISTERS[sched.fold_tail][1], action="decrease")
+        plgpu.set_max_registers(warpgroup_registers(sched)[1], action="decrease")
 
         def issue(i, slot):
             keys = pl.ds(i * block_k, block_k)

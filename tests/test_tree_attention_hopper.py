@@ -192,6 +192,21 @@ def test_warpgroup_registers_fit_what_the_launch_gives():
         assert hopper.COMPUTE_WGS * (compute - hopper.LAUNCH_REGISTERS) <= hopper.LAUNCH_REGISTERS - memory, fold
 
 
+def test_compute_registers_leave_the_memory_warpgroup_the_rest():
+    """`Schedule.compute_registers` moves registers between the warpgroups within the launch's
+    (what `REGISTERS` holds by default); a split that leaves the memory warpgroup under 24, or
+    that is not in steps of 8 above the launch's, is refused by name."""
+    sched = hopper.fold_tail(hopper.schedule(1, 8, 257 * 4, 5120))
+    assert hopper.warpgroup_registers(sched) == hopper.REGISTERS[True]
+    for compute, memory in ((232, 40), (224, 56), (216, 72)):
+        got = hopper.warpgroup_registers(dataclasses.replace(sched, compute_registers=compute))
+        assert got == (compute, memory)
+        assert hopper.COMPUTE_WGS * (compute - hopper.LAUNCH_REGISTERS) <= hopper.LAUNCH_REGISTERS - memory
+    for bad in (236, 168, 248):
+        with pytest.raises(ValueError, match="compute_registers"):
+            hopper.warpgroup_registers(dataclasses.replace(sched, compute_registers=bad))
+
+
 def test_fold_tail_leaves_other_schedules_as_they_are():
     """No fold without both kinds of block, with a partial block over TAIL_COLS rows (W 272: 64
     rows), or with the real rows unknown."""
@@ -230,6 +245,27 @@ def test_folded_tail_kernel_lowers_for_cuda(width, group, head_dim, tails_last, 
     fn = functools.partial(hopper.tree_attention_hopper, scale=head_dim ** -0.5, sched=hopper.fold_tail(base))
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 1  # the split-K merge, over the folded tail's partials too
+
+
+def test_folded_tail_kernel_lowers_with_other_register_splits(monkeypatch):
+    """The folded kernel lowers with the compute warpgroups at other `compute_registers` (the
+    memory warpgroup, which runs the tail's products, then at 40 or 72): each split is a kernel
+    of its own, and 224 is the default's."""
+    from jax.experimental.mosaic.gpu import core as mgpu_core
+    kv = jax.ShapeDtypeStruct((1, 5120, 8, 128), jnp.bfloat16)
+    base = hopper.fold_tail(hopper.schedule(1, 8, 257 * 4, 5120))
+    kernels = {}
+    for compute in (0, 224, 232, 216):
+        sched = dataclasses.replace(base, compute_registers=compute)
+        monkeypatch.setattr(mgpu_core, "KNOWN_KERNELS", {})
+        hopper.hopper_partials.trace(
+            jax.ShapeDtypeStruct((1, 8, sched.padded_rows, 128), jnp.bfloat16), kv, kv,
+            jax.ShapeDtypeStruct((1,), jnp.int32),
+            jax.ShapeDtypeStruct((1, sched.padded_rows, hopper.bias_columns(257, 128)), jnp.bfloat16),
+            width=257, scale=1.0, sched=sched).lower(lowering_platforms=("cuda",))
+        [kernels[compute]] = [bytes(k) for k in mgpu_core.KNOWN_KERNELS.values()]
+    assert kernels[0] == kernels[224]
+    assert len({kernels[224], kernels[232], kernels[216]}) == 3
 
 
 @pytest.mark.parametrize("pingpong", [True, False])
