@@ -25,13 +25,14 @@ import jax.numpy as jnp
 from dflash_jax.config import (ConfigError, ModelConfig, RopeConfig, default_tap_layers, load_json,
                                rope_from_hf)
 from dflash_jax.kv_cache import KVCache, write_rows
-from dflash_jax.model import (LayerParams, MLPParams, ModelParams, attention_specs, embed_tokens,
-                              fuse_layer_weights, fused_mlp_specs, logits_from_hidden, mlp, mlp_specs,
-                              output_projection, project_kv, project_qkv, rms_norm)
+from dflash_jax.model import (LayerParams, MLPParams, ModelParams, attend_fused, attention_specs, can_fuse,
+                              embed_tokens, epilogue_schedule, fuse_layer_weights, fused_attention_specs,
+                              fused_mlp_specs, logits_from_hidden, mlp, mlp_specs, output_projection, project_kv,
+                              project_qkv, rms_norm)
 from dflash_jax.params import EMBED, HEAD_DIM, KV_HEADS, Spec, init_from_specs
 from dflash_jax.rope import apply_rope, rope_tables
 from dflash_jax.sharding import attention as sharded_attention
-from dflash_jax.sharding import specs_shardings
+from dflash_jax.sharding import mesh_sizes, specs_shardings
 
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 # Logical axis of fc's input (the concatenated tap features); unsharded by the default rules.
@@ -298,12 +299,45 @@ def init_draft_params(dcfg: DraftConfig, key: jax.Array, dtype: Any = jnp.float3
     return init_from_specs(draft_specs(dcfg), key, dtype)
 
 
+# The drafter's attention layouts (`draft_attention_layout`) and the weights each one holds
+# (the others None): as checkpoints store them, and the two decoding layouts of
+# `fuse_draft_projections`.
+DRAFT_LAYOUTS = {"separate": ("q", "k", "v"), "fused": ("q", "kv"), "block-qkv": ("qkv", "kv")}
+_PROJECTIONS = ("q", "k", "v", "kv", "qkv")
+
+
+def draft_attention_layout(dparams: DraftParams) -> str:
+    """The layout of the drafter's attention weights, a key of `DRAFT_LAYOUTS`.
+
+    Raises ValueError naming the layer when a layer holds another set of projections (e.g. the
+    target's `qkv` alone, from `model.fuse_projections`: the context pass needs k and v without
+    q) or when the layers' layouts differ.
+    """
+    found = []
+    for i, lp in enumerate(dparams.layers):
+        held = tuple(name for name in _PROJECTIONS if getattr(lp.attn, name) is not None)
+        names = [name for name, weights in DRAFT_LAYOUTS.items() if set(weights) == set(held)]
+        if not names:
+            raise ValueError(f"drafter layer {i} holds the projections {list(held)}, not a drafter layout: "
+                             + ", ".join(f"{k} {list(v)}" for k, v in DRAFT_LAYOUTS.items()))
+        found.append(names[0])
+    if len(set(found)) > 1:
+        raise ValueError(f"drafter layers mix layouts: {found}")
+    return found[0] if found else "separate"
+
+
 def is_draft_fused(dparams: DraftParams) -> bool:
+    """Whether the drafter is in a decoding layout of `fuse_draft_projections` (either one)."""
     return bool(dparams.layers) and dparams.layers[0].attn.kv is not None
 
 
-def fused_draft_specs(dcfg: DraftConfig) -> DraftParams:
-    """`draft_specs` in the decoding layout of `fuse_draft_projections`."""
+def is_draft_block_qkv(dparams: DraftParams) -> bool:
+    """Whether the drafter is in `fuse_draft_projections`' block-qkv layout (`qkv` and `kv`)."""
+    return is_draft_fused(dparams) and dparams.layers[0].attn.qkv is not None
+
+
+def fused_draft_specs(dcfg: DraftConfig, block_qkv: bool = False) -> DraftParams:
+    """`draft_specs` in the decoding layout of `fuse_draft_projections` (block_qkv: its block-qkv one)."""
     e, lcfg = dcfg.hidden_size, dcfg.layer_config()
     kvh, hd = lcfg.num_kv_heads, lcfg.head_dim
     sep = draft_specs(dcfg)
@@ -311,6 +345,9 @@ def fused_draft_specs(dcfg: DraftConfig) -> DraftParams:
         sep.layers[0].attn, k=None, v=None, k_bias=None, v_bias=None,
         kv=Spec((e, kvh, 2, hd), (EMBED, KV_HEADS, None, HEAD_DIM), fan_in=e),
         kv_bias=Spec((kvh, 2, hd), (KV_HEADS, None, HEAD_DIM), init="zeros") if lcfg.attention_bias else None)
+    if block_qkv:  # the target's qkv (sharded by kv head), q then dropped
+        joint = fused_attention_specs(lcfg)
+        attn = dataclasses.replace(attn, q=None, q_bias=None, qkv=joint.qkv, qkv_bias=joint.qkv_bias)
     layer = dataclasses.replace(sep.layers[0], attn=attn, mlp=fused_mlp_specs(lcfg))
     return dataclasses.replace(sep, layers=(layer,) * dcfg.num_layers)
 
@@ -322,7 +359,19 @@ def _fused_draft_weights(k: jax.Array, v: jax.Array, k_bias: Any, v_bias: Any, g
     return jnp.stack([k, v], axis=2), kv_bias, jnp.stack([gate, up], axis=1)
 
 
-def fuse_draft_projections(dparams: DraftParams, dcfg: DraftConfig, consume: bool = False) -> DraftParams:
+def _block_qkv_weights(q: jax.Array, kv: jax.Array, q_bias: Any, kv_bias: Any) -> tuple[jax.Array, Any]:
+    """One layer's (qkv, qkv_bias or None) from q [embed, q_heads, head_dim] and kv
+    [embed, kv_heads, 2, head_dim]: per kv head its `group` q heads, then k, then v, as the
+    target's `qkv` (`model.AttentionParams`), so the target's fused path takes it."""
+    e, kvh, _, hd = kv.shape
+    group = q.shape[1] // kvh
+    qkv = jnp.concatenate([q.reshape(e, kvh, group, hd), kv], axis=2)
+    qkv_bias = None if q_bias is None else jnp.concatenate([q_bias.reshape(kvh, group, hd), kv_bias], axis=1)
+    return qkv, qkv_bias
+
+
+def fuse_draft_projections(dparams: DraftParams, dcfg: DraftConfig, consume: bool = False,
+                           block_qkv: bool = False) -> DraftParams:
     """The drafter's decoding layout: each layer's k/v as one `kv` weight and gate/up as one
     `gate_up`; q stays apart. Same values; training keeps the layout checkpoints store.
 
@@ -331,15 +380,37 @@ def fuse_draft_projections(dparams: DraftParams, dcfg: DraftConfig, consume: boo
     each set then takes one GEMM for both. (A `qkv` weight as the target's made the context
     pass slice k and v out of it, a 16 MB copy a layer every round at the Qwen3-8B shape:
     BENCHMARKS.md, seventeenth session.)
-    consume: delete each layer's separate k, v, gate and up once its fused ones exist. Under
-    tensor parallelism the fused weights follow the same rules (kv by kv head, sharded or
-    replicated as k and v are; gate_up by the MLP axis). Fused params come back unchanged.
+    block_qkv: the block-qkv layout instead: q, k and v also as one `qkv` weight (the target's
+    layout) for the block pass, and `kv` kept for the context pass; q goes. Its full-attention
+    layers then run the block pass as the target's verify does (`draft_with_cache`): one
+    product, one kernel for norms, RoPE and cache writes, the Hopper kernel on rows. k and v are
+    held twice: 2 x embed x kv_heads x head_dim more a layer (16 MB in bf16 at Qwen3-8B's shape).
+    consume: delete each layer's separate k, v, gate and up (and, with block_qkv, q) once its
+    fused ones exist. Under tensor parallelism the fused weights follow the same rules (kv by kv
+    head, sharded or replicated as k and v are; gate_up by the MLP axis; qkv by kv head, and not
+    made where `model.can_fuse` says kv heads are replicated). Params already in the layout
+    asked for come back unchanged, and so do block-qkv params asked for the plain one; fused
+    params asked for block_qkv gain their `qkv`. Raises ValueError on params in no drafter layout.
     """
-    if is_draft_fused(dparams):
-        return dparams
+    layout = draft_attention_layout(dparams)
+    if layout == "separate":
+        dparams = _fuse_kv_gate_up(dparams, dcfg, consume)
+    if block_qkv and layout != "block-qkv":
+        dparams = _add_block_qkv(dparams, dcfg, consume)
+    return dparams
+
+
+def _param_mesh(dparams: DraftParams) -> Any:
+    """The mesh the drafter's weights are placed on, or None."""
     mesh = getattr(getattr(dparams.fc, "sharding", None), "mesh", None)
+    return None if mesh is None or getattr(mesh, "empty", False) else mesh
+
+
+def _fuse_kv_gate_up(dparams: DraftParams, dcfg: DraftConfig, consume: bool) -> DraftParams:
+    """`fuse_draft_projections`' plain layout from the separate weights."""
+    mesh = _param_mesh(dparams)
     out_shardings = None
-    if mesh is not None and not getattr(mesh, "empty", False):
+    if mesh is not None:
         specs = fused_draft_specs(dcfg).layers[0]
         out_shardings = specs_shardings((specs.attn.kv, specs.attn.kv_bias, specs.mlp.gate_up), mesh)
 
@@ -353,6 +424,30 @@ def fuse_draft_projections(dparams: DraftParams, dcfg: DraftConfig, consume: boo
 
     fuse = jax.jit(_fused_draft_weights, out_shardings=out_shardings)
     return dataclasses.replace(dparams, layers=fuse_layer_weights(dparams.layers, fuse, separate, fused, consume))
+
+
+def _add_block_qkv(dparams: DraftParams, dcfg: DraftConfig, consume: bool) -> DraftParams:
+    """The plain fused layout -> the block-qkv one, a layer at a time (consume: each q deleted
+    once its qkv exists; kv is kept, not consumed)."""
+    mesh = _param_mesh(dparams)
+    out_shardings = None
+    if mesh is not None:
+        if not can_fuse(dcfg.layer_config(), mesh_sizes(mesh)[1]):
+            return dparams
+        specs = fused_draft_specs(dcfg, block_qkv=True).layers[0].attn
+        out_shardings = specs_shardings((specs.qkv, specs.qkv_bias), mesh)
+    join = jax.jit(_block_qkv_weights, out_shardings=out_shardings)
+    layers = []
+    for lp in dparams.layers:
+        a = lp.attn
+        qkv, qkv_bias = jax.block_until_ready(join(a.q, a.kv, a.q_bias, a.kv_bias))
+        attn = dataclasses.replace(a, q=None, q_bias=None, qkv=qkv, qkv_bias=qkv_bias)
+        layers.append(dataclasses.replace(lp, attn=attn))
+        if consume:
+            for x in (a.q, a.q_bias):
+                if x is not None:
+                    x.delete()
+    return dataclasses.replace(dparams, layers=tuple(layers))
 
 
 # ----------------------------------------------------------------------------- context cache
@@ -527,6 +622,12 @@ def draft_with_cache(dparams: DraftParams, dcfg: DraftConfig, target_params: Mod
     A decoder that goes on with this cache (the next `append_context` overwrites those slots)
     lets XLA write the block in place; one that keeps the old cache makes XLA copy every full
     layer's buffers first (10 copies of 10 MB a round for a 5-layer drafter at 5K slots).
+    In the block-qkv layout (`fuse_draft_projections(block_qkv=True)`), where the target's
+    verify would take its fused path for this block (`model.epilogue_schedule`: the Hopper
+    kernel on bs x group rows, no mesh, the cache in the activation dtype), the full layers take
+    it too (`model.attend_fused`): one qkv product where there were two, and one kernel for the
+    norms, RoPE, cache writes and q's row layout where XLA ran about eight; same values. Sliding
+    layers, and every layer of the other layouts, keep the path of `layer_forward`.
     """
     batch, bs = block_tokens.shape
     if bs > cache.max_len:
@@ -537,6 +638,9 @@ def draft_with_cache(dparams: DraftParams, dcfg: DraftConfig, target_params: Mod
     lengths = cache.lengths
     vis_cache: dict[bool, jax.Array] = {}
     k_out, v_out = list(cache.k), list(cache.v)
+    lcfg = dcfg.layer_config()
+    # DraftParams has the `layers` whose attn.qkv the schedule asks for (the block-qkv layout).
+    sched = epilogue_schedule(dparams, lcfg, batch, bs, cache, x.dtype, attn_impl)
 
     def visibility(causal: bool) -> jax.Array:
         if causal not in vis_cache:
@@ -545,6 +649,12 @@ def draft_with_cache(dparams: DraftParams, dcfg: DraftConfig, target_params: Mod
 
     for i, lp in enumerate(dparams.layers):
         causal, window = dcfg.layer_causal(i), dcfg.layer_window(i)
+        if sched is not None and window is None:
+            h = rms_norm(x, lp.attn_norm, dcfg.rms_norm_eps)
+            attn, k_out[i], v_out[i] = attend_fused(lp.attn, lcfg, h, cos, sin, cache.k[i], cache.v[i], lengths,
+                                                    visibility(causal), sched)
+            x = _after_attention(lp, dcfg, x, attn)
+            continue
 
         def attend(q, k, v, i=i, causal=causal, window=window):
             if window is None:
@@ -579,7 +689,13 @@ def layer_forward(lp: LayerParams, dcfg: DraftConfig, x: jax.Array, cos: jax.Arr
     h = rms_norm(x, lp.attn_norm, dcfg.rms_norm_eps)
     q, k, v = project_qkv(lp.attn, dcfg.layer_config(), h)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    x = x + output_projection(lp.attn, attend(q, k, v))
+    return _after_attention(lp, dcfg, x, attend(q, k, v))
+
+
+def _after_attention(lp: LayerParams, dcfg: DraftConfig, x: jax.Array, attn: jax.Array) -> jax.Array:
+    """x + o_proj(attn), then + MLP: the rest of a layer. x: [batch, rows, embed], attn:
+    [batch, rows, q_heads, head_dim]."""
+    x = x + output_projection(lp.attn, attn)
     return x + mlp(lp.mlp, rms_norm(x, lp.mlp_norm, dcfg.rms_norm_eps))
 
 

@@ -33,12 +33,13 @@ dataclass = dataclasses.dataclass
 @jax.tree_util.register_dataclass
 @dataclass
 class AttentionParams:
-    """One attention block's weights, in one of three layouts.
+    """One attention block's weights, in one of four layouts.
 
     As checkpoints store them (and training uses them): q, k, v, q_bias, k_bias, v_bias.
     The target's decoding layout (`fuse_projections`): qkv and qkv_bias, the others None.
     The drafter's (`drafter.fuse_draft_projections`): q and q_bias, kv and kv_bias (its keys and
-    values come from two row sets, the context's and the block's; its queries from one).
+    values come from two row sets, the context's and the block's; its queries from one); or, in
+    its block-qkv layout, qkv and qkv_bias for the block and kv and kv_bias for the context.
     """
     q: Any = None  # [embed, q_heads, head_dim]
     k: Any = None  # [embed, kv_heads, head_dim]

@@ -125,12 +125,12 @@ def fused_pair(tmp_path_factory):
 
 
 @pytest.mark.parametrize("method,size,draft_fused", [("dflash", 4, False), ("ddtree", 16, False),
-                                                     ("ddtree", 16, True)])
+                                                     ("ddtree", 16, True), ("ddtree", 16, "block-qkv")])
 def test_greedy_speculative_on_the_fused_target_equals_greedy_ar(fused_pair, method, size, draft_fused):
     cfg, params, dcfg, dparams = fused_pair
-    if draft_fused:  # the drafter in the decoding layout too, as the CLI loads it
-        dparams = dr.fuse_draft_projections(dparams, dcfg)
-        assert dr.is_draft_fused(dparams)
+    if draft_fused:  # the drafter in the decoding layout too, as the CLI loads it (or the block-qkv one)
+        dparams = dr.fuse_draft_projections(dparams, dcfg, block_qkv=draft_fused == "block-qkv")
+        assert dr.is_draft_fused(dparams) and dr.is_draft_block_qkv(dparams) == (draft_fused == "block-qkv")
     prompts = prompts_20(SMALL_VOCAB)
     ar = run_batches(lambda a, l: generate_ar(params, cfg, a, l, jax.random.key(0), max_new_tokens=NEW,
                                               max_len=256), prompts, 20)
@@ -146,7 +146,8 @@ def test_greedy_speculative_on_the_fused_target_equals_greedy_ar(fused_pair, met
 @pytest.mark.parametrize("bias", [False, True])
 def test_fused_drafter_matches_its_separate_weights(fused_pair, bias):
     """The block pass (both layer kinds: sliding and full) and the context K/V from fused
-    weights equal those from the separate ones; with attention biases, made non-zero."""
+    weights (either decoding layout) equal those from the separate ones; with attention biases,
+    made non-zero."""
     cfg, params, dcfg, dparams = fused_pair
     if bias:
         dcfg = dataclasses.replace(dcfg, attention_bias=True)
@@ -159,14 +160,16 @@ def test_fused_drafter_matches_its_separate_weights(fused_pair, bias):
     positions = jnp.broadcast_to(jnp.arange(7), (2, 7))
     counts = jnp.array([7, 4], jnp.int32)
     block = dr.make_block(dcfg, jnp.array([3, 5], jnp.int32))
+    joint = dr.fuse_draft_projections(dparams, dcfg, block_qkv=True)  # qkv for the block, kv for the context
     out = {}
-    for name, dp in (("separate", dparams), ("fused", fused)):
+    for name, dp in (("separate", dparams), ("fused", fused), ("block-qkv", joint)):
         cache = dr.DraftCache.create(dcfg, 2, 64)
         cache = dr.append_context(dp, dcfg, cache, taps, positions, counts)
         hidden = dr.draft(dp, dcfg, params, cache, block, cache.lengths)
         out[name] = (cache.k, cache.v, hidden)
-    for got, want in zip(jax.tree.leaves(out["fused"]), jax.tree.leaves(out["separate"])):
-        assert rel_err(got, want) <= 1e-5
+    for name in ("fused", "block-qkv"):
+        for got, want in zip(jax.tree.leaves(out[name]), jax.tree.leaves(out["separate"])):
+            assert rel_err(got, want) <= 1e-5
 
 
 # ----------------------------------------------------------------------------- tensor parallel

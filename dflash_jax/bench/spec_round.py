@@ -198,7 +198,8 @@ def interleaved_medians(timers: list, repeats: int, iters: int = 5) -> None:
         row["round_ms_interleaved"] = statistics.median(turns[i])
         row["round_ms_turns"] = [round(t, 4) for t in turns[i]]
         log({"interleaved": row["round_ms_interleaved"], "method": row["method"], "width": row["width"],
-             "attn_impl": row["attn_impl"], "xla_options": row["xla_options"]})
+             "attn_impl": row["attn_impl"], "xla_options": row["xla_options"],
+             "draft_layout": row.get("draft_layout")})
 
 
 def bench_ar(target, cfg, ctx: int, max_len: int, profile: bool, table: int = 0) -> dict:
@@ -290,9 +291,11 @@ def main() -> None:
     ap.add_argument("--layout", nargs="+", choices=LAYOUTS, default=["fused"],
                     help="the target's projections: fused (qkv, gate_up; as decoding runs) or separate "
                          "(several: each is timed, side by side)")
-    ap.add_argument("--draft-layout", nargs="+", choices=LAYOUTS, default=["fused"],
-                    help="the drafter's projections: fused (drafter.fuse_draft_projections; as decoding runs) "
-                         "or separate (several: each is timed, side by side)")
+    ap.add_argument("--draft-layout", nargs="+", choices=tuple(dr.DRAFT_LAYOUTS), default=["fused"],
+                    help="the drafter's projections: fused (drafter.fuse_draft_projections; as decoding runs), "
+                         "separate, or block-qkv (fuse_draft_projections(block_qkv=True): the block pass on the "
+                         "verify's fused path, qkv product + qkv_epilogue + Hopper kernel on rows) (several: each "
+                         "is timed, side by side)")
     ap.add_argument("--top-k-chunk", nargs="+", type=int, default=[TOP_K_CHUNK],
                     help="DDTree's vocabulary top_k chunk, 0 = one top_k (several: each is timed, side by side)")
     ap.add_argument("--rank-max", nargs="+", type=int, default=[RANK_TOP_K_MAX],
@@ -353,7 +356,8 @@ def main() -> None:
     else:
         dcfg = drafter_config(cfg)
         dparams = jax.block_until_ready(dr.init_draft_params(dcfg, jax.random.key(1), dtype))
-    drafters = {layout: dparams if layout == "separate" else dr.fuse_draft_projections(dparams, dcfg)
+    drafters = {layout: dparams if layout == "separate" else
+                dr.fuse_draft_projections(dparams, dcfg, block_qkv=layout == "block-qkv")
                 for layout in args.draft_layout}
     log("drafter weights ready")
     max_len = max(args.ctx + [args.ddtree_ctx]) + 1024
@@ -441,6 +445,7 @@ def main() -> None:
     for r in rows:
         if "round_ms_interleaved" in r:
             print(f"interleaved {r['method']} W {r.get('width', 1)} {r.get('attn_impl', '')} mlp {r.get('mlp', 'xla')} "
+                  f"draft layout {r.get('draft_layout', '-')} "
                   f"{r.get('xla_options') or '-'} rounds/call {r['rounds_per_call']}: {r['round_ms_interleaved']:.3f} ms "
                   f"(turns {r['round_ms_turns']})")
     for r in rows:  # how each row's idle time is made (bench.profile.gap_sizes)
