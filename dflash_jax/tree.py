@@ -44,6 +44,16 @@ RANK_TOP_K_MAX = 4096
 PRESELECT_FANOUT = 8
 PRESELECT_RANKED = 1024
 PRESELECT_MAX_K = 512
+# `radix_top_k`'s key bits per pass: ceil(32 / RADIX_BITS) passes over the row, each counting
+# 2**RADIX_BITS - 1 thresholds.
+RADIX_BITS = 4
+# `build_tree`'s vocabulary top-k on a GPU by default: `radix_top_k` (preselect -RADIX_PRECHUNK)
+# when True, else `preselected_top_k`. Off: at [15, 151936] on the H200 (jax 0.11.2), kernel us
+# per top-k, preselect's default / radix at prechunk 1 / 2 / 4: k 16: 36 / 148 / 123 / 94; k 64:
+# 52 / 152 / 128 / 95; k 256: 103 / 268 / 236 / 106; k 512: 217 (fan-out 4) / 473 / 178 / 135.
+RADIX_BY_DEFAULT = False
+# `radix_top_k`'s preselection chunk by default: 4 keeps its passes on a quarter of the row.
+RADIX_PRECHUNK = 4
 
 
 @jax.tree_util.register_dataclass
@@ -204,8 +214,9 @@ def build_tree(log_probs: jax.Array, root_tokens: jax.Array, budget: int,
     rank_max:    static int >= 0, the longest row the tree's own top-k selections rank with
                  `ranked_top_k` (longer ones use lax.top_k); the tree is the same for every value.
     preselect:   static int, the fan-out of the vocabulary top-k's preselection
-                 (`preselected_top_k`); 0 takes `chunked_top_k`; None: `preselect_fanout`'s
-                 default for the backend. The tree is the same for every value.
+                 (`preselected_top_k`); 0 takes `chunked_top_k`; a negative -c takes
+                 `radix_top_k` with prechunk c (-1: none); None: `preselect_fanout`'s default
+                 for the backend. The tree is the same for every value.
 
     Node scores are summed log-probs along the path. Ties are broken by lower depth, then by
     rank within the depth (lower parent rank, then lower token rank, token ranks coming from a
@@ -401,21 +412,198 @@ def preselected_top_k(rows: jax.Array, k: int, fanout: int = PRESELECT_FANOUT,
     return jnp.take_along_axis(rows, chosen, axis=1), chosen
 
 
+def _unsigned_keys(keys: jax.Array) -> jax.Array:
+    """uint32 keys in the order of the int32 order keys (`_order_keys`): the sign bit flipped.
+
+    Why unsigned: a radix pass adds offsets of up to 2**32 - 2**s to the interval's lower end,
+    which fits an unsigned key but would overflow a signed one.
+    """
+    return jax.lax.bitcast_convert_type(keys, jnp.uint32) ^ jnp.uint32(0x80000000)
+
+
+def _counts_at_least(ukeys: jax.Array, thresholds: list[jax.Array], variadic: bool = True
+                     ) -> list[jax.Array]:
+    """[n] int32 per threshold t ([n] uint32): #{c : ukeys[:, c] >= t}.
+
+    variadic: one reduce with an operand per threshold, so the GPU kernel reads each key once and
+    keeps a count per threshold; otherwise a [n, T, m] compare summed over m, which XLA reduces
+    row by row, reading the keys once per threshold.
+    """
+    if variadic:
+        ops = tuple((ukeys >= t[:, None]).astype(jnp.int32) for t in thresholds)
+        return list(jax.lax.reduce(ops, (jnp.int32(0),) * len(ops),
+                                   lambda a, b: tuple(x + y for x, y in zip(a, b)), (1,)))
+    thr = jnp.stack(thresholds, axis=1)                                           # [n, T]
+    counts = jnp.sum(ukeys[:, None, :] >= thr[:, :, None], axis=2, dtype=jnp.int32)
+    return [counts[:, j] for j in range(len(thresholds))]
+
+
+def _radix_kth_largest(ukeys: jax.Array, k: int, bits: int, variadic: bool = True) -> jax.Array:
+    """[n] uint32: the k-th largest key of each row (1 <= k <= m), found `bits` bits per pass.
+
+    ukeys: [n, m] uint32. Invariant: #{keys >= lo} >= k > #{keys >= lo + 2**s}, so the k-th
+    largest key lies in [lo, lo + 2**s). A pass counts the keys at or above the 2**b - 1 inner
+    thresholds lo + j * 2**(s - b) and moves lo to the highest one still counting k (counts
+    fall as j grows). It starts at lo = 0, s = 32 and ends at s = 0, where lo is the key: a fixed
+    ceil(32 / bits) passes, each one reduction over the row and a tiny one over its counts, with
+    no data-dependent control flow (a lax.cond or while_loop on data would sync with the host).
+    Why not narrow the start from the row's bounds first: the passes must cover the worst case
+    (keys across the whole range, e.g. a NaN or +-inf), so a data-dependent start saves none.
+    """
+    n = ukeys.shape[0]
+    lo = jnp.zeros((n,), jnp.uint32)
+    shift = 32
+    while shift > 0:
+        step = max(shift - bits, 0)
+        thresholds = [lo + jnp.uint32(j << step) for j in range(1, 1 << (shift - step))]
+        # Summed elementwise, not stacked and reduced: XLA can then fuse the update into the
+        # counting reduction's last kernel instead of launching two more per pass.
+        j = sum((c >= k).astype(jnp.uint32) for c in _counts_at_least(ukeys, thresholds, variadic))
+        lo = lo + (j << jnp.uint32(step))
+        shift = step
+    return lo
+
+
+def _prefix_sum(x: jax.Array) -> jax.Array:
+    """Inclusive cumulative sum of [n, m] int32 along the row, in two levels of compare-sums.
+
+    Why not jnp.cumsum: on GPU it lowers to a reduce-window over the whole row, which took
+    113 us at m = 3617 on the H200; here the row is cut into g groups of h ~ sqrt(m) entries,
+    prefixed within each group (m * h adds) and across the group totals (g * g).
+    """
+    n, m = x.shape
+    h = max(1, math.isqrt(m - 1) + 1)
+    g = -(-m // h)
+    groups = jnp.pad(x, ((0, 0), (0, g * h - m))).reshape(n, g, h)
+    q = jnp.arange(h, dtype=jnp.int32)
+    within = jnp.sum(jnp.where(q[None, :] <= q[:, None], groups[:, :, None, :], 0), axis=3,
+                     dtype=jnp.int32)                                             # [n, g, h]
+    totals = within[:, :, -1]
+    gi = jnp.arange(g, dtype=jnp.int32)
+    before = jnp.sum(jnp.where(gi[None, :] < gi[:, None], totals[:, None, :], 0), axis=2,
+                     dtype=jnp.int32)                                             # [n, g]
+    return (within + before[:, :, None]).reshape(n, g * h)[:, :m]
+
+
+def _compaction_block(m: int, k: int) -> int:
+    """Block length b for `_radix_top_k_set`'s compaction: it costs about k * ceil(m / b)
+    compares to find each output's block and k * b * b to find the entry within it."""
+    return min(range(1, 129), key=lambda b: k * -(-m // b) + k * b * b)
+
+
+def _radix_top_k_set(keys: jax.Array, k: int, bits: int, variadic: bool = True) -> jax.Array:
+    """[n, k] int32: the indices of `lax.top_k`'s selection on order keys, sorted ascending.
+
+    keys: [n, m] int32 order keys (`_order_keys`); 1 <= k <= m. With tau the k-th largest key
+    (`_radix_kth_largest`), the selection is every key > tau (g of them) and the r = k - g
+    lowest-index keys == tau: top_k breaks ties by lower index. Compaction without a sort or a
+    cumulative sum over the row: the row is cut into blocks of b entries, each block's counts of
+    keys > tau and == tau come from one reduction, their cumulative sums over the blocks give how
+    many selected entries precede each block, output p finds its block by a count over the
+    blocks and the entry within it by prefix counts over the block's b entries. Padding at the
+    row's end counts as neither.
+    """
+    n, m = keys.shape
+    ukeys = _unsigned_keys(keys)
+    tau = _radix_kth_largest(ukeys, k, bits, variadic)[:, None]                   # [n, 1]
+    b = _compaction_block(m, k)
+    n_blocks = -(-m // b)
+    # One int32 per entry: bit 0 "> tau", bit 16 "== tau"; block sums stay below 2**16 per field.
+    flags = (ukeys > tau).astype(jnp.int32) | ((ukeys == tau).astype(jnp.int32) << 16)
+    flags = jnp.pad(flags, ((0, 0), (0, n_blocks * b - m))).reshape(n, n_blocks, b)
+    per_block = jnp.sum(flags, axis=2, dtype=jnp.int32)                           # [n, n_blocks]
+    both = _prefix_sum(jnp.concatenate([per_block & 0xFFFF, per_block >> 16], axis=0))
+    gt_incl, eq_incl = both[:n], both[n:]                                         # [n, n_blocks] each
+    r = k - gt_incl[:, -1:]                                                       # ties to take, [n, 1]
+    eq_excl = eq_incl - (per_block >> 16)
+    taken_incl = gt_incl + jnp.minimum(eq_incl, r)     # selected entries up to each block's end
+    taken_excl = gt_incl - (per_block & 0xFFFF) + jnp.minimum(eq_excl, r)
+    position = jnp.arange(k, dtype=jnp.int32)
+    # Output p lies in the first block whose running count exceeds p.
+    block = jnp.sum(taken_incl[:, None, :] <= position[None, :, None], axis=2, dtype=jnp.int32)  # [n, k]
+    want = position[None, :] - jnp.take_along_axis(taken_excl, block, axis=1)    # rank in the block
+    quota = jnp.maximum(r - jnp.take_along_axis(eq_excl, block, axis=1), 0)     # ties it may take
+    inner = jnp.take_along_axis(flags, block[:, :, None], axis=1)               # [n, k, b]
+    q = jnp.arange(b, dtype=jnp.int32)
+    prefix = jnp.sum(jnp.where(q[None, :] <= q[:, None], inner[:, :, None, :], 0), axis=3,
+                     dtype=jnp.int32)                                             # [n, k, b]
+    taken = (prefix & 0xFFFF) + jnp.minimum(prefix >> 16, quota[:, :, None])
+    offset = jnp.sum(taken <= want[:, :, None], axis=2, dtype=jnp.int32)
+    return block * b + offset
+
+
+def radix_top_k(rows: jax.Array, k: int, bits: int = RADIX_BITS, prechunk: int = RADIX_PRECHUNK,
+                variadic: bool = True) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k(rows, k)` (values and int32 indices, same order and tie-break) by radix select.
+
+    rows: [n, length] float32 or narrower; k: static int <= length; bits: static int in 1..8,
+    key bits resolved per pass; prechunk: static int >= 1, the chunk of one preselection level
+    first (1: none; skipped when the row has fewer than k chunks); variadic: how the passes
+    count (`_counts_at_least`).
+    Method, on int32 keys in top_k's total order of floats (`_order_keys`): find each row's k-th
+    largest key exactly by narrowing a key interval `bits` bits per pass (`_radix_kth_largest`:
+    ceil(32 / bits) passes, each one reduction over the row counting the keys at or above
+    2**bits - 1 thresholds), take the keys above it and the lowest-index keys equal to it, compact
+    them to k indices in ascending order (`_radix_top_k_set`), then rank just those k (k * k
+    compares) into top_k's order. With prechunk c > 1 the row is first cut into chunks of c
+    and the exact top k chunks by maximum are found the same way (`_preselect`'s argument: the
+    row's top k lies in them); their k * c entries are then ranked.
+    Why: on GPU XLA sorts for lax.top_k, and `preselected_top_k` ranks about a thousand maxima
+    per level at O(m * m) compares each; here the long row is only read by a fixed number of
+    fused reductions and the rest works on [n, k]-sized arrays, whatever the values (ties,
+    -inf, NaN) are. Measured on the H200 at [15, 151936]: XLA splits each pass's reduction into
+    two kernels and the 15-output reduce reads the row at well under memory speed (about 13 us
+    a pass on the whole row, 7 on a quarter), so the 8 passes dominate: prechunk 4 took 106 us
+    at k = 256 (preselect's 103) and 135 at k = 512 (its 217), but 94 at k = 16 (its 36).
+    """
+    _, k = _check_rank_input(rows, k)
+    bits = _check_int("bits", bits, 1)
+    if bits > 8:
+        raise ValueError(f"bits must be <= 8 (2**bits - 1 counts a pass), got {bits}")
+    prechunk = _check_int("prechunk", prechunk, 1)
+    n, length = rows.shape
+    if k == 0:
+        return jax.lax.top_k(rows, 0)
+    keys = _order_keys(rows)
+    if prechunk > 1 and length // prechunk >= k:
+        n_chunks = -(-length // prechunk)
+        pad = ((0, 0), (0, n_chunks * prechunk - length))
+        # Padding takes the lowest key at the highest indices, so it ranks after every real
+        # entry; every chunk holds a real entry (the padding is shorter than a chunk).
+        blocks = jnp.pad(keys, pad, constant_values=np.iinfo(np.int32).min).reshape(n, n_chunks, prechunk)
+        chosen = _radix_top_k_set(jnp.max(blocks, axis=2), k, bits, variadic)   # [n, k] ascending
+        candidates = jnp.take_along_axis(blocks, chosen[:, :, None], axis=1).reshape(n, k * prechunk)
+        within = (chosen[:, :, None] * prechunk
+                  + jnp.arange(prechunk, dtype=jnp.int32)[None, None, :]).reshape(n, k * prechunk)
+    else:
+        within = _radix_top_k_set(keys, k, bits, variadic)                        # [n, k] ascending
+        candidates = jnp.take_along_axis(keys, within, axis=1)
+    # Candidates lie in ascending index order, so ranking them by position breaks ties by index.
+    order = _positions_of_ranks(_key_ranks(candidates), k)
+    indices = jnp.take_along_axis(within, order, axis=1)
+    return jnp.take_along_axis(rows, indices, axis=1), indices
+
+
 def preselect_fanout(preselect: int | None, k: int, backend: str | None = None) -> int:
     """The fan-out `build_tree` uses for a vocabulary top-k of k: `preselect` as given (0 =
-    none), or by default, on a GPU (`backend`, default `jax.default_backend()`),
+    none; a negative -c takes `radix_top_k` with prechunk c, -1 without one), or by default, on a
+    GPU (`backend`, default `jax.default_backend()`), -RADIX_PRECHUNK if RADIX_BY_DEFAULT, else
     PRESELECT_RANKED // k within 2..PRESELECT_FANOUT for k <= PRESELECT_MAX_K, else none. None
     elsewhere: XLA's CPU backend writes each ranking's [n, m, m] compare out before summing it;
     on the 2-core development CPU, trees at [15, 49152] (SmolLM2) took 1.9 against 3.3 ms at
     k 16 but 25 against 9 ms at k 64 and 73 against 49 ms at k 256 (BENCHMARKS.md, eighteenth
     session). The tree is the same for every fan-out."""
     if preselect is None:
-        if (backend or jax.default_backend()) != "gpu" or k > PRESELECT_MAX_K:
+        if (backend or jax.default_backend()) != "gpu":
+            return 0
+        if RADIX_BY_DEFAULT:
+            return -RADIX_PRECHUNK
+        if k > PRESELECT_MAX_K:
             return 0
         return min(PRESELECT_FANOUT, max(2, PRESELECT_RANKED // max(k, 1)))
-    preselect = _check_int("preselect", preselect, 0)
+    preselect = _check_int("preselect", preselect, -(1 << 30))
     if preselect == 1:
-        raise ValueError("preselect must be 0 (none) or a fan-out >= 2, got 1")
+        raise ValueError("preselect must be 0 (none), a fan-out >= 2 or -prechunk (radix), got 1")
     return preselect
 
 
@@ -434,7 +622,9 @@ def _per_depth_best(log_probs: jax.Array, budget: int, chunk: int = TOP_K_CHUNK,
     # On rows ([batch * depth, vocab]): XLA lowers a rank-2 top_k to its TopK kernel, but a
     # rank-3 one to a full sort of the vocabulary (measured: 220 of a 340 ms CPU round).
     rows = log_probs.reshape(batch * depth, vocab)
-    if preselect:
+    if preselect < 0:
+        token_lp, token_ids = radix_top_k(rows, n_tokens, RADIX_BITS, -preselect)
+    elif preselect:
         token_lp, token_ids = preselected_top_k(rows, n_tokens, preselect, rank_max)
     else:
         token_lp, token_ids = chunked_top_k(rows, n_tokens, chunk)
