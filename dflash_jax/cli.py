@@ -80,13 +80,15 @@ def _load_target(name: str, dtype: Any, flag: str = "--model", **kwargs: Any) ->
 
 def _load_drafter_for(path: str, cfg: Any, dtype: Any, shardings: Any = None) -> tuple[Any, Any]:
     """(dcfg, dparams) of a drafter, checked against the target's config, in the decoding layout
-    (`drafter.fuse_draft_projections`)."""
+    (`drafter.fuse_draft_projections`, block-qkv: where the Hopper kernel runs, the block pass
+    takes one qkv product and the qkv epilogue kernel a layer; on an H200 the draft's kernels
+    took 0.944 against 0.972 ms a DDTree(256) round, BENCHMARKS.md, twenty-eighth session)."""
     from convert.dflash_drafter import load_drafter
     from dflash_jax.drafter import fuse_draft_projections, validate_pair
 
     dcfg, dparams = load_drafter(path, dtype=dtype, shardings=shardings)
     validate_pair(dcfg, cfg)
-    return dcfg, fuse_draft_projections(dparams, dcfg, consume=True)
+    return dcfg, fuse_draft_projections(dparams, dcfg, consume=True, block_qkv=True)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

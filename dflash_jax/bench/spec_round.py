@@ -49,11 +49,12 @@ def drafter_config(cfg, layers: int = 5, block_size: int = 16) -> dr.DraftConfig
 
 
 def decoding_pair(model: str, dtype=jnp.bfloat16) -> tuple[Any, dr.DraftConfig, Any, Any]:
-    """(cfg, dcfg, drafter params, target params) with random weights in the decoding layout (both
-    fused), as `spec_round`'s defaults time them: the `SHAPES[model]` target and a 5-layer drafter."""
+    """(cfg, dcfg, drafter params, target params) with random weights in the decoding layout (the
+    target fused, the drafter block-qkv), as `spec_round`'s defaults time them: the `SHAPES[model]`
+    target and a 5-layer drafter."""
     cfg = SHAPES[model]
     dcfg = drafter_config(cfg)
-    dparams = dr.fuse_draft_projections(dr.init_draft_params(dcfg, jax.random.key(1), dtype), dcfg)
+    dparams = dr.fuse_draft_projections(dr.init_draft_params(dcfg, jax.random.key(1), dtype), dcfg, block_qkv=True)
     target = jax.block_until_ready(init_params(cfg, jax.random.key(0), dtype, fused=True))
     return cfg, dcfg, dparams, target
 
@@ -298,11 +299,11 @@ def main() -> None:
     ap.add_argument("--layout", nargs="+", choices=LAYOUTS, default=["fused"],
                     help="the target's projections: fused (qkv, gate_up; as decoding runs) or separate "
                          "(several: each is timed, side by side)")
-    ap.add_argument("--draft-layout", nargs="+", choices=tuple(dr.DRAFT_LAYOUTS), default=["fused"],
-                    help="the drafter's projections: fused (drafter.fuse_draft_projections; as decoding runs), "
-                         "separate, or block-qkv (fuse_draft_projections(block_qkv=True): the block pass on the "
-                         "verify's fused path, qkv product + qkv_epilogue + Hopper kernel on rows) (several: each "
-                         "is timed, side by side)")
+    ap.add_argument("--draft-layout", nargs="+", choices=tuple(dr.DRAFT_LAYOUTS), default=["block-qkv"],
+                    help="the drafter's projections: block-qkv (fuse_draft_projections(block_qkv=True), as decoding "
+                         "runs: the block pass on the verify's fused path, qkv product + qkv_epilogue + Hopper "
+                         "kernel on rows), fused (q apart, kv and gate_up fused; the default until the "
+                         "twenty-eighth session) or separate (several: each is timed, side by side)")
     ap.add_argument("--top-k-chunk", nargs="+", type=int, default=[TOP_K_CHUNK],
                     help="DDTree's vocabulary top_k chunk, 0 = one top_k (several: each is timed, side by side)")
     ap.add_argument("--rank-max", nargs="+", type=int, default=[RANK_TOP_K_MAX],
