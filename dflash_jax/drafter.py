@@ -27,12 +27,14 @@ from dflash_jax.config import (ConfigError, ModelConfig, RopeConfig, default_tap
 from dflash_jax.kv_cache import KVCache, write_rows
 from dflash_jax.model import (LayerParams, MLPParams, ModelParams, attend_fused, attention_specs, can_fuse,
                               embed_tokens, epilogue_schedule, fuse_layer_weights, fused_attention_specs,
-                              fused_mlp_specs, logits_from_hidden, mlp, mlp_specs, output_projection, project_kv,
-                              project_qkv, rms_norm)
+                              fused_mlp_specs, kv_product, logits_from_hidden, mlp, mlp_specs, output_projection,
+                              project_kv, project_qkv, rms_norm)
 from dflash_jax.params import EMBED, HEAD_DIM, KV_HEADS, Spec, init_from_specs
 from dflash_jax.rope import apply_rope, rope_tables
 from dflash_jax.sharding import attention as sharded_attention
 from dflash_jax.sharding import mesh_sizes, specs_shardings
+from pallas_kernels.qkv_epilogue import applies_kv as kv_epilogue_applies
+from pallas_kernels.qkv_epilogue import kv_epilogue
 
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 # Logical axis of fc's input (the concatenated tap features); unsharded by the default rules.
@@ -488,7 +490,12 @@ def context_kv(dparams: DraftParams, dcfg: DraftConfig, taps: jax.Array, positio
     The fused context enters every layer's k/v projection directly, without the layer's
     input norm (as the reference does).
     """
-    ctx = fuse_context(dparams, dcfg, taps)
+    return _context_kv_of(dparams, dcfg, fuse_context(dparams, dcfg, taps), positions)
+
+
+def _context_kv_of(dparams: DraftParams, dcfg: DraftConfig, ctx: jax.Array, positions: jax.Array
+                   ) -> tuple[list[jax.Array], list[jax.Array]]:
+    """`context_kv` from the fused context ctx [batch, n, embed]."""
     cos, sin = rope_tables(positions, dcfg.rope, dcfg.head_dim)
     ks, vs = [], []
     for lp in dparams.layers:
@@ -500,8 +507,24 @@ def context_kv(dparams: DraftParams, dcfg: DraftConfig, taps: jax.Array, positio
     return ks, vs
 
 
+CONTEXT_EPILOGUES = ("auto", "xla", "kernel", "interpret")
+
+
+def context_epilogue_applies(dparams: DraftParams, cache: DraftCache, dtype: Any, backend: str | None = None
+                             ) -> bool:
+    """Whether `append_context` can write the context rows through `qkv_epilogue.kv_epilogue`:
+    the fused `kv` weights with a k norm, no mesh (under one the caches are sharded), a cache in
+    the activation dtype, and a head size the Triton kernel takes; on a GPU (`backend`, default
+    `jax.default_backend()`) for "auto"."""
+    if not dparams.layers or (backend or jax.default_backend()) != "gpu":
+        return False
+    attn = dparams.layers[0].attn
+    return (attn.kv is not None and attn.k_norm is not None and mesh_sizes() == (1, 1)
+            and cache.k[0].dtype == jnp.dtype(dtype) and kv_epilogue_applies(cache.k[0].shape[-1]))
+
+
 def append_context(dparams: DraftParams, dcfg: DraftConfig, cache: DraftCache, taps: jax.Array,
-                   positions: jax.Array, counts: jax.Array) -> DraftCache:
+                   positions: jax.Array, counts: jax.Array, epilogue: str = "auto") -> DraftCache:
     """Appends n context rows per sequence; only the first counts[b] of them are committed.
 
     taps: [batch, n, taps * embed] target features (tap layer outputs, concatenated).
@@ -509,16 +532,36 @@ def append_context(dparams: DraftParams, dcfg: DraftConfig, cache: DraftCache, t
     counts: [batch] int32 in [0, n]. Rows are written at slots lengths .. lengths+n-1 (the
     caller guarantees lengths + n <= max_len); rows past counts are scratch that later
     appends overwrite.
+    epilogue: "auto": where `context_epilogue_applies`, each layer's `kv` product goes through
+    one `kv_epilogue` launch (k norm, RoPE, both cache writes; XLA ran about six kernels a layer
+    for them); "xla": `context_kv` and row writes; "kernel" / "interpret": the launch wherever
+    the weights allow it (interpret: in Pallas' interpreter, for tests). Same values.
     """
     if taps.shape[-1] != dcfg.num_taps * dcfg.hidden_size:
         raise ValueError(f"taps last axis is {taps.shape[-1]}, expected {dcfg.num_taps} taps x "
                          f"hidden {dcfg.hidden_size} = {dcfg.num_taps * dcfg.hidden_size}")
     if taps.shape[1] > cache.max_len:
         raise ValueError(f"{taps.shape[1]} context rows do not fit a cache of max_len {cache.max_len}")
-    ks, vs = context_kv(dparams, dcfg, taps, positions)
+    if epilogue not in CONTEXT_EPILOGUES:
+        raise ValueError(f"epilogue must be one of {CONTEXT_EPILOGUES}, got {epilogue!r}")
+    lengths = cache.lengths + counts.astype(cache.lengths.dtype)
+    ctx = fuse_context(dparams, dcfg, taps)
+    attn = dparams.layers[0].attn if dparams.layers else None
+    forced = epilogue in ("kernel", "interpret") and attn is not None and attn.kv is not None \
+        and attn.k_norm is not None
+    if forced or (epilogue == "auto" and context_epilogue_applies(dparams, cache, ctx.dtype)):
+        cos, sin = rope_tables(positions, dcfg.rope, dcfg.head_dim)
+        ks, vs = [], []
+        for lp, k_buf, v_buf in zip(dparams.layers, cache.k, cache.v):
+            k_buf, v_buf = kv_epilogue(kv_product(lp.attn, ctx), lp.attn.k_norm, cos, sin, k_buf, v_buf,
+                                       cache.lengths, eps=dcfg.rms_norm_eps, interpret=epilogue == "interpret")
+            ks.append(k_buf)
+            vs.append(v_buf)
+        return DraftCache(k=tuple(ks), v=tuple(vs), lengths=lengths)
+    ks, vs = _context_kv_of(dparams, dcfg, ctx, positions)
     return DraftCache(k=tuple(write_rows(buf, k, cache.lengths) for buf, k in zip(cache.k, ks)),
                       v=tuple(write_rows(buf, v, cache.lengths) for buf, v in zip(cache.v, vs)),
-                      lengths=cache.lengths + counts.astype(cache.lengths.dtype))
+                      lengths=lengths)
 
 
 # ----------------------------------------------------------------------------- the draft pass

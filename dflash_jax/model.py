@@ -334,14 +334,18 @@ def project_qkv(p: AttentionParams, cfg: ModelConfig, x: jax.Array, kv_input: ja
     return constrain(q, (BATCH, None, Q_HEADS, None)), constrain(k, kv_axes), constrain(v, kv_axes)
 
 
+def kv_product(p: AttentionParams, x: jax.Array) -> jax.Array:
+    """x [batch, n, embed] through the drafter's `kv` (bias added) -> [batch, n, kv_heads, 2, head_dim]."""
+    kv = _dot("bne,ekgd->bnkgd", x, p.kv)
+    return kv if p.kv_bias is None else kv + p.kv_bias.astype(kv.dtype)
+
+
 def project_kv(p: AttentionParams, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Keys and values alone, x [batch, n, embed] -> k, v [batch, n, kv_heads, head_dim] (bias
     added, no norm), from separate k/v weights or the drafter's `kv`: `project_qkv`'s keys, and
     the drafter's context rows."""
     if p.kv is not None:
-        kv = _dot("bne,ekgd->bnkgd", x, p.kv)
-        if p.kv_bias is not None:
-            kv = kv + p.kv_bias.astype(kv.dtype)
+        kv = kv_product(p, x)
         return kv[:, :, :, 0], kv[:, :, :, 1]
     if p.k is None:
         raise ValueError("project_kv: needs separate k/v weights or a fused `kv`, not the target's `qkv`")

@@ -61,6 +61,9 @@ class SpecSettings:
     # rounds; rounds run after every sequence is done change nothing but cost their time. Between
     # checks the host issues rounds ahead of the GPU instead of waiting for each one to end.
     rounds_per_check: int = 1
+    # The drafter's context rows (`drafter.append_context`): "auto" writes each layer's K/V with one
+    # `kv_epilogue` launch where it applies (a GPU, no mesh); "xla": XLA's kernels, e.g. to compare.
+    context_epilogue: str = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -78,6 +81,8 @@ class SpecSettings:
         if isinstance(self.rounds_per_check, bool) or not isinstance(self.rounds_per_check, int) \
                 or self.rounds_per_check < 1:
             raise ValueError(f"rounds_per_check must be an int >= 1, got {self.rounds_per_check!r}")
+        if self.context_epilogue not in ("auto", "xla"):
+            raise ValueError(f"context_epilogue must be 'auto' or 'xla', got {self.context_epilogue!r}")
 
     @property
     def width(self) -> int:
@@ -208,6 +213,12 @@ def compact_in_one_launch(cache: KVCache, bs: int, attn_impl: str = "auto", back
     return kv_compact.applies(cache.k + cache.v, bs)
 
 
+def _context_epilogue(s: SpecSettings) -> str:
+    """`append_context`'s epilogue for these settings: XLA's kernels wherever the attention runs
+    in jnp ("reference"/"interpret"), as the K/V compaction does."""
+    return "xla" if s.attn_impl in ("reference", "interpret") else s.context_epilogue
+
+
 def commit_stage(state: SpecState, draft: Draft, path: jax.Array, m: jax.Array, bonus: jax.Array,
                  taps: jax.Array, cache: KVCache, dparams: Any, dcfg: Any, s: SpecSettings,
                  key: jax.Array) -> SpecState:
@@ -228,7 +239,7 @@ def commit_stage(state: SpecState, draft: Draft, path: jax.Array, m: jax.Array, 
     path_taps = gather_rows(taps, path)
     positions = start[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
     draft_cache = dr.append_context(dparams, dcfg, state.draft_cache, path_taps, positions,
-                                    jnp.where(active, m + 1, 0))
+                                    jnp.where(active, m + 1, 0), epilogue=_context_epilogue(s))
     # Emitted this round: the accepted drafted tokens, then the bonus.
     j = jnp.arange(bs, dtype=jnp.int32)[None]
     nxt = jnp.take_along_axis(draft.tree.tokens, path, 1)
@@ -287,7 +298,8 @@ def start_state(target: ModelParams, cfg: ModelConfig, dparams: Any, dcfg: Any, 
     first = sample(sub, logits, s.sampling)
     draft_cache = dr.DraftCache.create(dcfg, batch, max_len, dtype)
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
-    draft_cache = dr.append_context(dparams, dcfg, draft_cache, taps, positions, prompt_lens)
+    draft_cache = dr.append_context(dparams, dcfg, draft_cache, taps, positions, prompt_lens,
+                                    epilogue=_context_epilogue(s))
     out = jnp.full((batch, s.max_new_tokens), PAD, jnp.int32).at[:, 0].set(first)
     return SpecState(cache=cache, draft_cache=draft_cache, root=first, out=out,
                      count=jnp.ones((batch,), jnp.int32),

@@ -14,7 +14,12 @@ of kernels per layer. This kernel does all of it per (sequence, kv head, block o
 The rounding follows the jnp path (`model.rms_norm`, `rope.apply_rope`): the norm in float32,
 rounded to the activation dtype, RoPE in float32, rounded again.
 
-`qkv_epilogue_reference` is the same contract in jnp, from the model's own functions.
+`kv_epilogue` is the same kernel without q (group 0): the drafter's context rows, whose keys and
+values come from its `kv` product alone (`drafter.append_context`): the k norm, RoPE and both
+cache writes in one launch instead of about six XLA kernels a drafter layer.
+
+`qkv_epilogue_reference` and `kv_epilogue_reference` are the same contracts in jnp, from the
+model's own functions.
 """
 
 from __future__ import annotations
@@ -37,8 +42,9 @@ NUM_WARPS = 4
 
 
 def token_block(group: int) -> int:
-    """Tokens per program: 8, or fewer so that tokens x group stays within 128 rows."""
-    return min(_MAX_TOKENS, _MAX_ROWS // group)
+    """Tokens per program: 8, or fewer so that tokens x group stays within 128 rows (8 without q,
+    group 0)."""
+    return min(_MAX_TOKENS, _MAX_ROWS // max(group, 1))
 
 
 def applies(group: int, head_dim: int) -> bool:
@@ -47,22 +53,24 @@ def applies(group: int, head_dim: int) -> bool:
 
 
 def _kernel(starts_ref, qkv_ref, cos_ref, sin_ref, q_norm_ref, k_norm_ref, k_in_ref, v_in_ref,
-            q_ref, k_ref, v_ref, *, width: int, group: int, tokens: int, eps: float, norm: bool):
+            *out_refs, width: int, group: int, tokens: int, eps: float, norm: bool):
     """One program: one sequence, one kv head, `tokens` tokens.
 
     Refs (batch and kv head squeezed): starts_ref [1] int32; qkv_ref [width, group + 2, head_dim];
     cos_ref, sin_ref [width, head_dim] f32; q_norm_ref, k_norm_ref [1, head_dim];
-    q_ref [tokens, group, head_dim] (this block's rows); k_ref, v_ref [max_len, 1, head_dim]
-    (the caches, aliased with k_in_ref / v_in_ref, which are not read).
+    out_refs: q_ref [tokens, group, head_dim] (this block's rows; absent when group is 0), then
+    k_ref, v_ref [max_len, 1, head_dim] (the caches, aliased with k_in_ref / v_in_ref, which are
+    not read).
     """
     del k_in_ref, v_in_ref
+    q_ref, k_ref, v_ref = out_refs if group else (None, *out_refs)
     t0 = pl.program_id(2) * tokens
     head_dim = qkv_ref.shape[-1]
     half = head_dim // 2
     ok = (t0 + jnp.arange(tokens, dtype=jnp.int32)) < width  # padding tokens load as 0
     lo, hi = pl.ds(0, half), pl.ds(half, half)
     rows = pl.ds(t0, tokens)
-    dtype = q_ref.dtype
+    dtype = qkv_ref.dtype
 
     def load(ref, heads, cols):
         return plgpu.load(ref.at[rows, heads, cols], mask=ok[:, None, None], other=0).astype(jnp.float32)
@@ -83,9 +91,10 @@ def _kernel(starts_ref, qkv_ref, cos_ref, sin_ref, q_norm_ref, k_norm_ref, k_in_
             x_hi = (w_hi * (x_hi * inv)).astype(dtype).astype(jnp.float32)
         return x_lo * cos_lo - x_hi * sin_lo, x_hi * cos_hi + x_lo * sin_hi
 
-    q_lo, q_hi = norm_rope(pl.ds(0, group), q_norm_ref)
-    plgpu.store(q_ref.at[:, :, lo], q_lo.astype(dtype))
-    plgpu.store(q_ref.at[:, :, hi], q_hi.astype(dtype))
+    if group:
+        q_lo, q_hi = norm_rope(pl.ds(0, group), q_norm_ref)
+        plgpu.store(q_ref.at[:, :, lo], q_lo.astype(dtype))
+        plgpu.store(q_ref.at[:, :, hi], q_hi.astype(dtype))
 
     # The cache rows of this block; stores past the tree are masked off.
     slots = pl.ds(starts_ref[0] + t0, tokens)
@@ -128,19 +137,60 @@ def qkv_epilogue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
     if padded_rows % (tokens * group) or padded_rows < width * group:
         raise ValueError(f"qkv_epilogue: padded_rows={padded_rows} must be a multiple of "
                          f"{tokens * group} and at least width * group = {width * group}")
-    if k_cache.shape != v_cache.shape or k_cache.shape[::2] != (batch, kv_heads) or k_cache.shape[3] != head_dim:
-        raise ValueError(f"qkv_epilogue: k_cache {k_cache.shape} / v_cache {v_cache.shape} do not fit "
-                         f"qkv {qkv.shape} ([batch, max_len, kv_heads, head_dim])")
-    if cos.shape != (batch, width, head_dim) or sin.shape != cos.shape:
-        raise ValueError(f"qkv_epilogue: cos {cos.shape} / sin {sin.shape} must be {(batch, width, head_dim)}")
     if (q_norm is None) != (k_norm is None):
         raise ValueError("qkv_epilogue: q_norm and k_norm come together or not at all")
-    norm = q_norm is not None
+    q_rows, k_out, v_out = _launch("qkv_epilogue", qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, starts,
+                                   eps=eps, padded_tokens=padded_rows // group, tokens=tokens,
+                                   num_warps=num_warps, interpret=interpret)
+    return q_rows.reshape(batch, kv_heads, padded_rows, head_dim), k_out, v_out
+
+
+def kv_epilogue(kv: jax.Array, k_norm: jax.Array | None, cos: jax.Array, sin: jax.Array,
+                k_cache: jax.Array, v_cache: jax.Array, starts: jax.Array, *, eps: float,
+                num_warps: int = NUM_WARPS, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """`qkv_epilogue` for keys and values alone: the k norm, RoPE and both cache writes in one launch.
+
+    Args:
+      kv: [batch, width, kv_heads, 2, head_dim], a `kv` product (bias added): k, then v.
+      k_norm: [head_dim] RMS-norm weight, or None (no k norm).
+      cos, sin: [batch, width, head_dim] f32 at the rows' positions.
+      k_cache, v_cache: [batch, max_len, kv_heads, head_dim]; donated (updated in place).
+      starts: [batch] int32 L; callers guarantee L + width <= max_len.
+    Returns:
+      (k_cache, v_cache) with the rows' K/V at slots L .. L+width-1.
+    """
+    batch, width, kv_heads, slots, head_dim = kv.shape
+    if slots != 2 or not applies_kv(head_dim):
+        raise ValueError(f"kv_epilogue: kv {kv.shape} must be [batch, width, kv_heads, 2, head_dim] with "
+                         f"head_dim a power of two >= 32")
+    tokens = token_block(0)
+    return _launch("kv_epilogue", kv, None, k_norm, cos, sin, k_cache, v_cache, starts, eps=eps,
+                   padded_tokens=pl.cdiv(width, tokens) * tokens, tokens=tokens, num_warps=num_warps,
+                   interpret=interpret)
+
+
+def applies_kv(head_dim: int) -> bool:
+    """Whether `kv_epilogue` takes this head size (a power-of-two Triton block)."""
+    return is_power_of_two(head_dim) and head_dim >= 32
+
+
+def _launch(name: str, qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None, cos: jax.Array,
+            sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array, starts: jax.Array, *, eps: float,
+            padded_tokens: int, tokens: int, num_warps: int, interpret: bool) -> tuple[jax.Array, ...]:
+    """The kernel over qkv [batch, width, kv_heads, group + 2, head_dim] (group 0: k and v alone):
+    (q rows [batch, kv_heads, padded_tokens, group, head_dim] if group, then k_cache, v_cache)."""
+    batch, width, kv_heads, slots, head_dim = qkv.shape
+    group = slots - 2
+    if k_cache.shape != v_cache.shape or k_cache.shape[::2] != (batch, kv_heads) or k_cache.shape[3] != head_dim:
+        raise ValueError(f"{name}: k_cache {k_cache.shape} / v_cache {v_cache.shape} do not fit "
+                         f"{qkv.shape} ([batch, max_len, kv_heads, head_dim])")
+    if cos.shape != (batch, width, head_dim) or sin.shape != cos.shape:
+        raise ValueError(f"{name}: cos {cos.shape} / sin {sin.shape} must be {(batch, width, head_dim)}")
+    norm = k_norm is not None
     ones = jnp.ones((head_dim,), qkv.dtype)
-    q_w = (q_norm if norm else ones).reshape(1, head_dim)
+    q_w = (q_norm if q_norm is not None else ones).reshape(1, head_dim)
     k_w = (k_norm if norm else ones).reshape(1, head_dim)
     max_len = k_cache.shape[1]
-    padded_tokens = padded_rows // group
     sq = pl.squeezed if hasattr(pl, "squeezed") else None
     cache_spec = pl.BlockSpec((sq, max_len, 1, head_dim), lambda b, h, i: (b, 0, h, 0))
     in_specs = [
@@ -153,30 +203,25 @@ def qkv_epilogue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
         cache_spec,
         cache_spec,
     ]
-    out_specs = (
-        pl.BlockSpec((sq, sq, tokens, group, head_dim), lambda b, h, i: (b, h, i, 0, 0)),
-        cache_spec,
-        cache_spec,
-    )
-    out_shape = (
-        jax.ShapeDtypeStruct((batch, kv_heads, padded_tokens, group, head_dim), qkv.dtype),
-        jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-        jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
-    )
+    out_specs = [cache_spec, cache_spec]
+    out_shape = [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
+    if group:
+        out_specs.insert(0, pl.BlockSpec((sq, sq, tokens, group, head_dim), lambda b, h, i: (b, h, i, 0, 0)))
+        out_shape.insert(0, jax.ShapeDtypeStruct((batch, kv_heads, padded_tokens, group, head_dim), qkv.dtype))
+    first_cache = 1 if group else 0
     kernel = functools.partial(_kernel, width=width, group=group, tokens=tokens, eps=float(eps), norm=norm)
-    q_rows, k_out, v_out = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         grid=(batch, kv_heads, padded_tokens // tokens),
         in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        input_output_aliases={6: 1, 7: 2},
+        out_specs=tuple(out_specs),
+        out_shape=tuple(out_shape),
+        input_output_aliases={6: first_cache, 7: first_cache + 1},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
-        name="qkv_epilogue",
+        name=name,
     )(starts.astype(jnp.int32), qkv, cos.astype(jnp.float32), sin.astype(jnp.float32), q_w, k_w,
       k_cache, v_cache)
-    return q_rows.reshape(batch, kv_heads, padded_rows, head_dim), k_out, v_out
 
 
 def qkv_epilogue_reference(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None,
@@ -198,3 +243,17 @@ def qkv_epilogue_reference(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     return (rows_of(q, kv_heads, padded_rows), write_rows(k_cache, k, starts),
             write_rows(v_cache, v, starts))
+
+
+def kv_epilogue_reference(kv: jax.Array, k_norm: jax.Array | None, cos: jax.Array, sin: jax.Array,
+                          k_cache: jax.Array, v_cache: jax.Array, starts: jax.Array, *, eps: float
+                          ) -> tuple[jax.Array, jax.Array]:
+    """`kv_epilogue` in jnp, as the drafter's context pass computes it (`drafter.context_kv`)."""
+    from dflash_jax.kv_cache import write_rows
+    from dflash_jax.model import rms_norm
+    from dflash_jax.rope import apply_rope
+
+    k, v = kv[:, :, :, 0], kv[:, :, :, 1]
+    if k_norm is not None:
+        k = rms_norm(k, k_norm, eps)
+    return write_rows(k_cache, apply_rope(k, cos, sin), starts), write_rows(v_cache, v, starts)

@@ -337,3 +337,68 @@ def test_gpu_block_pass_compiles_the_epilogue_at_the_qwen3_8b_shape():
     want = fn(fused, dcfg, target, cache, block, cache.lengths)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert_close(g, w, 2 ** -6)
+
+
+# ----------------------------------------------------------------------------- the context rows
+
+@pytest.mark.parametrize("layout", ["fused", "block-qkv"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_context_rows_through_the_kv_epilogue_match_xla(layout, dtype):
+    """`append_context` with one `kv_epilogue` launch a layer (interpret mode) writes the same
+    caches as XLA's path: every slot, the scratch rows past `counts` included, and the lengths."""
+    dcfg = draft_config()
+    dparams = dr.fuse_draft_projections(separate_params(dcfg, dtype), dcfg, block_qkv=layout == "block-qkv")
+    batch, n = 2, 11
+    taps = jax.random.normal(jax.random.key(5), (batch, n, dcfg.num_taps * dcfg.hidden_size)).astype(dtype)
+    cache = dr.DraftCache.create(dcfg, batch, 64, dtype)
+    cache = dataclasses.replace(cache, k=tuple(k + 0.5 for k in cache.k), v=tuple(v - 0.25 for v in cache.v),
+                                lengths=jnp.array([3, 20], jnp.int32))
+    positions = cache.lengths[:, None] + jnp.arange(n, dtype=jnp.int32)
+    counts = jnp.array([11, 4], jnp.int32)
+    got = dr.append_context(dparams, dcfg, cache, taps, positions, counts, epilogue="interpret")
+    want = dr.append_context(dparams, dcfg, cache, taps, positions, counts, epilogue="xla")
+    np.testing.assert_array_equal(np.asarray(got.lengths), [14, 24])
+    np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(want.lengths))
+    tol = 1e-5 if dtype == jnp.float32 else 2 ** -7
+    for g, w in zip(got.k + got.v, want.k + want.v):
+        assert_close(g, w, tol)
+
+
+def test_context_epilogue_choices(monkeypatch):
+    """"auto" takes the launch only on a GPU, without a mesh, with fused kv weights and a k norm;
+    a name outside CONTEXT_EPILOGUES is refused by name, as SpecSettings refuses one."""
+    from dflash_jax.speculative import SpecSettings
+    dcfg = draft_config()
+    separate = separate_params(dcfg, jnp.bfloat16)
+    fused = dr.fuse_draft_projections(separate, dcfg)
+    cache = dr.DraftCache.create(dcfg, 1, 64, jnp.bfloat16)
+    assert dr.context_epilogue_applies(fused, cache, jnp.bfloat16, backend="gpu")
+    assert not dr.context_epilogue_applies(fused, cache, jnp.bfloat16, backend="cpu")
+    assert not dr.context_epilogue_applies(separate, cache, jnp.bfloat16, backend="gpu")  # no kv weight
+    assert not dr.context_epilogue_applies(fused, cache, jnp.float32, backend="gpu")  # cache dtype differs
+    taps = jnp.zeros((1, 2, dcfg.num_taps * dcfg.hidden_size), jnp.bfloat16)
+    pos = jnp.zeros((1, 2), jnp.int32)
+    with pytest.raises(ValueError, match="epilogue must be one of"):
+        dr.append_context(fused, dcfg, cache, taps, pos, jnp.ones((1,), jnp.int32), epilogue="triton")
+    with pytest.raises(ValueError, match="context_epilogue"):
+        SpecSettings(context_epilogue="kernel")
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
+def test_gpu_context_rows_kernel_matches_xla():
+    """On the GPU "auto" takes the `kv_epilogue` launch (head_dim 128, 8 kv heads, as Qwen3-8B's
+    drafter) and writes what XLA's path writes, 16 context rows after 4000 committed slots."""
+    dcfg = draft_config(hidden_size=256, num_heads=32, num_kv_heads=8, head_dim=128, num_layers=2)
+    dparams = dr.fuse_draft_projections(separate_params(dcfg, jnp.bfloat16), dcfg, block_qkv=True)
+    cache = dr.DraftCache.create(dcfg, 1, 5120, jnp.bfloat16)
+    cache = dataclasses.replace(cache, lengths=jnp.array([4000], jnp.int32))
+    assert dr.context_epilogue_applies(dparams, cache, jnp.bfloat16)
+    taps = jax.random.normal(jax.random.key(6), (1, 16, dcfg.num_taps * dcfg.hidden_size)).astype(jnp.bfloat16)
+    positions = cache.lengths[:, None] + jnp.arange(16, dtype=jnp.int32)
+    counts = jnp.array([7], jnp.int32)
+    run = jax.jit(dr.append_context, static_argnames=("dcfg", "epilogue"))
+    got = run(dparams, dcfg, cache, taps, positions, counts, epilogue="auto")
+    want = run(dparams, dcfg, cache, taps, positions, counts, epilogue="xla")
+    for g, w in zip(got.k + got.v, want.k + want.v):
+        assert_close(g[:, 4000:4016], w[:, 4000:4016], 2 ** -7)
+        assert not np.any(np.asarray(g[:, :4000], np.float32)) and not np.any(np.asarray(g[:, 4016:], np.float32))

@@ -24,7 +24,8 @@ from dflash_jax.config import ModelConfig, RopeConfig
 from dflash_jax.kv_cache import KVCache
 from dflash_jax.rope import rope_tables
 from pallas_kernels import tree_attention_reference
-from pallas_kernels.qkv_epilogue import applies, qkv_epilogue, qkv_epilogue_reference, token_block
+from pallas_kernels.qkv_epilogue import (applies, applies_kv, kv_epilogue, kv_epilogue_reference, qkv_epilogue,
+                                         qkv_epilogue_reference, token_block)
 
 hopper = importlib.import_module("pallas_kernels.tree_attention_hopper")
 
@@ -119,6 +120,58 @@ def test_epilogue_lowers_for_cuda():
     fn = jax.jit(functools.partial(qkv_epilogue, eps=1e-6, padded_rows=1152), donate_argnums=(5, 6))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "qkv_epilogue" in text
+    assert text.count("tf.aliasing_output") == 2
+
+
+# (batch, width, kv_heads, head_dim, max_len, norm): the drafter's context rows (16 a round, a
+# prompt's at prefill).
+KV_CASES = [
+    (1, 16, 8, 128, 40, True),
+    (2, 13, 3, 64, 50, False),   # width not a multiple of the 8-token block; no k norm (llama)
+    (3, 70, 2, 32, 90, True),
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("batch,width,kv_heads,head_dim,max_len,norm", KV_CASES)
+def test_kv_epilogue_matches_the_context_pass(batch, width, kv_heads, head_dim, max_len, norm, dtype):
+    """Keys and values alone (group 0): the k norm and RoPE rounded as the jnp path, both caches
+    written at L .. L+W-1 and untouched elsewhere."""
+    qkv, _, k_norm, cos, sin, k_cache, v_cache, starts = make_case(width + 1, batch, width, kv_heads, 0, head_dim,
+                                                                    max_len, dtype, norm)
+    got = kv_epilogue(qkv, k_norm, cos, sin, k_cache, v_cache, starts, eps=1e-6, interpret=True)
+    want = kv_epilogue_reference(qkv, k_norm, cos, sin, k_cache, v_cache, starts, eps=1e-6)
+    for g, w in zip(got, want):
+        assert_close(g, w, dtype)
+    for b, start in enumerate(np.asarray(starts)):
+        outside = np.r_[0:start, start + width:max_len]
+        np.testing.assert_array_equal(np.asarray(got[0][b, outside]), np.asarray(k_cache[b, outside]))
+        np.testing.assert_array_equal(np.asarray(got[1][b, outside]), np.asarray(v_cache[b, outside]))
+        # v is copied, not normed or rotated.
+        np.testing.assert_array_equal(np.asarray(got[1][b, start:start + width]), np.asarray(qkv[b, :, :, 1]))
+
+
+def test_kv_epilogue_checks_its_inputs():
+    qkv, _, k_norm, cos, sin, k_cache, v_cache, starts = make_case(1, 1, 16, 2, 0, 64, 40, jnp.float32, True)
+    with pytest.raises(ValueError, match="kv_epilogue: kv"):
+        kv_epilogue(jnp.zeros((1, 16, 2, 3, 64)), k_norm, cos, sin, k_cache, v_cache, starts, eps=1e-6, interpret=True)
+    with pytest.raises(ValueError, match="kv_epilogue: k_cache"):
+        kv_epilogue(qkv, k_norm, cos, sin, k_cache[:, :, :1], v_cache, starts, eps=1e-6, interpret=True)
+    with pytest.raises(ValueError, match="kv_epilogue: cos"):
+        kv_epilogue(qkv, k_norm, cos[:, :3], sin, k_cache, v_cache, starts, eps=1e-6, interpret=True)
+    assert applies_kv(128) and applies_kv(32) and not applies_kv(96) and not applies_kv(16)
+
+
+def test_kv_epilogue_lowers_for_cuda():
+    """The kv-only kernel lowers for cuda without a GPU, both caches updated in place, no q out."""
+    s = jax.ShapeDtypeStruct
+    bf16 = jnp.bfloat16
+    cache = s((1, 5120, 8, 128), bf16)
+    args = (s((1, 16, 8, 2, 128), bf16), s((128,), bf16), s((1, 16, 128), jnp.float32),
+            s((1, 16, 128), jnp.float32), cache, cache, s((1,), jnp.int32))
+    fn = jax.jit(functools.partial(kv_epilogue, eps=1e-6), donate_argnums=(4, 5))
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "kv_epilogue" in text
     assert text.count("tf.aliasing_output") == 2
 
 

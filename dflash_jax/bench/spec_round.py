@@ -180,7 +180,7 @@ def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_le
            "top_k_chunk": s.top_k_chunk, "rank_max": s.rank_max,
            "preselect": fanout,
            "kv_compact": "kernel" if s.compact_kernel else "xla",
-           "residual": s.residual, **extra}
+           "residual": s.residual, "context_epilogue": s.context_epilogue, **extra}
     log(row)
     if timers is not None:  # kept compiled, with its state, for `interleaved_medians`
         timers.append((row, call, rounds))
@@ -320,6 +320,9 @@ def main() -> None:
     ap.add_argument("--kv-compact", nargs="+", choices=("kernel", "xla"), default=["kernel"],
                     help="the commit's K/V compaction in one Pallas launch where it applies, or per buffer "
                          "in XLA (several: each is timed, side by side)")
+    ap.add_argument("--context-epilogue", nargs="+", choices=("auto", "xla"), default=["auto"],
+                    help="the commit's drafter context rows: one kv_epilogue launch a drafter layer where it "
+                         "applies (auto) or XLA's kernels (several: each is timed, side by side)")
     ap.add_argument("--residual", nargs="+", choices=RESIDUAL_IMPLS, default=["kernel"],
                     help="on the fused verify path, the o and down products as K-slice partials, their sums, "
                          "residual adds and norms in one residual_norm launch each (kernel) or in XLA from the "
@@ -380,12 +383,13 @@ def main() -> None:
         ranks = args.rank_max if ddtree else [RANK_TOP_K_MAX]
         preselects = args.preselect if ddtree else [None]
         row_blocks = args.row_block if ddtree else [ROW_BLOCK]
-        for ai, chunk, rank, pre, rb, compact, res, r, dm, cb, xo in itertools.product(
+        for ai, chunk, rank, pre, rb, compact, res, ce, r, dm, cb, xo in itertools.product(
                 args.attn_impl, chunks, ranks, preselects, row_blocks, args.kv_compact, args.residual,
-                args.rounds_per_call, args.dot_merger, args.command_buffers, args.xla_options):
+                args.context_epilogue, args.rounds_per_call, args.dot_merger, args.command_buffers,
+                args.xla_options):
             s = SpecSettings(block_size=dcfg.block_size, max_new_tokens=512, attn_impl=ai, top_k_chunk=chunk,
                              rank_max=rank, preselect=pre, row_block=rb, compact_kernel=compact == "kernel",
-                             residual=res, **method)
+                             residual=res, context_epilogue=ce, **method)
             yield s, r, dm, cb, xo
 
     timers: list | None = [] if args.interleave > 0 else None
@@ -454,7 +458,7 @@ def main() -> None:
     for r in rows:
         if "round_ms_interleaved" in r:
             print(f"interleaved {r['method']} W {r.get('width', 1)} {r.get('attn_impl', '')} mlp {r.get('mlp', 'xla')} "
-                  f"draft layout {r.get('draft_layout', '-')} "
+                  f"draft layout {r.get('draft_layout', '-')} context {r.get('context_epilogue', '-')} "
                   f"{r.get('xla_options') or '-'} rounds/call {r['rounds_per_call']}: {r['round_ms_interleaved']:.3f} ms "
                   f"(turns {r['round_ms_turns']})")
     for r in rows:  # how each row's idle time is made (bench.profile.gap_sizes)
