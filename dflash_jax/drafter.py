@@ -516,11 +516,19 @@ def context_epilogue_applies(dparams: DraftParams, cache: DraftCache, dtype: Any
     the fused `kv` weights with a k norm, no mesh (under one the caches are sharded), a cache in
     the activation dtype, and a head size the Triton kernel takes; on a GPU (`backend`, default
     `jax.default_backend()`) for "auto"."""
-    if not dparams.layers or (backend or jax.default_backend()) != "gpu":
+    if not _kv_epilogue_weights(dparams) or (backend or jax.default_backend()) != "gpu":
+        return False
+    return (mesh_sizes() == (1, 1) and cache.k[0].dtype == jnp.dtype(dtype)
+            and kv_epilogue_applies(cache.k[0].shape[-1]))
+
+
+def _kv_epilogue_weights(dparams: DraftParams) -> bool:
+    """Whether the drafter's weights suit `kv_epilogue`: a fused `kv` and a k norm (the kernel
+    rounds the norm as `rms_norm` does; without one XLA's path stays)."""
+    if not dparams.layers:
         return False
     attn = dparams.layers[0].attn
-    return (attn.kv is not None and attn.k_norm is not None and mesh_sizes() == (1, 1)
-            and cache.k[0].dtype == jnp.dtype(dtype) and kv_epilogue_applies(cache.k[0].shape[-1]))
+    return attn.kv is not None and attn.k_norm is not None
 
 
 def append_context(dparams: DraftParams, dcfg: DraftConfig, cache: DraftCache, taps: jax.Array,
@@ -546,9 +554,7 @@ def append_context(dparams: DraftParams, dcfg: DraftConfig, cache: DraftCache, t
         raise ValueError(f"epilogue must be one of {CONTEXT_EPILOGUES}, got {epilogue!r}")
     lengths = cache.lengths + counts.astype(cache.lengths.dtype)
     ctx = fuse_context(dparams, dcfg, taps)
-    attn = dparams.layers[0].attn if dparams.layers else None
-    forced = epilogue in ("kernel", "interpret") and attn is not None and attn.kv is not None \
-        and attn.k_norm is not None
+    forced = epilogue in ("kernel", "interpret") and _kv_epilogue_weights(dparams)
     if forced or (epilogue == "auto" and context_epilogue_applies(dparams, cache, ctx.dtype)):
         cos, sin = rope_tables(positions, dcfg.rope, dcfg.head_dim)
         ks, vs = [], []

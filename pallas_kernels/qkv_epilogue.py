@@ -49,7 +49,7 @@ def token_block(group: int) -> int:
 
 def applies(group: int, head_dim: int) -> bool:
     """Whether the kernel takes this shape: Triton blocks need power-of-two extents."""
-    return is_power_of_two(group) and group <= _MAX_ROWS and is_power_of_two(head_dim) and head_dim >= 32
+    return is_power_of_two(group) and group <= _MAX_ROWS and applies_kv(head_dim)
 
 
 def _kernel(starts_ref, qkv_ref, cos_ref, sin_ref, q_norm_ref, k_norm_ref, k_in_ref, v_in_ref,
