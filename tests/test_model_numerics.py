@@ -80,3 +80,28 @@ def test_tap_layers_out_of_range_is_an_error(pair):
     with pytest.raises(ValueError, match="tap_layers"):
         forward(params, cfg, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32), cache,
                 tap_layers=(cfg.num_layers,))
+
+
+def test_bf16_logits_round_as_transformers_lm_head(pair):
+    """In bf16 the LM head's logits are rounded to bf16 as transformers' `lm_head` (a bf16
+    Linear) rounds them, so greedy choices follow the reference's; float32 stays float32."""
+    _, model, cfg, params = pair
+    from dflash_jax.model import lm_head_weight, logits_from_hidden
+    rng = np.random.RandomState(3)
+    hidden = jnp.asarray(rng.randn(2, 9, cfg.hidden_size), jnp.bfloat16)
+    w16 = lm_head_weight(params).astype(jnp.bfloat16)
+    ours = np.asarray(logits_from_hidden(dataclasses.replace(params, lm_head=w16, embed=params.embed), hidden))
+    assert ours.dtype == np.float32
+    # Every value is a bf16 number: unrounded float32 products would fail this.
+    assert np.array_equal(ours, np.asarray(jnp.asarray(ours).astype(jnp.bfloat16).astype(jnp.float32)))
+    with torch.no_grad():
+        ref = torch.nn.functional.linear(torch.tensor(np.asarray(hidden.astype(jnp.float32))).bfloat16(),
+                                         torch.tensor(np.asarray(w16.astype(jnp.float32))).bfloat16().T)
+    ref = ref.float().numpy()
+    # Both accumulate in float32; a sum in another order may round to the neighbouring bf16.
+    ulp = np.abs(ref) * 2.0 ** -7 + 1e-30
+    assert (np.abs(ours - ref) <= ulp).all()
+    assert np.mean(ours == ref) > 0.9
+    h32 = hidden.astype(jnp.float32)
+    exact = np.asarray(h32) @ np.asarray(lm_head_weight(params), np.float32)
+    assert rel_err(logits_from_hidden(params, h32), exact) <= 1e-5

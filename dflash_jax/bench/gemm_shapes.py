@@ -11,6 +11,8 @@ what the library picks and how far from the matrix rate each lands:
   SiLU(gate) * up), to see which of them XLA folds into the GEMM;
 * `--splits`: as `splits` products over slices of K, float32 partials out (as
   `model.split_k_product` asks for them), the sum left to the consumer (not timed);
+* `lm_head+argmax:f32` / `:bf16`: the LM head and the greedy argmax over its float32 logits, or
+  over logits rounded to bf16 first (`model.logits_from_hidden`);
 * `gate_up+silu:kernel`: the same step as `gate_up+silu` by `pallas_kernels.gate_up_silu` (one
   Mosaic GPU launch; weights [2, mlp, in], the rows padded to its tiles before the program).
 
@@ -58,6 +60,10 @@ PRODUCTS = {
     "down": (12288, 4096, None),
     "down+res": (12288, 4096, "res"),
     "lm_head": (4096, 151936, "f32"),
+    # The verify's LM head and greedy choice: float32 logits, or rounded to bf16 first
+    # (`model.logits_from_hidden`, as transformers' bf16 lm_head), then the argmax.
+    "lm_head+argmax:f32": (4096, 151936, "argmax-f32"),
+    "lm_head+argmax:bf16": (4096, 151936, "argmax-bf16"),
 }
 
 
@@ -76,6 +82,11 @@ def product(x: jax.Array, w: jax.Array, layout: str, after: str | None, res: jax
     eq = "ti,io->to" if layout == "in_out" else "ti,oi->to"
     if after == "f32":
         return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32)
+    if after and after.startswith("argmax"):
+        logits = jnp.einsum(eq, x, w, preferred_element_type=jnp.float32)
+        if after == "argmax-bf16":
+            logits = logits.astype(x.dtype).astype(jnp.float32)
+        return jnp.argmax(logits, -1).astype(jnp.int32)
     y = jnp.einsum(eq, x, w, preferred_element_type=x.dtype)
     if after == "res":
         return res + y
@@ -108,7 +119,7 @@ def program(layout: str, after: str | None, splits: int) -> Callable:
 
 def measure(name: str, rows: int, layout: str, layers: int, calls: int, splits: int = 1) -> dict:
     d_in, d_out, after = PRODUCTS[name]
-    n = layers if name != "lm_head" else min(layers, 4)
+    n = layers if not name.startswith("lm_head") else min(layers, 4)
     keys = jax.random.split(jax.random.key(rows), n + 2)
     shape = (d_in, d_out) if layout == "in_out" else (d_out, d_in)
     if after and after.startswith("silu-kernel"):
