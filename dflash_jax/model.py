@@ -474,13 +474,14 @@ def lm_head_weight(params: ModelParams) -> jax.Array:
 def logits_from_hidden(params: ModelParams, hidden: jax.Array) -> jax.Array:
     """hidden: [..., embed] (already final-normed) -> float32 logits [..., vocab].
 
-    The product accumulates in float32 and is rounded to the activation dtype before the cast
-    to float32, as transformers' `lm_head` (a Linear in the model's dtype) rounds its logits.
-    In bf16 this follows the reference's greedy choices and halves what the product writes and
-    the argmax reads (257 x 151936 logits: 78 MB, not 156); float32 models are unchanged.
+    The product comes out in the activation dtype (accumulated in float32) and is then cast to
+    float32, as transformers' `lm_head` (a Linear in the model's dtype) rounds its logits. In
+    bf16 this follows the reference's greedy choices and halves what the product writes and
+    the argmax reads (257 x 151936 logits: 78 MB, not 156); float32 models are unchanged. The
+    product is asked for in bf16 itself: a float32 one rounded after is a separate XLA kernel.
     """
     logits = jnp.einsum("...e,ev->...v", hidden, lm_head_weight(params).astype(hidden.dtype),
-                        preferred_element_type=jnp.float32).astype(hidden.dtype).astype(jnp.float32)
+                        preferred_element_type=hidden.dtype).astype(jnp.float32)
     # Vocab-parallel under tp: logits stay split over the vocabulary.
     return constrain(logits, (BATCH,) * (logits.ndim > 1) + (None,) * max(logits.ndim - 2, 0) + (VOCAB,))
 

@@ -11,8 +11,9 @@ what the library picks and how far from the matrix rate each lands:
   SiLU(gate) * up), to see which of them XLA folds into the GEMM;
 * `--splits`: as `splits` products over slices of K, float32 partials out (as
   `model.split_k_product` asks for them), the sum left to the consumer (not timed);
-* `lm_head+argmax:f32` / `:bf16`: the LM head and the greedy argmax over its float32 logits, or
-  over logits rounded to bf16 first (`model.logits_from_hidden`);
+* `lm_head+argmax:f32` / `:bf16` / `:bf16-out`: the LM head and the greedy argmax over its
+  float32 logits, over those rounded to bf16 after, or over the product asked for in bf16
+  (`model.logits_from_hidden`);
 * `gate_up+silu:kernel`: the same step as `gate_up+silu` by `pallas_kernels.gate_up_silu` (one
   Mosaic GPU launch; weights [2, mlp, in], the rows padded to its tiles before the program).
 
@@ -64,6 +65,7 @@ PRODUCTS = {
     # (`model.logits_from_hidden`, as transformers' bf16 lm_head), then the argmax.
     "lm_head+argmax:f32": (4096, 151936, "argmax-f32"),
     "lm_head+argmax:bf16": (4096, 151936, "argmax-bf16"),
+    "lm_head+argmax:bf16-out": (4096, 151936, "argmax-bf16-out"),
 }
 
 
@@ -83,7 +85,10 @@ def product(x: jax.Array, w: jax.Array, layout: str, after: str | None, res: jax
     if after == "f32":
         return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32)
     if after and after.startswith("argmax"):
-        logits = jnp.einsum(eq, x, w, preferred_element_type=jnp.float32)
+        if after == "argmax-bf16-out":  # the product itself in bf16 (float32 accumulation)
+            logits = jnp.einsum(eq, x, w, preferred_element_type=x.dtype).astype(jnp.float32)
+        else:
+            logits = jnp.einsum(eq, x, w, preferred_element_type=jnp.float32)
         if after == "argmax-bf16":
             logits = logits.astype(x.dtype).astype(jnp.float32)
         return jnp.argmax(logits, -1).astype(jnp.int32)
