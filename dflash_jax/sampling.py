@@ -5,11 +5,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax import lax
-
-# Vocabulary entries per chunk of `greedy_tokens`' first reduction (about; see `_argmax_chunk`).
-ARGMAX_CHUNK = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,55 +28,6 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def _argmax_chunk(vocab: int, target: int = ARGMAX_CHUNK) -> int:
-    """A chunk length for `greedy_tokens`: a divisor of vocab within [target / 2, 2 * target]
-    (the one nearest target), so the rows split without padding; else target (the row padded)."""
-    divisors = [d for d in range(max(1, target // 2), 2 * target + 1) if vocab % d == 0]
-    return min(divisors, key=lambda d: abs(d - target)) if divisors else target
-
-
-def _max_first(values: jax.Array, index: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
-    """The largest of values along `axis` and its index, the lowest index among equal values,
-    NaN above everything (the first NaN wins): jnp.argmax's choice, as one variadic reduction."""
-    def pick(a, b):
-        (av, ai), (bv, bi) = a, b
-        a_nan, b_nan = av != av, bv != bv
-        b_first = bi < ai
-        take_b = jnp.where(a_nan, b_nan & b_first, b_nan | (bv > av) | ((bv == av) & b_first))
-        return lax.select(take_b, bv, av), lax.select(take_b, bi, ai)
-
-    init = (jnp.array(-jnp.inf, values.dtype), jnp.array(np.iinfo(np.int32).max, jnp.int32))
-    return lax.reduce((values, index), init, pick, (axis,))
-
-
-def greedy_tokens(logits: jax.Array, chunk: int | None = None) -> jax.Array:
-    """jnp.argmax(logits, -1) as int32 [...], from logits [..., vocab] (floats), in two reductions.
-
-    The first takes each chunk's largest entry and its index, the second the largest of those:
-    the same token as jnp.argmax (the lowest index among equal maxima, the first NaN if any).
-    Why: XLA reduces each row of one argmax in one thread block, and 257 rows of Qwen3's 151936
-    logits (a DDTree(256) verify) leave most of the GPU idle: 36-44 us, about 2 TB/s (BENCHMARKS.md,
-    twenty-ninth session). Chunks give the first reduction rows x vocab / chunk blocks.
-    chunk: entries per chunk (default `_argmax_chunk(vocab)`); a row of at most 2 chunks takes
-    jnp.argmax itself.
-    """
-    vocab = logits.shape[-1]
-    chunk = _argmax_chunk(vocab) if chunk is None else int(chunk)
-    if chunk < 1:
-        raise ValueError(f"chunk must be >= 1, got {chunk}")
-    n = -(-vocab // chunk)
-    if n <= 2:
-        return jnp.argmax(logits, -1).astype(jnp.int32)
-    x = logits
-    if n * chunk != vocab:  # -inf at the end: a real entry equal to it comes first
-        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n * chunk - vocab)], constant_values=-jnp.inf)
-    x = x.reshape(*x.shape[:-1], n, chunk)
-    index = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1) + lax.broadcasted_iota(
-        jnp.int32, x.shape, x.ndim - 2) * chunk
-    best, at = _max_first(x, index, x.ndim - 1)
-    return _max_first(best, at, best.ndim - 1)[1]
-
-
 def sampling_probs(logits: jax.Array, sp: SamplingParams) -> jax.Array:
     """logits [..., vocab] -> float32 probabilities after temperature, top-k, then top-p.
 
@@ -89,7 +35,7 @@ def sampling_probs(logits: jax.Array, sp: SamplingParams) -> jax.Array:
     of most probable tokens whose mass before each token is < top_p, renormalise.
     """
     if sp.greedy:
-        return jax.nn.one_hot(greedy_tokens(logits), logits.shape[-1], dtype=jnp.float32)
+        return jax.nn.one_hot(jnp.argmax(logits, -1), logits.shape[-1], dtype=jnp.float32)
     scores = logits.astype(jnp.float32) / sp.temperature
     vocab = scores.shape[-1]
     if 0 < sp.top_k < vocab:
@@ -116,5 +62,5 @@ def sample_from_probs(key: jax.Array, probs: jax.Array) -> jax.Array:
 def sample(key: jax.Array, logits: jax.Array, sp: SamplingParams) -> jax.Array:
     """logits [..., vocab] -> tokens int32 [...]."""
     if sp.greedy:
-        return greedy_tokens(logits)
+        return jnp.argmax(logits, -1).astype(jnp.int32)
     return sample_from_probs(key, sampling_probs(logits, sp))

@@ -24,7 +24,7 @@ from dflash_jax.config import ModelConfig
 from dflash_jax.generate import PAD, Generation, is_stop, prefill
 from dflash_jax.kv_cache import KVCache, gather_rows, write_rows
 from dflash_jax.model import RESIDUAL_IMPLS, ModelParams, forward
-from dflash_jax.sampling import SamplingParams, greedy_tokens, sample, sample_from_probs, sampling_probs
+from dflash_jax.sampling import SamplingParams, sample, sample_from_probs, sampling_probs
 from dflash_jax.sharding import mesh_sizes
 from dflash_jax.tree import RANK_TOP_K_MAX, ROW_BLOCK, TOP_K_CHUNK, Tree, build_tree, chain_tree, tree_width
 from pallas_kernels import kv_compact
@@ -147,7 +147,7 @@ def propose(state: SpecState, logits: jax.Array, s: SpecSettings) -> tuple[Draft
     draft_probs = None
     if s.method == "dflash":
         if s.sampling.greedy:
-            drafted = greedy_tokens(logits)
+            drafted = jnp.argmax(logits, -1).astype(jnp.int32)
         else:
             draft_probs = sampling_probs(logits, s.sampling)
             drafted = sample_from_probs(k_draft, draft_probs)
@@ -187,7 +187,7 @@ def accept_stage(key: jax.Array, draft: Draft, logits: jax.Array, s: SpecSetting
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Step 4 -> (path [batch, bs], m [batch], bonus [batch])."""
     if s.sampling.greedy:
-        choice = greedy_tokens(logits)
+        choice = jnp.argmax(logits, -1).astype(jnp.int32)
         return follow_target(draft.tree, choice, s.block_size - 1, draft.node_ok)
     if s.method == "dflash":
         target_probs = sampling_probs(logits, s.sampling)

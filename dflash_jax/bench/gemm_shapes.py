@@ -13,7 +13,7 @@ what the library picks and how far from the matrix rate each lands:
   `model.split_k_product` asks for them), the sum left to the consumer (not timed);
 * `lm_head+argmax:f32` / `:bf16` / `:bf16-out`: the LM head and the greedy argmax over its
   float32 logits, over those rounded to bf16 after, or over the product asked for in bf16
-  (`model.logits_from_hidden`), `:bf16-out-chunked` with `sampling.greedy_tokens`;
+  (`model.logits_from_hidden`);
 * `gate_up+silu:kernel`: the same step as `gate_up+silu` by `pallas_kernels.gate_up_silu` (one
   Mosaic GPU launch; weights [2, mlp, in], the rows padded to its tiles before the program).
 
@@ -35,7 +35,6 @@ import jax.numpy as jnp
 
 from dflash_jax.bench.common import environment, log, time_fn, write_json
 from dflash_jax.bench.profile import kernel_events
-from dflash_jax.sampling import greedy_tokens
 from dflash_jax.speculative import DOT_MERGER_OFF
 
 # (name, in, out, what follows the product) at the Qwen3-8B shape.
@@ -67,7 +66,6 @@ PRODUCTS = {
     "lm_head+argmax:f32": (4096, 151936, "argmax-f32"),
     "lm_head+argmax:bf16": (4096, 151936, "argmax-bf16"),
     "lm_head+argmax:bf16-out": (4096, 151936, "argmax-bf16-out"),
-    "lm_head+argmax:bf16-out-chunked": (4096, 151936, "argmax-bf16-out-chunked"),
 }
 
 
@@ -87,14 +85,12 @@ def product(x: jax.Array, w: jax.Array, layout: str, after: str | None, res: jax
     if after == "f32":
         return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32)
     if after and after.startswith("argmax"):
-        if after.startswith("argmax-bf16-out"):  # the product itself in bf16 (float32 accumulation)
+        if after == "argmax-bf16-out":  # the product itself in bf16 (float32 accumulation)
             logits = jnp.einsum(eq, x, w, preferred_element_type=x.dtype).astype(jnp.float32)
         else:
             logits = jnp.einsum(eq, x, w, preferred_element_type=jnp.float32)
         if after == "argmax-bf16":
             logits = logits.astype(x.dtype).astype(jnp.float32)
-        if after.endswith("chunked"):
-            return greedy_tokens(logits)
         return jnp.argmax(logits, -1).astype(jnp.int32)
     y = jnp.einsum(eq, x, w, preferred_element_type=x.dtype)
     if after == "res":
