@@ -280,6 +280,11 @@ class DraftParams:
     hidden_norm: Any  # [embed]
     layers: tuple  # tuple[LayerParams, ...]
     final_norm: Any  # [embed]
+    # The block-qkv layout's context keys and values for every layer as one weight
+    # [embed, layers, kv_heads, 2, head_dim] (bias [layers, kv_heads, 2, head_dim]): the fused
+    # context is the same input to every layer's k/v projection, so one product serves them all.
+    context_kv: Any = None
+    context_kv_bias: Any = None
 
 
 def draft_specs(dcfg: DraftConfig) -> DraftParams:
@@ -301,27 +306,31 @@ def init_draft_params(dcfg: DraftConfig, key: jax.Array, dtype: Any = jnp.float3
     return init_from_specs(draft_specs(dcfg), key, dtype)
 
 
-# The drafter's attention layouts (`draft_attention_layout`) and the weights each one holds
+# The drafter's attention layouts (`draft_attention_layout`) and the weights each layer holds
 # (the others None): as checkpoints store them, and the two decoding layouts of
-# `fuse_draft_projections`.
-DRAFT_LAYOUTS = {"separate": ("q", "k", "v"), "fused": ("q", "kv"), "block-qkv": ("qkv", "kv")}
+# `fuse_draft_projections` (block-qkv also holds `DraftParams.context_kv`).
+DRAFT_LAYOUTS = {"separate": ("q", "k", "v"), "fused": ("q", "kv"), "block-qkv": ("qkv",)}
 _PROJECTIONS = ("q", "k", "v", "kv", "qkv")
 
 
 def draft_attention_layout(dparams: DraftParams) -> str:
     """The layout of the drafter's attention weights, a key of `DRAFT_LAYOUTS`.
 
-    Raises ValueError naming the layer when a layer holds another set of projections (e.g. the
-    target's `qkv` alone, from `model.fuse_projections`: the context pass needs k and v without
-    q) or when the layers' layouts differ.
+    Raises ValueError naming the layer when a layer holds another set of projections, when the
+    layers' layouts differ, or when `context_kv` and the layers disagree (layers with `qkv` alone
+    but no `context_kv`, e.g. the target's layout from `model.fuse_projections`: the context
+    pass needs k and v without q; or a `context_kv` beside another layout).
     """
     found = []
     for i, lp in enumerate(dparams.layers):
         held = tuple(name for name in _PROJECTIONS if getattr(lp.attn, name) is not None)
         names = [name for name, weights in DRAFT_LAYOUTS.items() if set(weights) == set(held)]
-        if not names:
-            raise ValueError(f"drafter layer {i} holds the projections {list(held)}, not a drafter layout: "
-                             + ", ".join(f"{k} {list(v)}" for k, v in DRAFT_LAYOUTS.items()))
+        if not names or (names[0] == "block-qkv") != (dparams.context_kv is not None):
+            raise ValueError(f"drafter layer {i} holds the projections {list(held)} "
+                             f"{'with' if dparams.context_kv is not None else 'without'} a context_kv, "
+                             "not a drafter layout: "
+                             + ", ".join(f"{k} {list(v)}" for k, v in DRAFT_LAYOUTS.items())
+                             + " (block-qkv with context_kv, the others without)")
         found.append(names[0])
     if len(set(found)) > 1:
         raise ValueError(f"drafter layers mix layouts: {found}")
@@ -330,12 +339,12 @@ def draft_attention_layout(dparams: DraftParams) -> str:
 
 def is_draft_fused(dparams: DraftParams) -> bool:
     """Whether the drafter is in a decoding layout of `fuse_draft_projections` (either one)."""
-    return bool(dparams.layers) and dparams.layers[0].attn.kv is not None
+    return bool(dparams.layers) and (dparams.layers[0].attn.kv is not None or dparams.context_kv is not None)
 
 
 def is_draft_block_qkv(dparams: DraftParams) -> bool:
-    """Whether the drafter is in `fuse_draft_projections`' block-qkv layout (`qkv` and `kv`)."""
-    return is_draft_fused(dparams) and dparams.layers[0].attn.qkv is not None
+    """Whether the drafter is in `fuse_draft_projections`' block-qkv layout (`qkv`, `context_kv`)."""
+    return bool(dparams.layers) and dparams.layers[0].attn.qkv is not None and dparams.context_kv is not None
 
 
 def fused_draft_specs(dcfg: DraftConfig, block_qkv: bool = False) -> DraftParams:
@@ -347,11 +356,18 @@ def fused_draft_specs(dcfg: DraftConfig, block_qkv: bool = False) -> DraftParams
         sep.layers[0].attn, k=None, v=None, k_bias=None, v_bias=None,
         kv=Spec((e, kvh, 2, hd), (EMBED, KV_HEADS, None, HEAD_DIM), fan_in=e),
         kv_bias=Spec((kvh, 2, hd), (KV_HEADS, None, HEAD_DIM), init="zeros") if lcfg.attention_bias else None)
-    if block_qkv:  # the target's qkv (sharded by kv head), q then dropped
+    context = {}
+    if block_qkv:  # the target's qkv (sharded by kv head); q and kv go, kv stacked over layers
         joint = fused_attention_specs(lcfg)
-        attn = dataclasses.replace(attn, q=None, q_bias=None, qkv=joint.qkv, qkv_bias=joint.qkv_bias)
+        attn = dataclasses.replace(attn, q=None, q_bias=None, kv=None, kv_bias=None, qkv=joint.qkv,
+                                   qkv_bias=joint.qkv_bias)
+        n = dcfg.num_layers
+        context = dict(
+            context_kv=Spec((e, n, kvh, 2, hd), (EMBED, None, KV_HEADS, None, HEAD_DIM), fan_in=e),
+            context_kv_bias=Spec((n, kvh, 2, hd), (None, KV_HEADS, None, HEAD_DIM), init="zeros")
+            if lcfg.attention_bias else None)
     layer = dataclasses.replace(sep.layers[0], attn=attn, mlp=fused_mlp_specs(lcfg))
-    return dataclasses.replace(sep, layers=(layer,) * dcfg.num_layers)
+    return dataclasses.replace(sep, layers=(layer,) * dcfg.num_layers, **context)
 
 
 def _fused_draft_weights(k: jax.Array, v: jax.Array, k_bias: Any, v_bias: Any, gate: jax.Array, up: jax.Array
@@ -383,12 +399,14 @@ def fuse_draft_projections(dparams: DraftParams, dcfg: DraftConfig, consume: boo
     pass slice k and v out of it, a 16 MB copy a layer every round at the Qwen3-8B shape:
     BENCHMARKS.md, seventeenth session.)
     block_qkv: the block-qkv layout instead: q, k and v also as one `qkv` weight (the target's
-    layout) for the block pass, and `kv` kept for the context pass; q goes. Its full-attention
-    layers then run the block pass as the target's verify does (`draft_with_cache`): one
-    product, one kernel for norms, RoPE and cache writes, the Hopper kernel on rows. k and v are
-    held twice: 2 x embed x kv_heads x head_dim more a layer (16 MB in bf16 at Qwen3-8B's shape).
-    consume: delete each layer's separate k, v, gate and up (and, with block_qkv, q) once its
-    fused ones exist. Under tensor parallelism the fused weights follow the same rules (kv by kv
+    layout) for the block pass, and every layer's `kv` stacked into one `context_kv` for the
+    context pass (`append_context`: one product for all layers' context rows); q and the
+    per-layer kv go. Its full-attention layers then run the block pass as the target's verify
+    does (`draft_with_cache`): one product, one kernel for norms, RoPE and cache writes, the
+    Hopper kernel on rows. k and v are held twice: 2 x embed x kv_heads x head_dim more a layer
+    (16 MB in bf16 at Qwen3-8B's shape).
+    consume: delete each layer's separate k, v, gate and up (and, with block_qkv, q and kv) once
+    its fused ones exist. Under tensor parallelism the fused weights follow the same rules (kv by kv
     head, sharded or replicated as k and v are; gate_up by the MLP axis; qkv by kv head, and not
     made where `model.can_fuse` says kv heads are replicated). Params already in the layout
     asked for come back unchanged, and so do block-qkv params asked for the plain one; fused
@@ -429,27 +447,39 @@ def _fuse_kv_gate_up(dparams: DraftParams, dcfg: DraftConfig, consume: bool) -> 
 
 
 def _add_block_qkv(dparams: DraftParams, dcfg: DraftConfig, consume: bool) -> DraftParams:
-    """The plain fused layout -> the block-qkv one, a layer at a time (consume: each q deleted
-    once its qkv exists; kv is kept, not consumed)."""
+    """The plain fused layout -> the block-qkv one: each layer's qkv, a layer at a time, then
+    every kv stacked into `context_kv` (consume: each q deleted once its qkv exists, the kvs
+    once the stack does)."""
     mesh = _param_mesh(dparams)
-    out_shardings = None
+    out_shardings = stack_shardings = None
     if mesh is not None:
         if not can_fuse(dcfg.layer_config(), mesh_sizes(mesh)[1]):
             return dparams
-        specs = fused_draft_specs(dcfg, block_qkv=True).layers[0].attn
-        out_shardings = specs_shardings((specs.qkv, specs.qkv_bias), mesh)
+        specs = fused_draft_specs(dcfg, block_qkv=True)
+        out_shardings = specs_shardings((specs.layers[0].attn.qkv, specs.layers[0].attn.qkv_bias), mesh)
+        stack_shardings = specs_shardings((specs.context_kv, specs.context_kv_bias), mesh)
     join = jax.jit(_block_qkv_weights, out_shardings=out_shardings)
     layers = []
     for lp in dparams.layers:
         a = lp.attn
         qkv, qkv_bias = jax.block_until_ready(join(a.q, a.kv, a.q_bias, a.kv_bias))
-        attn = dataclasses.replace(a, q=None, q_bias=None, qkv=qkv, qkv_bias=qkv_bias)
+        attn = dataclasses.replace(a, q=None, q_bias=None, kv=None, kv_bias=None, qkv=qkv, qkv_bias=qkv_bias)
         layers.append(dataclasses.replace(lp, attn=attn))
         if consume:
             for x in (a.q, a.q_bias):
                 if x is not None:
                     x.delete()
-    return dataclasses.replace(dparams, layers=tuple(layers))
+    kvs = [lp.attn.kv for lp in dparams.layers]
+    biases = [lp.attn.kv_bias for lp in dparams.layers]
+    stack = jax.jit(lambda ws, bs: (jnp.stack(ws, axis=1), None if bs[0] is None else jnp.stack(bs, axis=0)),
+                    out_shardings=stack_shardings)
+    context_kv, context_kv_bias = jax.block_until_ready(stack(kvs, biases))
+    if consume:
+        for x in kvs + biases:
+            if x is not None:
+                x.delete()
+    return dataclasses.replace(dparams, layers=tuple(layers), context_kv=context_kv,
+                               context_kv_bias=context_kv_bias)
 
 
 # ----------------------------------------------------------------------------- context cache
@@ -493,14 +523,25 @@ def context_kv(dparams: DraftParams, dcfg: DraftConfig, taps: jax.Array, positio
     return _context_kv_of(dparams, dcfg, fuse_context(dparams, dcfg, taps), positions)
 
 
+def stacked_context_kv(dparams: DraftParams, ctx: jax.Array) -> jax.Array:
+    """The fused context ctx [batch, n, embed] through the block-qkv layout's `context_kv`
+    (bias added): every layer's keys and values, [batch, n, layers, kv_heads, 2, head_dim]."""
+    kv = _linear(ctx, dparams.context_kv, "bne,elkgd->bnlkgd")
+    return kv if dparams.context_kv_bias is None else kv + dparams.context_kv_bias.astype(kv.dtype)
+
+
 def _context_kv_of(dparams: DraftParams, dcfg: DraftConfig, ctx: jax.Array, positions: jax.Array
                    ) -> tuple[list[jax.Array], list[jax.Array]]:
     """`context_kv` from the fused context ctx [batch, n, embed]."""
     cos, sin = rope_tables(positions, dcfg.rope, dcfg.head_dim)
+    stacked = None if dparams.context_kv is None else stacked_context_kv(dparams, ctx)
     ks, vs = [], []
-    for lp in dparams.layers:
+    for i, lp in enumerate(dparams.layers):
         p = lp.attn
-        k, v = project_kv(p, ctx)
+        if stacked is None:
+            k, v = project_kv(p, ctx)
+        else:
+            k, v = stacked[:, :, i, :, 0], stacked[:, :, i, :, 1]
         k = rms_norm(k, p.k_norm, dcfg.rms_norm_eps)
         ks.append(apply_rope(k, cos, sin))
         vs.append(v)
@@ -523,12 +564,13 @@ def context_epilogue_applies(dparams: DraftParams, cache: DraftCache, dtype: Any
 
 
 def _kv_epilogue_weights(dparams: DraftParams) -> bool:
-    """Whether the drafter's weights suit `kv_epilogue`: a fused `kv` and a k norm (the kernel
-    rounds the norm as `rms_norm` does; without one XLA's path stays)."""
+    """Whether the drafter's weights suit `kv_epilogue`: fused k/v (each layer's `kv`, or the
+    stacked `context_kv`) and a k norm (the kernel rounds the norm as `rms_norm` does; without
+    one XLA's path stays)."""
     if not dparams.layers:
         return False
     attn = dparams.layers[0].attn
-    return attn.kv is not None and attn.k_norm is not None
+    return (attn.kv is not None or dparams.context_kv is not None) and attn.k_norm is not None
 
 
 def append_context(dparams: DraftParams, dcfg: DraftConfig, cache: DraftCache, taps: jax.Array,
@@ -544,6 +586,8 @@ def append_context(dparams: DraftParams, dcfg: DraftConfig, cache: DraftCache, t
     one `kv_epilogue` launch (k norm, RoPE, both cache writes; XLA ran about six kernels a layer
     for them); "xla": `context_kv` and row writes; "kernel" / "interpret": the launch wherever
     the weights allow it (interpret: in Pallas' interpreter, for tests). Same values.
+    In the block-qkv layout one product (`stacked_context_kv`) makes every layer's rows, and
+    each layer's launch reads its own layer of it.
     """
     if taps.shape[-1] != dcfg.num_taps * dcfg.hidden_size:
         raise ValueError(f"taps last axis is {taps.shape[-1]}, expected {dcfg.num_taps} taps x "
@@ -557,10 +601,12 @@ def append_context(dparams: DraftParams, dcfg: DraftConfig, cache: DraftCache, t
     forced = epilogue in ("kernel", "interpret") and _kv_epilogue_weights(dparams)
     if forced or (epilogue == "auto" and context_epilogue_applies(dparams, cache, ctx.dtype)):
         cos, sin = rope_tables(positions, dcfg.rope, dcfg.head_dim)
+        stacked = None if dparams.context_kv is None else stacked_context_kv(dparams, ctx)
         ks, vs = [], []
-        for lp, k_buf, v_buf in zip(dparams.layers, cache.k, cache.v):
-            k_buf, v_buf = kv_epilogue(kv_product(lp.attn, ctx), lp.attn.k_norm, cos, sin, k_buf, v_buf,
-                                       cache.lengths, eps=dcfg.rms_norm_eps, interpret=epilogue == "interpret")
+        for i, (lp, k_buf, v_buf) in enumerate(zip(dparams.layers, cache.k, cache.v)):
+            kv, layer = (kv_product(lp.attn, ctx), None) if stacked is None else (stacked, i)
+            k_buf, v_buf = kv_epilogue(kv, lp.attn.k_norm, cos, sin, k_buf, v_buf, cache.lengths,
+                                       eps=dcfg.rms_norm_eps, layer=layer, interpret=epilogue == "interpret")
             ks.append(k_buf)
             vs.append(v_buf)
         return DraftCache(k=tuple(ks), v=tuple(vs), lengths=lengths)

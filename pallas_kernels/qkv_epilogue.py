@@ -16,7 +16,8 @@ rounded to the activation dtype, RoPE in float32, rounded again.
 
 `kv_epilogue` is the same kernel without q (group 0): the drafter's context rows, whose keys and
 values come from its `kv` product alone (`drafter.append_context`): the k norm, RoPE and both
-cache writes in one launch instead of about six XLA kernels a drafter layer.
+cache writes in one launch instead of about six XLA kernels a drafter layer. It reads one layer
+of a product made for all layers at once (`drafter.stacked_context_kv`) in place.
 
 `qkv_epilogue_reference` and `kv_epilogue_reference` are the same contracts in jnp, from the
 model's own functions.
@@ -147,11 +148,14 @@ def qkv_epilogue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
 
 def kv_epilogue(kv: jax.Array, k_norm: jax.Array | None, cos: jax.Array, sin: jax.Array,
                 k_cache: jax.Array, v_cache: jax.Array, starts: jax.Array, *, eps: float,
-                num_warps: int = NUM_WARPS, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                layer: int | None = None, num_warps: int = NUM_WARPS, interpret: bool = False
+                ) -> tuple[jax.Array, jax.Array]:
     """`qkv_epilogue` for keys and values alone: the k norm, RoPE and both cache writes in one launch.
 
     Args:
-      kv: [batch, width, kv_heads, 2, head_dim], a `kv` product (bias added): k, then v.
+      kv: [batch, width, kv_heads, 2, head_dim], a `kv` product (bias added): k, then v; or, with
+        `layer`, [batch, width, layers, kv_heads, 2, head_dim], every layer's (the drafter's
+        `stacked_context_kv`), of which the launch reads layer `layer` in place.
       k_norm: [head_dim] RMS-norm weight, or None (no k norm).
       cos, sin: [batch, width, head_dim] f32 at the rows' positions.
       k_cache, v_cache: [batch, max_len, kv_heads, head_dim]; donated (updated in place).
@@ -159,14 +163,22 @@ def kv_epilogue(kv: jax.Array, k_norm: jax.Array | None, cos: jax.Array, sin: ja
     Returns:
       (k_cache, v_cache) with the rows' K/V at slots L .. L+width-1.
     """
-    batch, width, kv_heads, slots, head_dim = kv.shape
-    if slots != 2 or not applies_kv(head_dim):
+    head_offset, kv_heads = 0, None
+    if layer is not None:
+        if kv.ndim != 6 or not 0 <= layer < kv.shape[2]:
+            raise ValueError(f"kv_epilogue: with layer={layer}, kv {kv.shape} must be "
+                             f"[batch, width, layers, kv_heads, 2, head_dim] with layer < layers")
+        b, w, layers, kvh = kv.shape[:4]
+        kv = kv.reshape(b, w, layers * kvh, *kv.shape[4:])  # free: the layers' heads side by side
+        head_offset, kv_heads = layer * kvh, kvh
+    if kv.ndim != 5 or kv.shape[3] != 2 or not applies_kv(kv.shape[4]):
         raise ValueError(f"kv_epilogue: kv {kv.shape} must be [batch, width, kv_heads, 2, head_dim] with "
                          f"head_dim a power of two >= 32")
+    width = kv.shape[1]
     tokens = token_block(0)
     return _launch("kv_epilogue", kv, None, k_norm, cos, sin, k_cache, v_cache, starts, eps=eps,
                    padded_tokens=pl.cdiv(width, tokens) * tokens, tokens=tokens, num_warps=num_warps,
-                   interpret=interpret)
+                   interpret=interpret, head_offset=head_offset, kv_heads=kv_heads)
 
 
 def applies_kv(head_dim: int) -> bool:
@@ -176,12 +188,16 @@ def applies_kv(head_dim: int) -> bool:
 
 def _launch(name: str, qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None, cos: jax.Array,
             sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array, starts: jax.Array, *, eps: float,
-            padded_tokens: int, tokens: int, num_warps: int, interpret: bool) -> tuple[jax.Array, ...]:
-    """The kernel over qkv [batch, width, kv_heads, group + 2, head_dim] (group 0: k and v alone):
+            padded_tokens: int, tokens: int, num_warps: int, interpret: bool, head_offset: int = 0,
+            kv_heads: int | None = None) -> tuple[jax.Array, ...]:
+    """The kernel over qkv [batch, width, heads, group + 2, head_dim] (group 0: k and v alone),
+    its kv heads head_offset .. head_offset + kv_heads - 1 (default: all of them):
     (q rows [batch, kv_heads, padded_tokens, group, head_dim] if group, then k_cache, v_cache)."""
-    batch, width, kv_heads, slots, head_dim = qkv.shape
+    batch, width, heads, slots, head_dim = qkv.shape
+    kv_heads = heads if kv_heads is None else kv_heads
     group = slots - 2
-    if k_cache.shape != v_cache.shape or k_cache.shape[::2] != (batch, kv_heads) or k_cache.shape[3] != head_dim:
+    if (k_cache.shape != v_cache.shape or k_cache.shape[::2] != (batch, kv_heads) or k_cache.shape[3] != head_dim
+            or head_offset + kv_heads > heads):
         raise ValueError(f"{name}: k_cache {k_cache.shape} / v_cache {v_cache.shape} do not fit "
                          f"{qkv.shape} ([batch, max_len, kv_heads, head_dim])")
     if cos.shape != (batch, width, head_dim) or sin.shape != cos.shape:
@@ -195,7 +211,7 @@ def _launch(name: str, qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Arr
     cache_spec = pl.BlockSpec((sq, max_len, 1, head_dim), lambda b, h, i: (b, 0, h, 0))
     in_specs = [
         pl.BlockSpec((1,), lambda b, h, i: (b,)),
-        pl.BlockSpec((sq, width, sq, slots, head_dim), lambda b, h, i: (b, 0, h, 0, 0)),
+        pl.BlockSpec((sq, width, sq, slots, head_dim), lambda b, h, i: (b, 0, h + head_offset, 0, 0)),
         pl.BlockSpec((sq, width, head_dim), lambda b, h, i: (b, 0, 0)),
         pl.BlockSpec((sq, width, head_dim), lambda b, h, i: (b, 0, 0)),
         pl.BlockSpec((1, head_dim), lambda b, h, i: (0, 0)),

@@ -24,7 +24,6 @@ from dflash_jax import drafter as dr
 from dflash_jax import model as model_lib
 from dflash_jax.bench.common import SHAPES
 from dflash_jax.config import ModelConfig, RopeConfig
-from dflash_jax.model import AttentionParams
 from dflash_jax.params import is_spec
 from pallas_kernels import tree_attention_reference
 
@@ -150,8 +149,9 @@ def test_fused_path_needs_the_cache_in_the_activation_dtype(monkeypatch):
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_block_qkv_layout_keeps_every_other_weight(bias):
-    """qkv holds q then kv per kv head; every other weight is the plain fused layout's own;
-    the specs describe it; converting again is a no-op; from the fused layout it is the same."""
+    """qkv holds q then kv per kv head; context_kv every layer's kv, stacked; every other weight
+    is the plain fused layout's own; the specs describe it; converting again is a no-op; from
+    the fused layout it is the same."""
     dcfg = draft_config(attention_bias=bias)
     sep = separate_params(dcfg, jnp.float32)
     fused = dr.fuse_draft_projections(sep, dcfg)
@@ -167,15 +167,22 @@ def test_block_qkv_layout_keeps_every_other_weight(bias):
         np.testing.assert_array_equal(np.asarray(j.attn.qkv[:, :, :group]),
                                       np.asarray(f.attn.q).reshape(e, dcfg.num_kv_heads, group, dcfg.head_dim))
         np.testing.assert_array_equal(np.asarray(j.attn.qkv[:, :, group:]), np.asarray(f.attn.kv))
+        assert j.attn.kv is None and j.attn.kv_bias is None
         if bias:
             np.testing.assert_array_equal(np.asarray(j.attn.qkv_bias[:, :group]),
                                           np.asarray(f.attn.q_bias).reshape(dcfg.num_kv_heads, group, -1))
             np.testing.assert_array_equal(np.asarray(j.attn.qkv_bias[:, group:]), np.asarray(f.attn.kv_bias))
         else:
             assert j.attn.qkv_bias is None
-    # Every weight but q / q_bias -> qkv / qkv_bias is the plain fused layout's, unchanged.
-    strip = lambda dp: dataclasses.replace(dp, layers=tuple(  # noqa: E731
-        dataclasses.replace(lp, attn=dataclasses.replace(lp.attn, q=None, q_bias=None, qkv=None, qkv_bias=None))
+    for i, f in enumerate(fused.layers):
+        np.testing.assert_array_equal(np.asarray(joint.context_kv[:, i]), np.asarray(f.attn.kv))
+        if bias:
+            np.testing.assert_array_equal(np.asarray(joint.context_kv_bias[i]), np.asarray(f.attn.kv_bias))
+    assert (joint.context_kv_bias is None) == (not bias)
+    # Every weight but q / kv -> qkv / context_kv is the plain fused layout's, unchanged.
+    strip = lambda dp: dataclasses.replace(dp, context_kv=None, context_kv_bias=None, layers=tuple(  # noqa: E731
+        dataclasses.replace(lp, attn=dataclasses.replace(lp.attn, q=None, q_bias=None, qkv=None, qkv_bias=None,
+                                                         kv=None, kv_bias=None))
         for lp in dp.layers))
     assert jax.tree.structure(strip(fused)) == jax.tree.structure(strip(joint))
     for a, b in zip(jax.tree.leaves(strip(fused)), jax.tree.leaves(strip(joint))):
@@ -194,12 +201,12 @@ def test_block_qkv_layout_keeps_every_other_weight(bias):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_consume_frees_q_and_keeps_kv():
+def test_consume_frees_q_and_kv():
     dcfg = draft_config()
     fused = dr.fuse_draft_projections(separate_params(dcfg, jnp.float32), dcfg)
     q0, kv0 = fused.layers[0].attn.q, fused.layers[0].attn.kv
     joint = dr.fuse_draft_projections(fused, dcfg, consume=True, block_qkv=True)
-    assert q0.is_deleted() and not kv0.is_deleted() and joint.layers[0].attn.kv is kv0
+    assert q0.is_deleted() and kv0.is_deleted() and not joint.context_kv.is_deleted()
     sep = separate_params(dcfg, jnp.float32)
     k0 = sep.layers[0].attn.k
     joint = dr.fuse_draft_projections(sep, dcfg, consume=True, block_qkv=True)
@@ -210,14 +217,15 @@ def test_layouts_that_cannot_draft_are_refused():
     dcfg = draft_config()
     sep = separate_params(dcfg, jnp.float32)
     joint = dr.fuse_draft_projections(sep, dcfg, block_qkv=True)
-    # The target's layout: qkv alone, no kv for the context pass.
-    a = joint.layers[1].attn
-    target_like = dataclasses.replace(joint, layers=tuple(
-        dataclasses.replace(lp, attn=AttentionParams(o=a.o, q_norm=a.q_norm, k_norm=a.k_norm, qkv=a.qkv))
-        for lp in joint.layers))
-    with pytest.raises(ValueError, match=r"layer 0 holds the projections \['qkv'\], not a drafter layout"):
+    # The target's layout: qkv alone, no context_kv for the context pass.
+    target_like = dataclasses.replace(joint, context_kv=None)
+    with pytest.raises(ValueError, match=r"layer 0 holds the projections \['qkv'\] without a context_kv"):
         dr.fuse_draft_projections(target_like, dcfg, block_qkv=True)
-    mixed = dataclasses.replace(joint, layers=(sep.layers[0],) + joint.layers[1:])
+    # A context_kv beside per-layer kv weights is no layout either.
+    fused = dr.fuse_draft_projections(sep, dcfg)
+    with pytest.raises(ValueError, match=r"\['q', 'kv'\] with a context_kv"):
+        dr.draft_attention_layout(dataclasses.replace(fused, context_kv=joint.context_kv))
+    mixed = dataclasses.replace(fused, layers=(sep.layers[0],) + fused.layers[1:])
     with pytest.raises(ValueError, match="mix layouts"):
         dr.draft_attention_layout(mixed)
 
@@ -362,6 +370,36 @@ def test_context_rows_through_the_kv_epilogue_match_xla(layout, dtype):
     tol = 1e-5 if dtype == jnp.float32 else 2 ** -7
     for g, w in zip(got.k + got.v, want.k + want.v):
         assert_close(g, w, tol)
+
+
+@pytest.mark.parametrize("epilogue", ["xla", "interpret"])
+def test_stacked_context_kv_writes_what_each_layers_kv_writes(epilogue):
+    """The block-qkv layout's one product for every layer's context rows (`context_kv`) fills the
+    caches as the plain fused layout's per-layer `kv` products do, bias included."""
+    dcfg = draft_config(attention_bias=True)
+    sep = separate_params(dcfg, jnp.float32)
+    fused, joint = dr.fuse_draft_projections(sep, dcfg), dr.fuse_draft_projections(sep, dcfg, block_qkv=True)
+    batch, n = 2, 9
+    taps = jax.random.normal(jax.random.key(7), (batch, n, dcfg.num_taps * dcfg.hidden_size))
+    cache = dr.DraftCache.create(dcfg, batch, 48, jnp.float32)
+    cache = dataclasses.replace(cache, lengths=jnp.array([5, 17], jnp.int32))
+    positions = cache.lengths[:, None] + jnp.arange(n, dtype=jnp.int32)
+    counts = jnp.array([9, 2], jnp.int32)
+    got = dr.append_context(joint, dcfg, cache, taps, positions, counts, epilogue=epilogue)
+    want = dr.append_context(fused, dcfg, cache, taps, positions, counts, epilogue=epilogue)
+    for g, w in zip(got.k + got.v, want.k + want.v):
+        assert_close(g, w, 1e-6)
+
+
+def test_kv_epilogue_layer_must_name_one_of_the_stack():
+    from pallas_kernels.qkv_epilogue import kv_epilogue
+    kv = jnp.zeros((1, 4, 3, 2, 2, 32))
+    cache = jnp.zeros((1, 16, 2, 32))
+    cos = jnp.ones((1, 4, 32))
+    with pytest.raises(ValueError, match="layer=3"):
+        kv_epilogue(kv, None, cos, cos, cache, cache, jnp.zeros((1,), jnp.int32), eps=1e-6, layer=3)
+    with pytest.raises(ValueError, match="layer=0"):
+        kv_epilogue(kv[:, :, 0], None, cos, cos, cache, cache, jnp.zeros((1,), jnp.int32), eps=1e-6, layer=0)
 
 
 def test_context_epilogue_choices(monkeypatch):
