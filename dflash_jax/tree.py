@@ -54,6 +54,12 @@ RADIX_BITS = 4
 RADIX_BY_DEFAULT = False
 # `radix_top_k`'s preselection chunk by default: 4 keeps its passes on a quarter of the row.
 RADIX_PRECHUNK = 4
+# `build_tree`'s `preselect` value for the vocabulary top-k as two Triton kernels
+# (`kernel_top_k`, pallas_kernels/top_k.py).
+KERNEL_PRESELECT = "kernel"
+# `build_tree`'s vocabulary top-k on a GPU by default: `kernel_top_k` when True (before
+# RADIX_BY_DEFAULT). Off until timed on the H200 against `preselected_top_k`.
+KERNEL_TOP_K_BY_DEFAULT = False
 
 
 @jax.tree_util.register_dataclass
@@ -200,7 +206,7 @@ def _check_draft_inputs(log_probs: Any, root_tokens: Any) -> None:
 
 def build_tree(log_probs: jax.Array, root_tokens: jax.Array, budget: int,
                width: int | None = None, top_k_chunk: int = TOP_K_CHUNK,
-               rank_max: int = RANK_TOP_K_MAX, preselect: int | None = None) -> Tree:
+               rank_max: int = RANK_TOP_K_MAX, preselect: int | str | None = None) -> Tree:
     """DDTree: the root plus the `budget` most probable draft prefixes.
 
     log_probs:   [batch, depth, vocab] float, log q_d for draft depths 1..depth (the drafter's
@@ -215,8 +221,10 @@ def build_tree(log_probs: jax.Array, root_tokens: jax.Array, budget: int,
                  `ranked_top_k` (longer ones use lax.top_k); the tree is the same for every value.
     preselect:   static int, the fan-out of the vocabulary top-k's preselection
                  (`preselected_top_k`); 0 takes `chunked_top_k`; a negative -c takes
-                 `radix_top_k` with prechunk c (-1: none); None: `preselect_fanout`'s default
-                 for the backend. The tree is the same for every value.
+                 `radix_top_k` with prechunk c (-1: none); KERNEL_PRESELECT ("kernel") takes
+                 `kernel_top_k` (Triton kernels; interpreted off a GPU); None:
+                 `preselect_fanout`'s default for the backend. The tree is the same for every
+                 value.
 
     Node scores are summed log-probs along the path. Ties are broken by lower depth, then by
     rank within the depth (lower parent rank, then lower token rank, token ranks coming from a
@@ -584,10 +592,32 @@ def radix_top_k(rows: jax.Array, k: int, bits: int = RADIX_BITS, prechunk: int =
     return jnp.take_along_axis(rows, indices, axis=1), indices
 
 
-def preselect_fanout(preselect: int | None, k: int, backend: str | None = None) -> int:
+def kernel_top_k(rows: jax.Array, k: int, backend: str | None = None) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k(rows, k)` (values bitwise, int32 indices, same order and tie-break) as two
+    Triton kernels (`pallas_kernels.top_k.top_k`: chunk maxima over the row, then per row the
+    exact k-th best chunk, the chosen chunks' candidates and their exact top k), where they
+    apply (`pallas_kernels.top_k.applies`: k <= 2048, rows up to about half a million entries
+    at k 16); elsewhere `chunked_top_k`.
+
+    rows: [n, length] float32 or narrower; k: static int <= length; backend: where it runs
+    (default `jax.default_backend()`): compiled on "gpu", in Pallas' interpreter elsewhere.
+    Why: at [15, 151936] the XLA ways (`preselected_top_k`, `radix_top_k`) took 103-106 us of
+    kernel time at k 256 on the H200 in a dozen or more kernels; here the row is read once by
+    one launch and the selection runs in a second one.
+    """
+    from pallas_kernels import top_k as kernels
+
+    _, k = _check_rank_input(rows, k)
+    if k == 0 or not kernels.applies(rows.shape[1], k):
+        return chunked_top_k(rows, k)
+    return kernels.top_k(rows, k, interpret=(backend or jax.default_backend()) != "gpu")
+
+
+def preselect_fanout(preselect: int | str | None, k: int, backend: str | None = None) -> int | str:
     """The fan-out `build_tree` uses for a vocabulary top-k of k: `preselect` as given (0 =
-    none; a negative -c takes `radix_top_k` with prechunk c, -1 without one), or by default, on a
-    GPU (`backend`, default `jax.default_backend()`), -RADIX_PRECHUNK if RADIX_BY_DEFAULT, else
+    none; a negative -c takes `radix_top_k` with prechunk c, -1 without one; KERNEL_PRESELECT
+    takes `kernel_top_k`), or by default, on a GPU (`backend`, default `jax.default_backend()`),
+    KERNEL_PRESELECT if KERNEL_TOP_K_BY_DEFAULT, else -RADIX_PRECHUNK if RADIX_BY_DEFAULT, else
     PRESELECT_RANKED // k within 2..PRESELECT_FANOUT for k <= PRESELECT_MAX_K, else none. None
     elsewhere: XLA's CPU backend writes each ranking's [n, m, m] compare out before summing it;
     on the 2-core development CPU, trees at [15, 49152] (SmolLM2) took 1.9 against 3.3 ms at
@@ -596,11 +626,15 @@ def preselect_fanout(preselect: int | None, k: int, backend: str | None = None) 
     if preselect is None:
         if (backend or jax.default_backend()) != "gpu":
             return 0
+        if KERNEL_TOP_K_BY_DEFAULT:
+            return KERNEL_PRESELECT
         if RADIX_BY_DEFAULT:
             return -RADIX_PRECHUNK
         if k > PRESELECT_MAX_K:
             return 0
         return min(PRESELECT_FANOUT, max(2, PRESELECT_RANKED // max(k, 1)))
+    if isinstance(preselect, str) and preselect == KERNEL_PRESELECT:
+        return KERNEL_PRESELECT
     preselect = _check_int("preselect", preselect, -(1 << 30))
     if preselect == 1:
         raise ValueError("preselect must be 0 (none), a fan-out >= 2 or -prechunk (radix), got 1")
@@ -608,11 +642,13 @@ def preselect_fanout(preselect: int | None, k: int, backend: str | None = None) 
 
 
 def _per_depth_best(log_probs: jax.Array, budget: int, chunk: int = TOP_K_CHUNK,
-                    rank_max: int = RANK_TOP_K_MAX, preselect: int = 0
+                    rank_max: int = RANK_TOP_K_MAX, preselect: int | str = 0,
+                    kernel_backend: str | None = None
                     ) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
     """Best `budget` nodes of every depth, each depth in rank order.
 
-    log_probs: [batch, depth, vocab] sanitised float32.
+    log_probs: [batch, depth, vocab] sanitised float32. preselect: as `preselect_fanout`
+    returns it; kernel_backend: `kernel_top_k`'s backend (default: jax's).
     Returns per depth d (list index d-1), each [batch, n_d]: scores, token ids, and the rank of
     the parent within depth d-1's list (0 = root at depth 1).
     """
@@ -622,7 +658,9 @@ def _per_depth_best(log_probs: jax.Array, budget: int, chunk: int = TOP_K_CHUNK,
     # On rows ([batch * depth, vocab]): XLA lowers a rank-2 top_k to its TopK kernel, but a
     # rank-3 one to a full sort of the vocabulary (measured: 220 of a 340 ms CPU round).
     rows = log_probs.reshape(batch * depth, vocab)
-    if preselect < 0:
+    if preselect == KERNEL_PRESELECT:
+        token_lp, token_ids = kernel_top_k(rows, n_tokens, kernel_backend)
+    elif preselect < 0:
         token_lp, token_ids = radix_top_k(rows, n_tokens, RADIX_BITS, -preselect)
     elif preselect:
         token_lp, token_ids = preselected_top_k(rows, n_tokens, preselect, rank_max)
@@ -657,10 +695,10 @@ def _per_depth_best(log_probs: jax.Array, budget: int, chunk: int = TOP_K_CHUNK,
 
 def _build_tree_impl(log_probs: jax.Array, root_tokens: jax.Array, budget: int, width: int,
                      top_k_chunk: int = TOP_K_CHUNK, rank_max: int = RANK_TOP_K_MAX,
-                     preselect: int = 0) -> Tree:
+                     preselect: int | str = 0, kernel_backend: str | None = None) -> Tree:
     batch, depth, _ = log_probs.shape
     scores, tokens, parent_rank = _per_depth_best(_sanitize(log_probs), budget, top_k_chunk, rank_max,
-                                                  preselect)
+                                                  preselect, kernel_backend)
 
     # Concatenate the depths: flat index = offset[d] + rank, so a lower flat index means lower
     # depth, then lower rank -- exactly the tie-break, which stable top_k applies for free.
@@ -709,7 +747,8 @@ def _build_tree_impl(log_probs: jax.Array, root_tokens: jax.Array, budget: int, 
 
 
 _build_tree = jax.jit(_build_tree_impl,
-                      static_argnames=("budget", "width", "top_k_chunk", "rank_max", "preselect"))
+                      static_argnames=("budget", "width", "top_k_chunk", "rank_max", "preselect",
+                                       "kernel_backend"))
 
 
 def chain_tree(block_tokens: jax.Array, width: int | None = None) -> Tree:

@@ -35,7 +35,8 @@ from dflash_jax.config import default_tap_layers
 from dflash_jax.model import RESIDUAL_IMPLS, init_params, kernel_mlp_layout
 from dflash_jax.speculative import COMMAND_BUFFERS_OFF, DOT_MERGER_OFF, SpecSettings, SpecState, spec_round
 from dflash_jax.stage_times import STAGES  # the round's named scopes
-from dflash_jax.tree import RADIX_PRECHUNK, RANK_TOP_K_MAX, ROW_BLOCK, TOP_K_CHUNK, preselect_fanout
+from dflash_jax.tree import (KERNEL_PRESELECT, RADIX_PRECHUNK, RANK_TOP_K_MAX, ROW_BLOCK, TOP_K_CHUNK,
+                             preselect_fanout)
 from pallas_kernels.tree_attention import PALLAS_VARIANTS
 
 
@@ -257,11 +258,14 @@ def _checked_xla_options(text: str) -> str:
     return text
 
 
-def parse_preselect(text: str) -> int | None:
-    """--preselect value: "auto" (the default for the budget and backend), a fan-out (0 = none), or
-    "radix" / "radixC" (tree.radix_top_k with prechunk tree.RADIX_PRECHUNK / C: preselect -C)."""
+def parse_preselect(text: str) -> int | str | None:
+    """--preselect value: "auto" (the default for the budget and backend), a fan-out (0 = none),
+    "radix" / "radixC" (tree.radix_top_k with prechunk tree.RADIX_PRECHUNK / C: preselect -C), or
+    "kernel" (tree.kernel_top_k, the Triton kernels: preselect tree.KERNEL_PRESELECT)."""
     if text == "auto":
         return None
+    if text == KERNEL_PRESELECT:
+        return KERNEL_PRESELECT
     try:
         if text.startswith("radix"):
             prechunk = int(text[5:]) if text[5:] else RADIX_PRECHUNK
@@ -271,7 +275,7 @@ def parse_preselect(text: str) -> int | None:
         return preselect_fanout(int(text), 1)
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"--preselect takes 'auto', 0, a fan-out >= 2, 'radix' or 'radixC' "
-                                         f"(C >= 1), got {text!r} ({e})")
+                                         f"(C >= 1) or 'kernel', got {text!r} ({e})")
 
 
 def main() -> None:
@@ -312,7 +316,8 @@ def main() -> None:
     ap.add_argument("--preselect", nargs="+", type=parse_preselect, default=[None],
                     help="DDTree's vocabulary top-k preselection fan-out (tree.preselected_top_k), 0 for "
                          "--top-k-chunk's two stages alone, radix or radixC for tree.radix_top_k (prechunk C, "
-                         "shown as preselect -C), auto for the default (several: each is timed, "
+                         "shown as preselect -C), kernel for tree.kernel_top_k (the Triton kernels of "
+                         "pallas_kernels/top_k.py), auto for the default (several: each is timed, "
                          "side by side)")
     ap.add_argument("--row-block", nargs="+", type=int, default=[ROW_BLOCK],
                     help="DDTree's width is 1 + budget rounded up to a multiple of this (tree.tree_width) "
