@@ -180,3 +180,15 @@ def test_greedy_ddtree_with_the_kernel_is_the_same(tmp_path) -> None:
         out.append((np.asarray(g.tokens), np.asarray(g.num_tokens)))
     np.testing.assert_array_equal(out[0][0], out[1][0])
     np.testing.assert_array_equal(out[0][1], out[1][1])
+
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU (the compiled kernels)")
+@pytest.mark.parametrize("k,length", [(1, 37), (16, 4099), (64, 997), (256, 1237), (256, 20000),
+                                      (256, 151936), (512, 2053), (512, 151936)])
+def test_gpu_kernel_equals_top_k(k: int, length: int) -> None:
+    """The compiled kernels (no interpreter) on the same hard rows: exactly lax.top_k."""
+    rows = jnp.asarray(hard_rows(k * 7919 + length, length, k))
+    check_equal(jax.jit(lambda r: tk.top_k(r, k))(rows), jax.lax.top_k(rows, k))
