@@ -58,8 +58,9 @@ RADIX_PRECHUNK = 4
 # (`kernel_top_k`, pallas_kernels/top_k.py).
 KERNEL_PRESELECT = "kernel"
 # `build_tree`'s vocabulary top-k on a GPU by default: `kernel_top_k` when True (before
-# RADIX_BY_DEFAULT). Off until timed on the H200 against `preselected_top_k`.
-KERNEL_TOP_K_BY_DEFAULT = False
+# RADIX_BY_DEFAULT). On an H200 the tree's kernels took 0.15 against 0.23 ms a DDTree(256) round
+# and 0.27 against 0.39 at budget 512 (BENCHMARKS.md, twenty-ninth session).
+KERNEL_TOP_K_BY_DEFAULT = True
 
 
 @jax.tree_util.register_dataclass

@@ -244,8 +244,10 @@ def test_tree_with_preselection_is_the_same() -> None:
     check_structure(preselected, 65)
 
 
-def test_preselection_by_default_on_gpu_only() -> None:
+def test_preselection_by_default_on_gpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
     fanout = tree_module.preselect_fanout
+    assert fanout(None, 256, "gpu") == tree_module.KERNEL_PRESELECT  # the Triton top-k first
+    monkeypatch.setattr(tree_module, "KERNEL_TOP_K_BY_DEFAULT", False)
     assert [fanout(None, k, "gpu") for k in (1, 16, 64, 128, 256, 257, 512, 513)] == [8, 8, 8, 8, 4, 3, 2, 0]
     assert fanout(None, 64, "cpu") == 0
     assert fanout(3, 512, "cpu") == 3 and fanout(0, 64, "gpu") == 0

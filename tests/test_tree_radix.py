@@ -115,7 +115,8 @@ def test_tree_with_radix_is_the_same() -> None:
 
 def test_radix_preselect_values(monkeypatch: pytest.MonkeyPatch) -> None:
     assert preselect_fanout(-1, 256, "cpu") == -1 and preselect_fanout(-4, 16, "gpu") == -4
-    assert preselect_fanout(None, 256, "gpu") == 4  # today's default until RADIX_BY_DEFAULT
+    monkeypatch.setattr(tree_module, "KERNEL_TOP_K_BY_DEFAULT", False)  # the kernel comes first
+    assert preselect_fanout(None, 256, "gpu") == 4  # the XLA preselection until RADIX_BY_DEFAULT
     monkeypatch.setattr(tree_module, "RADIX_BY_DEFAULT", True)
     assert preselect_fanout(None, 256, "gpu") == -tree_module.RADIX_PRECHUNK
     assert preselect_fanout(None, 1024, "gpu") == -tree_module.RADIX_PRECHUNK
