@@ -48,7 +48,9 @@ class SpecSettings:
     attn_impl: str = "auto"  # "reference"/"interpret" also keep the commit's K/V compaction in XLA
     top_k_chunk: int = TOP_K_CHUNK  # DDTree's vocabulary top_k in chunks (tree.chunked_top_k); 0: one top_k
     rank_max: int = RANK_TOP_K_MAX  # DDTree's own top-k selections by ranking up to this length (build_tree)
-    preselect: int | None = None  # DDTree's vocabulary top-k preselection fan-out; 0: none; None: by backend
+    # DDTree's vocabulary top-k (`tree.build_tree`'s preselect): a fan-out, 0 (none), -c (radix),
+    # "kernel" (the Triton top-k, `tree.kernel_top_k`); None: by backend (on a GPU, the kernel).
+    preselect: int | str | None = None
     # The commit moves every layer's accepted K/V in one Pallas launch (`pallas_kernels/kv_compact.py`)
     # where `compact_in_one_launch` allows it; False: a gather + row write per buffer in XLA (2 x layers
     # kernels), e.g. to compare the two.
