@@ -554,7 +554,7 @@ CONTEXT_EPILOGUES = ("auto", "xla", "kernel", "interpret")
 def context_epilogue_applies(dparams: DraftParams, cache: DraftCache, dtype: Any, backend: str | None = None
                              ) -> bool:
     """Whether `append_context` can write the context rows through `qkv_epilogue.kv_epilogue`:
-    the fused `kv` weights with a k norm, no mesh (under one the caches are sharded), a cache in
+    fused k/v weights with a k norm (`_kv_epilogue_weights`), no mesh (under one the caches are sharded), a cache in
     the activation dtype, and a head size the Triton kernel takes; on a GPU (`backend`, default
     `jax.default_backend()`) for "auto"."""
     if not _kv_epilogue_weights(dparams) or (backend or jax.default_backend()) != "gpu":
@@ -567,10 +567,7 @@ def _kv_epilogue_weights(dparams: DraftParams) -> bool:
     """Whether the drafter's weights suit `kv_epilogue`: fused k/v (each layer's `kv`, or the
     stacked `context_kv`) and a k norm (the kernel rounds the norm as `rms_norm` does; without
     one XLA's path stays)."""
-    if not dparams.layers:
-        return False
-    attn = dparams.layers[0].attn
-    return (attn.kv is not None or dparams.context_kv is not None) and attn.k_norm is not None
+    return is_draft_fused(dparams) and dparams.layers[0].attn.k_norm is not None
 
 
 def append_context(dparams: DraftParams, dcfg: DraftConfig, cache: DraftCache, taps: jax.Array,

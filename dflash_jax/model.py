@@ -39,7 +39,8 @@ class AttentionParams:
     The target's decoding layout (`fuse_projections`): qkv and qkv_bias, the others None.
     The drafter's (`drafter.fuse_draft_projections`): q and q_bias, kv and kv_bias (its keys and
     values come from two row sets, the context's and the block's; its queries from one); or, in
-    its block-qkv layout, qkv and qkv_bias for the block and kv and kv_bias for the context.
+    its block-qkv layout, qkv and qkv_bias for the block (the context's k and v then live in
+    `drafter.DraftParams.context_kv`, every layer's stacked).
     """
     q: Any = None  # [embed, q_heads, head_dim]
     k: Any = None  # [embed, kv_heads, head_dim]

@@ -160,7 +160,7 @@ def test_fused_drafter_matches_its_separate_weights(fused_pair, bias):
     positions = jnp.broadcast_to(jnp.arange(7), (2, 7))
     counts = jnp.array([7, 4], jnp.int32)
     block = dr.make_block(dcfg, jnp.array([3, 5], jnp.int32))
-    joint = dr.fuse_draft_projections(dparams, dcfg, block_qkv=True)  # qkv for the block, kv for the context
+    joint = dr.fuse_draft_projections(dparams, dcfg, block_qkv=True)  # qkv for the block, context_kv for the context
     out = {}
     for name, dp in (("separate", dparams), ("fused", fused), ("block-qkv", joint)):
         cache = dr.DraftCache.create(dcfg, 2, 64)
