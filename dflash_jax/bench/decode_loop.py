@@ -4,7 +4,10 @@
 round after round without waiting. The generation (`speculative.generate_speculative`) loops until
 every sequence is done: a `while_loop` whose condition the host reads back before it issues the
 next round (XLA's while thunk), so each round starts with the GPU waiting for the host to issue
-its first kernels. `SpecSettings.rounds_per_check` = k reads `done` once every k rounds.
+its first kernels. `SpecSettings.rounds_per_check` = k reads `done` once every k rounds. `--command-buffers` compiles
+the generation with XLA's command buffers (CUDA graphs) on as well: with WHILE and CONDITIONAL
+among their types, XLA may run the loop itself as a graph with conditional nodes, which needs no
+host read of the condition; the optimized HLO's command-buffer calls are counted to show whether it did.
 
 Per setting, on the random-weight target (Qwen3-8B shape, 5-layer drafter, batch 1, a random
 prompt of --ctx tokens): the median wall time of a whole generation of --new tokens, of the
@@ -13,12 +16,15 @@ round run (`(generation - prefill) / rounds run`, where rounds run = k * ceil(ro
 round needed. Beside them, in the same process, `spec_round`'s 8-round call.
 
     python -m dflash_jax.bench.decode_loop --budget 256 --ctx 4096 --new 64 --rounds-per-check 1 4 8
+    python -m dflash_jax.bench.decode_loop --rounds-per-check 1 --command-buffers off all
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import math
+import re
 import time
 from typing import Any
 
@@ -26,8 +32,23 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.bench.common import SHAPES, environment, log, time_fn, write_json
-from dflash_jax.bench.spec_round import decoding_pair, make_state, timed_rounds
-from dflash_jax.speculative import (DDTREE_COMPILER_OPTIONS, SpecSettings, speculative_program, start_state)
+from dflash_jax.bench.spec_round import COMMAND_BUFFERS, decoding_pair, make_state, timed_rounds
+from dflash_jax.speculative import (_STATIC, DDTREE_COMPILER_OPTIONS, SpecSettings, _generate, speculative_program,
+                                   start_state)
+
+
+def generation_program(s: SpecSettings, command_buffers: str):
+    """The generation as decoding compiles it ("off": `speculative_program`), or with XLA's command
+    buffers as `spec_round --command-buffers` names them (the dot merger off, as for DDTree)."""
+    if command_buffers == "off":
+        return speculative_program(s)
+    options = {**DDTREE_COMPILER_OPTIONS, **COMMAND_BUFFERS[command_buffers]}
+    return jax.jit(_generate, static_argnames=_STATIC, compiler_options=options)
+
+
+def command_buffer_calls(hlo_text: str) -> int:
+    """Calls of command-buffer computations in an optimized HLO module's text."""
+    return len(re.findall(r"command_buffer", hlo_text))
 
 
 def main() -> None:
@@ -38,6 +59,10 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64, help="max new tokens per generation")
     ap.add_argument("--rounds-per-check", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--command-buffers", nargs="+", default=["off"], choices=["off"] + sorted(COMMAND_BUFFERS),
+                    help="XLA's command buffers for the generation: off (as decoding compiles it), or as "
+                         "spec_round names them, e.g. all (every type, WHILE and CONDITIONAL among them); "
+                         "several: each is timed")
     ap.add_argument("--out")
     args = ap.parse_args()
     env = environment()
@@ -56,17 +81,22 @@ def main() -> None:
                          iters=args.iters)["median_ms"]
     log(f"prefill {prefill_ms:.2f} ms")
     rows: list[dict[str, Any]] = []
-    for k in args.rounds_per_check:
+    for cb, k in itertools.product(args.command_buffers, args.rounds_per_check):
         s = dataclasses.replace(base, rounds_per_check=k)
-        program = speculative_program(s)
+        program = generation_program(s, cb)
         t0 = time.perf_counter()
-        gen = program(target, cfg, dparams, dcfg, prompts, lens, key, settings=s, max_len=max_len)
+        # Compiled ahead of time, so the HLO read is the one timed; static arguments are baked in.
+        compiled = program.lower(target, cfg, dparams, dcfg, prompts, lens, key, settings=s,
+                                 max_len=max_len).compile()
+        hlo = compiled.as_text() or ""
+        gen = compiled(target, dparams, prompts, lens, key)
         rounds = int(jax.device_get(gen.rounds).max())
         compile_s = time.perf_counter() - t0
-        total = time_fn(lambda: program(target, cfg, dparams, dcfg, prompts, lens, key, settings=s,
-                                        max_len=max_len).tokens, warmup=0, iters=args.iters)["median_ms"]
+        total = time_fn(lambda: compiled(target, dparams, prompts, lens, key).tokens, warmup=0,
+                        iters=args.iters)["median_ms"]
         run = k * math.ceil(rounds / k)
-        row = {"rounds_per_check": k, "rounds": rounds, "rounds_run": run, "generation_ms": round(total, 2),
+        row = {"command_buffers": cb, "command_buffer_calls": command_buffer_calls(hlo),
+               "rounds_per_check": k, "rounds": rounds, "rounds_run": run, "generation_ms": round(total, 2),
                "prefill_ms": round(prefill_ms, 2), "ms_per_round_run": round((total - prefill_ms) / run, 3),
                "ms_per_round_needed": round((total - prefill_ms) / rounds, 3), "first_call_s": round(compile_s, 1)}
         log(row)
@@ -77,12 +107,14 @@ def main() -> None:
     log(f"spec_round's 8-round call: {bench_ms:.3f} ms a round")
     print(f"\n{env['device']}, jax {env['jax']}, DDTree({args.budget}), prompt {args.ctx}, {args.new} new tokens, "
           f"batch 1 (random weights: about one token a round)")
-    print("| rounds per check | rounds | rounds run | generation ms | prefill ms | ms / round run | ms / round needed |")
-    print("|---|---|---|---|---|---|---|")
+    print("| command buffers (calls in HLO) | rounds per check | rounds | rounds run | generation ms | prefill ms "
+          "| ms / round run | ms / round needed |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['rounds_per_check']} | {r['rounds']} | {r['rounds_run']} | {r['generation_ms']} | "
-              f"{r['prefill_ms']} | {r['ms_per_round_run']} | {r['ms_per_round_needed']} |")
-    print(f"| spec_round (fori_loop of 8) | | | | | {bench_ms:.3f} | |")
+        print(f"| {r['command_buffers']} ({r['command_buffer_calls']}) | {r['rounds_per_check']} | {r['rounds']} | "
+              f"{r['rounds_run']} | {r['generation_ms']} | {r['prefill_ms']} | {r['ms_per_round_run']} | "
+              f"{r['ms_per_round_needed']} |")
+    print(f"| spec_round (fori_loop of 8) | | | | | | {bench_ms:.3f} | |")
     if args.out:
         write_json(args.out, {"env": env, "rows": rows, "spec_round_ms": bench_ms})
 
