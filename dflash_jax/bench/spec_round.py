@@ -124,10 +124,14 @@ DOT_MERGER = {"default": {}, "off": DOT_MERGER_OFF}
 # both in one process. DDTree decoding compiles with them off (speculative.DDTREE_COMPILER_OPTIONS),
 # which measured faster once the Mosaic GPU kernel ran in every layer.
 # "all": every command type XLA can put in a graph, loops and custom calls included, and graphs
-# of any size (whether that captures the whole round depends on what each custom call allows).
+# of any size (whether that captures the whole round depends on what each custom call allows);
+# "no-loops" the same without WHILE and CONDITIONAL.
 COMMAND_BUFFERS = {"default": {}, "off": COMMAND_BUFFERS_OFF,
                    "all": {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
-                           "xla_gpu_graph_min_graph_size": 1}}
+                           "xla_gpu_graph_min_graph_size": 1},
+                   # "all" less the loop types: graphs of kernels only, loops run by the host.
+                   "no-loops": {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN",
+                                "xla_gpu_graph_min_graph_size": 1}}
 
 
 def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool, rounds: int = ROUNDS_PER_CALL,
