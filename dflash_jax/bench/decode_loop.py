@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.bench.common import SHAPES, environment, log, time_fn, write_json
+from dflash_jax.model import kernel_mlp_layout
 from dflash_jax.bench.spec_round import COMMAND_BUFFERS, decoding_pair, make_state, timed_rounds
 from dflash_jax.speculative import (_STATIC, DDTREE_COMPILER_OPTIONS, SpecSettings, _generate, speculative_program,
                                    start_state)
@@ -58,6 +59,9 @@ def main() -> None:
                     help="XLA's command buffers for the generation: off (as decoding compiles it), or as "
                          "spec_round names them, e.g. all (every type, WHILE and CONDITIONAL among them); "
                          "several: each is timed")
+    ap.add_argument("--mlp", nargs="+", choices=("xla", "kernel"), default=["xla"],
+                    help="the verify's MLP: XLA's gate_up product and SiLU, or the gated-activation kernel "
+                         "(the target in `model.kernel_mlp_layout`); several: each is timed")
     ap.add_argument("--out")
     args = ap.parse_args()
     env = environment()
@@ -75,28 +79,35 @@ def main() -> None:
     prefill_ms = time_fn(lambda: prefill(target, dparams, prompts, lens, key).count, warmup=1,
                          iters=args.iters)["median_ms"]
     log(f"prefill {prefill_ms:.2f} ms")
+    targets = {"xla": target}
+    if "kernel" in args.mlp:  # both layouts kept: 7 GB more at Qwen3-8B
+        targets["kernel"] = kernel_mlp_layout(target)
     programs = []
-    for cb, k in itertools.product(args.command_buffers, args.rounds_per_check):
+    first_tokens = None
+    for cb, mlp, k in itertools.product(args.command_buffers, args.mlp, args.rounds_per_check):
         s = dataclasses.replace(base, rounds_per_check=k)
         t0 = time.perf_counter()
         # Compiled ahead of time; the static arguments are baked in.
-        compiled = generation_program(s, cb).lower(target, cfg, dparams, dcfg, prompts, lens, key, settings=s,
-                                                   max_len=max_len).compile()
-        gen = compiled(target, dparams, prompts, lens, key)
+        compiled = generation_program(s, cb).lower(targets[mlp], cfg, dparams, dcfg, prompts, lens, key,
+                                                   settings=s, max_len=max_len).compile()
+        gen = compiled(targets[mlp], dparams, prompts, lens, key)
         rounds = int(jax.device_get(gen.rounds).max())
-        programs.append((cb, k, rounds, compiled, round(time.perf_counter() - t0, 1)))
+        tokens = jax.device_get(gen.tokens)
+        first_tokens = tokens if first_tokens is None else first_tokens
+        same = bool((tokens == first_tokens).all())
+        programs.append((cb, mlp, k, rounds, same, compiled, round(time.perf_counter() - t0, 1)))
     # Timed in turns, one generation of each per turn, so drift falls on all alike.
     times: list[list[float]] = [[] for _ in programs]
     for _ in range(args.iters):
-        for i, (*_, compiled, _) in enumerate(programs):
+        for i, (_, mlp, *_, compiled, _) in enumerate(programs):
             t0 = time.perf_counter()
-            jax.block_until_ready(compiled(target, dparams, prompts, lens, key).tokens)
+            jax.block_until_ready(compiled(targets[mlp], dparams, prompts, lens, key).tokens)
             times[i].append((time.perf_counter() - t0) * 1e3)
     rows: list[dict[str, Any]] = []
-    for (cb, k, rounds, _, first_s), ts in zip(programs, times):
+    for (cb, mlp, k, rounds, same, _, first_s), ts in zip(programs, times):
         total = statistics.median(ts)
         run = k * math.ceil(rounds / k)
-        row = {"command_buffers": cb, "rounds_per_check": k, "rounds": rounds, "rounds_run": run,
+        row = {"command_buffers": cb, "mlp": mlp, "tokens_as_first": same, "rounds_per_check": k, "rounds": rounds, "rounds_run": run,
                "generation_ms": round(total, 2), "prefill_ms": round(prefill_ms, 2),
                "ms_per_round_run": round((total - prefill_ms) / run, 3),
                "ms_per_round_needed": round((total - prefill_ms) / rounds, 3), "first_call_s": first_s,
@@ -113,14 +124,15 @@ def main() -> None:
         log(f"spec_round's 8-round call, command buffers {cb}: {bench[cb]:.3f} ms a round")
     print(f"\n{env['device']}, jax {env['jax']}, DDTree({args.budget}), prompt {args.ctx}, {args.new} new tokens, "
           f"batch 1 (random weights: about one token a round)")
-    print("| command buffers | rounds per check | rounds | rounds run | generation ms | prefill ms "
-          "| ms / round run | ms / round needed |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| command buffers | MLP | tokens as the first row's | rounds per check | rounds | rounds run | generation ms "
+          "| prefill ms | ms / round run | ms / round needed |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['command_buffers']} | {r['rounds_per_check']} | {r['rounds']} | {r['rounds_run']} | "
+        print(f"| {r['command_buffers']} | {r['mlp']} | {r['tokens_as_first']} | {r['rounds_per_check']} | "
+              f"{r['rounds']} | {r['rounds_run']} | "
               f"{r['generation_ms']} | {r['prefill_ms']} | {r['ms_per_round_run']} | {r['ms_per_round_needed']} |")
     for cb, ms in bench.items():
-        print(f"| {cb}: spec_round (fori_loop of 8) | | | | | | {ms:.3f} | |")
+        print(f"| {cb}: spec_round (fori_loop of 8) | xla | | | | | | | {ms:.3f} | |")
     if args.out:
         write_json(args.out, {"env": env, "rows": rows, "spec_round_ms": bench})
 
