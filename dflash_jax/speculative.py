@@ -330,12 +330,21 @@ _generate_dflash = jax.jit(_generate, static_argnames=_STATIC)
 # wide (a 48 MB copy per layer per round at Qwen3-8B, budget 256). With the pass off, a DDTree(256)
 # round took 15.66 ms instead of 16.20 (H200, BENCHMARKS.md); DFlash rounds showed no gain.
 DOT_MERGER_OFF = {"xla_gpu_dot_merger_threshold_mb": 0}
-# XLA's command buffers (CUDA graphs) cost DDTree rounds time once the Hopper kernel runs in every
-# layer (why was not established): without them a DDTree(256) round took 12.04 ms instead of 12.30
-# (H200, BENCHMARKS.md, thirteenth session); with every command type in graphs, 11.80 ms against
-# 11.67 off (fourteenth session).
+# XLA's command buffers (CUDA graphs) for every command type, the loop types (WHILE, CONDITIONAL)
+# included. The generation's while_loop otherwise has the host read `done` back after every round
+# before it issues the next, so each round starts with the GPU waiting on the host. A DDTree(256)
+# round as decoding runs it (`bench/decode_loop.py`, 127 rounds, in turns) took 10.33 / 10.58 /
+# 10.54 ms with them against 10.52 / 10.78 / 10.75 ms with command buffers off, on three H200s, the
+# same tokens; without the loop types 10.70 against 10.78 (BENCHMARKS.md, thirtieth session).
+# spec_round's fori_loop, which reads nothing back, is as fast either way. Earlier sessions had them
+# off, when they cost spec_round time (12.04 against 12.30 ms, thirteenth session).
+COMMAND_BUFFERS_ALL = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
+                       "xla_gpu_graph_min_graph_size": 1}
 COMMAND_BUFFERS_OFF = {"xla_gpu_enable_command_buffer": ""}
-DDTREE_COMPILER_OPTIONS = {**DOT_MERGER_OFF, **COMMAND_BUFFERS_OFF}
+DDTREE_COMPILER_OPTIONS = {**DOT_MERGER_OFF, **COMMAND_BUFFERS_ALL}
+# The same without graphs, for programs a profiler must see into (a trace cannot attribute the
+# kernels of a graph to their HLO instructions).
+DDTREE_PROFILED_OPTIONS = {**DOT_MERGER_OFF, **COMMAND_BUFFERS_OFF}
 _generate_ddtree = jax.jit(_generate, static_argnames=_STATIC, compiler_options=DDTREE_COMPILER_OPTIONS)
 
 

@@ -2,12 +2,13 @@
 
 `spec_round` times rounds in a `fori_loop` of 8, whose trip count XLA knows, so the host issues
 round after round without waiting. The generation (`speculative.generate_speculative`) loops until
-every sequence is done: a `while_loop` whose condition the host reads back before it issues the
-next round (XLA's while thunk), so each round starts with the GPU waiting for the host to issue
-its first kernels. `SpecSettings.rounds_per_check` = k reads `done` once every k rounds. `--command-buffers` compiles
-the generation with XLA's command buffers (CUDA graphs) on as well: with WHILE and CONDITIONAL
-among their types, XLA may run the loop itself as a graph with conditional nodes, which needs no
-host read of the condition. The generations are timed in turns.
+every sequence is done: a `while_loop`. Run by the host (XLA's while thunk), it reads the
+condition back before it issues the next round, so each round starts with the GPU waiting for the
+host to issue its first kernels; `SpecSettings.rounds_per_check` = k reads `done` once every k
+rounds. With XLA's command buffers (CUDA graphs) for every command type, WHILE and CONDITIONAL among
+them, as DDTree decoding compiles it (`speculative.DDTREE_COMPILER_OPTIONS`), XLA can run the loop
+as a graph with conditional nodes instead. `--command-buffers` times the generation as decoding
+compiles it and with other settings (`spec_round`'s names); the generations are timed in turns.
 
 Per setting, on the random-weight target (Qwen3-8B shape, 5-layer drafter, batch 1, a random
 prompt of --ctx tokens): the median wall time of a whole generation of --new tokens, of the
@@ -16,7 +17,8 @@ round run (`(generation - prefill) / rounds run`, where rounds run = k * ceil(ro
 round needed. Beside them, in the same process, `spec_round`'s 8-round call.
 
     python -m dflash_jax.bench.decode_loop --budget 256 --ctx 4096 --new 64 --rounds-per-check 1 4 8
-    python -m dflash_jax.bench.decode_loop --rounds-per-check 1 --command-buffers off all
+    python -m dflash_jax.bench.decode_loop --new 128 --rounds-per-check 1 --method ddtree dflash \
+        --command-buffers decoding off all
 """
 from __future__ import annotations
 
@@ -34,17 +36,25 @@ import jax.numpy as jnp
 from dflash_jax.bench.common import SHAPES, environment, log, time_fn, write_json
 from dflash_jax.model import kernel_mlp_layout
 from dflash_jax.bench.spec_round import COMMAND_BUFFERS, decoding_pair, make_state, timed_rounds
-from dflash_jax.speculative import (_STATIC, DDTREE_COMPILER_OPTIONS, SpecSettings, _generate, speculative_program,
-                                   start_state)
+from dflash_jax.speculative import (_STATIC, DDTREE_COMPILER_OPTIONS, DOT_MERGER_OFF, SpecSettings, _generate,
+                                   speculative_program, start_state)
 
 
 def generation_program(s: SpecSettings, command_buffers: str):
-    """The generation as decoding compiles it ("off": `speculative_program`), or with XLA's command
-    buffers as `spec_round --command-buffers` names them (the dot merger off, as for DDTree)."""
-    if command_buffers == "off":
+    """The generation as decoding compiles it ("decoding": `speculative_program`), or with XLA's
+    command buffers as `spec_round --command-buffers` names them (DDTree with its dot merger off,
+    as decoding has it)."""
+    if command_buffers == "decoding":
         return speculative_program(s)
-    options = {**DDTREE_COMPILER_OPTIONS, **COMMAND_BUFFERS[command_buffers]}
+    options = {**(DOT_MERGER_OFF if s.method == "ddtree" else {}), **COMMAND_BUFFERS[command_buffers]}
     return jax.jit(_generate, static_argnames=_STATIC, compiler_options=options)
+
+
+def decoding_options(s: SpecSettings, command_buffers: str) -> dict[str, Any] | None:
+    """spec_round's compile options for the same setting (`generation_program`)."""
+    if command_buffers == "decoding":
+        return DDTREE_COMPILER_OPTIONS if s.method == "ddtree" else None
+    return {**(DOT_MERGER_OFF if s.method == "ddtree" else {}), **COMMAND_BUFFERS[command_buffers]}
 
 
 def main() -> None:
@@ -55,10 +65,12 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64, help="max new tokens per generation")
     ap.add_argument("--rounds-per-check", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--command-buffers", nargs="+", default=["off"], choices=["off"] + sorted(COMMAND_BUFFERS),
-                    help="XLA's command buffers for the generation: off (as decoding compiles it), or as "
-                         "spec_round names them, e.g. all (every type, WHILE and CONDITIONAL among them); "
-                         "several: each is timed")
+    ap.add_argument("--method", nargs="+", choices=("ddtree", "dflash"), default=["ddtree"],
+                    help="DDTree (at --budget) or DFlash; several: each is timed")
+    ap.add_argument("--command-buffers", nargs="+", default=["decoding"], choices=["decoding"] + sorted(COMMAND_BUFFERS),
+                    help="XLA's command buffers for the generation: as decoding compiles it (every command type "
+                         "for DDTree, XLA's default for DFlash), or as spec_round names them: off, default, all "
+                         "(every type, WHILE and CONDITIONAL among them), no-loops; several: each is timed")
     ap.add_argument("--mlp", nargs="+", choices=("xla", "kernel"), default=["xla"],
                     help="the verify's MLP: XLA's gate_up product and SiLU, or the gated-activation kernel "
                          "(the target in `model.kernel_mlp_layout`); several: each is timed")
@@ -70,12 +82,14 @@ def main() -> None:
     prompts = jax.random.randint(jax.random.key(2), (1, args.ctx), 0, cfg.vocab_size - 1, jnp.int32)
     lens = jnp.full((1,), args.ctx, jnp.int32)
     key = jax.random.key(0)
-    base = SpecSettings(method="ddtree", budget=args.budget, block_size=dcfg.block_size, max_new_tokens=args.new)
-    max_len = -(-(args.ctx + args.new + base.cache_slack()) // 128) * 128
+    bases = {m: SpecSettings(method=m, budget=args.budget, block_size=dcfg.block_size, max_new_tokens=args.new)
+             for m in args.method}
+    base = bases[args.method[0]]
+    max_len = -(-(args.ctx + args.new + max(b.cache_slack() for b in bases.values())) // 128) * 128
     log("weights ready")
 
     prefill = jax.jit(lambda t, d, p, l, k: start_state(t, cfg, d, dcfg, p, l, k, max_len, base),
-                      compiler_options=DDTREE_COMPILER_OPTIONS)
+                      compiler_options=decoding_options(base, "decoding"))
     prefill_ms = time_fn(lambda: prefill(target, dparams, prompts, lens, key).count, warmup=1,
                          iters=args.iters)["median_ms"]
     log(f"prefill {prefill_ms:.2f} ms")
@@ -83,9 +97,14 @@ def main() -> None:
     if "kernel" in args.mlp:  # both layouts kept: 7 GB more at Qwen3-8B
         targets["kernel"] = kernel_mlp_layout(target)
     programs = []
-    first_tokens = None
-    for cb, mlp, k in itertools.product(args.command_buffers, args.mlp, args.rounds_per_check):
-        s = dataclasses.replace(base, rounds_per_check=k)
+    first_tokens: dict[str, Any] = {}  # by method
+    combos = [(m, cb) for m in args.method for cb in args.command_buffers]
+    # A setting that compiles as an earlier one of the same method (DDTree's "decoding" is "all") runs once.
+    combos = [(m, cb) for i, (m, cb) in enumerate(combos)
+              if all(m != m2 or decoding_options(bases[m], cb) != decoding_options(bases[m2], cb2)
+                     for m2, cb2 in combos[:i])]
+    for (method, cb), mlp, k in itertools.product(combos, args.mlp, args.rounds_per_check):
+        s = dataclasses.replace(bases[method], rounds_per_check=k)
         t0 = time.perf_counter()
         # Compiled ahead of time; the static arguments are baked in.
         compiled = generation_program(s, cb).lower(targets[mlp], cfg, dparams, dcfg, prompts, lens, key,
@@ -93,21 +112,20 @@ def main() -> None:
         gen = compiled(targets[mlp], dparams, prompts, lens, key)
         rounds = int(jax.device_get(gen.rounds).max())
         tokens = jax.device_get(gen.tokens)
-        first_tokens = tokens if first_tokens is None else first_tokens
-        same = bool((tokens == first_tokens).all())
-        programs.append((cb, mlp, k, rounds, same, compiled, round(time.perf_counter() - t0, 1)))
+        same = bool((tokens == first_tokens.setdefault(method, tokens)).all())
+        programs.append((method, cb, mlp, k, rounds, same, compiled, round(time.perf_counter() - t0, 1)))
     # Timed in turns, one generation of each per turn, so drift falls on all alike.
     times: list[list[float]] = [[] for _ in programs]
     for _ in range(args.iters):
-        for i, (_, mlp, *_, compiled, _) in enumerate(programs):
+        for i, (_, _, mlp, *_, compiled, _) in enumerate(programs):
             t0 = time.perf_counter()
             jax.block_until_ready(compiled(targets[mlp], dparams, prompts, lens, key).tokens)
             times[i].append((time.perf_counter() - t0) * 1e3)
     rows: list[dict[str, Any]] = []
-    for (cb, mlp, k, rounds, same, _, first_s), ts in zip(programs, times):
+    for (method, cb, mlp, k, rounds, same, _, first_s), ts in zip(programs, times):
         total = statistics.median(ts)
         run = k * math.ceil(rounds / k)
-        row = {"command_buffers": cb, "mlp": mlp, "tokens_as_first": same, "rounds_per_check": k, "rounds": rounds, "rounds_run": run,
+        row = {"method": method, "command_buffers": cb, "mlp": mlp, "tokens_as_first": same, "rounds_per_check": k, "rounds": rounds, "rounds_run": run,
                "generation_ms": round(total, 2), "prefill_ms": round(prefill_ms, 2),
                "ms_per_round_run": round((total - prefill_ms) / run, 3),
                "ms_per_round_needed": round((total - prefill_ms) / rounds, 3), "first_call_s": first_s,
@@ -117,22 +135,24 @@ def main() -> None:
     # The round benchmark's program, same weights, same context, same process, with each
     # command-buffer setting (off: as DDTree decoding compiles it).
     bench: dict[str, float] = {}
-    for cb in args.command_buffers:
+    for method, cb in combos:
         state = make_state(cfg, dcfg, args.ctx, max_len, base.max_new_tokens, jnp.bfloat16)  # donated
-        options = DDTREE_COMPILER_OPTIONS if cb == "off" else {**DDTREE_COMPILER_OPTIONS, **COMMAND_BUFFERS[cb]}
-        bench[cb], _, _ = timed_rounds(target, dparams, cfg, dcfg, base, state, options)
-        log(f"spec_round's 8-round call, command buffers {cb}: {bench[cb]:.3f} ms a round")
-    print(f"\n{env['device']}, jax {env['jax']}, DDTree({args.budget}), prompt {args.ctx}, {args.new} new tokens, "
+        name = f"{method} {cb}"
+        bench[name], _, _ = timed_rounds(target, dparams, cfg, dcfg, bases[method], state,
+                                         decoding_options(bases[method], cb))
+        log(f"spec_round's 8-round call, {name}: {bench[name]:.3f} ms a round")
+    print(f"\n{env['device']}, jax {env['jax']}, {'/'.join(args.method)} (DDTree budget {args.budget}), "
+          f"prompt {args.ctx}, {args.new} new tokens, "
           f"batch 1 (random weights: about one token a round)")
-    print("| command buffers | MLP | tokens as the first row's | rounds per check | rounds | rounds run | generation ms "
-          "| prefill ms | ms / round run | ms / round needed |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| method | command buffers | MLP | tokens as the method's first | rounds per check | rounds | rounds run "
+          "| generation ms | prefill ms | ms / round run | ms / round needed |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['command_buffers']} | {r['mlp']} | {r['tokens_as_first']} | {r['rounds_per_check']} | "
+        print(f"| {r['method']} | {r['command_buffers']} | {r['mlp']} | {r['tokens_as_first']} | {r['rounds_per_check']} | "
               f"{r['rounds']} | {r['rounds_run']} | "
               f"{r['generation_ms']} | {r['prefill_ms']} | {r['ms_per_round_run']} | {r['ms_per_round_needed']} |")
     for cb, ms in bench.items():
-        print(f"| {cb}: spec_round (fori_loop of 8) | xla | | | | | | | {ms:.3f} | |")
+        print(f"| {cb}: spec_round (fori_loop of 8) | | xla | | | | | | | {ms:.3f} | |")
     if args.out:
         write_json(args.out, {"env": env, "rows": rows, "spec_round_ms": bench})
 

@@ -39,7 +39,7 @@ from dflash_jax.bench.common import SHAPES, environment, log, write_json
 from dflash_jax.bench.launch_cost import issue_us
 from dflash_jax.bench.profile import hlo_op_names, on_gpu_stream, scope_of, thread_names, trace_events
 from dflash_jax.bench.spec_round import decoding_pair, make_state, timed_rounds
-from dflash_jax.speculative import DDTREE_COMPILER_OPTIONS, SpecSettings
+from dflash_jax.speculative import DDTREE_PROFILED_OPTIONS, SpecSettings
 from dflash_jax.stage_times import STAGES
 
 _CORRELATION_KEYS = ("correlation_id", "correlation id", "correlationId")
@@ -237,7 +237,7 @@ def main() -> None:
     rows = []
     for rounds in args.rounds:
         state = make_state(cfg, dcfg, args.ctx, max_len, s.max_new_tokens, jnp.bfloat16)
-        ms, rnd, call = timed_rounds(target, dparams, cfg, dcfg, s, state, DDTREE_COMPILER_OPTIONS, rounds=rounds)
+        ms, rnd, call = timed_rounds(target, dparams, cfg, dcfg, s, state, DDTREE_PROFILED_OPTIONS, rounds=rounds)
         wall = ms * rounds
         issue = issue_us(call) / 1e3
         piped = pipelined_ms(call, args.pipeline)

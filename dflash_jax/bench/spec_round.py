@@ -8,8 +8,11 @@ of a jitted, donated call that runs 8 rounds (or AR steps) in an on-device loop,
 does, after warm-up (compile excluded). The split by stage (draft, tree, verify, accept,
 commit: named scopes in `spec_round`) comes from a profiler trace of that same program; on GPU
 it needs XLA command buffers off (XLA_FLAGS=--xla_gpu_enable_command_buffer=), which hide
-per-instruction attribution. For each stage as its own program on real prompts, see
-`dflash_jax.stage_times` (`dflash-jax generate --stage-times`).
+per-instruction attribution, so a profiled DDTree round compiles them off where DDTree decoding
+has them on for every command type (`--no-profile` times it as decoding compiles it; the two
+time the same here, where the loop's trip count is known and nothing is read back). For each
+stage as its own program on real prompts, see `dflash_jax.stage_times` (`dflash-jax generate
+--stage-times`).
 """
 from __future__ import annotations
 
@@ -33,7 +36,8 @@ from dflash_jax.bench.common import LAYOUTS, SHAPES, dump_hlo, environment, log,
 from dflash_jax.bench.profile import profile_program, scale_profile
 from dflash_jax.config import default_tap_layers
 from dflash_jax.model import RESIDUAL_IMPLS, init_params, kernel_mlp_layout
-from dflash_jax.speculative import COMMAND_BUFFERS_OFF, DOT_MERGER_OFF, SpecSettings, SpecState, spec_round
+from dflash_jax.speculative import (COMMAND_BUFFERS_ALL, COMMAND_BUFFERS_OFF, DOT_MERGER_OFF, SpecSettings, SpecState,
+                                   spec_round)
 from dflash_jax.stage_times import STAGES  # the round's named scopes
 from dflash_jax.tree import (KERNEL_PRESELECT, RADIX_PRECHUNK, RANK_TOP_K_MAX, ROW_BLOCK, TOP_K_CHUNK,
                              preselect_fanout)
@@ -120,18 +124,14 @@ def timed_rounds(target, dparams, cfg, dcfg, s: SpecSettings, state: SpecState,
 # Threshold 0 turns the pass off; `--dot-merger default off` times both in one process.
 # DDTree decoding compiles with the pass off (speculative.DDTREE_COMPILER_OPTIONS).
 DOT_MERGER = {"default": {}, "off": DOT_MERGER_OFF}
-# XLA's command buffers (CUDA graphs) as they are, or off; `--command-buffers default off` times
-# both in one process. DDTree decoding compiles with them off (speculative.DDTREE_COMPILER_OPTIONS),
-# which measured faster once the Mosaic GPU kernel ran in every layer.
-# "all": every command type XLA can put in a graph, loops and custom calls included, and graphs
-# of any size (whether that captures the whole round depends on what each custom call allows);
-# "no-loops" the same without WHILE and CONDITIONAL.
-COMMAND_BUFFERS = {"default": {}, "off": COMMAND_BUFFERS_OFF,
-                   "all": {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
-                           "xla_gpu_graph_min_graph_size": 1},
-                   # "all" less the loop types: graphs of kernels only, loops run by the host.
-                   "no-loops": {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN",
-                                "xla_gpu_graph_min_graph_size": 1}}
+# XLA's command buffers (CUDA graphs) as they are, off, or for every command type XLA can put in
+# a graph, loops and custom calls included, in graphs of any size ("all": as DDTree decoding
+# compiles them, speculative.DDTREE_COMPILER_OPTIONS; whether that captures the whole round depends
+# on what each custom call allows); "no-loops" the same without WHILE and CONDITIONAL.
+# `--command-buffers default off all` times them in one process.
+COMMAND_BUFFERS = {"default": {}, "off": COMMAND_BUFFERS_OFF, "all": COMMAND_BUFFERS_ALL,
+                   "no-loops": {**COMMAND_BUFFERS_ALL,
+                                "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"}}
 
 
 def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool, rounds: int = ROUNDS_PER_CALL,
@@ -169,9 +169,12 @@ def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_le
                    table: int = 0, command_buffers: str = "decoding", xla_options: str = "",
                    timers: list | None = None, timeline: bool = False, clocks: bool = False) -> dict:
     state = make_state(cfg, dcfg, ctx, max_len, s.max_new_tokens, target.embed.dtype)
-    as_decoding = "off" if s.method == "ddtree" else "default"  # speculative.DDTREE_COMPILER_OPTIONS
-    dot_merger = as_decoding if dot_merger == "decoding" else dot_merger
-    command_buffers = as_decoding if command_buffers == "decoding" else command_buffers
+    ddtree = s.method == "ddtree"  # as decoding compiles it: speculative.DDTREE_COMPILER_OPTIONS
+    dot_merger = ("off" if ddtree else "default") if dot_merger == "decoding" else dot_merger
+    if command_buffers == "decoding":
+        # A profile cannot see into graphs, and this fori_loop times the same with or without them
+        # (BENCHMARKS.md, thirtieth session), so a profiled DDTree round compiles them off.
+        command_buffers = ("off" if profile else "all") if ddtree else "default"
     options = {**DOT_MERGER[dot_merger], **COMMAND_BUFFERS[command_buffers], **parse_xla_options(xla_options)} or None
     ms, rnd, call, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile, rounds, options, table,
                                          timeline, clocks)
@@ -341,9 +344,9 @@ def main() -> None:
                     help="rounds per jitted call (several: each is timed, side by side)")
     ap.add_argument("--command-buffers", nargs="+", choices=sorted(COMMAND_BUFFERS) + ["decoding"],
                     default=["decoding"],
-                    help="XLA's command buffers (CUDA graphs) as decoding compiles them (off for DDTree, as "
-                         "they are for DFlash), as they are, off, or every command type (all) (several: each "
-                         "is timed, side by side)")
+                    help="XLA's command buffers (CUDA graphs) as decoding compiles them (every command type "
+                         "for DDTree, as they are for DFlash), as they are, off, every command type (all), or "
+                         "all but the loop types (no-loops) (several: each is timed, side by side)")
     ap.add_argument("--xla-options", nargs="+", type=_checked_xla_options, default=[""],
                     help="extra XLA compile options per variant, KEY=VALUE[,KEY=VALUE...] ('' for none), e.g. "
                          "xla_gpu_enable_pdl=false (several: each is timed, side by side; a variant whose "
