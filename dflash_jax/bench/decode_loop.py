@@ -6,8 +6,8 @@ every sequence is done: a `while_loop`. Run by the host (XLA's while thunk), it 
 condition back before it issues the next round, so each round starts with the GPU waiting for the
 host to issue its first kernels; `SpecSettings.rounds_per_check` = k reads `done` once every k
 rounds. With XLA's command buffers (CUDA graphs) for every command type, WHILE and CONDITIONAL among
-them, as DDTree decoding compiles it (`speculative.DDTREE_COMPILER_OPTIONS`), XLA can run the loop
-as a graph with conditional nodes instead. `--command-buffers` times the generation as decoding
+them, as decoding compiles it (`speculative.DDTREE_COMPILER_OPTIONS`, `DFLASH_COMPILER_OPTIONS`),
+XLA can run the loop as a graph with conditional nodes instead. `--command-buffers` times the generation as decoding
 compiles it and with other settings (`spec_round`'s names); the generations are timed in turns.
 
 Per setting, on the random-weight target (Qwen3-8B shape, 5-layer drafter, batch 1, a random
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from dflash_jax.bench.common import SHAPES, environment, log, time_fn, write_json
 from dflash_jax.model import kernel_mlp_layout
 from dflash_jax.bench.spec_round import COMMAND_BUFFERS, decoding_pair, make_state, timed_rounds
-from dflash_jax.speculative import (_STATIC, DDTREE_COMPILER_OPTIONS, DOT_MERGER_OFF, SpecSettings, _generate,
+from dflash_jax.speculative import (_STATIC, DDTREE_COMPILER_OPTIONS, DFLASH_COMPILER_OPTIONS, DOT_MERGER_OFF, SpecSettings, _generate,
                                    speculative_program, start_state)
 
 
@@ -53,7 +53,7 @@ def generation_program(s: SpecSettings, command_buffers: str):
 def decoding_options(s: SpecSettings, command_buffers: str) -> dict[str, Any] | None:
     """spec_round's compile options for the same setting (`generation_program`)."""
     if command_buffers == "decoding":
-        return DDTREE_COMPILER_OPTIONS if s.method == "ddtree" else None
+        return DDTREE_COMPILER_OPTIONS if s.method == "ddtree" else DFLASH_COMPILER_OPTIONS
     return {**(DOT_MERGER_OFF if s.method == "ddtree" else {}), **COMMAND_BUFFERS[command_buffers]}
 
 
@@ -68,8 +68,8 @@ def main() -> None:
     ap.add_argument("--method", nargs="+", choices=("ddtree", "dflash"), default=["ddtree"],
                     help="DDTree (at --budget) or DFlash; several: each is timed")
     ap.add_argument("--command-buffers", nargs="+", default=["decoding"], choices=["decoding"] + sorted(COMMAND_BUFFERS),
-                    help="XLA's command buffers for the generation: as decoding compiles it (every command type "
-                         "for DDTree, XLA's default for DFlash), or as spec_round names them: off, default, all "
+                    help="XLA's command buffers for the generation: as decoding compiles it (every command type), "
+                         "or as spec_round names them: off, default, all "
                          "(every type, WHILE and CONDITIONAL among them), no-loops; several: each is timed")
     ap.add_argument("--mlp", nargs="+", choices=("xla", "kernel"), default=["xla"],
                     help="the verify's MLP: XLA's gate_up product and SiLU, or the gated-activation kernel "

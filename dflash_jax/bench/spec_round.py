@@ -8,9 +8,9 @@ of a jitted, donated call that runs 8 rounds (or AR steps) in an on-device loop,
 does, after warm-up (compile excluded). The split by stage (draft, tree, verify, accept,
 commit: named scopes in `spec_round`) comes from a profiler trace of that same program; on GPU
 it needs XLA command buffers off (XLA_FLAGS=--xla_gpu_enable_command_buffer=), which hide
-per-instruction attribution, so a profiled DDTree round compiles them off where DDTree decoding
-has them on for every command type (`--no-profile` times it as decoding compiles it; the two
-time the same here, where the loop's trip count is known and nothing is read back). For each
+per-instruction attribution, so a profiled round compiles them off where decoding has them on for
+every command type (`--no-profile` times it as decoding compiles it; the two time about the same
+here, where the loop's trip count is known and nothing is read back). For each
 stage as its own program on real prompts, see `dflash_jax.stage_times` (`dflash-jax generate
 --stage-times`).
 """
@@ -169,12 +169,12 @@ def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_le
                    table: int = 0, command_buffers: str = "decoding", xla_options: str = "",
                    timers: list | None = None, timeline: bool = False, clocks: bool = False) -> dict:
     state = make_state(cfg, dcfg, ctx, max_len, s.max_new_tokens, target.embed.dtype)
-    ddtree = s.method == "ddtree"  # as decoding compiles it: speculative.DDTREE_COMPILER_OPTIONS
-    dot_merger = ("off" if ddtree else "default") if dot_merger == "decoding" else dot_merger
+    # As decoding compiles it: speculative.DDTREE_COMPILER_OPTIONS / DFLASH_COMPILER_OPTIONS.
+    dot_merger = ("off" if s.method == "ddtree" else "default") if dot_merger == "decoding" else dot_merger
     if command_buffers == "decoding":
-        # A profile cannot see into graphs, and this fori_loop times the same with or without them
-        # (BENCHMARKS.md, thirtieth session), so a profiled DDTree round compiles them off.
-        command_buffers = ("off" if profile else "all") if ddtree else "default"
+        # A profile cannot see into graphs, and this fori_loop times about the same with or
+        # without them (BENCHMARKS.md, thirtieth session), so a profiled round compiles them off.
+        command_buffers = "off" if profile else "all"
     options = {**DOT_MERGER[dot_merger], **COMMAND_BUFFERS[command_buffers], **parse_xla_options(xla_options)} or None
     ms, rnd, call, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile, rounds, options, table,
                                          timeline, clocks)
@@ -344,8 +344,8 @@ def main() -> None:
                     help="rounds per jitted call (several: each is timed, side by side)")
     ap.add_argument("--command-buffers", nargs="+", choices=sorted(COMMAND_BUFFERS) + ["decoding"],
                     default=["decoding"],
-                    help="XLA's command buffers (CUDA graphs) as decoding compiles them (every command type "
-                         "for DDTree, as they are for DFlash), as they are, off, every command type (all), or "
+                    help="XLA's command buffers (CUDA graphs) as decoding compiles them (every command type; "
+                         "off where the round is profiled), as they are, off, every command type (all), or "
                          "all but the loop types (no-loops) (several: each is timed, side by side)")
     ap.add_argument("--xla-options", nargs="+", type=_checked_xla_options, default=[""],
                     help="extra XLA compile options per variant, KEY=VALUE[,KEY=VALUE...] ('' for none), e.g. "
