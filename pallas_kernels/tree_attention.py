@@ -702,6 +702,11 @@ def tree_attention_rows(q_rows: jax.Array, k: jax.Array, v: jax.Array, prefix_le
 # Dispatcher
 # --------------------------------------------------------------------------------------------
 
+def triton_takes(head_dim: int) -> bool:
+    """Whether the Triton kernel takes this head size (a power-of-two block of at least 16)."""
+    return head_dim >= _MIN_BLOCK and is_power_of_two(head_dim)
+
+
 def resolve_impl(impl: Impl = "auto") -> str:
     """The implementation ``tree_attention`` runs for ``impl``: "pallas" on a GPU backend."""
     if impl == "auto":
@@ -723,7 +728,8 @@ def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Ar
         prefix_lens[b] .. prefix_lens[b]+width-1.
       prefix_lens: [batch] int32.
       visible: [batch, width, width] bool, or None for causal among the new tokens.
-      impl: "auto" (Pallas on GPU, reference elsewhere), "pallas" (on Hopper, the Mosaic GPU
+      impl: "auto" (Pallas on GPU where a kernel takes the head size, reference elsewhere),
+        "pallas" (on Hopper, the Mosaic GPU
         kernel where `hopper_applies`, else the Triton one), a variant of it ("pallas-unfused":
         the same here, but the model does not feed it from `qkv_epilogue`; "pallas-no-pingpong",
         "pallas-xla-merge", "pallas-reduced-merge": the Hopper kernel scheduled otherwise
@@ -734,7 +740,9 @@ def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Ar
       [batch, width, q_heads, head_dim] in q's dtype.
     """
     which = resolve_impl(impl)
-    if which == "reference":
+    if which == "reference" or (impl == "auto" and not hopper_applies(q, k, which)
+                                and not triton_takes(q.shape[-1])):
+        # "auto" on a GPU, for a head size neither kernel takes (a tiny test model's 8, say).
         return tree_attention_reference(q, k, v, prefix_lens, visible, scale=scale)
     if which in HOPPER_VARIANTS and hopper_applies(q, k, which):
         _check_shapes(q, k, v, prefix_lens, visible)

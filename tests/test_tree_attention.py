@@ -227,6 +227,18 @@ def test_dispatcher_uses_reference_on_cpu(monkeypatch):
         resolve_impl("triton")
 
 
+def test_dispatcher_falls_back_for_head_sizes_no_kernel_takes(monkeypatch):
+    """On a GPU, "auto" runs the reference where neither kernel takes the head size (8: under the
+    Triton kernel's 16-wide blocks), where "pallas" names the problem."""
+    q, k, v, lens, visible = make_case(3, 1, 4, 1, 2, 8, 32, [7], jnp.float32, True)
+    assert q.shape[-1] == 8
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # a Triton launch would fail on the CPU
+    out = tree_attention(q, k, v, lens, visible)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(tree_attention_reference(q, k, v, lens, visible)))
+    with pytest.raises(ValueError, match="head_dim=8 must be a power of two >= 16"):
+        tree_attention(q, k, v, lens, visible, impl="pallas")
+
+
 def test_dispatcher_interpret_matches_reference():
     q, k, v, lens, visible = make_case(11, 1, 16, 1, 4, 64, 64, [9], jnp.float32, True)
     out = tree_attention(q, k, v, lens, visible, impl="interpret")
