@@ -333,9 +333,9 @@ DOT_MERGER_OFF = {"xla_gpu_dot_merger_threshold_mb": 0}
 # included. The generation's while_loop otherwise has the host read `done` back after every round
 # before it issues the next, so each round starts with the GPU waiting on the host. A DDTree(256)
 # round as decoding runs it (`bench/decode_loop.py`, 63-127 rounds, in turns) took 10.33 / 10.58 /
-# 10.54 / 10.12 ms with them against 10.52 / 10.78 / 10.75 / 10.49 ms with command buffers off, on
-# four H200s, the same tokens; without the loop types 10.70 against 10.78 (BENCHMARKS.md, thirtieth
-# session).
+# 10.54 / 10.12 / 10.57 ms with them against 10.52 / 10.78 / 10.75 / 10.49 / 10.95 ms with command
+# buffers off, on five H200s, the same tokens; without the loop types 10.70 against 10.78
+# (BENCHMARKS.md, thirtieth session).
 # spec_round's fori_loop, which reads nothing back, is as fast either way. Earlier sessions had them
 # off, when they cost spec_round time (12.04 against 12.30 ms, thirteenth session).
 COMMAND_BUFFERS_ALL = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
@@ -346,7 +346,8 @@ DDTREE_COMPILER_OPTIONS = {**DOT_MERGER_OFF, **COMMAND_BUFFERS_ALL}
 # kernels of a graph to their HLO instructions).
 DDTREE_PROFILED_OPTIONS = {**DOT_MERGER_OFF, **COMMAND_BUFFERS_OFF}
 # DFlash likewise: block 16, 127 rounds as decoding runs them took 5.81 ms against 6.10 with XLA's
-# default command types and 6.03 with none (one H200, in turns; BENCHMARKS.md, thirtieth session).
+# default command types and 6.03 with none; on another H200 5.84 against 6.02 with none (in turns;
+# BENCHMARKS.md, thirtieth session).
 DFLASH_COMPILER_OPTIONS = COMMAND_BUFFERS_ALL
 _generate_dflash = jax.jit(_generate, static_argnames=_STATIC, compiler_options=DFLASH_COMPILER_OPTIONS)
 _generate_ddtree = jax.jit(_generate, static_argnames=_STATIC, compiler_options=DDTREE_COMPILER_OPTIONS)
