@@ -120,9 +120,11 @@ def test_block_pass_on_the_fused_path_matches_the_fused_layout(variant, dtype, m
     fused = dr.fuse_draft_projections(sep, dcfg)
     joint = dr.fuse_draft_projections(sep, dcfg, block_qkv=True)
     block_len = jnp.array([16, 11], jnp.int32)
-    # float32: the same ops in another order; bf16: one rounding of the largest value (on CPU
-    # with jax 0.10.2 they came out equal).
-    tol = 1e-5 if dtype == jnp.float32 else 2 ** -8
+    # float32: the same ops in another order; bf16: one unit in the last place of the largest
+    # value (2^-7 of it at most; bf16 keeps 8 significant bits). Both orders round, and which way
+    # a value near a boundary goes depends on the CPU's code: on one machine they came out
+    # equal, on another (thirtieth session) two of 1830 logits differed by one unit at 2.0.
+    tol = 1e-5 if dtype == jnp.float32 else 2 ** -7
     usual = run_block(joint, dcfg, target, dtype, block_len)  # CPU: no schedule, the jnp path
     calls = force_fused_path(monkeypatch)
     want = run_block(fused, dcfg, target, dtype, block_len)
