@@ -14,7 +14,9 @@ Per setting, on the random-weight target (Qwen3-8B shape, 5-layer drafter, batch
 prompt of --ctx tokens): the median wall time of a whole generation of --new tokens, of the
 prefill alone (`speculative.start_state`, compiled the same way), and so the decode time per
 round run (`(generation - prefill) / rounds run`, where rounds run = k * ceil(rounds / k)) and per
-round needed. Beside them, in the same process, `spec_round`'s 8-round call.
+round needed. Beside them, in the same process, `spec_round`'s 8-round call. `--method ar` times
+plain AR decoding (`generate.generate_ar`, whose `while_loop` reads `done` back every token) the same
+way, a round being a token.
 
     python -m dflash_jax.bench.decode_loop --budget 256 --ctx 4096 --new 64 --rounds-per-check 1 4 8
     python -m dflash_jax.bench.decode_loop --new 128 --rounds-per-check 1 --method ddtree dflash \
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import math
 import statistics
@@ -34,27 +37,33 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.bench.common import SHAPES, environment, log, time_fn, write_json
+from dflash_jax.generate import generate_ar
 from dflash_jax.model import kernel_mlp_layout
 from dflash_jax.bench.spec_round import COMMAND_BUFFERS, decoding_pair, make_state, timed_rounds
 from dflash_jax.speculative import (_STATIC, DDTREE_COMPILER_OPTIONS, DFLASH_COMPILER_OPTIONS, DOT_MERGER_OFF, SpecSettings, _generate,
                                    speculative_program, start_state)
 
 
-def generation_program(s: SpecSettings, command_buffers: str):
-    """The generation as decoding compiles it ("decoding": `speculative_program`), or with XLA's
-    command buffers as `spec_round --command-buffers` names them (DDTree with its dot merger off,
-    as decoding has it)."""
+AR_STATIC = ("cfg", "max_new_tokens", "max_len", "sampling", "stop_tokens", "attn_impl")
+
+
+def generation_program(s: SpecSettings | None, command_buffers: str):
+    """The generation as decoding compiles it ("decoding": `speculative_program`, or `generate_ar`
+    for s None), or with XLA's command buffers as `spec_round --command-buffers` names them (DDTree
+    with its dot merger off, as decoding has it)."""
     if command_buffers == "decoding":
-        return speculative_program(s)
-    options = {**(DOT_MERGER_OFF if s.method == "ddtree" else {}), **COMMAND_BUFFERS[command_buffers]}
+        return generate_ar if s is None else speculative_program(s)
+    options = decoding_options(s, command_buffers)
+    if s is None:
+        return jax.jit(generate_ar.__wrapped__, static_argnames=AR_STATIC, compiler_options=options)
     return jax.jit(_generate, static_argnames=_STATIC, compiler_options=options)
 
 
-def decoding_options(s: SpecSettings, command_buffers: str) -> dict[str, Any] | None:
-    """spec_round's compile options for the same setting (`generation_program`)."""
+def decoding_options(s: SpecSettings | None, command_buffers: str) -> dict[str, Any] | None:
+    """The compile options of that setting (`generation_program`; s None: AR)."""
     if command_buffers == "decoding":
-        return DDTREE_COMPILER_OPTIONS if s.method == "ddtree" else DFLASH_COMPILER_OPTIONS
-    return {**(DOT_MERGER_OFF if s.method == "ddtree" else {}), **COMMAND_BUFFERS[command_buffers]}
+        return None if s is None else DDTREE_COMPILER_OPTIONS if s.method == "ddtree" else DFLASH_COMPILER_OPTIONS
+    return {**(DOT_MERGER_OFF if s is not None and s.method == "ddtree" else {}), **COMMAND_BUFFERS[command_buffers]}
 
 
 def main() -> None:
@@ -65,8 +74,9 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64, help="max new tokens per generation")
     ap.add_argument("--rounds-per-check", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--method", nargs="+", choices=("ddtree", "dflash"), default=["ddtree"],
-                    help="DDTree (at --budget) or DFlash; several: each is timed")
+    ap.add_argument("--method", nargs="+", choices=("ddtree", "dflash", "ar"), default=["ddtree"],
+                    help="DDTree (at --budget), DFlash, or plain AR decoding (`generate_ar`: a round is a "
+                         "token); several: each is timed")
     ap.add_argument("--command-buffers", nargs="+", default=["decoding"], choices=["decoding"] + sorted(COMMAND_BUFFERS),
                     help="XLA's command buffers for the generation: as decoding compiles it (every command type), "
                          "or as spec_round names them: off, default, all "
@@ -82,17 +92,23 @@ def main() -> None:
     prompts = jax.random.randint(jax.random.key(2), (1, args.ctx), 0, cfg.vocab_size - 1, jnp.int32)
     lens = jnp.full((1,), args.ctx, jnp.int32)
     key = jax.random.key(0)
-    bases = {m: SpecSettings(method=m, budget=args.budget, block_size=dcfg.block_size, max_new_tokens=args.new)
-             for m in args.method}
-    base = bases[args.method[0]]
-    max_len = -(-(args.ctx + args.new + max(b.cache_slack() for b in bases.values())) // 128) * 128
+    # SpecSettings per speculative method; None for AR.
+    bases = {m: None if m == "ar" else SpecSettings(method=m, budget=args.budget, block_size=dcfg.block_size,
+                                                    max_new_tokens=args.new) for m in args.method}
+    base = next((b for b in bases.values() if b is not None), None) or SpecSettings(
+        method="ddtree", budget=args.budget, block_size=dcfg.block_size, max_new_tokens=args.new)
+    max_len = -(-(args.ctx + args.new + base.cache_slack()) // 128) * 128
     log("weights ready")
 
     prefill = jax.jit(lambda t, d, p, l, k: start_state(t, cfg, d, dcfg, p, l, k, max_len, base),
                       compiler_options=decoding_options(base, "decoding"))
     prefill_ms = time_fn(lambda: prefill(target, dparams, prompts, lens, key).count, warmup=1,
                          iters=args.iters)["median_ms"]
-    log(f"prefill {prefill_ms:.2f} ms")
+    prefills = {m: prefill_ms for m in args.method}
+    if "ar" in args.method:  # AR's own: generate_ar up to its first token, the loop not entered
+        prefills["ar"] = time_fn(lambda: generate_ar(target, cfg, prompts, lens, key, max_new_tokens=1,
+                                                     max_len=max_len).tokens, warmup=1, iters=args.iters)["median_ms"]
+    log(f"prefill {prefills} ms")
     targets = {"xla": target}
     if "kernel" in args.mlp:  # both layouts kept: 7 GB more at Qwen3-8B
         targets["kernel"] = kernel_mlp_layout(target)
@@ -104,38 +120,47 @@ def main() -> None:
               if all(m != m2 or decoding_options(bases[m], cb) != decoding_options(bases[m2], cb2)
                      for m2, cb2 in combos[:i])]
     for (method, cb), mlp, k in itertools.product(combos, args.mlp, args.rounds_per_check):
-        s = dataclasses.replace(bases[method], rounds_per_check=k)
+        if method == "ar" and k != args.rounds_per_check[0]:
+            continue  # AR reads `done` every step
+        s = None if method == "ar" else dataclasses.replace(bases[method], rounds_per_check=k)
         t0 = time.perf_counter()
         # Compiled ahead of time; the static arguments are baked in.
-        compiled = generation_program(s, cb).lower(targets[mlp], cfg, dparams, dcfg, prompts, lens, key,
-                                                   settings=s, max_len=max_len).compile()
-        gen = compiled(targets[mlp], dparams, prompts, lens, key)
-        rounds = int(jax.device_get(gen.rounds).max())
+        if s is None:
+            compiled = generation_program(None, cb).lower(targets[mlp], cfg, prompts, lens, key, max_new_tokens=args.new,
+                                                          max_len=max_len).compile()
+            call = functools.partial(compiled, targets[mlp], prompts, lens, key)
+        else:
+            compiled = generation_program(s, cb).lower(targets[mlp], cfg, dparams, dcfg, prompts, lens, key,
+                                                       settings=s, max_len=max_len).compile()
+            call = functools.partial(compiled, targets[mlp], dparams, prompts, lens, key)
+        gen = call()
+        rounds = int(jax.device_get(gen.num_tokens).max()) - 1 if s is None else int(jax.device_get(gen.rounds).max())
         tokens = jax.device_get(gen.tokens)
         same = bool((tokens == first_tokens.setdefault(method, tokens)).all())
-        programs.append((method, cb, mlp, k, rounds, same, compiled, round(time.perf_counter() - t0, 1)))
+        programs.append((method, cb, mlp, 1 if s is None else k, rounds, same, call, round(time.perf_counter() - t0, 1)))
     # Timed in turns, one generation of each per turn, so drift falls on all alike.
     times: list[list[float]] = [[] for _ in programs]
     for _ in range(args.iters):
-        for i, (_, _, mlp, *_, compiled, _) in enumerate(programs):
+        for i, (*_, call, _) in enumerate(programs):
             t0 = time.perf_counter()
-            jax.block_until_ready(compiled(targets[mlp], dparams, prompts, lens, key).tokens)
+            jax.block_until_ready(call().tokens)
             times[i].append((time.perf_counter() - t0) * 1e3)
     rows: list[dict[str, Any]] = []
     for (method, cb, mlp, k, rounds, same, _, first_s), ts in zip(programs, times):
         total = statistics.median(ts)
         run = k * math.ceil(rounds / k)
-        row = {"method": method, "command_buffers": cb, "mlp": mlp, "tokens_as_first": same, "rounds_per_check": k, "rounds": rounds, "rounds_run": run,
-               "generation_ms": round(total, 2), "prefill_ms": round(prefill_ms, 2),
-               "ms_per_round_run": round((total - prefill_ms) / run, 3),
-               "ms_per_round_needed": round((total - prefill_ms) / rounds, 3), "first_call_s": first_s,
+        row = {"method": method, "command_buffers": cb, "mlp": mlp, "tokens_as_first": same, "rounds_per_check": k,
+               "rounds": rounds, "rounds_run": run,
+               "generation_ms": round(total, 2), "prefill_ms": round(prefills[method], 2),
+               "ms_per_round_run": round((total - prefills[method]) / run, 3),
+               "ms_per_round_needed": round((total - prefills[method]) / rounds, 3), "first_call_s": first_s,
                "generation_ms_turns": [round(t, 2) for t in ts]}
         log(row)
         rows.append(row)
     # The round benchmark's program, same weights, same context, same process, with each
     # command-buffer setting (off: as DDTree decoding compiles it).
     bench: dict[str, float] = {}
-    for method, cb in combos:
+    for method, cb in [c for c in combos if c[0] != "ar"]:
         state = make_state(cfg, dcfg, args.ctx, max_len, base.max_new_tokens, jnp.bfloat16)  # donated
         name = f"{method} {cb}"
         bench[name], _, _ = timed_rounds(target, dparams, cfg, dcfg, bases[method], state,
