@@ -23,6 +23,7 @@ from dflash_jax.sharding import (BATCH, attention, constrain, constrain_cache, e
 from pallas_kernels import gate_up_silu as gated
 from pallas_kernels import qkv_epilogue as epilogue
 from pallas_kernels import residual_norm as residual
+from pallas_kernels import silu_mul as activation_kernel
 from pallas_kernels.tree_attention import rows_schedule, tree_attention_rows
 
 dataclass = dataclasses.dataclass
@@ -512,17 +513,22 @@ def _after_attention(lp: LayerParams, cfg: ModelConfig, x: jax.Array, attn: jax.
 # launch ("kernel") or by XLA from the same jnp ops ("jnp"); or the usual path, where XLA splits
 # the products itself ("xla").
 RESIDUAL_IMPLS = ("kernel", "jnp", "xla")
+# The gated activation on that path after XLA's gate_up product (`forward(activation=...)`): XLA's
+# fusion ("xla") or one `silu_mul` launch ("kernel"; opt-in, not yet timed on a GPU).
+ACTIVATION_IMPLS = ("xla", "kernel")
 
 
 def _after_attention_fused(lp: LayerParams, cfg: ModelConfig, x: jax.Array, attn: jax.Array,
-                           next_norm: jax.Array, splits: int, impl: str = "kernel", kernel_rows: int = 0
-                           ) -> tuple[jax.Array, jax.Array]:
+                           next_norm: jax.Array, splits: int, impl: str = "kernel", kernel_rows: int = 0,
+                           activation: str = "xla") -> tuple[jax.Array, jax.Array]:
     """`_after_attention` and the next norm (`next_norm`), each projection's split-K sum,
     residual add and norm at once (`impl`: "kernel", one `residual_norm` launch, or "jnp"). Same
     values as the usual path up to the order of the float32 sums.
     kernel_rows (`mlp_kernel_rows`): if not 0, the gated activation by its kernel, on the norm
     padded with zero rows to kernel_rows (written so by the junction, no pad of its own), and
     the down product over those rows too (the junction after it reads only the real ones).
+    activation (`ACTIVATION_IMPLS`): otherwise, after XLA's fused gate_up product, silu(gate) * up
+    by XLA ("xla") or by one `silu_mul` launch ("kernel", where it applies).
     x: [batch, W, embed] -> (x, normed x), both [batch, W, embed].
     """
     batch, width, embed = x.shape
@@ -538,7 +544,12 @@ def _after_attention_fused(lp: LayerParams, cfg: ModelConfig, x: jax.Array, attn
         act = gated.gate_up_silu_kernel(h, lp.mlp.gate_up_t, tiles=gated.decode_tiles(kernel_rows))
     else:
         x2, h = junction(x.reshape(rows, embed), o_parts, lp.mlp_norm)
-        act = mlp_activation(lp.mlp, h.reshape(batch, width, embed)).reshape(rows, -1)
+        if activation == "kernel" and lp.mlp.gate_up is not None and activation_kernel.applies(lp.mlp.gate_up.shape[-1]):
+            # The product rounded to the activation dtype, as `mlp_activation` rounds it.
+            both = jnp.einsum("re,etm->rtm", h, lp.mlp.gate_up, preferred_element_type=h.dtype)
+            act = activation_kernel.silu_mul(both, interpret=jax.default_backend() != "gpu")
+        else:
+            act = mlp_activation(lp.mlp, h.reshape(batch, width, embed)).reshape(rows, -1)
     x3, h3 = junction(x2, split_k_product(act, lp.mlp.down, splits), next_norm)
     return x3.reshape(batch, width, embed), h3.reshape(batch, width, embed)
 
@@ -555,8 +566,8 @@ class ForwardOutput:
 def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
             cache: KVCache, visible: jax.Array | None = None, *, tap_layers: tuple[int, ...] = (),
             logit_rows: jax.Array | None = None, compute_logits: bool = True,
-            return_hidden: bool = False, attn_impl: str = "auto", residual: str = "kernel"
-            ) -> ForwardOutput:
+            return_hidden: bool = False, attn_impl: str = "auto", residual: str = "kernel",
+            activation: str = "xla") -> ForwardOutput:
     """Runs W new tokens per sequence through the target.
 
     tokens, positions: [batch, W] int32. The new K/V go to cache slots
@@ -567,10 +578,13 @@ def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions:
     logit_rows: optional [batch, R] row indices; logits are computed only for those rows.
     Where the Hopper tree-attention kernel runs (`epilogue_schedule`), each layer takes the
     fused path of `attend_fused`, and (unless `residual` is "xla") the o and down products
-    end in `residual_norm` (`residual_splits`, `RESIDUAL_IMPLS`): same values, fewer kernels.
+    end in `residual_norm` (`residual_splits`, `RESIDUAL_IMPLS`): same values, fewer kernels;
+    there `activation` ("kernel") takes silu(gate) * up from XLA to `silu_mul` (`ACTIVATION_IMPLS`).
     """
     if residual not in RESIDUAL_IMPLS:
         raise ValueError(f"residual must be one of {RESIDUAL_IMPLS}, got {residual!r}")
+    if activation not in ACTIVATION_IMPLS:
+        raise ValueError(f"activation must be one of {ACTIVATION_IMPLS}, got {activation!r}")
     bad = [t for t in tap_layers if not 0 <= t < cfg.num_layers]
     if bad:
         raise ValueError(f"tap_layers {bad} out of range for a {cfg.num_layers}-layer target")
@@ -594,7 +608,7 @@ def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions:
             v_buf = constrain_cache(write_rows(cache.v[i], v, starts))
             attn = attention(q, k_buf, v_buf, starts, visible, impl=attn_impl)  # shard_map under a mesh
         if splits:
-            x, h = _after_attention_fused(lp, cfg, x, attn, norms[i], splits, residual, kernel_rows)
+            x, h = _after_attention_fused(lp, cfg, x, attn, norms[i], splits, residual, kernel_rows, activation)
         else:
             x = _after_attention(lp, cfg, x, attn)
             h = rms_norm(x, norms[i], cfg.rms_norm_eps)
@@ -617,4 +631,4 @@ def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions:
 
 # `forward` as one compiled program (configs and flags static); the decoders jit whole loops instead.
 forward_jit = jax.jit(forward, static_argnames=("cfg", "tap_layers", "compute_logits", "return_hidden", "attn_impl",
-                                                "residual"))
+                                                "residual", "activation"))

@@ -23,7 +23,7 @@ from dflash_jax.accept import chain_rejection, follow_target
 from dflash_jax.config import ModelConfig
 from dflash_jax.generate import PAD, Generation, is_stop, prefill
 from dflash_jax.kv_cache import KVCache, gather_rows, write_rows
-from dflash_jax.model import RESIDUAL_IMPLS, ModelParams, forward
+from dflash_jax.model import ACTIVATION_IMPLS, RESIDUAL_IMPLS, ModelParams, forward
 from dflash_jax.sampling import SamplingParams, sample, sample_from_probs, sampling_probs
 from dflash_jax.sharding import mesh_sizes
 from dflash_jax.tree import RANK_TOP_K_MAX, ROW_BLOCK, TOP_K_CHUNK, Tree, build_tree, chain_tree, tree_width
@@ -59,6 +59,9 @@ class SpecSettings:
     # each (`model.residual_splits`); "jnp": the same ops left to XLA; "xla": the usual path
     # (`model.RESIDUAL_IMPLS`), e.g. to compare them.
     residual: str = "kernel"
+    # On that path, silu(gate) * up after XLA's gate_up product: XLA's fusion ("xla") or one
+    # `pallas_kernels/silu_mul.py` launch ("kernel"; opt-in, not yet timed on a GPU).
+    activation: str = "xla"
     # The generation's loop looks at `done` (which the host must read back) once every this many
     # rounds; rounds run after every sequence is done change nothing but cost their time. Between
     # checks the host issues rounds ahead of the GPU instead of waiting for each one to end.
@@ -78,6 +81,8 @@ class SpecSettings:
             raise ValueError(f"row_block must be an int >= 1, got {self.row_block!r}")
         if self.residual not in RESIDUAL_IMPLS:
             raise ValueError(f"residual must be one of {RESIDUAL_IMPLS}, got {self.residual!r}")
+        if self.activation not in ACTIVATION_IMPLS:
+            raise ValueError(f"activation must be one of {ACTIVATION_IMPLS}, got {self.activation!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if isinstance(self.rounds_per_check, bool) or not isinstance(self.rounds_per_check, int) \
@@ -181,7 +186,8 @@ def verify_stage(state: SpecState, draft: Draft, target: ModelParams, cfg: Model
     tree = draft.tree
     positions = state.cache.lengths[:, None] + tree.depths
     out = forward(target, cfg, tree.tokens, positions, state.cache, tree.visible,
-                  tap_layers=tuple(dcfg.target_layer_ids), attn_impl=s.attn_impl, residual=s.residual)
+                  tap_layers=tuple(dcfg.target_layer_ids), attn_impl=s.attn_impl, residual=s.residual,
+                  activation=s.activation)
     return out.logits, out.taps, out.cache
 
 

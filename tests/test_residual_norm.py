@@ -194,13 +194,16 @@ def test_gpu_kernel_matches_reference(rows, embed, splits, norm_rows):
     assert ulps(got[1], want[1]) <= 1.0
 
 
-def test_unknown_residual_impl_is_named():
+@pytest.mark.parametrize("option", ["residual", "activation"])
+def test_unknown_fused_path_impl_is_named(option):
+    """An unknown `residual` or `activation` (the fused residual path's choices) is named, by
+    `forward` and by `SpecSettings`."""
     cfg = tiny_config()
     params = model_lib.init_params(cfg, jax.random.key(0), jnp.float32)
     cache = KVCache.create(cfg.num_layers, 1, 8, cfg.num_kv_heads, cfg.head_dim)
     tokens = jnp.zeros((1, 2), jnp.int32)
-    with pytest.raises(ValueError, match="residual must be one of"):
-        model_lib.forward(params, cfg, tokens, tokens, cache, residual="triton")
+    with pytest.raises(ValueError, match=f"{option} must be one of"):
+        model_lib.forward(params, cfg, tokens, tokens, cache, **{option: "triton"})
     from dflash_jax.speculative import SpecSettings
-    with pytest.raises(ValueError, match="residual must be one of"):
-        SpecSettings(residual="triton")
+    with pytest.raises(ValueError, match=f"{option} must be one of"):
+        SpecSettings(**{option: "triton"})

@@ -35,7 +35,7 @@ from dflash_jax.bench.clocks import ClockSampler
 from dflash_jax.bench.common import LAYOUTS, SHAPES, dump_hlo, environment, log, time_fn, write_json
 from dflash_jax.bench.profile import profile_program, scale_profile
 from dflash_jax.config import default_tap_layers
-from dflash_jax.model import RESIDUAL_IMPLS, init_params, kernel_mlp_layout
+from dflash_jax.model import ACTIVATION_IMPLS, RESIDUAL_IMPLS, init_params, kernel_mlp_layout
 from dflash_jax.speculative import (COMMAND_BUFFERS_ALL, COMMAND_BUFFERS_OFF, DOT_MERGER_OFF, SpecSettings, SpecState,
                                    spec_round)
 from dflash_jax.stage_times import STAGES  # the round's named scopes
@@ -188,7 +188,7 @@ def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_le
            "top_k_chunk": s.top_k_chunk, "rank_max": s.rank_max,
            "preselect": fanout,
            "kv_compact": "kernel" if s.compact_kernel else "xla",
-           "residual": s.residual, "context_epilogue": s.context_epilogue, **extra}
+           "residual": s.residual, "activation": s.activation, "context_epilogue": s.context_epilogue, **extra}
     log(row)
     if timers is not None:  # kept compiled, with its state, for `interleaved_medians`
         timers.append((row, call, rounds))
@@ -340,6 +340,9 @@ def main() -> None:
                          "residual adds and norms in one residual_norm launch each (kernel) or in XLA from the "
                          "same ops (jnp); or the usual path, XLA splitting the products itself (xla) "
                          "(several: each is timed, side by side)")
+    ap.add_argument("--activation", nargs="+", choices=ACTIVATION_IMPLS, default=["xla"],
+                    help="on the fused residual path, silu(gate) * up after XLA's gate_up product: XLA's fusion "
+                         "or one silu_mul launch (kernel) (several: each is timed, side by side)")
     ap.add_argument("--rounds-per-call", nargs="+", type=int, default=[ROUNDS_PER_CALL],
                     help="rounds per jitted call (several: each is timed, side by side)")
     ap.add_argument("--command-buffers", nargs="+", choices=sorted(COMMAND_BUFFERS) + ["decoding"],
@@ -389,19 +392,20 @@ def main() -> None:
 
     def variants(**method):
         """Every side-by-side variant of one method: attention impl x top_k chunk x rank max (both
-        DDTree) x K/V compaction x residual path x rounds per call x dot merger x command buffers."""
+        DDTree) x K/V compaction x residual path x activation x rounds per call x dot merger x command
+        buffers."""
         ddtree = method["method"] == "ddtree"
         chunks = args.top_k_chunk if ddtree else [TOP_K_CHUNK]
         ranks = args.rank_max if ddtree else [RANK_TOP_K_MAX]
         preselects = args.preselect if ddtree else [None]
         row_blocks = args.row_block if ddtree else [ROW_BLOCK]
-        for ai, chunk, rank, pre, rb, compact, res, ce, r, dm, cb, xo in itertools.product(
+        for ai, chunk, rank, pre, rb, compact, res, act, ce, r, dm, cb, xo in itertools.product(
                 args.attn_impl, chunks, ranks, preselects, row_blocks, args.kv_compact, args.residual,
-                args.context_epilogue, args.rounds_per_call, args.dot_merger, args.command_buffers,
-                args.xla_options):
+                args.activation, args.context_epilogue, args.rounds_per_call, args.dot_merger,
+                args.command_buffers, args.xla_options):
             s = SpecSettings(block_size=dcfg.block_size, max_new_tokens=512, attn_impl=ai, top_k_chunk=chunk,
                              rank_max=rank, preselect=pre, row_block=rb, compact_kernel=compact == "kernel",
-                             residual=res, context_epilogue=ce, **method)
+                             residual=res, activation=act, context_epilogue=ce, **method)
             yield s, r, dm, cb, xo
 
     timers: list | None = [] if args.interleave > 0 else None
@@ -450,9 +454,9 @@ def main() -> None:
     print(f"\n{env['device']}, jax {env['jax']}, {args.model} target + {dcfg.num_layers}-layer drafter, "
           f"{dtype.name}, batch 1")
     print("| method | budget | W | ctx | layout | draft layout | rounds/call | dot merger | command buffers | XLA options | attention | top_k chunk "
-          "| rank max | preselect | K/V compaction | residual | round ms | device ms | draft | tree | verify | accept | commit "
+          "| rank max | preselect | K/V compaction | residual | activation | round ms | device ms | draft | tree | verify | accept | commit "
           "| other | idle ms (by stage that waited) |")
-    print("|---" * 25 + "|")
+    print("|---" * 26 + "|")
     for r in rows:
         prof = r.get("profile") or {}
         split = prof.get("by_scope", {})
@@ -465,12 +469,13 @@ def main() -> None:
               f"{r.get('top_k_chunk', '-') if r['method'] == 'ddtree' else '-'} | "
               f"{r.get('rank_max', '-') if r['method'] == 'ddtree' else '-'} | "
               f"{r.get('preselect', '-') if r['method'] == 'ddtree' else '-'} | {r.get('kv_compact', '-')} | "
-              f"{r.get('residual', '-')} | {r['round_ms']:.2f} | "
+              f"{r.get('residual', '-')} | {r.get('activation', '-')} | {r['round_ms']:.2f} | "
               f"{dev} | " + " | ".join(cells) + f" | {_idle(prof)} |")
     for r in rows:
         if "round_ms_interleaved" in r:
             print(f"interleaved {r['method']} W {r.get('width', 1)} {r.get('attn_impl', '')} mlp {r.get('mlp', 'xla')} "
                   f"draft layout {r.get('draft_layout', '-')} context {r.get('context_epilogue', '-')} "
+                  f"activation {r.get('activation', 'xla')} "
                   f"{r.get('xla_options') or '-'} rounds/call {r['rounds_per_call']}: {r['round_ms_interleaved']:.3f} ms "
                   f"(turns {r['round_ms_turns']})")
     for r in rows:  # how each row's idle time is made (bench.profile.gap_sizes)
