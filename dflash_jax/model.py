@@ -544,9 +544,10 @@ def _after_attention_fused(lp: LayerParams, cfg: ModelConfig, x: jax.Array, attn
         act = gated.gate_up_silu_kernel(h, lp.mlp.gate_up_t, tiles=gated.decode_tiles(kernel_rows))
     else:
         x2, h = junction(x.reshape(rows, embed), o_parts, lp.mlp_norm)
-        if activation == "kernel" and lp.mlp.gate_up is not None and activation_kernel.applies(lp.mlp.gate_up.shape[-1]):
+        gate_up = lp.mlp.gate_up
+        if activation == "kernel" and gate_up is not None and activation_kernel.applies(gate_up.shape[-1]):
             # The product rounded to the activation dtype, as `mlp_activation` rounds it.
-            both = jnp.einsum("re,etm->rtm", h, lp.mlp.gate_up, preferred_element_type=h.dtype)
+            both = jnp.einsum("re,etm->rtm", h, gate_up, preferred_element_type=h.dtype)
             act = activation_kernel.silu_mul(both, interpret=jax.default_backend() != "gpu")
         else:
             act = mlp_activation(lp.mlp, h.reshape(batch, width, embed)).reshape(rows, -1)

@@ -729,8 +729,8 @@ def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Ar
       prefix_lens: [batch] int32.
       visible: [batch, width, width] bool, or None for causal among the new tokens.
       impl: "auto" (Pallas on GPU where a kernel takes the head size, reference elsewhere),
-        "pallas" (on Hopper, the Mosaic GPU
-        kernel where `hopper_applies`, else the Triton one), a variant of it ("pallas-unfused":
+        "pallas" (on Hopper, the Mosaic GPU kernel where `hopper_applies`, else the Triton
+        one), a variant of it ("pallas-unfused":
         the same here, but the model does not feed it from `qkv_epilogue`; "pallas-no-pingpong",
         "pallas-xla-merge", "pallas-reduced-merge": the Hopper kernel scheduled otherwise
         (`_hopper_schedule`); "pallas-triton":

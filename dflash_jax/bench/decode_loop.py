@@ -40,8 +40,8 @@ from dflash_jax.bench.common import SHAPES, environment, log, time_fn, write_jso
 from dflash_jax.generate import generate_ar
 from dflash_jax.model import kernel_mlp_layout
 from dflash_jax.bench.spec_round import COMMAND_BUFFERS, decoding_pair, make_state, timed_rounds
-from dflash_jax.speculative import (_STATIC, DDTREE_COMPILER_OPTIONS, DFLASH_COMPILER_OPTIONS, DOT_MERGER_OFF, SpecSettings, _generate,
-                                   speculative_program, start_state)
+from dflash_jax.speculative import (_STATIC, DDTREE_COMPILER_OPTIONS, DFLASH_COMPILER_OPTIONS, DOT_MERGER_OFF,
+                                   SpecSettings, _generate, speculative_program, start_state)
 
 
 AR_STATIC = ("cfg", "max_new_tokens", "max_len", "sampling", "stop_tokens", "attn_impl")
@@ -77,7 +77,8 @@ def main() -> None:
     ap.add_argument("--method", nargs="+", choices=("ddtree", "dflash", "ar"), default=["ddtree"],
                     help="DDTree (at --budget), DFlash, or plain AR decoding (`generate_ar`: a round is a "
                          "token); several: each is timed")
-    ap.add_argument("--command-buffers", nargs="+", default=["decoding"], choices=["decoding"] + sorted(COMMAND_BUFFERS),
+    ap.add_argument("--command-buffers", nargs="+", default=["decoding"],
+                    choices=["decoding"] + sorted(COMMAND_BUFFERS),
                     help="XLA's command buffers for the generation: as decoding compiles it (every command type), "
                          "or as spec_round names them: off, default, all "
                          "(every type, WHILE and CONDITIONAL among them), no-loops; several: each is timed")
@@ -126,8 +127,8 @@ def main() -> None:
         t0 = time.perf_counter()
         # Compiled ahead of time; the static arguments are baked in.
         if s is None:
-            compiled = generation_program(None, cb).lower(targets[mlp], cfg, prompts, lens, key, max_new_tokens=args.new,
-                                                          max_len=max_len).compile()
+            compiled = generation_program(None, cb).lower(targets[mlp], cfg, prompts, lens, key,
+                                                          max_new_tokens=args.new, max_len=max_len).compile()
             call = functools.partial(compiled, targets[mlp], prompts, lens, key)
         else:
             compiled = generation_program(s, cb).lower(targets[mlp], cfg, dparams, dcfg, prompts, lens, key,
@@ -137,7 +138,8 @@ def main() -> None:
         rounds = int(jax.device_get(gen.num_tokens).max()) - 1 if s is None else int(jax.device_get(gen.rounds).max())
         tokens = jax.device_get(gen.tokens)
         same = bool((tokens == first_tokens.setdefault(method, tokens)).all())
-        programs.append((method, cb, mlp, 1 if s is None else k, rounds, same, call, round(time.perf_counter() - t0, 1)))
+        first_s = round(time.perf_counter() - t0, 1)
+        programs.append((method, cb, mlp, 1 if s is None else k, rounds, same, call, first_s))
     # Timed in turns, one generation of each per turn, so drift falls on all alike.
     times: list[list[float]] = [[] for _ in programs]
     for _ in range(args.iters):
@@ -173,7 +175,8 @@ def main() -> None:
           "| generation ms | prefill ms | ms / round run | ms / round needed |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['method']} | {r['command_buffers']} | {r['mlp']} | {r['tokens_as_first']} | {r['rounds_per_check']} | "
+        print(f"| {r['method']} | {r['command_buffers']} | {r['mlp']} | {r['tokens_as_first']} | "
+              f"{r['rounds_per_check']} | "
               f"{r['rounds']} | {r['rounds_run']} | "
               f"{r['generation_ms']} | {r['prefill_ms']} | {r['ms_per_round_run']} | {r['ms_per_round_needed']} |")
     for cb, ms in bench.items():
