@@ -415,21 +415,30 @@ def output_projection(p: AttentionParams, attn: jax.Array) -> jax.Array:
     return out + p.o_bias.astype(out.dtype) if p.o_bias is not None else out
 
 
+def gate_up_product(p: MLPParams, x: jax.Array) -> jax.Array:
+    """x [..., embed] -> the fused product [..., 2, mlp] (gate, then up) of `gate_up` or
+    `gate_up_t`. One GEMM for both; like HF's bf16 Linear layers, gate and up come out rounded to
+    the activation dtype (exact in float32)."""
+    if p.gate_up is not None:
+        return jnp.einsum("...e,etm->...tm", x, p.gate_up, preferred_element_type=x.dtype)
+    return jnp.einsum("...e,tme->...tm", x, p.gate_up_t, preferred_element_type=x.dtype)
+
+
+def gated_activation(both: jax.Array, dtype: Any) -> jax.Array:
+    """SiLU(gate) * up from a fused product [..., 2, mlp], in float32, rounded once to `dtype`."""
+    both = both.astype(jnp.float32)
+    return (jax.nn.silu(both[..., 0, :]) * both[..., 1, :]).astype(dtype)
+
+
 def mlp_activation(p: MLPParams, x: jax.Array) -> jax.Array:
     """x [batch, seq, embed] -> SiLU(gate) * up [batch, seq, mlp] in x's dtype."""
     if p.gate_up is not None or p.gate_up_t is not None:
-        # One GEMM for both; like HF's bf16 Linear layers, gate and up are rounded to the
-        # activation dtype before the SiLU (exact in float32).
-        if p.gate_up is not None:
-            both = jnp.einsum("bse,etm->bstm", x, p.gate_up, preferred_element_type=x.dtype)
-        else:
-            both = jnp.einsum("bse,tme->bstm", x, p.gate_up_t, preferred_element_type=x.dtype)
-        both = both.astype(jnp.float32)
-        gate, up = both[:, :, 0], both[:, :, 1]
+        act = gated_activation(gate_up_product(p, x), x.dtype)
     else:
         gate = jnp.einsum("bse,em->bsm", x, p.gate, preferred_element_type=jnp.float32)
         up = jnp.einsum("bse,em->bsm", x, p.up, preferred_element_type=jnp.float32)
-    return constrain((jax.nn.silu(gate) * up).astype(x.dtype), (BATCH, None, MLP))
+        act = (jax.nn.silu(gate) * up).astype(x.dtype)
+    return constrain(act, (BATCH, None, MLP))
 
 
 def mlp(p: MLPParams, x: jax.Array) -> jax.Array:
@@ -546,9 +555,7 @@ def _after_attention_fused(lp: LayerParams, cfg: ModelConfig, x: jax.Array, attn
         x2, h = junction(x.reshape(rows, embed), o_parts, lp.mlp_norm)
         gate_up = lp.mlp.gate_up
         if activation == "kernel" and gate_up is not None and activation_kernel.applies(gate_up.shape[-1]):
-            # The product rounded to the activation dtype, as `mlp_activation` rounds it.
-            both = jnp.einsum("re,etm->rtm", h, gate_up, preferred_element_type=h.dtype)
-            act = activation_kernel.silu_mul(both, interpret=jax.default_backend() != "gpu")
+            act = activation_kernel.silu_mul(gate_up_product(lp.mlp, h), interpret=jax.default_backend() != "gpu")
         else:
             act = mlp_activation(lp.mlp, h.reshape(batch, width, embed)).reshape(rows, -1)
     x3, h3 = junction(x2, split_k_product(act, lp.mlp.down, splits), next_norm)

@@ -135,8 +135,9 @@ def gate_up_silu_reference(x: jax.Array, w: jax.Array) -> jax.Array:
     """What XLA computes for the same step: x [rows, embed], w [2, mlp, embed] (gate, up as
     [out, in]) -> silu(x @ gate.T) * (x @ up.T) [rows, mlp] in x's dtype, the products rounded
     to x's dtype first (as the model's `mlp_activation` does)."""
-    both = jnp.einsum("se,tme->stm", x, w, preferred_element_type=x.dtype).astype(jnp.float32)
-    return (jax.nn.silu(both[:, 0]) * both[:, 1]).astype(x.dtype)
+    from dflash_jax.model import gated_activation
+
+    return gated_activation(jnp.einsum("se,tme->stm", x, w, preferred_element_type=x.dtype), x.dtype)
 
 
 def _program_jobs(tiles: Tiles, row_tiles: int, k_steps: int, ctas: int, jobs: int):

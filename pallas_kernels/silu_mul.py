@@ -87,6 +87,7 @@ def silu_mul(both: jax.Array, *, cols: int | None = None, num_warps: int = NUM_W
 
 @jax.jit
 def silu_mul_reference(both: jax.Array) -> jax.Array:
-    """`silu_mul` in jnp, as `model.mlp_activation` computes it from the fused product."""
-    both32 = both.astype(jnp.float32)
-    return (jax.nn.silu(both32[:, 0]) * both32[:, 1]).astype(both.dtype)
+    """`silu_mul` in jnp: the model's own `gated_activation`, as `mlp_activation` applies it."""
+    from dflash_jax.model import gated_activation
+
+    return gated_activation(both, both.dtype)

@@ -39,31 +39,23 @@ import jax.numpy as jnp
 from dflash_jax.bench.common import SHAPES, environment, log, time_fn, write_json
 from dflash_jax.generate import generate_ar
 from dflash_jax.model import kernel_mlp_layout
-from dflash_jax.bench.spec_round import COMMAND_BUFFERS, decoding_pair, make_state, timed_rounds
-from dflash_jax.speculative import (_STATIC, DDTREE_COMPILER_OPTIONS, DFLASH_COMPILER_OPTIONS, DOT_MERGER_OFF,
-                                   SpecSettings, _generate, speculative_program, start_state)
+from dflash_jax.bench.spec_round import COMMAND_BUFFERS, decoding_options, decoding_pair, make_state, timed_rounds
+from dflash_jax.speculative import _STATIC, SpecSettings, _generate, speculative_program, start_state
 
 
 AR_STATIC = ("cfg", "max_new_tokens", "max_len", "sampling", "stop_tokens", "attn_impl")
 
 
-def generation_program(s: SpecSettings | None, command_buffers: str):
-    """The generation as decoding compiles it ("decoding": `speculative_program`, or `generate_ar`
-    for s None), or with XLA's command buffers as `spec_round --command-buffers` names them (DDTree
-    with its dot merger off, as decoding has it)."""
+def generation_program(method: str, s: SpecSettings | None, command_buffers: str):
+    """The generation as decoding compiles it ("decoding": `speculative_program(s)`, or
+    `generate_ar` for method "ar", s None), or with the compile options of
+    `spec_round.decoding_options` for that setting."""
     if command_buffers == "decoding":
         return generate_ar if s is None else speculative_program(s)
-    options = decoding_options(s, command_buffers)
+    options = decoding_options(method, command_buffers) or None
     if s is None:
         return jax.jit(generate_ar.__wrapped__, static_argnames=AR_STATIC, compiler_options=options)
     return jax.jit(_generate, static_argnames=_STATIC, compiler_options=options)
-
-
-def decoding_options(s: SpecSettings | None, command_buffers: str) -> dict[str, Any] | None:
-    """The compile options of that setting (`generation_program`; s None: AR)."""
-    if command_buffers == "decoding":
-        return None if s is None else DDTREE_COMPILER_OPTIONS if s.method == "ddtree" else DFLASH_COMPILER_OPTIONS
-    return {**(DOT_MERGER_OFF if s is not None and s.method == "ddtree" else {}), **COMMAND_BUFFERS[command_buffers]}
 
 
 def main() -> None:
@@ -96,16 +88,17 @@ def main() -> None:
     # SpecSettings per speculative method; None for AR.
     bases = {m: None if m == "ar" else SpecSettings(method=m, budget=args.budget, block_size=dcfg.block_size,
                                                     max_new_tokens=args.new) for m in args.method}
-    base = next((b for b in bases.values() if b is not None), None) or SpecSettings(
-        method="ddtree", budget=args.budget, block_size=dcfg.block_size, max_new_tokens=args.new)
-    max_len = -(-(args.ctx + args.new + base.cache_slack()) // 128) * 128
+    spec = [m for m in args.method if m != "ar"]
+    max_len = -(-(args.ctx + args.new + max((bases[m].cache_slack() for m in spec), default=0)) // 128) * 128
     log("weights ready")
 
-    prefill = jax.jit(lambda t, d, p, l, k: start_state(t, cfg, d, dcfg, p, l, k, max_len, base),
-                      compiler_options=decoding_options(base, "decoding"))
-    prefill_ms = time_fn(lambda: prefill(target, dparams, prompts, lens, key).count, warmup=1,
-                         iters=args.iters)["median_ms"]
-    prefills = {m: prefill_ms for m in args.method}
+    prefills = {}
+    if spec:  # the speculative methods' prefill (`start_state`), compiled as the first one decodes
+        first = bases[spec[0]]
+        prefill = jax.jit(lambda t, d, p, l, k: start_state(t, cfg, d, dcfg, p, l, k, max_len, first),
+                          compiler_options=decoding_options(first.method) or None)
+        prefills = dict.fromkeys(spec, time_fn(lambda: prefill(target, dparams, prompts, lens, key).count,
+                                               warmup=1, iters=args.iters)["median_ms"])
     if "ar" in args.method:  # AR's own: generate_ar up to its first token, the loop not entered
         prefills["ar"] = time_fn(lambda: generate_ar(target, cfg, prompts, lens, key, max_new_tokens=1,
                                                      max_len=max_len).tokens, warmup=1, iters=args.iters)["median_ms"]
@@ -118,8 +111,7 @@ def main() -> None:
     combos = [(m, cb) for m in args.method for cb in args.command_buffers]
     # A setting that compiles as an earlier one of the same method (DDTree's "decoding" is "all") runs once.
     combos = [(m, cb) for i, (m, cb) in enumerate(combos)
-              if all(m != m2 or decoding_options(bases[m], cb) != decoding_options(bases[m2], cb2)
-                     for m2, cb2 in combos[:i])]
+              if all(m != m2 or decoding_options(m, cb) != decoding_options(m2, cb2) for m2, cb2 in combos[:i])]
     for (method, cb), mlp, k in itertools.product(combos, args.mlp, args.rounds_per_check):
         if method == "ar" and k != args.rounds_per_check[0]:
             continue  # AR reads `done` every step
@@ -127,11 +119,11 @@ def main() -> None:
         t0 = time.perf_counter()
         # Compiled ahead of time; the static arguments are baked in.
         if s is None:
-            compiled = generation_program(None, cb).lower(targets[mlp], cfg, prompts, lens, key,
+            compiled = generation_program(method, None, cb).lower(targets[mlp], cfg, prompts, lens, key,
                                                           max_new_tokens=args.new, max_len=max_len).compile()
             call = functools.partial(compiled, targets[mlp], prompts, lens, key)
         else:
-            compiled = generation_program(s, cb).lower(targets[mlp], cfg, dparams, dcfg, prompts, lens, key,
+            compiled = generation_program(method, s, cb).lower(targets[mlp], cfg, dparams, dcfg, prompts, lens, key,
                                                        settings=s, max_len=max_len).compile()
             call = functools.partial(compiled, targets[mlp], dparams, prompts, lens, key)
         gen = call()
@@ -160,13 +152,13 @@ def main() -> None:
         log(row)
         rows.append(row)
     # The round benchmark's program, same weights, same context, same process, with each
-    # command-buffer setting (off: as DDTree decoding compiles it).
+    # command-buffer setting.
     bench: dict[str, float] = {}
     for method, cb in [c for c in combos if c[0] != "ar"]:
-        state = make_state(cfg, dcfg, args.ctx, max_len, base.max_new_tokens, jnp.bfloat16)  # donated
+        state = make_state(cfg, dcfg, args.ctx, max_len, args.new, jnp.bfloat16)  # donated
         name = f"{method} {cb}"
         bench[name], _, _ = timed_rounds(target, dparams, cfg, dcfg, bases[method], state,
-                                         decoding_options(bases[method], cb))
+                                         decoding_options(method, cb) or None)
         log(f"spec_round's 8-round call, {name}: {bench[name]:.3f} ms a round")
     print(f"\n{env['device']}, jax {env['jax']}, {'/'.join(args.method)} (DDTree budget {args.budget}), "
           f"prompt {args.ctx}, {args.new} new tokens, "

@@ -134,6 +134,26 @@ COMMAND_BUFFERS = {"default": {}, "off": COMMAND_BUFFERS_OFF, "all": COMMAND_BUF
                                 "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"}}
 
 
+def decoding_settings(method: str, dot_merger: str = "decoding", command_buffers: str = "decoding",
+                      profile: bool = False) -> tuple[str, str]:
+    """(dot merger, command buffers) by their names in DOT_MERGER / COMMAND_BUFFERS, "decoding"
+    resolved as decoding compiles `method` ("ddtree" or "dflash": speculative.DDTREE_COMPILER_OPTIONS
+    / DFLASH_COMPILER_OPTIONS; "ar", `generate.generate_ar`: XLA's defaults). A profile cannot see
+    into graphs, and spec_round's fori_loop times about the same with or without them
+    (BENCHMARKS.md, thirtieth session), so with `profile` a speculative round compiles them off."""
+    if dot_merger == "decoding":
+        dot_merger = "off" if method == "ddtree" else "default"
+    if command_buffers == "decoding":
+        command_buffers = "default" if method == "ar" else "off" if profile else "all"
+    return dot_merger, command_buffers
+
+
+def decoding_options(method: str, command_buffers: str = "decoding") -> dict[str, Any]:
+    """The compile options of `decoding_settings` for an unprofiled program."""
+    dot_merger, command_buffers = decoding_settings(method, command_buffers=command_buffers)
+    return {**DOT_MERGER[dot_merger], **COMMAND_BUFFERS[command_buffers]}
+
+
 def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool, rounds: int = ROUNDS_PER_CALL,
                   compiler_options: dict[str, Any] | None = None, table: int = 0, timeline: bool = False,
                   clocks: bool = False):
@@ -169,12 +189,7 @@ def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_le
                    table: int = 0, command_buffers: str = "decoding", xla_options: str = "",
                    timers: list | None = None, timeline: bool = False, clocks: bool = False) -> dict:
     state = make_state(cfg, dcfg, ctx, max_len, s.max_new_tokens, target.embed.dtype)
-    # As decoding compiles it: speculative.DDTREE_COMPILER_OPTIONS / DFLASH_COMPILER_OPTIONS.
-    dot_merger = ("off" if s.method == "ddtree" else "default") if dot_merger == "decoding" else dot_merger
-    if command_buffers == "decoding":
-        # A profile cannot see into graphs, and this fori_loop times about the same with or
-        # without them (BENCHMARKS.md, thirtieth session), so a profiled round compiles them off.
-        command_buffers = "off" if profile else "all"
+    dot_merger, command_buffers = decoding_settings(s.method, dot_merger, command_buffers, profile)
     options = {**DOT_MERGER[dot_merger], **COMMAND_BUFFERS[command_buffers], **parse_xla_options(xla_options)} or None
     ms, rnd, call, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile, rounds, options, table,
                                          timeline, clocks)
