@@ -39,20 +39,22 @@ import jax.numpy as jnp
 from dflash_jax.bench.common import SHAPES, environment, log, time_fn, write_json
 from dflash_jax.generate import generate_ar
 from dflash_jax.model import kernel_mlp_layout
-from dflash_jax.bench.spec_round import COMMAND_BUFFERS, decoding_options, decoding_pair, make_state, timed_rounds
+from dflash_jax.bench.spec_round import (COMMAND_BUFFERS, _checked_xla_options, decoding_options, decoding_pair,
+                                         make_state, parse_xla_options, timed_rounds)
+from dflash_jax.model import ACTIVATION_IMPLS
 from dflash_jax.speculative import _STATIC, SpecSettings, _generate, speculative_program, start_state
 
 
 AR_STATIC = ("cfg", "max_new_tokens", "max_len", "sampling", "stop_tokens", "attn_impl")
 
 
-def generation_program(method: str, s: SpecSettings | None, command_buffers: str):
+def generation_program(method: str, s: SpecSettings | None, command_buffers: str, extra: dict[str, Any] | None = None):
     """The generation as decoding compiles it ("decoding": `speculative_program(s)`, or
     `generate_ar` for method "ar", s None), or with the compile options of
-    `spec_round.decoding_options` for that setting."""
-    if command_buffers == "decoding":
+    `spec_round.decoding_options` for that setting, plus `extra` XLA options."""
+    if command_buffers == "decoding" and not extra:
         return generate_ar if s is None else speculative_program(s)
-    options = decoding_options(method, command_buffers) or None
+    options = {**decoding_options(method, command_buffers), **(extra or {})} or None
     if s is None:
         return jax.jit(generate_ar.__wrapped__, static_argnames=AR_STATIC, compiler_options=options)
     return jax.jit(_generate, static_argnames=_STATIC, compiler_options=options)
@@ -77,6 +79,12 @@ def main() -> None:
     ap.add_argument("--mlp", nargs="+", choices=("xla", "kernel"), default=["xla"],
                     help="the verify's MLP: XLA's gate_up product and SiLU, or the gated-activation kernel "
                          "(the target in `model.kernel_mlp_layout`); several: each is timed")
+    ap.add_argument("--activation", nargs="+", choices=ACTIVATION_IMPLS, default=["xla"],
+                    help="the speculative verify's silu(gate) * up: XLA's fusion or one silu_mul launch "
+                         "(SpecSettings.activation); several: each is timed (AR keeps XLA's)")
+    ap.add_argument("--xla-options", nargs="+", type=_checked_xla_options, default=[""],
+                    help="extra XLA compile options per variant, KEY=VALUE[,KEY=VALUE...] ('' for none), "
+                         "added to the command-buffer setting's; several: each is timed")
     ap.add_argument("--out")
     args = ap.parse_args()
     env = environment()
@@ -112,26 +120,29 @@ def main() -> None:
     # A setting that compiles as an earlier one of the same method (DDTree's "decoding" is "all") runs once.
     combos = [(m, cb) for i, (m, cb) in enumerate(combos)
               if all(m != m2 or decoding_options(m, cb) != decoding_options(m2, cb2) for m2, cb2 in combos[:i])]
-    for (method, cb), mlp, k in itertools.product(combos, args.mlp, args.rounds_per_check):
-        if method == "ar" and k != args.rounds_per_check[0]:
-            continue  # AR reads `done` every step
-        s = None if method == "ar" else dataclasses.replace(bases[method], rounds_per_check=k)
+    variants = itertools.product(combos, args.mlp, args.activation, args.xla_options, args.rounds_per_check)
+    for (method, cb), mlp, act, xla, k in variants:
+        if method == "ar" and (k != args.rounds_per_check[0] or act != args.activation[0]):
+            continue  # AR reads `done` every step and has no silu_mul path
+        s = None if method == "ar" else dataclasses.replace(bases[method], rounds_per_check=k, activation=act)
         t0 = time.perf_counter()
+        program = generation_program(method, s, cb, parse_xla_options(xla))
         # Compiled ahead of time; the static arguments are baked in.
         if s is None:
-            compiled = generation_program(method, None, cb).lower(targets[mlp], cfg, prompts, lens, key,
-                                                          max_new_tokens=args.new, max_len=max_len).compile()
+            compiled = program.lower(targets[mlp], cfg, prompts, lens, key, max_new_tokens=args.new,
+                                     max_len=max_len).compile()
             call = functools.partial(compiled, targets[mlp], prompts, lens, key)
         else:
-            compiled = generation_program(method, s, cb).lower(targets[mlp], cfg, dparams, dcfg, prompts, lens, key,
-                                                       settings=s, max_len=max_len).compile()
+            compiled = program.lower(targets[mlp], cfg, dparams, dcfg, prompts, lens, key, settings=s,
+                                     max_len=max_len).compile()
             call = functools.partial(compiled, targets[mlp], dparams, prompts, lens, key)
         gen = call()
         rounds = int(jax.device_get(gen.num_tokens).max()) - 1 if s is None else int(jax.device_get(gen.rounds).max())
         tokens = jax.device_get(gen.tokens)
         same = bool((tokens == first_tokens.setdefault(method, tokens)).all())
         first_s = round(time.perf_counter() - t0, 1)
-        programs.append((method, cb, mlp, 1 if s is None else k, rounds, same, call, first_s))
+        programs.append((method, cb, mlp, "xla" if s is None else act, xla, 1 if s is None else k, rounds, same,
+                         call, first_s))
     # Timed in turns, one generation of each per turn, so drift falls on all alike.
     times: list[list[float]] = [[] for _ in programs]
     for _ in range(args.iters):
@@ -140,10 +151,11 @@ def main() -> None:
             jax.block_until_ready(call().tokens)
             times[i].append((time.perf_counter() - t0) * 1e3)
     rows: list[dict[str, Any]] = []
-    for (method, cb, mlp, k, rounds, same, _, first_s), ts in zip(programs, times):
+    for (method, cb, mlp, act, xla, k, rounds, same, _, first_s), ts in zip(programs, times):
         total = statistics.median(ts)
         run = k * math.ceil(rounds / k)
-        row = {"method": method, "command_buffers": cb, "mlp": mlp, "tokens_as_first": same, "rounds_per_check": k,
+        row = {"method": method, "command_buffers": cb, "mlp": mlp, "activation": act, "xla_options": xla,
+               "tokens_as_first": same, "rounds_per_check": k,
                "rounds": rounds, "rounds_run": run,
                "generation_ms": round(total, 2), "prefill_ms": round(prefills[method], 2),
                "ms_per_round_run": round((total - prefills[method]) / run, 3),
@@ -163,16 +175,17 @@ def main() -> None:
     print(f"\n{env['device']}, jax {env['jax']}, {'/'.join(args.method)} (DDTree budget {args.budget}), "
           f"prompt {args.ctx}, {args.new} new tokens, "
           f"batch 1 (random weights: about one token a round)")
-    print("| method | command buffers | MLP | tokens as the method's first | rounds per check | rounds | rounds run "
-          "| generation ms | prefill ms | ms / round run | ms / round needed |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| method | command buffers | MLP | activation | XLA options | tokens as the method's first "
+          "| rounds per check | rounds | rounds run | generation ms | prefill ms | ms / round run | ms / round needed |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['method']} | {r['command_buffers']} | {r['mlp']} | {r['tokens_as_first']} | "
+        print(f"| {r['method']} | {r['command_buffers']} | {r['mlp']} | {r['activation']} | {r['xla_options'] or '-'} | "
+              f"{r['tokens_as_first']} | "
               f"{r['rounds_per_check']} | "
               f"{r['rounds']} | {r['rounds_run']} | "
               f"{r['generation_ms']} | {r['prefill_ms']} | {r['ms_per_round_run']} | {r['ms_per_round_needed']} |")
     for cb, ms in bench.items():
-        print(f"| {cb}: spec_round (fori_loop of 8) | | xla | | | | | | | {ms:.3f} | |")
+        print(f"| {cb}: spec_round (fori_loop of 8) | | xla | xla | - | | | | | | | {ms:.3f} | |")
     if args.out:
         write_json(args.out, {"env": env, "rows": rows, "spec_round_ms": bench})
 

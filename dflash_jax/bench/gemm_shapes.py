@@ -14,6 +14,11 @@ what the library picks and how far from the matrix rate each lands:
 * `lm_head+argmax:f32` / `:bf16` / `:bf16-out`: the LM head and the greedy argmax over its
   float32 logits, over those rounded to bf16 after, or over the product asked for in bf16
   (`model.logits_from_hidden`);
+* `gate_up:batched` / `gate_up:halves`: the gate_up product over weights [2, in, mlp] as one
+  batched product (batch 2: gate and up) or as two products, to see whether cuBLAS then picks a
+  kernel without the Memset it launches before the fused product's;
+* `--xla-options`: XLA compile options per variant (e.g. `xla_gpu_enable_cublaslt=true`, or
+  `xla_gpu_dump_autotune_logs_to=PATH` for every algorithm the autotuner timed);
 * `gate_up+silu:kernel`: the same step as `gate_up+silu` by `pallas_kernels.gate_up_silu` (one
   Mosaic GPU launch; weights [2, mlp, in], the rows padded to its tiles before the program).
 
@@ -27,6 +32,7 @@ launched, TFLOP/s, and the wall time of the whole program per product (gaps incl
 from __future__ import annotations
 
 import argparse
+import itertools
 import tempfile
 from typing import Callable
 
@@ -35,6 +41,7 @@ import jax.numpy as jnp
 
 from dflash_jax.bench.common import environment, log, time_fn, write_json
 from dflash_jax.bench.profile import kernel_events
+from dflash_jax.bench.spec_round import _checked_xla_options, parse_xla_options
 from dflash_jax.speculative import DOT_MERGER_OFF
 
 # (name, in, out, what follows the product) at the Qwen3-8B shape.
@@ -43,6 +50,8 @@ PRODUCTS = {
     "o": (4096, 4096, None),
     "o+res": (4096, 4096, "res"),
     "gate_up": (4096, 24576, None),
+    "gate_up:batched": (4096, 24576, "batched"),
+    "gate_up:halves": (4096, 24576, "halves"),
     "gate_up+silu": (4096, 24576, "silu"),
     "gate_up+silu:kernel": (4096, 24576, "silu-kernel"),
     "gate_up+silu:kernel-pdl": (4096, 24576, "silu-kernel-pdl"),
@@ -81,6 +90,11 @@ def product(x: jax.Array, w: jax.Array, layout: str, after: str | None, res: jax
         return jnp.einsum(eq, xs, ws, preferred_element_type=jnp.float32)
     if after and after.startswith("silu-kernel"):  # w: [2, mlp, in]; x padded to the kernel's tiles
         return _kernel_product(x, w, after.split("-")[2:])
+    if after in ("batched", "halves"):  # w: [2, in, mlp] or [2, mlp, in]
+        eq = "ti,io->to" if layout == "in_out" else "ti,oi->to"
+        if after == "halves":
+            return tuple(jnp.einsum(eq, x, w[h], preferred_element_type=x.dtype) for h in range(2))
+        return jnp.einsum(eq.replace(",", ",h").replace("->", "->h"), x, w, preferred_element_type=x.dtype)
     eq = "ti,io->to" if layout == "in_out" else "ti,oi->to"
     if after == "f32":
         return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32)
@@ -117,12 +131,14 @@ def _kernel_product(x: jax.Array, w: jax.Array, opts: list[str]) -> jax.Array:
 
 
 def program(layout: str, after: str | None, splits: int) -> Callable:
+    """The jitted program's `lower`: one product per weight, as `product`."""
     def run(x, res, weights):
         return tuple(product(x, w, layout, after, res, splits) for w in weights)
     return jax.jit(run).lower
 
 
-def measure(name: str, rows: int, layout: str, layers: int, calls: int, splits: int = 1) -> dict:
+def measure(name: str, rows: int, layout: str, layers: int, calls: int, splits: int = 1,
+            xla_options: str = "") -> dict:
     d_in, d_out, after = PRODUCTS[name]
     n = layers if not name.startswith("lm_head") else min(layers, 4)
     keys = jax.random.split(jax.random.key(rows), n + 2)
@@ -132,13 +148,17 @@ def measure(name: str, rows: int, layout: str, layers: int, calls: int, splits: 
         shape = (2, d_out // 2, d_in)
         tokens = token_tiles(rows).tokens
         x_rows = -(-rows // 8) * 8 if after.endswith("rows") else -(-rows // tokens) * tokens
+    elif after in ("batched", "halves"):
+        shape = (2, *shape[:-1], shape[-1] // 2) if layout == "in_out" else (2, shape[0] // 2, shape[1])
+        x_rows = rows
     else:
         x_rows = rows
     weights = tuple(jax.random.normal(k, shape, jnp.bfloat16) * 0.02 for k in keys[:n])
     x = jax.random.normal(keys[n], (x_rows, d_in), jnp.bfloat16)
     res = jax.random.normal(keys[n + 1], (rows, d_out // 2 if after and after.startswith("silu") else d_out),
                             jnp.bfloat16)
-    fn = program(layout, after, splits)(x, res, weights).compile(compiler_options=DOT_MERGER_OFF)
+    fn = program(layout, after, splits)(x, res, weights).compile(
+        compiler_options={**DOT_MERGER_OFF, **parse_xla_options(xla_options)})
     wall = time_fn(lambda: fn(x, res, weights), warmup=3, iters=10)["median_ms"] * 1e3 / n
     trace_dir = tempfile.mkdtemp()
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
@@ -151,7 +171,8 @@ def measure(name: str, rows: int, layout: str, layers: int, calls: int, splits: 
     us = sum(per_kernel.values()) / calls / n
     flop = 2 * rows * d_in * d_out
     del weights
-    return {"product": name, "rows": rows, "layout": layout, "splits": splits, "us": round(us, 2),
+    return {"product": name, "rows": rows, "layout": layout, "splits": splits, "xla_options": xla_options,
+            "us": round(us, 2),
             "wall_us": round(wall, 2),
             "kernels": round(len(events) / calls / n, 2), "tflops": round(flop / us / 1e6, 1),
             "by_kernel_us": {k: round(v / calls / n, 2) for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])}}
@@ -166,24 +187,26 @@ def main() -> None:
                     help="K slices (>1: float32 partials out, the op after the product left out)")
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--xla-options", nargs="+", type=_checked_xla_options, default=[""],
+                    help="XLA compile options per variant, KEY=VALUE[,KEY=VALUE...] ('' for none)")
     ap.add_argument("--out")
     args = ap.parse_args()
     results = []
-    print("| product | rows | layout | splits | kernel us | wall us | kernels | TFLOP/s | costliest kernel |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| product | rows | layout | splits | XLA options | kernel us | wall us | kernels | TFLOP/s | kernels, us |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.products:
         for rows in args.rows:
             for layout in args.layouts:
-                for splits in args.splits:
+                for splits, xla in itertools.product(args.splits, args.xla_options):
                     if splits > 1 and PRODUCTS[name][2] is not None:
                         continue  # split partials end at the product
                     if (PRODUCTS[name][2] or "").startswith("silu-kernel") and layout != "out_in":
                         continue  # the kernel takes its weights [2, mlp, in] only
-                    r = measure(name, rows, layout, args.layers, args.calls, splits)
+                    r = measure(name, rows, layout, args.layers, args.calls, splits, xla)
                     results.append(r)
-                    top = next(iter(r["by_kernel_us"].items()))
-                    print(f"| {name} | {rows} | {layout} | {splits} | {r['us']} | {r['wall_us']} | {r['kernels']} | {r['tflops']} | "
-                          f"{top[0]} {top[1]} |", flush=True)
+                    kernels = "; ".join(f"{k} {v}" for k, v in list(r["by_kernel_us"].items())[:3])
+                    print(f"| {name} | {rows} | {layout} | {splits} | {xla or '-'} | {r['us']} | {r['wall_us']} | "
+                          f"{r['kernels']} | {r['tflops']} | {kernels} |", flush=True)
     log("done")
     write_json(args.out, {"env": environment(), "rows": results})
 
