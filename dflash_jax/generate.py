@@ -79,8 +79,19 @@ def is_stop(tokens: jax.Array, stop_tokens: tuple[int, ...]) -> jax.Array:
     return jnp.isin(tokens, jnp.asarray(stop_tokens, tokens.dtype))
 
 
+# XLA's command buffers (CUDA graphs) for every command type, the loop types (WHILE, CONDITIONAL)
+# included. A generation's while_loop otherwise has the host read `done` back after every step
+# before it issues the next, so each step starts with the GPU waiting on the host. Speculative
+# decoding compiles its loop so too (`speculative.DDTREE_COMPILER_OPTIONS`). AR decoding at ctx 4K
+# (Qwen3-8B shape, 127 tokens, in turns): 4.803 against 4.844 ms a token with XLA's default
+# command types, faster in each of 7 turns, the same tokens (BENCHMARKS.md, thirty-first session).
+COMMAND_BUFFERS_ALL = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
+                       "xla_gpu_graph_min_graph_size": 1}
+COMMAND_BUFFERS_OFF = {"xla_gpu_enable_command_buffer": ""}
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "max_len", "sampling", "stop_tokens",
-                                             "attn_impl"))
+                                             "attn_impl"), compiler_options=COMMAND_BUFFERS_ALL)
 def generate_ar(params: ModelParams, cfg: ModelConfig, prompts: jax.Array, prompt_lens: jax.Array,
                 key: jax.Array, *, max_new_tokens: int, max_len: int,
                 sampling: SamplingParams = SamplingParams(), stop_tokens: tuple[int, ...] = (),

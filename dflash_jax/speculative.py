@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from dflash_jax import drafter as dr
 from dflash_jax.accept import chain_rejection, follow_target
 from dflash_jax.config import ModelConfig
-from dflash_jax.generate import PAD, Generation, is_stop, prefill
+from dflash_jax.generate import COMMAND_BUFFERS_ALL, COMMAND_BUFFERS_OFF, PAD, Generation, is_stop, prefill
 from dflash_jax.kv_cache import KVCache, gather_rows, write_rows
 from dflash_jax.model import ACTIVATION_IMPLS, RESIDUAL_IMPLS, ModelParams, forward
 from dflash_jax.sampling import SamplingParams, sample, sample_from_probs, sampling_probs
@@ -335,18 +335,13 @@ _STATIC = ("cfg", "dcfg", "settings", "max_len")
 # wide (a 48 MB copy per layer per round at Qwen3-8B, budget 256). With the pass off, a DDTree(256)
 # round took 15.66 ms instead of 16.20 (H200, BENCHMARKS.md); DFlash rounds showed no gain.
 DOT_MERGER_OFF = {"xla_gpu_dot_merger_threshold_mb": 0}
-# XLA's command buffers (CUDA graphs) for every command type, the loop types (WHILE, CONDITIONAL)
-# included. The generation's while_loop otherwise has the host read `done` back after every round
-# before it issues the next, so each round starts with the GPU waiting on the host. A DDTree(256)
-# round as decoding runs it (`bench/decode_loop.py`, 63-127 rounds, in turns) took 10.33 / 10.58 /
-# 10.54 / 10.12 / 10.57 ms with them against 10.52 / 10.78 / 10.75 / 10.49 / 10.95 ms with command
-# buffers off, on five H200s, the same tokens; without the loop types 10.70 against 10.78
-# (BENCHMARKS.md, thirtieth session).
+# XLA's command buffers for every command type (`generate.COMMAND_BUFFERS_ALL`), the loop types
+# included: a DDTree(256) round as decoding runs it (`bench/decode_loop.py`, 63-127 rounds, in turns)
+# took 10.33 / 10.58 / 10.54 / 10.12 / 10.57 ms with them against 10.52 / 10.78 / 10.75 / 10.49 /
+# 10.95 ms with command buffers off, on five H200s, the same tokens; without the loop types 10.70
+# against 10.78 (BENCHMARKS.md, thirtieth session).
 # spec_round's fori_loop, which reads nothing back, is as fast either way. Earlier sessions had them
 # off, when they cost spec_round time (12.04 against 12.30 ms, thirteenth session).
-COMMAND_BUFFERS_ALL = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
-                       "xla_gpu_graph_min_graph_size": 1}
-COMMAND_BUFFERS_OFF = {"xla_gpu_enable_command_buffer": ""}
 DDTREE_COMPILER_OPTIONS = {**DOT_MERGER_OFF, **COMMAND_BUFFERS_ALL}
 # The same without graphs, for programs a profiler must see into (a trace cannot attribute the
 # kernels of a graph to their HLO instructions).

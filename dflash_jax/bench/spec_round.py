@@ -138,13 +138,13 @@ def decoding_settings(method: str, dot_merger: str = "decoding", command_buffers
                       profile: bool = False) -> tuple[str, str]:
     """(dot merger, command buffers) by their names in DOT_MERGER / COMMAND_BUFFERS, "decoding"
     resolved as decoding compiles `method` ("ddtree" or "dflash": speculative.DDTREE_COMPILER_OPTIONS
-    / DFLASH_COMPILER_OPTIONS; "ar", `generate.generate_ar`: XLA's defaults). A profile cannot see
-    into graphs, and spec_round's fori_loop times about the same with or without them
-    (BENCHMARKS.md, thirtieth session), so with `profile` a speculative round compiles them off."""
+    / DFLASH_COMPILER_OPTIONS; "ar", `generate.generate_ar`: generate.COMMAND_BUFFERS_ALL). A profile
+    cannot see into graphs, and spec_round's fori_loop times about the same with or without them
+    (BENCHMARKS.md, thirtieth session), so with `profile` a program compiles them off."""
     if dot_merger == "decoding":
         dot_merger = "off" if method == "ddtree" else "default"
     if command_buffers == "decoding":
-        command_buffers = "default" if method == "ar" else "off" if profile else "all"
+        command_buffers = "off" if profile else "all"
     return dot_merger, command_buffers
 
 
