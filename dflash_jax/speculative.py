@@ -60,7 +60,7 @@ class SpecSettings:
     # (`model.RESIDUAL_IMPLS`), e.g. to compare them.
     residual: str = "kernel"
     # On that path, silu(gate) * up after XLA's gate_up product: XLA's fusion ("xla") or one
-    # `pallas_kernels/silu_mul.py` launch ("kernel"; opt-in, not yet timed on a GPU).
+    # `pallas_kernels/silu_mul.py` launch ("kernel"; opt-in: no faster on the H200).
     activation: str = "xla"
     # The generation's loop looks at `done` (which the host must read back) once every this many
     # rounds; rounds run after every sequence is done change nothing but cost their time. Between
