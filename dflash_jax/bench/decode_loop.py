@@ -37,11 +37,10 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.bench.common import SHAPES, environment, log, time_fn, write_json
-from dflash_jax.generate import generate_ar
-from dflash_jax.model import kernel_mlp_layout
-from dflash_jax.bench.spec_round import (COMMAND_BUFFERS, _checked_xla_options, decoding_options, decoding_pair,
+from dflash_jax.bench.spec_round import (COMMAND_BUFFERS, add_xla_options_argument, decoding_options, decoding_pair,
                                          make_state, parse_xla_options, timed_rounds)
-from dflash_jax.model import ACTIVATION_IMPLS
+from dflash_jax.generate import generate_ar
+from dflash_jax.model import ACTIVATION_IMPLS, kernel_mlp_layout
 from dflash_jax.speculative import _STATIC, SpecSettings, _generate, speculative_program, start_state
 
 
@@ -82,9 +81,7 @@ def main() -> None:
     ap.add_argument("--activation", nargs="+", choices=ACTIVATION_IMPLS, default=["xla"],
                     help="the speculative verify's silu(gate) * up: XLA's fusion or one silu_mul launch "
                          "(SpecSettings.activation); several: each is timed (AR keeps XLA's)")
-    ap.add_argument("--xla-options", nargs="+", type=_checked_xla_options, default=[""],
-                    help="extra XLA compile options per variant, KEY=VALUE[,KEY=VALUE...] ('' for none), "
-                         "added to the command-buffer setting's; several: each is timed")
+    add_xla_options_argument(ap, ", added to the command-buffer setting's")
     ap.add_argument("--out")
     args = ap.parse_args()
     env = environment()
@@ -140,26 +137,26 @@ def main() -> None:
         rounds = int(jax.device_get(gen.num_tokens).max()) - 1 if s is None else int(jax.device_get(gen.rounds).max())
         tokens = jax.device_get(gen.tokens)
         same = bool((tokens == first_tokens.setdefault(method, tokens)).all())
-        first_s = round(time.perf_counter() - t0, 1)
-        programs.append((method, cb, mlp, "xla" if s is None else act, xla, 1 if s is None else k, rounds, same,
-                         call, first_s))
+        setting = {"method": method, "command_buffers": cb, "mlp": mlp, "activation": "xla" if s is None else act,
+                   "xla_options": xla, "tokens_as_first": same, "rounds_per_check": 1 if s is None else k,
+                   "rounds": rounds, "first_call_s": round(time.perf_counter() - t0, 1)}
+        programs.append((setting, call))
     # Timed in turns, one generation of each per turn, so drift falls on all alike.
     times: list[list[float]] = [[] for _ in programs]
     for _ in range(args.iters):
-        for i, (*_, call, _) in enumerate(programs):
+        for i, (_, call) in enumerate(programs):
             t0 = time.perf_counter()
             jax.block_until_ready(call().tokens)
             times[i].append((time.perf_counter() - t0) * 1e3)
     rows: list[dict[str, Any]] = []
-    for (method, cb, mlp, act, xla, k, rounds, same, _, first_s), ts in zip(programs, times):
+    for (setting, _), ts in zip(programs, times):
+        method, k, rounds = setting["method"], setting["rounds_per_check"], setting["rounds"]
         total = statistics.median(ts)
         run = k * math.ceil(rounds / k)
-        row = {"method": method, "command_buffers": cb, "mlp": mlp, "activation": act, "xla_options": xla,
-               "tokens_as_first": same, "rounds_per_check": k,
-               "rounds": rounds, "rounds_run": run,
+        row = {**setting, "rounds_run": run,
                "generation_ms": round(total, 2), "prefill_ms": round(prefills[method], 2),
                "ms_per_round_run": round((total - prefills[method]) / run, 3),
-               "ms_per_round_needed": round((total - prefills[method]) / rounds, 3), "first_call_s": first_s,
+               "ms_per_round_needed": round((total - prefills[method]) / rounds, 3),
                "generation_ms_turns": [round(t, 2) for t in ts]}
         log(row)
         rows.append(row)

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 
 from dflash_jax.bench.common import environment, log, time_fn, write_json
 from dflash_jax.bench.profile import kernel_events
-from dflash_jax.bench.spec_round import _checked_xla_options, parse_xla_options
+from dflash_jax.bench.spec_round import add_xla_options_argument, parse_xla_options
 from dflash_jax.speculative import DOT_MERGER_OFF
 
 # (name, in, out, what follows the product) at the Qwen3-8B shape.
@@ -90,12 +90,11 @@ def product(x: jax.Array, w: jax.Array, layout: str, after: str | None, res: jax
         return jnp.einsum(eq, xs, ws, preferred_element_type=jnp.float32)
     if after and after.startswith("silu-kernel"):  # w: [2, mlp, in]; x padded to the kernel's tiles
         return _kernel_product(x, w, after.split("-")[2:])
-    if after in ("batched", "halves"):  # w: [2, in, mlp] or [2, mlp, in]
-        eq = "ti,io->to" if layout == "in_out" else "ti,oi->to"
-        if after == "halves":
-            return tuple(jnp.einsum(eq, x, w[h], preferred_element_type=x.dtype) for h in range(2))
-        return jnp.einsum(eq.replace(",", ",h").replace("->", "->h"), x, w, preferred_element_type=x.dtype)
     eq = "ti,io->to" if layout == "in_out" else "ti,oi->to"
+    if after == "halves":  # w: [2, in, mlp] or [2, mlp, in]
+        return tuple(jnp.einsum(eq, x, w[h], preferred_element_type=x.dtype) for h in range(2))
+    if after == "batched":
+        return jnp.einsum(eq.replace(",", ",h").replace("->", "->h"), x, w, preferred_element_type=x.dtype)
     if after == "f32":
         return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32)
     if after and after.startswith("argmax"):
@@ -148,11 +147,10 @@ def measure(name: str, rows: int, layout: str, layers: int, calls: int, splits: 
         shape = (2, d_out // 2, d_in)
         tokens = token_tiles(rows).tokens
         x_rows = -(-rows // 8) * 8 if after.endswith("rows") else -(-rows // tokens) * tokens
-    elif after in ("batched", "halves"):
-        shape = (2, *shape[:-1], shape[-1] // 2) if layout == "in_out" else (2, shape[0] // 2, shape[1])
-        x_rows = rows
     else:
         x_rows = rows
+        if after in ("batched", "halves"):  # gate and up as two weights
+            shape = (2, d_in, d_out // 2) if layout == "in_out" else (2, d_out // 2, d_in)
     weights = tuple(jax.random.normal(k, shape, jnp.bfloat16) * 0.02 for k in keys[:n])
     x = jax.random.normal(keys[n], (x_rows, d_in), jnp.bfloat16)
     res = jax.random.normal(keys[n + 1], (rows, d_out // 2 if after and after.startswith("silu") else d_out),
@@ -187,8 +185,7 @@ def main() -> None:
                     help="K slices (>1: float32 partials out, the op after the product left out)")
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--calls", type=int, default=5)
-    ap.add_argument("--xla-options", nargs="+", type=_checked_xla_options, default=[""],
-                    help="XLA compile options per variant, KEY=VALUE[,KEY=VALUE...] ('' for none)")
+    add_xla_options_argument(ap)
     ap.add_argument("--out")
     args = ap.parse_args()
     results = []

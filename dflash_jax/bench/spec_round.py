@@ -280,6 +280,14 @@ def _checked_xla_options(text: str) -> str:
     return text
 
 
+def add_xla_options_argument(ap: argparse.ArgumentParser, note: str = "") -> None:
+    """The benches' --xla-options: XLA compile options per variant, each checked as it is read;
+    `note` says more about them in the help."""
+    ap.add_argument("--xla-options", nargs="+", type=_checked_xla_options, default=[""],
+                    help="extra XLA compile options per variant, KEY=VALUE[,KEY=VALUE...] ('' for none)"
+                         f"{note} (several: each is timed, side by side)")
+
+
 def parse_preselect(text: str) -> int | str | None:
     """--preselect value: "auto" (the default for the budget and backend), a fan-out (0 = none),
     "radix" / "radixC" (tree.radix_top_k with prechunk tree.RADIX_PRECHUNK / C: preselect -C), or
@@ -365,10 +373,8 @@ def main() -> None:
                     help="XLA's command buffers (CUDA graphs) as decoding compiles them (every command type; "
                          "off where the round is profiled), as they are, off, every command type (all), or "
                          "all but the loop types (no-loops) (several: each is timed, side by side)")
-    ap.add_argument("--xla-options", nargs="+", type=_checked_xla_options, default=[""],
-                    help="extra XLA compile options per variant, KEY=VALUE[,KEY=VALUE...] ('' for none), e.g. "
-                         "xla_gpu_enable_pdl=false (several: each is timed, side by side; a variant whose "
-                         "compile fails is reported and skipped)")
+    add_xla_options_argument(ap, ", e.g. xla_gpu_enable_pdl=false; a variant whose compile fails is reported and "
+                                 "skipped")
     ap.add_argument("--interleave", type=int, default=0, metavar="R",
                     help="after all variants: time them again in turns, R rounds of turns, and report each "
                          "one's median (round_ms_interleaved: drift falls on all alike; keeps every "
