@@ -88,9 +88,15 @@ _LOG2E = 1.4426950408889634
 _M_INIT = -1e30
 # Triton's dot needs at least 16 rows and 16 columns per operand.
 _MIN_BLOCK = 16
+
 # Programs that count as filling an H200's 132 SMs without split-K (W = 256 at 8 kv heads has
 # 128 programs of 64 rows).
 _FULL_GRID = 128
+
+
+def _is_triton_block(size: int) -> bool:
+    """Whether a block dimension (or the head size) suits the Triton kernel: a power of two >= 16."""
+    return size >= _MIN_BLOCK and is_power_of_two(size)
 
 
 def _squeezed():
@@ -579,7 +585,7 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens:
         given["tail_split"] = 0  # an explicit tiling runs as one launch unless asked otherwise
     blocks = dataclasses.replace(defaults, **{k_: v_ for k_, v_ in given.items() if v_ is not None})
     for name, size in (("block_q", blocks.block_q), ("block_k", blocks.block_k), ("head_dim", head_dim)):
-        if size < _MIN_BLOCK or not is_power_of_two(size):
+        if not _is_triton_block(size):
             raise ValueError(f"{name}={size} must be a power of two >= {_MIN_BLOCK} (Triton)")
     if blocks.split_k < 1:
         raise ValueError(f"split_k={blocks.split_k} must be >= 1")
@@ -704,7 +710,7 @@ def tree_attention_rows(q_rows: jax.Array, k: jax.Array, v: jax.Array, prefix_le
 
 def triton_takes(head_dim: int) -> bool:
     """Whether the Triton kernel takes this head size (a power-of-two block of at least 16)."""
-    return head_dim >= _MIN_BLOCK and is_power_of_two(head_dim)
+    return _is_triton_block(head_dim)
 
 
 def resolve_impl(impl: Impl = "auto") -> str:
