@@ -88,7 +88,6 @@ _LOG2E = 1.4426950408889634
 _M_INIT = -1e30
 # Triton's dot needs at least 16 rows and 16 columns per operand.
 _MIN_BLOCK = 16
-
 # Programs that count as filling an H200's 132 SMs without split-K (W = 256 at 8 kv heads has
 # 128 programs of 64 rows).
 _FULL_GRID = 128
