@@ -115,6 +115,13 @@ class Schedule:
     compute_registers: registers a thread that the compute warpgroups take (`setmaxnreg`); the
       memory warpgroup keeps what that leaves of the launch's (`warpgroup_registers`). 0: the
       `REGISTERS` entry for `fold_tail`.
+    ordered_turn: a compute warpgroup hands over its turn only once its softmax is done: it
+      stores its row sums to shared memory and passes its warpgroup barrier (`commit_smem`)
+      before it arrives. Without that, nothing ties the arrive to the exp2s (it has no operand
+      they feed), and the compiled kernel arrived right after the row max (Nsight Compute, SASS
+      of the thirty-second session): the other warpgroup then started its own softmax while
+      this one was still in its exp2s, the two contended for the SM's special-function units,
+      and the tensor cores waited on both.
     """
     full_blocks: int
     main_split: int
@@ -131,6 +138,7 @@ class Schedule:
     pdl: bool = False
     fold_tail: bool = False
     compute_registers: int = 0
+    ordered_turn: bool = True
 
     @property
     def main_programs(self) -> int:
@@ -457,6 +465,9 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
             if pingpong:
                 # The softmax must be done before this warpgroup hands over its turn.
                 acc, m_new, l_i, p16 = lax.optimization_barrier((acc, m_new, l_i, p16))
+                if sched.ordered_turn:  # the row sums need every exp2: store them, then a barrier
+                    lse_smem.at[wg][...] = l_i
+                    plgpu.commit_smem()
                 plgpu.barrier_arrive(turn)
                 plgpu.barrier_wait(v_ready.at[slot])
                 plgpu.barrier_wait(turn)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import importlib
 
 import jax
@@ -269,6 +270,29 @@ def test_folded_tail_kernel_lowers_with_other_register_splits(monkeypatch):
     assert len({kernels[224], kernels[232], kernels[216]}) == 3
 
 
+def test_ordered_turn_changes_only_the_kernel_with_turns(monkeypatch):
+    """`Schedule.ordered_turn` (the row sums stored and the warpgroup's barrier passed before a
+    turn is handed over) gives another kernel where the warpgroups take turns, and the same
+    kernel where they do not (it has no turn to order)."""
+    from jax.experimental.mosaic.gpu import core as mgpu_core
+    kv = jax.ShapeDtypeStruct((1, 5120, 8, 128), jnp.bfloat16)
+    base = hopper.fold_tail(hopper.schedule(1, 8, 257 * 4, 5120))
+    assert base.ordered_turn  # the default
+    jax.clear_caches()  # another test may have lowered one of these schedules already
+    kernels = {}
+    for pingpong, ordered in itertools.product((True, False), (True, False)):
+        sched = dataclasses.replace(base, pingpong=pingpong, ordered_turn=ordered)
+        monkeypatch.setattr(mgpu_core, "KNOWN_KERNELS", {})
+        hopper.hopper_partials.trace(
+            jax.ShapeDtypeStruct((1, 8, sched.padded_rows, 128), jnp.bfloat16), kv, kv,
+            jax.ShapeDtypeStruct((1,), jnp.int32),
+            jax.ShapeDtypeStruct((1, sched.padded_rows, hopper.bias_columns(257, 128)), jnp.bfloat16),
+            width=257, scale=1.0, sched=sched).lower(lowering_platforms=("cuda",))
+        [kernels[pingpong, ordered]] = [bytes(k) for k in mgpu_core.KNOWN_KERNELS.values()]
+    assert kernels[True, True] != kernels[True, False]
+    assert kernels[False, True] == kernels[False, False]
+
+
 @pytest.mark.parametrize("pingpong", [True, False])
 @pytest.mark.parametrize("skip_padding", [True, False])
 @pytest.mark.parametrize("fma_scale,block_k,stages,tails_last", [(True, 128, 2, True), (False, 128, 2, True),
@@ -470,7 +494,8 @@ def test_variants_reach_the_kernel_with_their_schedule(monkeypatch):
             "pallas-no-pingpong": (False, True, 272 * 4, True), "pallas-xla-merge": (True, True, 272 * 4, False),
             "pallas-reduced-merge": (False, False, 0, False), "pallas-scaled-scores": (True, True, 272 * 4, True),
             "pallas-pdl": (True, True, 272 * 4, True), "pallas-min-rows-128": (True, True, 272 * 4, True),
-            "pallas-heads-major": (True, True, 272 * 4, True), "pallas-tail-programs": (True, True, 272 * 4, True)}
+            "pallas-heads-major": (True, True, 272 * 4, True), "pallas-tail-programs": (True, True, 272 * 4, True),
+            "pallas-unordered-turn": (True, True, 272 * 4, True)}
     seen = {}
     monkeypatch.setattr(hopper, "tree_attention_hopper",
                         lambda *a, sched, **kw: seen.setdefault("sched", sched) and a[0])
@@ -485,6 +510,7 @@ def test_variants_reach_the_kernel_with_their_schedule(monkeypatch):
         assert got.fma_scale == (impl not in ("pallas-scaled-scores", "pallas-reduced-merge")), impl
         assert got.pdl == (impl == "pallas-pdl"), impl
         assert got.tails_last == (impl != "pallas-heads-major"), impl
+        assert got.ordered_turn == (impl != "pallas-unordered-turn"), impl
         assert not got.fold_tail, impl  # W 272's 64-row partial block is not folded
         rows = dispatch.rows_schedule(1, 272, 32, 8, 128, 5120, jnp.bfloat16, impl)
         if impl == "pallas-unfused":

@@ -31,7 +31,7 @@ import itertools
 import math
 import statistics
 import time
-from typing import Any
+from typing import Any, get_args
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +42,7 @@ from dflash_jax.bench.spec_round import (COMMAND_BUFFERS, add_xla_options_argume
 from dflash_jax.generate import generate_ar
 from dflash_jax.model import ACTIVATION_IMPLS, kernel_mlp_layout
 from dflash_jax.speculative import _STATIC, SpecSettings, _generate, speculative_program, start_state
+from pallas_kernels.tree_attention import Impl
 
 
 AR_STATIC = ("cfg", "max_new_tokens", "max_len", "sampling", "stop_tokens", "attn_impl")
@@ -82,6 +83,9 @@ def main() -> None:
                     help="the speculative verify's silu(gate) * up: XLA's fusion or one silu_mul launch "
                          "(SpecSettings.activation); several: each is timed (AR keeps XLA's)")
     add_xla_options_argument(ap, ", added to the command-buffer setting's")
+    ap.add_argument("--attn-impl", nargs="+", default=["auto"], choices=get_args(Impl),
+                    help="tree-attention implementations of the speculative methods (SpecSettings.attn_impl), "
+                         "timed in turns")
     ap.add_argument("--out")
     args = ap.parse_args()
     env = environment()
@@ -117,11 +121,14 @@ def main() -> None:
     # A setting that compiles as an earlier one of the same method (DDTree's "decoding" is "all") runs once.
     combos = [(m, cb) for i, (m, cb) in enumerate(combos)
               if all(m != m2 or decoding_options(m, cb) != decoding_options(m2, cb2) for m2, cb2 in combos[:i])]
-    variants = itertools.product(combos, args.mlp, args.activation, args.xla_options, args.rounds_per_check)
-    for (method, cb), mlp, act, xla, k in variants:
-        if method == "ar" and (k != args.rounds_per_check[0] or act != args.activation[0]):
-            continue  # AR reads `done` every step and has no silu_mul path
-        s = None if method == "ar" else dataclasses.replace(bases[method], rounds_per_check=k, activation=act)
+    variants = itertools.product(combos, args.mlp, args.activation, args.attn_impl, args.xla_options,
+                                 args.rounds_per_check)
+    for (method, cb), mlp, act, attn, xla, k in variants:
+        if method == "ar" and (k != args.rounds_per_check[0] or act != args.activation[0]
+                               or attn != args.attn_impl[0]):
+            continue  # AR reads `done` every step and has neither the silu_mul path nor tree attention
+        s = None if method == "ar" else dataclasses.replace(bases[method], rounds_per_check=k, activation=act,
+                                                            attn_impl=attn)
         t0 = time.perf_counter()
         program = generation_program(method, s, cb, parse_xla_options(xla))
         # Compiled ahead of time; the static arguments are baked in.
@@ -138,6 +145,7 @@ def main() -> None:
         tokens = jax.device_get(gen.tokens)
         same = bool((tokens == first_tokens.setdefault(method, tokens)).all())
         setting = {"method": method, "command_buffers": cb, "mlp": mlp, "activation": "xla" if s is None else act,
+                   "attn_impl": "auto" if s is None else attn,
                    "xla_options": xla, "tokens_as_first": same, "rounds_per_check": 1 if s is None else k,
                    "rounds": rounds, "first_call_s": round(time.perf_counter() - t0, 1)}
         programs.append((setting, call))
@@ -172,17 +180,18 @@ def main() -> None:
     print(f"\n{env['device']}, jax {env['jax']}, {'/'.join(args.method)} (DDTree budget {args.budget}), "
           f"prompt {args.ctx}, {args.new} new tokens, "
           f"batch 1 (random weights: about one token a round)")
-    print("| method | command buffers | MLP | activation | XLA options | tokens as the method's first "
+    print("| method | command buffers | MLP | activation | attention | XLA options | tokens as the method's first "
           "| rounds per check | rounds | rounds run | generation ms | prefill ms | ms / round run | ms / round needed |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['method']} | {r['command_buffers']} | {r['mlp']} | {r['activation']} | {r['xla_options'] or '-'} | "
+        print(f"| {r['method']} | {r['command_buffers']} | {r['mlp']} | {r['activation']} | {r['attn_impl']} | "
+              f"{r['xla_options'] or '-'} | "
               f"{r['tokens_as_first']} | "
               f"{r['rounds_per_check']} | "
               f"{r['rounds']} | {r['rounds_run']} | "
               f"{r['generation_ms']} | {r['prefill_ms']} | {r['ms_per_round_run']} | {r['ms_per_round_needed']} |")
     for cb, ms in bench.items():
-        print(f"| {cb}: spec_round (fori_loop of 8) | | xla | xla | - | | | | | | | {ms:.3f} | |")
+        print(f"| {cb}: spec_round (fori_loop of 8) | | xla | xla | auto | - | | | | | | | {ms:.3f} | |")
     if args.out:
         write_json(args.out, {"env": env, "rows": rows, "spec_round_ms": bench})
 
