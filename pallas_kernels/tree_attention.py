@@ -37,7 +37,7 @@ from pallas_kernels.powers_of_two import is_power_of_two, next_power_of_two
 
 Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge",
                "pallas-scaled-scores", "pallas-pdl", "pallas-min-rows-128", "pallas-heads-major", "pallas-tail-programs",
-               "pallas-unordered-turn", "pallas-triton", "pallas-one-launch", "reference", "interpret"]
+               "pallas-ordered-turn", "pallas-triton", "pallas-one-launch", "reference", "interpret"]
 # The kernels as dispatched ("pallas": on Hopper, `tree_attention_hopper` where it applies, fed
 # by the model's fused qkv epilogue), and the variants benchmarks time beside it:
 # "pallas-unfused", the same kernels with the model's epilogue in XLA (the default before the
@@ -57,8 +57,8 @@ Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-no-pingpong", "pallas
 # programs of its own instead of taken by the full-block programs' memory warpgroups
 # (`Schedule.fold_tail`, which every other Hopper variant but "pallas-reduced-merge" applies), the
 # default before the twenty-fifth session;
-# "pallas-unordered-turn", "pallas" with a compute warpgroup's turn handed over wherever the compiler
-# puts the arrive (`Schedule.ordered_turn` off), the default before the thirty-second session;
+# "pallas-ordered-turn", "pallas" with a compute warpgroup's turn handed over only after its
+# softmax's exp2s (`Schedule.ordered_turn`: faster alone, not in the power-capped round);
 # "pallas-triton", the Triton kernel alone; and
 # "pallas-one-launch", its default tiling without the tail launch (at W 272, the default before
 # the seventh session).
@@ -74,14 +74,14 @@ Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-no-pingpong", "pallas
 # (the kernel 1.8 us faster at W 257, the DDTree(256) round no faster).
 PALLAS_VARIANTS = ("pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge",
                    "pallas-scaled-scores", "pallas-pdl", "pallas-min-rows-128", "pallas-heads-major",
-                   "pallas-tail-programs", "pallas-unordered-turn", "pallas-triton", "pallas-one-launch")
+                   "pallas-tail-programs", "pallas-ordered-turn", "pallas-triton", "pallas-one-launch")
 # The variants that run the Hopper kernel where it applies; those fed by the qkv epilogue.
 HOPPER_VARIANTS = ("pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge",
                    "pallas-scaled-scores", "pallas-pdl", "pallas-min-rows-128", "pallas-heads-major",
-                   "pallas-tail-programs", "pallas-unordered-turn")
+                   "pallas-tail-programs", "pallas-ordered-turn")
 _ROWS_VARIANTS = ("pallas", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge", "pallas-scaled-scores",
                   "pallas-pdl", "pallas-min-rows-128", "pallas-heads-major", "pallas-tail-programs",
-                  "pallas-unordered-turn")
+                  "pallas-ordered-turn")
 
 # exp2 is the native GPU instruction; folding log2(e) into the score scale makes exp2 exact
 # replacement for exp.
@@ -690,8 +690,8 @@ def _variant_schedule(which: str, sched: hopper.Schedule) -> hopper.Schedule:
         return dataclasses.replace(sched, pdl=True)
     if which == "pallas-heads-major":
         return dataclasses.replace(sched, tails_last=False)
-    if which == "pallas-unordered-turn":
-        return dataclasses.replace(sched, ordered_turn=False)
+    if which == "pallas-ordered-turn":
+        return dataclasses.replace(sched, ordered_turn=True)
     return dataclasses.replace(sched, pingpong=which != "pallas-no-pingpong")
 
 

@@ -117,11 +117,12 @@ class Schedule:
       `REGISTERS` entry for `fold_tail`.
     ordered_turn: a compute warpgroup hands over its turn only once its softmax is done: it
       stores its row sums to shared memory and passes its warpgroup barrier (`commit_smem`)
-      before it arrives. Without that, nothing ties the arrive to the exp2s (it has no operand
-      they feed), and the compiled kernel arrived right after the row max (Nsight Compute, SASS
-      of the thirty-second session): the other warpgroup then started its own softmax while
-      this one was still in its exp2s, the two contended for the SM's special-function units,
-      and the tensor cores waited on both.
+      before it arrives. Without it nothing ties the arrive to the exp2s (it has no operand they
+      feed), and the compiled kernel arrives right after the row max (Nsight Compute's SASS,
+      thirty-second session), so the two warpgroups' softmaxes overlap. Opt-in: ordered, the
+      kernel alone took 35.9 against 39.4 us at W 257, ctx 4K, but inside the power-capped round
+      1.585 against 1.492 ms a round (41 launches), and decoding's loop ran 10.147 against
+      10.129 ms a round (BENCHMARKS.md, thirty-second session).
     """
     full_blocks: int
     main_split: int
@@ -138,7 +139,7 @@ class Schedule:
     pdl: bool = False
     fold_tail: bool = False
     compute_registers: int = 0
-    ordered_turn: bool = True
+    ordered_turn: bool = False
 
     @property
     def main_programs(self) -> int:

@@ -277,7 +277,7 @@ def test_ordered_turn_changes_only_the_kernel_with_turns(monkeypatch):
     from jax.experimental.mosaic.gpu import core as mgpu_core
     kv = jax.ShapeDtypeStruct((1, 5120, 8, 128), jnp.bfloat16)
     base = hopper.fold_tail(hopper.schedule(1, 8, 257 * 4, 5120))
-    assert base.ordered_turn  # the default
+    assert not base.ordered_turn  # opt-in
     jax.clear_caches()  # another test may have lowered one of these schedules already
     kernels = {}
     for pingpong, ordered in itertools.product((True, False), (True, False)):
@@ -398,11 +398,11 @@ def test_gpu_hopper_kernel_matches_reference(batch, width, kv_heads, group, head
     assert rel_err(out, ref) < 1.5e-2
     # The same kernel with its compute warpgroups not taking turns (`Schedule.pingpong`),
     # scaling the scores the other way (`Schedule.fma_scale`), launched as a programmatic
-    # dependent of the kernel before it (`Schedule.pdl`), and on the grid in the other order
-    # (`Schedule.tails_last`).
+    # dependent of the kernel before it (`Schedule.pdl`), on the grid in the other order
+    # (`Schedule.tails_last`), and with its turns ordered the other way (`Schedule.ordered_turn`).
     default = hopper.schedule(batch, kv_heads, width * group, max_len)
     for fields in (dict(pingpong=False), dict(fma_scale=not default.fma_scale), dict(pdl=not default.pdl),
-                   dict(tails_last=not default.tails_last)):
+                   dict(tails_last=not default.tails_last), dict(ordered_turn=not default.ordered_turn)):
         sched = dataclasses.replace(default, **fields)
         out = jax.jit(functools.partial(hopper.tree_attention_hopper, scale=head_dim ** -0.5, sched=sched))(
             q, k, v, prefix_lens, visible)
@@ -495,7 +495,7 @@ def test_variants_reach_the_kernel_with_their_schedule(monkeypatch):
             "pallas-reduced-merge": (False, False, 0, False), "pallas-scaled-scores": (True, True, 272 * 4, True),
             "pallas-pdl": (True, True, 272 * 4, True), "pallas-min-rows-128": (True, True, 272 * 4, True),
             "pallas-heads-major": (True, True, 272 * 4, True), "pallas-tail-programs": (True, True, 272 * 4, True),
-            "pallas-unordered-turn": (True, True, 272 * 4, True)}
+            "pallas-ordered-turn": (True, True, 272 * 4, True)}
     seen = {}
     monkeypatch.setattr(hopper, "tree_attention_hopper",
                         lambda *a, sched, **kw: seen.setdefault("sched", sched) and a[0])
@@ -510,7 +510,7 @@ def test_variants_reach_the_kernel_with_their_schedule(monkeypatch):
         assert got.fma_scale == (impl not in ("pallas-scaled-scores", "pallas-reduced-merge")), impl
         assert got.pdl == (impl == "pallas-pdl"), impl
         assert got.tails_last == (impl != "pallas-heads-major"), impl
-        assert got.ordered_turn == (impl != "pallas-unordered-turn"), impl
+        assert got.ordered_turn == (impl == "pallas-ordered-turn"), impl
         assert not got.fold_tail, impl  # W 272's 64-row partial block is not folded
         rows = dispatch.rows_schedule(1, 272, 32, 8, 128, 5120, jnp.bfloat16, impl)
         if impl == "pallas-unfused":
