@@ -122,7 +122,8 @@ class Schedule:
       thirty-second session), so the two warpgroups' softmaxes overlap. Opt-in: ordered, the
       kernel alone took 35.9 against 39.4 us at W 257, ctx 4K, but inside the power-capped round
       1.585 against 1.492 ms a round (41 launches), and decoding's loop ran 10.147 against
-      10.129 ms a round (BENCHMARKS.md, thirty-second session).
+      10.129 ms a round, 10.392 against 10.343 with the order swapped (BENCHMARKS.md,
+      thirty-second session).
     """
     full_blocks: int
     main_split: int
