@@ -218,28 +218,32 @@ def test_fold_tail_leaves_other_schedules_as_they_are():
     assert hopper.fold_tail(unknown) == unknown
 
 
+def _lowered_kernel(sched, width: int, monkeypatch, kv_heads: int = 8, head_dim: int = 128) -> bytes:
+    """The one Mosaic kernel that `hopper_partials` lowers for cuda with `sched` (a 5120-slot cache)."""
+    from jax.experimental.mosaic.gpu import core as mgpu_core
+    kv = jax.ShapeDtypeStruct((1, 5120, kv_heads, head_dim), jnp.bfloat16)
+    monkeypatch.setattr(mgpu_core, "KNOWN_KERNELS", {})
+    hopper.hopper_partials.trace(
+        jax.ShapeDtypeStruct((1, kv_heads, sched.padded_rows, head_dim), jnp.bfloat16), kv, kv,
+        jax.ShapeDtypeStruct((1,), jnp.int32),
+        jax.ShapeDtypeStruct((1, sched.padded_rows, hopper.bias_columns(width, 128)), jnp.bfloat16),
+        width=width, scale=1.0, sched=sched).lower(lowering_platforms=("cuda",))
+    [kernel] = [bytes(k) for k in mgpu_core.KNOWN_KERNELS.values()]
+    return kernel
+
+
 @pytest.mark.parametrize("width,group,head_dim,tails_last,pingpong", [
     (257, 4, 128, True, True), (257, 4, 128, False, True), (257, 4, 128, True, False), (129, 8, 64, True, True)])
 def test_folded_tail_kernel_lowers_for_cuda(width, group, head_dim, tails_last, pingpong, monkeypatch):
     """With `fold_tail` the kernel lowers for cuda (in either grid order, with and without
     turns, 4 or 8 tail rows), as one Mosaic kernel whose products include the tail's swap-AB
     ones: N = TAIL_COLS columns, which the kernel without the fold has none of."""
-    from jax.experimental.mosaic.gpu import core as mgpu_core
     kv_heads = 8 if group == 4 else 2
     kv = jax.ShapeDtypeStruct((1, 5120, kv_heads, head_dim), jnp.bfloat16)
     base = dataclasses.replace(hopper.schedule(1, kv_heads, width * group, 5120), tails_last=tails_last,
                                pingpong=pingpong)
-    texts = []
-    for sched in (hopper.fold_tail(base), base):
-        monkeypatch.setattr(mgpu_core, "KNOWN_KERNELS", {})
-        hopper.hopper_partials.trace(
-            jax.ShapeDtypeStruct((1, kv_heads, sched.padded_rows, head_dim), jnp.bfloat16), kv, kv,
-            jax.ShapeDtypeStruct((1,), jnp.int32),
-            jax.ShapeDtypeStruct((1, sched.padded_rows, hopper.bias_columns(width, 128)), jnp.bfloat16),
-            width=width, scale=1.0, sched=sched).lower(lowering_platforms=("cuda",))
-        [kernel] = [bytes(k) for k in mgpu_core.KNOWN_KERNELS.values()]
-        texts.append(kernel)
-    folded, plain = texts
+    folded, plain = (_lowered_kernel(sched, width, monkeypatch, kv_heads, head_dim)
+                     for sched in (hopper.fold_tail(base), base))
     assert b"n8k16" in folded and b"n8k16" not in plain
     q = jax.ShapeDtypeStruct((1, width, kv_heads * group, head_dim), jnp.bfloat16)
     args = [q, kv, kv, jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1, width, width), jnp.bool_)]
@@ -252,20 +256,10 @@ def test_folded_tail_kernel_lowers_with_other_register_splits(monkeypatch):
     """The folded kernel lowers with the compute warpgroups at other `compute_registers` (the
     memory warpgroup, which runs the tail's products, then at 40 or 72): each split is a kernel
     of its own, and 224 is the default's."""
-    from jax.experimental.mosaic.gpu import core as mgpu_core
-    kv = jax.ShapeDtypeStruct((1, 5120, 8, 128), jnp.bfloat16)
     base = hopper.fold_tail(hopper.schedule(1, 8, 257 * 4, 5120))
     jax.clear_caches()  # another test may have lowered the default schedule already: no new kernel then
-    kernels = {}
-    for compute in (0, 224, 232, 216):
-        sched = dataclasses.replace(base, compute_registers=compute)
-        monkeypatch.setattr(mgpu_core, "KNOWN_KERNELS", {})
-        hopper.hopper_partials.trace(
-            jax.ShapeDtypeStruct((1, 8, sched.padded_rows, 128), jnp.bfloat16), kv, kv,
-            jax.ShapeDtypeStruct((1,), jnp.int32),
-            jax.ShapeDtypeStruct((1, sched.padded_rows, hopper.bias_columns(257, 128)), jnp.bfloat16),
-            width=257, scale=1.0, sched=sched).lower(lowering_platforms=("cuda",))
-        [kernels[compute]] = [bytes(k) for k in mgpu_core.KNOWN_KERNELS.values()]
+    kernels = {compute: _lowered_kernel(dataclasses.replace(base, compute_registers=compute), 257, monkeypatch)
+               for compute in (0, 224, 232, 216)}
     assert kernels[0] == kernels[224]
     assert len({kernels[224], kernels[232], kernels[216]}) == 3
 
@@ -274,21 +268,12 @@ def test_ordered_turn_changes_only_the_kernel_with_turns(monkeypatch):
     """`Schedule.ordered_turn` (the row sums stored and the warpgroup's barrier passed before a
     turn is handed over) gives another kernel where the warpgroups take turns, and the same
     kernel where they do not (it has no turn to order)."""
-    from jax.experimental.mosaic.gpu import core as mgpu_core
-    kv = jax.ShapeDtypeStruct((1, 5120, 8, 128), jnp.bfloat16)
     base = hopper.fold_tail(hopper.schedule(1, 8, 257 * 4, 5120))
     assert not base.ordered_turn  # opt-in
     jax.clear_caches()  # another test may have lowered one of these schedules already
-    kernels = {}
-    for pingpong, ordered in itertools.product((True, False), (True, False)):
-        sched = dataclasses.replace(base, pingpong=pingpong, ordered_turn=ordered)
-        monkeypatch.setattr(mgpu_core, "KNOWN_KERNELS", {})
-        hopper.hopper_partials.trace(
-            jax.ShapeDtypeStruct((1, 8, sched.padded_rows, 128), jnp.bfloat16), kv, kv,
-            jax.ShapeDtypeStruct((1,), jnp.int32),
-            jax.ShapeDtypeStruct((1, sched.padded_rows, hopper.bias_columns(257, 128)), jnp.bfloat16),
-            width=257, scale=1.0, sched=sched).lower(lowering_platforms=("cuda",))
-        [kernels[pingpong, ordered]] = [bytes(k) for k in mgpu_core.KNOWN_KERNELS.values()]
+    kernels = {(pingpong, ordered): _lowered_kernel(dataclasses.replace(base, pingpong=pingpong, ordered_turn=ordered),
+                                                    257, monkeypatch)
+               for pingpong, ordered in itertools.product((True, False), (True, False))}
     assert kernels[True, True] != kernels[True, False]
     assert kernels[False, True] == kernels[False, False]
 

@@ -51,7 +51,8 @@ def main() -> None:
     for i in order:
         r = rows[i]
         reasons = {c: number(r[c]) for c in stall_cols if number(r[c])}
-        top = ", ".join(f"{c.replace('stall_', '')} {v:.0f}" for c, v in sorted(reasons.items(), key=lambda kv: -kv[1])[:4])
+        ranked = sorted(reasons.items(), key=lambda kv: -kv[1])[:4]
+        top = ", ".join(f"{c.replace('stall_', '')} {v:.0f}" for c, v in ranked)
         print(f"\n#{i} {number(r[total_col]):.0f} samples ({100 * number(r[total_col]) / max(total, 1):.1f}%): {top}")
         for j in range(max(0, i - args.context), min(len(rows), i + args.context + 1)):
             mark = ">>" if j == i else "  "
