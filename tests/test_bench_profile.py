@@ -204,3 +204,33 @@ def test_power_cap_windows_split_early_and_late_calls_and_samples():
     assert w["late_calls"] == 3 and w["late_ms"] == 120.0
     assert w["early_clocks"]["samples"] == int(300 / PERIOD_MS) and w["early_clocks"]["power_capped"] == 0.0
     assert w["late_clocks"]["samples"] == 18 and w["late_clocks"]["sm_clock_mhz"]["median"] == 1665.0
+
+
+def test_ncu_sass_ranks_instructions_by_stall_samples(tmp_path, capsys):
+    """`ncu_sass` skips what ncu prints before the CSV header, ranks the SASS lines by their stall
+    samples and names each one's main reasons, with the lines around it."""
+    from dflash_jax.bench import ncu_sass
+    head = ('"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
+            '"stall_barrier","stall_long_sb","stall_long_sb (Not Issued)"')
+    rows = [("0x10", "HGMMA.64x128x16.F32.BF16 R24", "3", "1", "0", "3", "1"),
+            ("0x20", "SYNCS.PHASECHK.TRANS64.TRYWAIT P1", "1,200", "900", "0", "1,200", "900"),
+            ("0x30", "WARPGROUP.DEPBAR.LE gsb0, 0x0", "40", "30", "40", "0", "0"),
+            ("0x40", "MUFU.EX2 R19, R19", "0", "0", "0", "0", "0")]
+    path = tmp_path / "sass.csv"
+    path.write_text("==PROF== a line before the table\n" + head + "\n"
+                    + "\n".join(",".join(f'"{v}"' for v in r) for r in rows) + "\n")
+    header, parsed = ncu_sass.read_rows(str(path))
+    assert header[1] == "Source" and len(parsed) == 4
+    assert ncu_sass.number(parsed[1]["Warp Stall Sampling (All Samples)"]) == 1200
+    import sys
+    argv, sys.argv = sys.argv, ["ncu_sass", str(path), "--top", "2", "--context", "1"]
+    try:
+        ncu_sass.main()
+    finally:
+        sys.argv = argv
+    out = capsys.readouterr().out
+    assert "4 instructions, 1243 stall samples" in out
+    first, second = out.index("#1 1200 samples"), out.index("#2 40 samples")
+    assert first < second
+    assert "long_sb 1200" in out[first:second] and "barrier 40" in out[second:]
+    assert ">>     1 SYNCS.PHASECHK" in out and "MUFU.EX2" in out[second:]  # the line after the second
