@@ -3,6 +3,8 @@
 On CPU the trace's per-instruction events stand in for GPU kernels, so the same code path
 (trace -> HLO instruction -> op_name metadata -> scope) is exercised.
 """
+import time
+
 import jax
 import jax.numpy as jnp
 
@@ -234,3 +236,23 @@ def test_ncu_sass_ranks_instructions_by_stall_samples(tmp_path, capsys):
     assert first < second
     assert "long_sb 1200" in out[first:second] and "barrier 40" in out[second:]
     assert ">>     1 SYNCS.PHASECHK" in out and "MUFU.EX2" in out[second:]  # the line after the second
+
+
+def test_power_headroom_times_calls_rested_and_back_to_back():
+    """`power_headroom.timed_calls` makes `calls` calls after a rest each, or calls back to back
+    for `seconds`; `phase_row` reports ms per round over the calls it is given."""
+    from dflash_jax.bench import power_headroom
+    made = []
+
+    def call():
+        made.append(time.perf_counter())
+        return jnp.zeros(())
+
+    times = power_headroom.timed_calls(call, calls=3, rest_s=0.02)
+    assert len(times) == len(made) == 3 and all(t >= 0 for t in times)
+    assert min(b - a for a, b in zip(made, made[1:])) >= 0.02  # each call waited its rest
+    made.clear()
+    times = power_headroom.timed_calls(call, seconds=0.05)
+    assert len(times) == len(made) >= 1
+    row = power_headroom.phase_row("sustained", [80.0, 88.0, 96.0], 8, {"error": "no nvidia-smi"})
+    assert (row["calls"], row["ms_per_round"], row["min"], row["max"]) == (3, 11.0, 10.0, 12.0)
