@@ -465,7 +465,8 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
             plgpu.barrier_arrive(k_free.at[slot])
             acc, m_new, l_i, p16 = softmax(i, s, acc, m_i, l_i, masked)
             if pingpong:
-                # The softmax must be done before this warpgroup hands over its turn.
+                # Meant to keep the softmax before the handover; the compiled kernel still arrives
+                # after the row max unless `ordered_turn` ties the arrive to the row sums.
                 acc, m_new, l_i, p16 = lax.optimization_barrier((acc, m_new, l_i, p16))
                 if sched.ordered_turn:  # the row sums need every exp2: store them, then a barrier
                     lse_smem.at[wg][...] = l_i
