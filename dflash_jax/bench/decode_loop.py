@@ -16,7 +16,8 @@ prefill alone (`speculative.start_state`, compiled the same way), and so the dec
 round run (`(generation - prefill) / rounds run`, where rounds run = k * ceil(rounds / k)) and per
 round needed. Beside them, in the same process, `spec_round`'s 8-round call. `--method ar` times
 plain AR decoding (`generate.generate_ar`, whose `while_loop` reads `done` back every token) the same
-way, a round being a token.
+way, a round being a token. `--rest S` sleeps S seconds before each timed generation and prefill,
+so that each starts below the GPU's power limit (sustained decoding runs at it).
 
     python -m dflash_jax.bench.decode_loop --budget 256 --ctx 4096 --new 64 --rounds-per-check 1 4 8
     python -m dflash_jax.bench.decode_loop --new 128 --rounds-per-check 1 --method ddtree dflash \
@@ -37,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.bench.common import SHAPES, environment, log, time_fn, write_json
+from dflash_jax.bench.power_headroom import timed_calls
 from dflash_jax.bench.spec_round import (COMMAND_BUFFERS, add_xla_options_argument, decoding_options, decoding_pair,
                                          make_state, parse_xla_options, timed_rounds)
 from dflash_jax.generate import generate_ar
@@ -86,6 +88,9 @@ def main() -> None:
     ap.add_argument("--attn-impl", nargs="+", default=["auto"], choices=get_args(Impl),
                     help="tree-attention implementations of the speculative methods (SpecSettings.attn_impl), "
                          "timed in turns")
+    ap.add_argument("--rest", type=float, default=0.0,
+                    help="seconds idle before each timed generation and prefill (0: back to back), so that "
+                         "each starts below the GPU's power limit (power_headroom.py times rounds so)")
     ap.add_argument("--out")
     args = ap.parse_args()
     env = environment()
@@ -101,16 +106,22 @@ def main() -> None:
     max_len = -(-(args.ctx + args.new + max((bases[m].cache_slack() for m in spec), default=0)) // 128) * 128
     log("weights ready")
 
+    def median_ms(fn) -> float:
+        """fn's median wall ms: back to back (`time_fn`), or each call after `--rest` seconds idle."""
+        if not args.rest:
+            return time_fn(fn, warmup=1, iters=args.iters)["median_ms"]
+        jax.block_until_ready(fn())
+        return statistics.median(timed_calls(fn, calls=args.iters, rest_s=args.rest))
+
     prefills = {}
     if spec:  # the speculative methods' prefill (`start_state`), compiled as the first one decodes
         first = bases[spec[0]]
         prefill = jax.jit(lambda t, d, p, l, k: start_state(t, cfg, d, dcfg, p, l, k, max_len, first),
                           compiler_options=decoding_options(first.method) or None)
-        prefills = dict.fromkeys(spec, time_fn(lambda: prefill(target, dparams, prompts, lens, key).count,
-                                               warmup=1, iters=args.iters)["median_ms"])
+        prefills = dict.fromkeys(spec, median_ms(lambda: prefill(target, dparams, prompts, lens, key).count))
     if "ar" in args.method:  # AR's own: generate_ar up to its first token, the loop not entered
-        prefills["ar"] = time_fn(lambda: generate_ar(target, cfg, prompts, lens, key, max_new_tokens=1,
-                                                     max_len=max_len).tokens, warmup=1, iters=args.iters)["median_ms"]
+        prefills["ar"] = median_ms(lambda: generate_ar(target, cfg, prompts, lens, key, max_new_tokens=1,
+                                                       max_len=max_len).tokens)
     log(f"prefill {prefills} ms")
     targets = {"xla": target}
     if "kernel" in args.mlp:  # both layouts kept: 7 GB more at Qwen3-8B
@@ -153,6 +164,7 @@ def main() -> None:
     times: list[list[float]] = [[] for _ in programs]
     for _ in range(args.iters):
         for i, (_, call) in enumerate(programs):
+            time.sleep(args.rest)
             t0 = time.perf_counter()
             jax.block_until_ready(call().tokens)
             times[i].append((time.perf_counter() - t0) * 1e3)
@@ -161,7 +173,7 @@ def main() -> None:
         method, k, rounds = setting["method"], setting["rounds_per_check"], setting["rounds"]
         total = statistics.median(ts)
         run = k * math.ceil(rounds / k)
-        row = {**setting, "rounds_run": run,
+        row = {**setting, "rest_s": args.rest, "rounds_run": run,
                "generation_ms": round(total, 2), "prefill_ms": round(prefills[method], 2),
                "ms_per_round_run": round((total - prefills[method]) / run, 3),
                "ms_per_round_needed": round((total - prefills[method]) / rounds, 3),
@@ -179,7 +191,8 @@ def main() -> None:
         log(f"spec_round's 8-round call, {name}: {bench[name]:.3f} ms a round")
     print(f"\n{env['device']}, jax {env['jax']}, {'/'.join(args.method)} (DDTree budget {args.budget}), "
           f"prompt {args.ctx}, {args.new} new tokens, "
-          f"batch 1 (random weights: about one token a round)")
+          f"batch 1 (random weights: about one token a round)"
+          + (f", each generation and prefill after {args.rest} s idle" if args.rest else ""))
     print("| method | command buffers | MLP | activation | attention | XLA options | tokens as the method's first "
           "| rounds per check | rounds | rounds run | generation ms | prefill ms | ms / round run | ms / round needed |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
