@@ -256,3 +256,19 @@ def test_power_headroom_times_calls_rested_and_back_to_back():
     assert len(times) == len(made) >= 1
     row = power_headroom.phase_row("sustained", [80.0, 88.0, 96.0], 8, {"error": "no nvidia-smi"})
     assert (row["calls"], row["ms_per_round"], row["min"], row["max"]) == (3, 11.0, 10.0, 12.0)
+
+
+def test_decode_loop_times_each_attention_variant_rested(tmp_path, monkeypatch):
+    """`decode_loop` on the tiny shape: one row per `--attn-impl`, each generating the tokens of the
+    first (on a CPU "auto" is the reference), with the rest it was asked for recorded."""
+    import json
+    import sys
+    from dflash_jax.bench import decode_loop
+    out = tmp_path / "loop.json"
+    monkeypatch.setattr(sys, "argv", ["decode_loop", "--model", "tiny", "--budget", "4", "--ctx", "32", "--new", "4",
+                                      "--rounds-per-check", "1", "--iters", "1", "--rest", "0.01",
+                                      "--attn-impl", "auto", "reference", "--out", str(out)])
+    decode_loop.main()
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["attn_impl"] for r in rows] == ["auto", "reference"]
+    assert all(r["tokens_as_first"] and r["rest_s"] == 0.01 and r["rounds"] >= 1 for r in rows)
