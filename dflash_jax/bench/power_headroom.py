@@ -71,11 +71,11 @@ def main() -> None:
     print(env, flush=True)
     cfg, dcfg, dparams, target = decoding_pair(args.model)
     s = SpecSettings(method="ddtree", budget=args.budget, block_size=dcfg.block_size, max_new_tokens=64)
-    max_len = -(-(args.ctx + 64 + s.cache_slack()) // 128) * 128
+    max_len = -(-(args.ctx + s.max_new_tokens + s.cache_slack()) // 128) * 128
     state = make_state(cfg, dcfg, args.ctx, max_len, s.max_new_tokens, jnp.bfloat16)
     start = jnp.array(state.cache.lengths)
     program = round_program(cfg, dcfg, s, args.rounds).lower(state, start, target=target, dparams=dparams).compile(
-        compiler_options=decoding_options("ddtree") or None)
+        compiler_options=decoding_options(s.method) or None)
     box = {"state": state}
 
     def call() -> jax.Array:
