@@ -141,7 +141,8 @@ def recurrent(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
         return s, _einsum("bhk,bhkv->bhv", q_t, s)
 
     time_major = tuple(jnp.moveaxis(x, 2, 0) for x in (q, k, v, g, beta))
-    state, out = jax.lax.scan(step, state, time_major)
+    # One step (decode) is unrolled: no loop around it.
+    state, out = jax.lax.scan(step, state, time_major, unroll=length == 1)
     out = out.transpose(1, 0, 2, 3)  # [T, B, Hv, dv] -> [B, T, Hv, dv]
     if valid is not None:
         out = jnp.where(valid[:, :, None, None], out, 0)
@@ -223,7 +224,8 @@ def chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Ar
         out, u = _wy_block(q_c, k_c, v_c, b_c, decay, s, causal)
         return _advance(s, k_c, u, decay, None, last), out
 
-    state, out = jax.lax.scan(body, state, tuple(split(x) for x in (q, k, v, g, beta)))
+    state, out = jax.lax.scan(body, state, tuple(split(x) for x in (q, k, v, g, beta)),
+                              unroll=n_chunks == 1)
     # [n_chunks, B, H, chunk, dv] -> [B, T, H, dv]
     out = jnp.moveaxis(out, 0, 2).reshape(batch, out.shape[2], n_chunks * chunk, -1)
     out = out[:, :, :length].transpose(0, 2, 1, 3)

@@ -203,7 +203,7 @@ def test_recurrent_and_chunked_match_transformers():
         np.testing.assert_allclose(got[1], want[1].numpy(), **TOL32)
 
 
-@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("batch", [1, 2, 3])
 def test_chunked_equals_recurrent_ragged(batch):
     rng = np.random.default_rng(3 + batch)
     q, k, v, g, beta, s0 = rule_inputs(rng, batch, 13)
@@ -215,6 +215,17 @@ def test_chunked_equals_recurrent_ragged(batch):
         out, state = chunked(*args, lengths, chunk=chunk)
         np.testing.assert_allclose(out, want_out, **TOL32, err_msg=f"chunk {chunk}")
         np.testing.assert_allclose(state, want_state, **TOL32, err_msg=f"chunk {chunk}")
+
+
+def test_chunked_default_chunk_over_several_chunks():
+    """The prefill's own chunk (64) over 150 tokens: two full chunks and a partial one."""
+    rng = np.random.default_rng(11)
+    args = as32(*rule_inputs(rng, 2, 150))
+    lengths = jnp.asarray([150, 70])
+    out, state = chunked(*args, lengths)
+    want_out, want_state = recurrent(*args, lengths)
+    np.testing.assert_allclose(out, want_out, **TOL32)
+    np.testing.assert_allclose(state, want_state, **TOL32)
 
 
 def test_causal_conv_matches_transformers():
@@ -289,7 +300,7 @@ def test_chain_verify_and_every_commit_equal_the_recurrence():
         np.testing.assert_allclose(new_c, want_c, **TOL32, err_msg=f"m={m}")
 
 
-@pytest.mark.parametrize("width,max_depth", [(1, 0), (2, 1), (16, 15), (65, 15), (65, 3)])
+@pytest.mark.parametrize("width,max_depth", [(1, 0), (2, 1), (16, 15), (65, 15), (65, 3), (257, 15)])
 def test_tree_verify_float64_every_node_and_path(width, max_depth):
     with jax.enable_x64(True):
         check_tree(seed=width + max_depth, batch=2, width=width, max_depth=max_depth, tol=TOL64)
