@@ -176,13 +176,16 @@ def _wy_block(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, decay: 
 
 
 def _advance(state: jax.Array, k: jax.Array, u: jax.Array, decay: jax.Array,
-             weight_mask: jax.Array | None, last: jax.Array) -> jax.Array:
+             weight_mask: jax.Array | None, last: jax.Array | None) -> jax.Array:
     """S = exp(G(l)) S0 + sum_s [mask_s] exp(G(l) - G(s)) k_s u_s^T, per sequence and head.
 
     k: [B, H, W, dk]; u: [B, H, W, dv]; decay: [B, H, W]; weight_mask: [B, W] bool or None (all);
-    last: [B] int, the node l.
+    last: [B] int, the node l, or None for the block's last node.
     """
-    g_last = jnp.take_along_axis(decay, last[:, None, None], axis=2)  # [B, H, 1]
+    if last is None:
+        g_last = decay[..., -1:]
+    else:
+        g_last = jnp.take_along_axis(decay, last[:, None, None], axis=2)  # [B, H, 1]
     diff = g_last - decay
     if weight_mask is not None:
         diff = jnp.where(weight_mask[:, None, :], diff, -jnp.inf)
@@ -216,13 +219,12 @@ def chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Ar
         return jnp.moveaxis(x, 2, 0)
 
     causal = jnp.tril(jnp.ones((chunk, chunk), dtype=bool))[None]
-    last = jnp.full((batch,), chunk - 1)
 
     def body(s: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
         q_c, k_c, v_c, g_c, b_c = xs
         decay = jnp.cumsum(g_c, axis=-1)
         out, u = _wy_block(q_c, k_c, v_c, b_c, decay, s, causal)
-        return _advance(s, k_c, u, decay, None, last), out
+        return _advance(s, k_c, u, decay, None, None), out
 
     state, out = jax.lax.scan(body, state, tuple(split(x) for x in (q, k, v, g, beta)),
                               unroll=n_chunks == 1)
