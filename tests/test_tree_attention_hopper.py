@@ -28,9 +28,9 @@ ON_HOPPER = hopper.available()
 
 def make_case(seed: int, batch: int, width: int, kv_heads: int, group: int, head_dim: int,
               max_len: int, lens: list[int], dtype, tree: bool):
-    """Random q/k/v, lens and visibility (None: causal). Slots past L+W hold large finite values:
-    the kernel reads the rest of its last key block unmasked (its contract), and the bias must
-    hide them."""
+    """Random q/k/v, lens and visibility (None: causal). Slots past L+W hold large finite
+    values: the kernel reads the rest of its last key block unmasked (its documented
+    contract), and the bias must hide them."""
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((batch, width, kv_heads * group, head_dim))
     k = rng.standard_normal((batch, max_len, kv_heads, head_dim))
