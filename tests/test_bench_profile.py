@@ -119,67 +119,6 @@ def test_spec_round_xla_options_parse_and_refuse_bad_items():
         parse_xla_options("xla_gpu_enable_pdl")
 
 
-def test_launch_cost_chains_compute_what_they_chain():
-    """The launch-cost bench's programs: the chain and the while loop apply the step as many
-    times as they say (on CPU only the XLA kind runs; its measurement reports every field)."""
-    from dflash_jax.bench import launch_cost
-    step, x = launch_cost.step_and_input("xla")
-    want = x
-    for _ in range(6):
-        want = jnp.tanh(want) * 0.5 + 0.25
-    assert jnp.allclose(launch_cost.chain(step, 6)(x), want)
-    assert jnp.allclose(launch_cost.looped(step, 3)(x, jnp.int32(2)), want)
-    behind, a, _ = launch_cost.behind_lead(step, 6, size=128)
-    assert jnp.allclose(behind(x, a), want)
-    row = launch_cost.measure("xla", 6, 2, lead_size=128)
-    assert row["chain"] == 6 and row["wall_us"] > 0 and row["loop_wall_us"] > 0 and row["kernels_seen"] >= 1
-    assert row["lead_ms"] > 0 and row["issue_behind_lead_us"] > 0
-
-
-def test_host_pace_reads_slack_and_launch_costs_from_a_trace():
-    """The GPU-only analysis of `bench.host_pace` on a hand-made trace: a host line with two
-    launch calls, a stream line with their kernels, matched by correlation id."""
-    from dflash_jax.bench.host_pace import launch_costs, slack_by_scope, split_events
-
-    events = [{"ph": "M", "name": "thread_name", "pid": 1, "tid": 1, "args": {"name": "python"}},
-              {"ph": "M", "name": "thread_name", "pid": 2, "tid": 7, "args": {"name": "Stream #7"}},
-              {"ph": "X", "pid": 1, "tid": 1, "name": "cuLaunchKernelEx", "ts": 0.0, "dur": 4.0,
-               "args": {"correlation_id": 1}},
-              {"ph": "X", "pid": 1, "tid": 1, "name": "cuLaunchKernelEx", "ts": 10.0, "dur": 5.0,
-               "args": {"correlation_id": 2}},
-              {"ph": "X", "pid": 2, "tid": 7, "name": "nvjet_sm90_tst", "ts": 100.0, "dur": 20.0,
-               "args": {"correlation_id": 1, "hlo_op": "gemm"}},
-              {"ph": "X", "pid": 2, "tid": 7, "name": "loop_add_fusion", "ts": 123.0, "dur": 2.0,
-               "args": {"correlation_id": 2, "hlo_op": "add"}}]
-    gpu, host, _ = split_events(events)
-    assert [e["name"] for e in gpu] == ["nvjet_sm90_tst", "loop_add_fusion"] and len(host) == 2
-    names = {"gemm": "jit(r)/verify/dot_general", "add": "jit(r)/draft/add"}
-    slack = slack_by_scope(gpu, host, names, calls=1)
-    assert slack["matched_kernels"] == 2
-    assert slack["by_scope"]["verify"]["median_slack_us"] == 96.0  # 100 - (0 + 4)
-    assert slack["by_scope"]["draft"]["median_slack_us"] == 108.0  # 123 - (10 + 5)
-    assert slack["by_scope"]["draft"]["idle_ms_per_call"] == 0.003  # 123 - 120
-    costs = launch_costs(gpu, host, calls=1)["by_kind"]
-    assert costs["cublas"]["median_api_us"] == 4.0 and costs["cublas"]["median_pre_us"] is None
-    assert costs["xla fusion"]["median_pre_us"] == 6.0  # 10 - (0 + 4)
-    assert costs["xla fusion"]["ms_per_call"] == 0.011  # (6 + 5) us
-
-
-def test_int8_products_quantize_within_half_a_step():
-    from dflash_jax.bench.int8_products import quantize
-    w = jax.random.normal(jax.random.key(1), (64, 3, 5), jnp.float32)
-    w = w.at[:, 0, 0].set(0.0)  # an all-zero column keeps scale 1 and values 0
-    values, scale = quantize(w, contracted=1)
-    assert values.dtype == jnp.int8 and scale.shape == (3, 5)
-    assert int(jnp.max(jnp.abs(values.astype(jnp.int32)))) == 127
-    err = jnp.abs(values.astype(jnp.float32) * scale - w)
-    assert bool(jnp.all(err <= scale / 2 + 1e-6))
-    assert float(scale[0, 0]) == 1.0 and not bool(jnp.any(values[:, 0, 0]))
-    # Two contracted axes (the o product's [heads, head_dim, embed]): one scale per output column.
-    _, scale2 = quantize(w, contracted=2)
-    assert scale2.shape == (5,)
-
-
 def test_clock_samples_summarize_and_a_missing_smi_does_not_raise(monkeypatch):
     from dflash_jax.bench import clocks
     rows = ["1665, 698.0, 0x0000000000000004", "1755, 603.5, 0x0000000000000004",
@@ -195,67 +134,22 @@ def test_clock_samples_summarize_and_a_missing_smi_does_not_raise(monkeypatch):
     assert sampler.summary == {"error": "no nvidia-smi"}
 
 
-def test_power_cap_windows_split_early_and_late_calls_and_samples():
-    from dflash_jax.bench.power_cap import PERIOD_MS, windows
-    # 10 calls of 100 ms from t = 0 s: the first 0.3 s hold calls 0-2 (0 and 1 left out: warm-up).
-    starts = [0.1 * i for i in range(10)]
-    times = [100.0, 100.0, 90.0, 80.0, 80.0, 80.0, 80.0, 120.0, 120.0, 120.0]
-    samples = [(1980.0, 400.0, 0)] * 15 + [(1665.0, 700.0, 4)] * 35  # 50 samples, 1 s at 20 ms
-    w = windows(starts, times, samples, early_s=0.3, tail=3)
-    assert w["early_calls"] == 1 and w["early_ms"] == 90.0
-    assert w["late_calls"] == 3 and w["late_ms"] == 120.0
-    assert w["early_clocks"]["samples"] == int(300 / PERIOD_MS) and w["early_clocks"]["power_capped"] == 0.0
-    assert w["late_clocks"]["samples"] == 18 and w["late_clocks"]["sm_clock_mhz"]["median"] == 1665.0
-
-
-def test_ncu_sass_ranks_instructions_by_stall_samples(tmp_path, capsys):
-    """`ncu_sass` skips what ncu prints before the CSV header, ranks the SASS lines by their stall
-    samples and names each one's main reasons, with the lines around it."""
-    from dflash_jax.bench import ncu_sass
-    head = ('"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
-            '"stall_barrier","stall_long_sb","stall_long_sb (Not Issued)"')
-    rows = [("0x10", "HGMMA.64x128x16.F32.BF16 R24", "3", "1", "0", "3", "1"),
-            ("0x20", "SYNCS.PHASECHK.TRANS64.TRYWAIT P1", "1,200", "900", "0", "1,200", "900"),
-            ("0x30", "WARPGROUP.DEPBAR.LE gsb0, 0x0", "40", "30", "40", "0", "0"),
-            ("0x40", "MUFU.EX2 R19, R19", "0", "0", "0", "0", "0")]
-    path = tmp_path / "sass.csv"
-    path.write_text("==PROF== a line before the table\n" + head + "\n"
-                    + "\n".join(",".join(f'"{v}"' for v in r) for r in rows) + "\n")
-    header, parsed = ncu_sass.read_rows(str(path))
-    assert header[1] == "Source" and len(parsed) == 4
-    assert ncu_sass.number(parsed[1]["Warp Stall Sampling (All Samples)"]) == 1200
-    import sys
-    argv, sys.argv = sys.argv, ["ncu_sass", str(path), "--top", "2", "--context", "1"]
-    try:
-        ncu_sass.main()
-    finally:
-        sys.argv = argv
-    out = capsys.readouterr().out
-    assert "4 instructions, 1243 stall samples" in out
-    first, second = out.index("#1 1200 samples"), out.index("#2 40 samples")
-    assert first < second
-    assert "long_sb 1200" in out[first:second] and "barrier 40" in out[second:]
-    assert ">>     1 SYNCS.PHASECHK" in out and "MUFU.EX2" in out[second:]  # the line after the second
-
-
-def test_power_headroom_times_calls_rested_and_back_to_back():
-    """`power_headroom.timed_calls` makes `calls` calls after a rest each, or calls back to back
-    for `seconds`; `phase_row` reports ms per round over the calls it is given."""
-    from dflash_jax.bench import power_headroom
+def test_timed_calls_rest_before_each_call_or_run_back_to_back():
+    """`clocks.timed_calls` makes `calls` calls after a rest each, or calls back to back for
+    `seconds`, and times every call it makes."""
+    from dflash_jax.bench import clocks
     made = []
 
     def call():
         made.append(time.perf_counter())
         return jnp.zeros(())
 
-    times = power_headroom.timed_calls(call, calls=3, rest_s=0.02)
+    times = clocks.timed_calls(call, calls=3, rest_s=0.02)
     assert len(times) == len(made) == 3 and all(t >= 0 for t in times)
     assert min(b - a for a, b in zip(made, made[1:])) >= 0.02  # each call waited its rest
     made.clear()
-    times = power_headroom.timed_calls(call, seconds=0.05)
+    times = clocks.timed_calls(call, seconds=0.05)
     assert len(times) == len(made) >= 1
-    row = power_headroom.phase_row("sustained", [80.0, 88.0, 96.0], 8, {"error": "no nvidia-smi"})
-    assert (row["calls"], row["ms_per_round"], row["min"], row["max"]) == (3, 11.0, 10.0, 12.0)
 
 
 def test_decode_loop_times_each_attention_variant_rested(tmp_path, monkeypatch):

@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.bench.kernel_repeat import make_inputs
 from dflash_jax.bench.tree_attention_bench import random_tree_visibility
 from pallas_kernels import key_visibility, tree_attention, tree_attention_reference
 
@@ -29,9 +28,19 @@ ON_HOPPER = hopper.available()
 
 def make_case(seed: int, batch: int, width: int, kv_heads: int, group: int, head_dim: int,
               max_len: int, lens: list[int], dtype, tree: bool):
-    """Random q/k/v, lens and visibility; slots past L+W hold large finite garbage that the bias
-    must hide (`kernel_repeat.make_inputs`, which the repeat-run benchmark shares)."""
-    return make_inputs(seed, batch, width, kv_heads, group, head_dim, max_len, lens, dtype, tree)
+    """Random q/k/v, lens and visibility (None: causal). Slots past L+W hold large finite
+    values: the kernel reads the rest of its last key block unmasked (its documented
+    contract), and the bias must hide them."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((batch, width, kv_heads * group, head_dim))
+    k = rng.standard_normal((batch, max_len, kv_heads, head_dim))
+    v = rng.standard_normal((batch, max_len, kv_heads, head_dim))
+    for b, length in enumerate(lens):
+        k[b, length + width:] *= 50.0
+        v[b, length + width:] *= 50.0
+    visible = jnp.asarray(random_tree_visibility(rng, batch, width)) if tree else None
+    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(lens, jnp.int32),
+            visible)
 
 
 def rel_err(out, ref) -> float:

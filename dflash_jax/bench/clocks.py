@@ -1,9 +1,10 @@
-"""The GPU's SM clock, power and throttle reasons while a block of code runs.
+"""The GPU's SM clock, power and throttle reasons while a block of code runs, and calls timed
+rested or back to back.
 
-A DDTree(256) round on an H200 runs at the board's 700 W limit: the SM clock sat at 1605-1755
+A DDTree(256) round on an H200 runs at the board's 700 W limit: the SM clock sits at 1560-1650
 MHz of 1980 with the "SW power cap" throttle reason set in nearly every sample (BENCHMARKS.md,
-twenty-seventh session), and the same code's rounds differ by 4-5% between machines. A timing
-that carries the clock it ran at can be compared across machines.
+"The power limit"), and the same code's rounds differ by 4-5% between machines. A timing that
+carries the clock it ran at can be compared across machines.
 
     with ClockSampler() as clocks:
         ...  # the timed calls
@@ -17,7 +18,10 @@ from __future__ import annotations
 import shutil
 import statistics
 import subprocess
-from typing import Any, Sequence
+import time
+from typing import Any, Callable, Sequence
+
+import jax
 
 # Bits of nvidia-smi's clocks_throttle_reasons.active (NVML's clocksThrottleReasons).
 SW_POWER_CAP = 0x4
@@ -103,3 +107,19 @@ class ClockSampler:
         if "error" in summary and err.strip():
             summary["stderr"] = err.strip()[:200]
         self.summary = {**self.summary, **summary}
+
+
+def timed_calls(call: Callable[[], Any], *, calls: int = 0, rest_s: float = 0.0, seconds: float = 0.0
+                ) -> list[float]:
+    """Wall ms of each `call()` (blocked until ready): `calls` of them, each after `rest_s` of
+    sleep so that it starts below the power limit, or, with `seconds`, back to back until that
+    much time has passed, as sustained decoding runs."""
+    times: list[float] = []
+    end = time.perf_counter() + seconds
+    while (len(times) < calls) if not seconds else (time.perf_counter() < end):
+        if rest_s:
+            time.sleep(rest_s)
+        t0 = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times

@@ -37,8 +37,8 @@ from typing import Any, get_args
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.bench.clocks import timed_calls
 from dflash_jax.bench.common import SHAPES, environment, log, time_fn, write_json
-from dflash_jax.bench.power_headroom import timed_calls
 from dflash_jax.bench.spec_round import (COMMAND_BUFFERS, add_xla_options_argument, decoding_options, decoding_pair,
                                          make_state, parse_xla_options, timed_rounds)
 from dflash_jax.generate import generate_ar
@@ -90,7 +90,7 @@ def main() -> None:
                          "timed in turns")
     ap.add_argument("--rest", type=float, default=0.0,
                     help="seconds idle before each timed generation and prefill (0: back to back), so that "
-                         "each starts below the GPU's power limit (power_headroom.py times rounds so)")
+                         "each starts below the GPU's power limit (clocks.timed_calls rests so)")
     ap.add_argument("--out")
     args = ap.parse_args()
     env = environment()

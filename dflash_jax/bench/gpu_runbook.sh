@@ -1,25 +1,25 @@
 #!/usr/bin/env bash
-# The GPU measurements behind BENCHMARKS.md, one phase per device call (each fits in 10 minutes).
+# The GPU measurements behind BENCHMARKS.md, one phase per run (each fits in 10 minutes).
 #
 #   bash dflash_jax/bench/gpu_runbook.sh PHASE[,PHASE...] [OUT_DIR]   (OUT_DIR defaults to $OUT)
 #
-# Several phases joined by commas run one after another in the same call. LIMIT=seconds caps
-# each benchmark step of the ar / rounds / rounds-split / kernel / tp phases (default 560).
+# Several phases joined by commas run one after another. LIMIT=seconds caps each benchmark step
+# of the ar / decode / rounds / rounds-split / kernel / top-k / tp phases (default 560).
 #
-# Phases, in the order the open issues need them:
-#   ar            AR decode vs the roofline: Qwen3-8B shape and SmolLM2, ctx 1K/8K, with profiles,
-#                 fused and separate projections side by side
-#   rounds        DFlash / DDTree round latency, 8 rounds per call (the decoding fast path), fused
-#                 and separate projections side by side
-#   rounds-tiling DFlash / DDTree(64, 256) rounds at ctx 4K with tree attention as it is and beside
-#                 its candidates (ROUNDS_IMPLS, default `auto pallas-reduced-merge pallas-unfused
-#                 pallas-triton`), side by side
+# Phases:
+#   ar            AR decode vs the roofline: Qwen3-8B shape and SmolLM2, ctx 1K/8K, with profiles
+#   decode        AR, DFlash and DDTree(256) as decoding runs them (the generation's own loop),
+#                 Qwen3-8B shape, ctx 4K, timed in turns in one process; REST=seconds rests the GPU
+#                 before each timed generation (below the power limit)
+#   rounds        DFlash / DDTree round latency, 8 rounds per call, budgets 16-512
 #   rounds-split  the rounds with XLA command buffers off, for the per-stage split of each round
 #                 and its 40 costliest kernels
-#   kernel        tree attention vs XLA masked attention at ctx 1K-32K, W 1-512, beside the single
-#                 launch, with profiled kernel times (KERNEL_CONTEXTS, KERNEL_WIDTHS,
-#                 KERNEL_TILINGS; SWEEP_S=seconds adds a tiling sweep after it)
-#   kernel-tests  the GPU-only parity tests of the kernels (and the qkv epilogue) against their references
+#   kernel        tree attention vs XLA masked attention at ctx 1K-32K, W 1-512, the kernels as
+#                 dispatched (the Mosaic GPU kernel on Hopper), with profiled kernel times
+#                 (KERNEL_CONTEXTS, KERNEL_WIDTHS, KERNEL_TILINGS; SWEEP_S=seconds adds a tiling sweep)
+#   kernel-tests  the GPU-only parity tests of the kernels against their references
+#   lossless      greedy DDTree and DFlash against greedy AR on the GPU (float32)
+#   top-k         the tree's vocabulary top-k alone, [15, 151936], k 16-512
 #   kernel-sweep  only the random tiling sweep, SWEEP_S seconds (default 300), at SWEEP_WIDTHS
 #                 (default "64 272") and SWEEP_CONTEXTS (default "4096 32768")
 #   drafter       SmolLM2 drafter: make-data (4 samples per prompt), train with a 2% validation split,
@@ -29,7 +29,7 @@
 #                 layers (3; with INIT it must match); calling it again resumes the run
 #   drafter-ab    two drafters at once from one token file, GPU 0 --labels response, GPU 1 --labels
 #                 target (AB_LABELS="a b" picks two others, e.g. "target target-soft"); calling it
-#                 again resumes both (STEPS spans the calls, TRAIN_S each);
+#                 again resumes both (STEPS spans the runs, TRAIN_S each);
 #                 INIT=drafter starts both from a trained drafter (`train --init`)
 #   eval-ab       gsm8k tau (128 prompts) of both drafter-ab drafters at once, DFlash and DDTree(64)
 #   eval-pick     after eval-ab: the one with the higher DFlash tau (OUT_DIR/winner.txt), then its
@@ -42,7 +42,7 @@
 #                 the collectives recorded into them, and with graphs off
 #   tp            tensor parallelism, tp=1 vs tp=2 (on a 2-GPU machine). TP_MODELS picks the shapes
 #                 (default "qwen3-8b qwen3-32b"); TP_MEMORY=0 skips the peak-memory subprocess. One
-#                 call per model fits the 10-minute limit: TP_MODELS=qwen3-8b TP_MEMORY=0, then
+#                 run per model fits the 10-minute limit: TP_MODELS=qwen3-8b TP_MEMORY=0, then
 #                 TP_MODELS=qwen3-32b (which also measures the memory). TP_ALL_REDUCE="nccl one-shot"
 #                 adds XLA's one-shot all-reduce kernel beside NCCL at tp=2 (also: nccl-sync, and
 #                 one-shot-split: the kernel, with all-reduces over its 2 MB limit done in row chunks;
@@ -53,6 +53,8 @@
 # DRY=1 runs a phase on tiny shapes on the CPU: a check of this script, not a measurement.
 # Each step has its own time limit and writes its log and JSON under OUT_DIR as it goes, so a
 # step cut short still leaves what it measured; output is unbuffered (no filter in the pipe).
+# BENCHMARKS.md names the phase behind each claim; its result files are copied from OUT_DIR to
+# dflash_jax/bench/results/ under a name that says what they measure.
 set -uo pipefail
 
 need_two_gpus() {  # need_two_gpus PHASE HINT: one clear error instead of a CUDA failure on GPU 1
@@ -79,8 +81,8 @@ if [ "$phases" = split ]; then
         > "$out/gpu1/console.log" 2>&1
     wait "$first"
     tail -n 40 "$out/gpu0/console.log" "$out/gpu1/console.log"
-    # A call brings back at most 8 files: each GPU's logs and JSON as one archive; the drafter's
-    # weight parts (15 MB each) stay as they are.
+    # Each GPU's logs and JSON as one archive (fewer files to copy back from a remote machine);
+    # the drafter's weight parts (15 MB each) stay as they are.
     for g in gpu0 gpu1; do
         tar czf "$out/$g.tgz" --exclude='drafter.safetensors.part_*' -C "$out" "$g"
         find "$out/$g" -type f ! -name 'drafter.safetensors.part_*' -delete
@@ -134,7 +136,7 @@ drafter_args() {  # make-data's and train's flags (gen, trn), and train_dp, of t
     fi
 }
 
-make_tokens() {  # the token file RUN_DIR/tokens.npz, unless an earlier call made it (GPU 0 only)
+make_tokens() {  # the token file RUN_DIR/tokens.npz, unless an earlier run made it (GPU 0 only)
     [ -f "$run_dir/tokens.npz" ] && return 0
     # 4 x 8.3K responses: ~70 s of generation (BENCHMARKS.md) plus loading and compiling.
     (export CUDA_VISIBLE_DEVICES=0 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -170,33 +172,27 @@ spec_args() {  # the round benchmark's shapes
 case $phase in
 ar)
     if [ "$dry" = 1 ]; then set -- --models tiny --contexts 64 256 --steps 8 --copy-gb 0.05 --impls reference
-    else set -- --models smollm2-135m qwen3-8b --contexts 1024 8192 --impls pallas --gemm default cublas; fi
-    # The target's projections fused (as decoding runs) and separate, side by side.
-    step ar "$limit" python -m dflash_jax.bench.ar_decode "$@" --layout fused separate --profile --dump-hlo "$out/hlo" \
-        --out "$out/ar.json" ;;
+    else set -- --models smollm2-135m qwen3-8b --contexts 1024 8192 --impls pallas; fi
+    step ar "$limit" python -m dflash_jax.bench.ar_decode "$@" --profile --dump-hlo "$out/hlo" --out "$out/ar.json" ;;
+decode)
+    # 128 new tokens: random weights accept about one token a round, so 127 rounds a generation.
+    if [ "$dry" = 1 ]; then set -- --model tiny --budget 4 --ctx 32 --new 4 --iters 1
+    else set -- --budget 256 --ctx 4096 --new 128 --iters 5; fi
+    step decode "$limit" python -m dflash_jax.bench.decode_loop "$@" --method ar dflash ddtree --rounds-per-check 1 \
+        --rest "${REST:-0}" --out "$out/decode.json" ;;
 rounds)
     # shellcheck disable=SC2046
-    # The target's projections fused (as decoding runs) and separate, side by side; each round
-    # compiled as decoding compiles it (DDTree: XLA's dot merger and command buffers off).
-    step rounds "$limit" python -m dflash_jax.bench.spec_round $(spec_args) --layout fused separate \
-        --no-profile --out "$out/rounds.json" ;;
-rounds-tiling)
-    # Rounds with tree attention as it is, beside candidate variants of it (ROUNDS_IMPLS: the
-    # thirteenth session's Hopper path, the same before the qkv epilogue, and the Triton kernel
-    # alone; the seventh and ninth sessions also ran a one-wave tiling, since removed).
-    # shellcheck disable=SC2086
-    if [ "$dry" = 1 ]; then set -- --model tiny --ctx 64 --budgets 16 --ddtree-ctx 128 --attn-impl auto
-    else set -- --ctx 4096 --budgets 64 256 --attn-impl ${ROUNDS_IMPLS:-auto pallas-reduced-merge pallas-unfused pallas-triton}; fi
-    step rounds_tiling "$limit" python -m dflash_jax.bench.spec_round "$@" --no-profile --out "$out/rounds_tiling.json" ;;
+    # Each round compiled as decoding compiles it.
+    step rounds "$limit" python -m dflash_jax.bench.spec_round $(spec_args) --no-profile --out "$out/rounds.json" ;;
 rounds-split)
     export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="
     # shellcheck disable=SC2046
     step rounds_split "$limit" python -m dflash_jax.bench.spec_round $(spec_args) --kernel-table 40 \
         --dump-hlo "$out/hlo" --out "$out/rounds_split.json" ;;
 kernel)
-    # Issue 4's grid (ctx 1K-32K, W 16-512, plus W 1 and 272) with today's defaults, beside the
-    # single launch (`--one-launch`), the kernels as dispatched (`--hopper`: the Mosaic GPU kernel
-    # on sm_90 where it applies) and XLA, with GPU kernel times from a profile.
+    # The grid (ctx 1K-32K, W 16-512, plus W 1 and 272): the Triton kernel, the kernels as
+    # dispatched (`--hopper`: the Mosaic GPU kernel on sm_90 where it applies) and XLA, with GPU
+    # kernel times from a profile.
     # KERNEL_CONTEXTS / KERNEL_WIDTHS narrow the grid; KERNEL_TILINGS adds explicit tilings
     # ("W:block_q,block_k,warps,stages,split[,tail]" ...), each timed beside the default.
     tilings=()
@@ -207,18 +203,26 @@ kernel)
         set -- --contexts ${KERNEL_CONTEXTS:-1024 4096 16384 32768} --widths ${KERNEL_WIDTHS:-1 16 64 256 272 512} \
             --reps 5 --budget 480 --profile /tmp/kernel_profile
     fi
-    step kernel "$limit" python -m dflash_jax.bench.tree_attention_bench "$@" --one-launch --hopper --hopper-variants \
-        "${tilings[@]}" --out "$out/kernel.json"
+    step kernel "$limit" python -m dflash_jax.bench.tree_attention_bench "$@" --hopper "${tilings[@]}" \
+        --out "$out/kernel.json"
     # SWEEP_S=seconds adds a random tiling sweep at W = 64 and 272 (ctx 4K and 32K).
     [ "$dry" = 1 ] || [ -z "${SWEEP_S:-}" ] || kernel_sweep "$SWEEP_S" --contexts 4096 32768 --widths 64 272 ;;
 kernel-tests)
     # tests/conftest.py keeps jax on the CPU unless JAX_PLATFORMS says otherwise.
     if [ "$dry" = 1 ]; then echo "kernel-tests: GPU only (nothing to run with DRY=1)"
-    else JAX_PLATFORMS=cuda step kernel_tests "$limit" python -m pytest -q tests/test_tree_attention_hopper.py \
-        tests/test_qkv_epilogue.py tests/test_tree_attention.py tests/test_split_merge.py tests/test_residual_norm.py -k gpu_; fi ;;
+    # Every kernel's GPU case is named test_gpu_*: the files are found, not listed.
+    else JAX_PLATFORMS=cuda step kernel_tests "$limit" python -m pytest -q tests -k gpu_; fi ;;
+lossless)
+    if [ "$dry" = 1 ]; then echo "lossless: GPU only (make test runs the same tests on the CPU)"
+    else JAX_PLATFORMS=cuda step lossless "$limit" python -m pytest -q tests/test_speculative.py \
+        -k "greedy_speculative_equals or at_any_width"; fi ;;
+top-k)
+    if [ "$dry" = 1 ]; then set -- --budgets 16 --vocab 4096 --depth 3 --calls 2
+    else set -- --budgets 16 64 256 512; fi
+    step top_k "$limit" python -m dflash_jax.bench.top_k_bench "$@" --out "$out/top_k.json" ;;
 kernel-sweep)
     # The sweep alone: `kernel SWEEP_S=...` first times the whole grid, which takes most of a
-    # call (ninth session). Each configuration's median ms is printed as it finishes.
+    # 10-minute run. Each configuration's median ms is printed as it finishes.
     if [ "$dry" = 1 ]; then kernel_sweep 120 --interpret --contexts 64 --widths 16
     else
         # shellcheck disable=SC2086
@@ -229,8 +233,8 @@ drafter)
     # validated every 10 log records, and the drafter exported from the best validation tau.
     # LABELS=target learns the target's greedy tokens (`train --labels`); INIT=drafter starts
     # from a trained drafter; calling the phase again resumes the run in RUN_DIR/run (the token
-    # file is kept), so STEPS may span several calls of TRAIN_S seconds each. With the token
-    # file made in the same call, TRAIN_S + 60 s + ~100 s stays under the 10-minute call.
+    # file is kept), so STEPS may span several runs of TRAIN_S seconds each. With the token
+    # file made in the same run, TRAIN_S + 60 s + ~100 s stays under 10 minutes.
     drafter_args
     make_tokens || exit 1
     train_drafter train "$run_dir/run" "${LABELS:-response}" --dp "$train_dp" || exit 1
@@ -242,8 +246,8 @@ drafter-ab)
     # response tokens (--labels response), GPU 1 the target's own greedy tokens (--labels target),
     # in RUN_DIR/response and RUN_DIR/target; AB_LABELS="target target-soft" picks two other
     # `train --labels` values (the same for eval-ab and eval-pick). The token file is made once.
-    # Calling the phase again resumes both runs (the machine keeps RUN_DIR between back-to-back
-    # calls), so STEPS may span several calls of TRAIN_S seconds each. INIT=drafter (a directory
+    # Running the phase again resumes both runs (while the machine keeps RUN_DIR), so STEPS may
+    # span several runs of TRAIN_S seconds each. INIT=drafter (a directory
     # or "smollm2", the shipped one) starts both runs from that drafter's weights instead of
     # random ones (`train --init`).
     need_two_gpus drafter-ab "on one GPU run the drafter / eval phases with LABELS=... instead"
@@ -339,13 +343,12 @@ collectives)
     # One all-reduce at the tp shapes: NCCL, NCCL on the compute stream, XLA's one-shot kernel
     # 136 rows: half of a budget-256 tree, the chunk one-shot-split all-reduces at the 32B width.
     if [ "$dry" = 1 ]; then set -- --tiny; else set -- --rows 1 80 136 272 --hidden 4096 5120; fi
-    # (nccl-sync and one-shot were no faster than nccl: BENCHMARKS.md, fifth session.) nccl-graph
-    # records the all-reduces into XLA's CUDA graphs: is the ~23 us floor per op launch cost?
+    # (nccl-sync and one-shot were no faster than nccl.) nccl-graph records the all-reduces into
+    # XLA's CUDA graphs: is the ~19 us floor per op launch cost?
     step collectives "$limit" python -m dflash_jax.bench.collectives "$@" --variants nccl nccl-graph nccl-no-graph \
         --out "$out/collectives.json" ;;
 *)
-    echo "unknown phase: $phase (ar, rounds, rounds-tiling, rounds-split, kernel, kernel-tests, kernel-sweep, drafter, drafter-ab, eval-ab, eval-pick, eval," \
-        "eval-gsm8k, eval-spec-bench, speed," \
-        "collectives, tp)" >&2
+    echo "unknown phase: $phase (ar, decode, rounds, rounds-split, kernel, kernel-tests, lossless, top-k, kernel-sweep," \
+        "drafter, drafter-ab, eval-ab, eval-pick, eval, eval-gsm8k, eval-spec-bench, speed, collectives, tp)" >&2
     exit 2 ;;
 esac

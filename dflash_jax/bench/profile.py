@@ -18,7 +18,6 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from dflash_jax.bench.common import time_fn
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*op_name=\"([^\"]*)\"")
 
@@ -275,17 +274,6 @@ def gap_pairs(spans: Sequence[tuple], calls: int, top: int = 16) -> list[list[An
     ranked = sorted(found.items(), key=lambda kv: -kv[1][1])[:top]
     return [[round(n / calls, 2), round(us / 1e3 / calls, 4), round(us / n, 2), before, waited, scope]
             for (before, waited, scope), (n, us) in ranked]
-
-
-def kernel_us(call: Callable[[], Any], calls: int) -> tuple[float, float]:
-    """(GPU kernel us, wall us) per each of the `calls` chained calls in `call`'s program: the
-    kernel time of one traced run (all its kernels), and the median wall time after warm-up."""
-    wall = time_fn(call, warmup=2, iters=10)
-    trace = tempfile.mkdtemp()
-    with jax.profiler.trace(trace, create_perfetto_trace=True):
-        jax.block_until_ready(call())
-    events = kernel_events(trace)
-    return sum(float(e.get("dur", 0.0)) for e in events) / calls, wall["median_ms"] * 1e3 / calls
 
 
 def scale_profile(profile: dict[str, Any], n: int) -> dict[str, Any]:
