@@ -158,3 +158,19 @@ def test_quiet_and_json_print_no_progress():
     record = json.loads(out)  # stdout is the record alone
     assert record["method"] == "ar" and record["tokens"] >= 1
     assert "stages done" not in err and "loading" not in err
+
+
+def test_tokenizer_save_and_reload_without_torch(tmp_path):
+    # convert's checkpoints keep the tokenizer beside the params; an HF directory carries its own.
+    code, out, err = without_torch("-c", f"""
+from pathlib import Path
+from convert.checkpoint import load_checkpoint_tokenizer
+from convert.gguf_file import gguf_tokenizer, smollm2_gguf_path
+tok = gguf_tokenizer(smollm2_gguf_path())
+tok.save_pretrained({str(tmp_path / "tokenizer")!r})
+back = load_checkpoint_tokenizer(Path({str(tmp_path)!r}))
+text = "Natalia sold  48 clips<|im_end|>"
+print(back(text)["input_ids"] == tok(text)["input_ids"], back.eos_token)
+""")
+    assert code == 0, err
+    assert out.split() == ["True", "<|im_end|>"]
