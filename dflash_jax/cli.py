@@ -193,16 +193,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 class _Stages:
-    """generate's progress on stderr: one tick per stage (loading, compiling, decoding), the
-    stage's name and the time so far. Hidden with --quiet and when stderr is not a terminal, so
-    stdout carries only the answers."""
+    """generate's progress on stderr: the stage running (loading, compiling, decoding), how many
+    are done and the time so far, redrawn every second. Hidden with --quiet and when stderr is not
+    a terminal, so stdout carries only the answers."""
 
     def __init__(self, total: int, quiet: bool) -> None:
+        import threading
+
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=total, file=sys.stderr, disable=True if quiet else None, leave=False,
-                        bar_format="{desc} ({n}/{total} stages done, {elapsed})")
+        self.bar = tqdm(total=total, desc="starting", file=sys.stderr, disable=True if quiet else None,
+                        leave=False, bar_format="{desc} ({n}/{total} stages done, {elapsed})")
         self.running = False
+        self.done = threading.Event()
+        if not self.bar.disable:
+            # Compiling takes seconds without a callback; the clock shows it is still at work.
+            threading.Thread(target=self._tick, daemon=True).start()
+
+    def _tick(self) -> None:
+        while not self.done.wait(1.0):
+            self.bar.refresh()
 
     def begin(self, what: str) -> None:
         if self.running:
@@ -215,6 +225,7 @@ class _Stages:
         return lambda stage: self.begin(f"{'compiling' if stage == 'compile' else 'decoding'} {method}")
 
     def close(self) -> None:
+        self.done.set()
         if self.running:
             self.bar.update()
         self.bar.close()
