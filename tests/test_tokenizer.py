@@ -243,6 +243,22 @@ def test_other_pre_tokenizers_follow_their_rule(tmp_path, pre):
     assert tok.decode(tok("a<tool_call>b<|im_end|>")["input_ids"], skip_special_tokens=True) == "a<tool_call>b"
 
 
+def test_qwen2_matches_transformers(tmp_path):
+    # transformers builds a qwen3-architecture GGUF's tokenizer with Qwen2's own split rule, so
+    # here it is a reference for "qwen2" as well.
+    from transformers import AutoTokenizer
+
+    chars = sorted(set(_byte_to_char().values()))
+    tokens = [*chars, "Ġt", "he", "Ġthe", "11", "111", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    path = _write_gguf(tmp_path / "q.gguf", pre="qwen2", tokens=tokens, types=[1] * (len(tokens) - 3) + [3, 3, 3])
+    ours = gguf_tokenizer(path)
+    reference = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in TEXTS + ["the theme 1111 11111", "x\n\n  the<|im_end|>1", "it's  Ünï 42\r\n\tthe"]:
+        assert ours(text)["input_ids"] == reference(text)["input_ids"], text
+        ids = reference(text)["input_ids"]
+        assert ours.decode(ids, skip_special_tokens=True) == reference.decode(ids, skip_special_tokens=True)
+
+
 def test_llama3_takes_whole_vocabulary_words_before_merging(tmp_path):
     # "the" is in the vocabulary but no merge builds it from t + he: Llama 3's BPE (ignore_merges)
     # takes it whole, the others stop at the merges.
