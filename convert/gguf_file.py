@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +22,9 @@ from convert.layout import (HEADS_BIAS, HEADS_IN, HEADS_OUT, IDENTITY, TRANSPOSE
                             ConversionError, MappingTable, Rule, ShardingsArg)
 from dflash_jax.config import ConfigError, ModelConfig, model_config_from_dict
 from dflash_jax.model import ModelParams, model_specs
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 SUPPORTED_ARCHS = ("llama", "qwen3")
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -250,7 +253,7 @@ _PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
 }
 
 
-def gguf_tokenizer(path: str | Path, reader: GGUFReader | None = None) -> Any:
+def gguf_tokenizer(path: str | Path, reader: GGUFReader | None = None) -> PreTrainedTokenizerFast:
     """The tokenizer stored in a GGUF file, as a `transformers.PreTrainedTokenizerFast`.
 
     Built from the metadata (tokenizer.ggml.tokens, merges, token_type, bos/eos/padding/unknown
