@@ -16,7 +16,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from convert.checkpoint import is_checkpoint, load_checkpoint, load_checkpoint_tokenizer, save_checkpoint
-from convert.gguf_file import gguf_tokenizer, load_gguf, smollm2_gguf_path
+from convert.gguf_file import gguf_tokenizer, load_gguf, open_gguf, smollm2_gguf_path
 from convert.hf_safetensors import load_hf
 from convert.layout import ConversionError
 
@@ -71,8 +71,9 @@ def load_model(path_or_name: str | Path, dtype: Any = jnp.float32, *, shardings:
     if dtype is None and kind != "checkpoint":
         dtype = jnp.float32  # None means "as saved", which only our checkpoints record
     if kind == "gguf":
-        cfg, params = load_gguf(path, dtype=dtype, shardings=shardings)
-        tok = gguf_tokenizer(path) if tokenizer else None
+        reader = open_gguf(path)  # parsed once for the weights and the tokenizer
+        cfg, params = load_gguf(path, dtype=dtype, shardings=shardings, reader=reader)
+        tok = gguf_tokenizer(path, reader) if tokenizer else None
     elif kind == "checkpoint":
         cfg, params = load_checkpoint(path, dtype=dtype, shardings=shardings)
         tok = load_checkpoint_tokenizer(path) if tokenizer else None

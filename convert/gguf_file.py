@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +22,9 @@ from convert.layout import (HEADS_BIAS, HEADS_IN, HEADS_OUT, IDENTITY, TRANSPOSE
                             ConversionError, MappingTable, Rule, ShardingsArg)
 from dflash_jax.config import ConfigError, ModelConfig, model_config_from_dict
 from dflash_jax.model import ModelParams, model_specs
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 SUPPORTED_ARCHS = ("llama", "qwen3")
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -227,9 +230,97 @@ def load_gguf(path: str | Path, *, dtype: Any = jnp.float32, shardings: Sharding
     return cfg, asm.finish(str(path))
 
 
-def gguf_tokenizer(path: str | Path):
-    """The HF tokenizer stored in a GGUF file (transformers rebuilds it from the metadata)."""
-    from transformers import AutoTokenizer  # heavy import; only when a tokenizer is wanted
+# ----------------------------------------------------------------------------- tokenizer
+# Built from the file's own metadata with `tokenizers` (no torch, unlike transformers' GGUF
+# reader, which imports it). GGUF token types (gguf.TokenType): 3 control, 4 user defined.
+_CONTROL, _USER_DEFINED = 3, 4
+
+# `tokenizer.ggml.pre` names the pre-tokenizer the model was trained with (llama.cpp's names).
+# Each entry: the regex splits, in order, before the byte-level mapping, and whether a piece that is
+# already a whole vocabulary entry skips the merges (Llama 3's BPE does; the others merge always).
+_GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_QWEN2_SPLIT = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+                r"|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
+    "gpt-2": ((_GPT2_SPLIT,), False),
+    "smollm": ((r"\p{N}", _GPT2_SPLIT), False),  # every digit its own piece, then GPT-2's rule
+    "qwen2": ((_QWEN2_SPLIT,), False),
+    "llama-bpe": ((_LLAMA3_SPLIT,), True),
+    "llama3": ((_LLAMA3_SPLIT,), True),
+}
+
+
+def gguf_tokenizer(path: str | Path, reader: GGUFReader | None = None) -> PreTrainedTokenizerFast:
+    """The tokenizer stored in a GGUF file, as a `transformers.PreTrainedTokenizerFast`.
+
+    Built from the metadata (tokenizer.ggml.tokens, merges, token_type, bos/eos/padding/unknown
+    ids, add_bos_token, pre, chat_template) with `tokenizers`, so `apply_chat_template`,
+    `decode(skip_special_tokens=...)` and the special-token attributes behave as HF's do. Supports
+    byte-level BPE files (tokenizer.ggml.model "gpt2") with the pre-tokenizers in
+    `_PRE_TOKENIZERS`; anything else fails naming the file and the field.
+    reader: an already opened `open_gguf(path)`, to parse the metadata once.
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
 
     path = Path(path)
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    reader = reader if reader is not None else open_gguf(path)
+    kind = _field(reader, "tokenizer.ggml.model", path)
+    if kind != "gpt2":
+        raise ConversionError(f"{path}: tokenizer.ggml.model={kind!r} is not supported (only byte-level "
+                              f"BPE, 'gpt2'); convert the HF checkpoint, which carries its tokenizer.json")
+    pre = _field(reader, "tokenizer.ggml.pre", path, None)
+    if pre not in _PRE_TOKENIZERS:
+        raise ConversionError(f"{path}: tokenizer.ggml.pre={pre!r} is not supported; known: "
+                              f"{sorted(_PRE_TOKENIZERS)}")
+    splits, ignore_merges = _PRE_TOKENIZERS[pre]
+    tokens = [str(t) for t in _field(reader, "tokenizer.ggml.tokens", path)]
+    types = _field(reader, "tokenizer.ggml.token_type", path, [1] * len(tokens))
+    if len(types) != len(tokens):
+        raise ConversionError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for "
+                              f"{len(tokens)} tokens")
+    merges = []
+    for i, merge in enumerate(_field(reader, "tokenizer.ggml.merges", path)):
+        pair = str(merge).split(" ")
+        if len(pair) != 2:
+            raise ConversionError(f"{path}: tokenizer.ggml.merges[{i}]={merge!r} is not two tokens "
+                                  f"separated by one space")
+        merges.append((pair[0], pair[1]))
+
+    def token_of(key: str) -> str | None:
+        tid = _field(reader, key, path, None)
+        if tid is None:
+            return None
+        if not 0 <= int(tid) < len(tokens):
+            raise ConversionError(f"{path}: {key}={tid} is outside the vocabulary of {len(tokens)} tokens")
+        return tokens[int(tid)]
+
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=ignore_merges))
+    # Control tokens are matched whole in the text and dropped by skip_special_tokens; user-defined
+    # ones are matched whole and kept.
+    tok.add_special_tokens([AddedToken(tokens[i], normalized=False, special=True)
+                            for i, ty in enumerate(types) if ty == _CONTROL])
+    tok.add_tokens([AddedToken(tokens[i], normalized=False, special=False)
+                    for i, ty in enumerate(types) if ty == _USER_DEFINED])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    bos = token_of("tokenizer.ggml.bos_token_id")
+    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", path, False))
+    if add_bos:
+        if bos is None:
+            raise ConversionError(f"{path}: tokenizer.ggml.add_bos_token is set but "
+                                  f"tokenizer.ggml.bos_token_id is missing")
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+            special_tokens=[(bos, int(_field(reader, "tokenizer.ggml.bos_token_id", path)))])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=bos, eos_token=token_of("tokenizer.ggml.eos_token_id"),
+        unk_token=token_of("tokenizer.ggml.unknown_token_id"),
+        pad_token=token_of("tokenizer.ggml.padding_token_id"),
+        chat_template=_field(reader, "tokenizer.chat_template", path, None),
+        clean_up_tokenization_spaces=False, name_or_path=str(path))

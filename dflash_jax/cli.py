@@ -3,8 +3,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any, Sequence
+
+# transformers serves only tokenizers here; without torch it would warn, on every command, that
+# its PyTorch models are unavailable.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -35,6 +40,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="weight dtype (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--no-chat", action="store_true", help="do not wrap prompts in the chat template")
     p.add_argument("--json", action="store_true", help="print a JSON record instead of text")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress on stderr (it is shown only when stderr is a terminal)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (must divide the q heads)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel devices (the batch is split over them)")
 
@@ -82,7 +89,7 @@ def _load_drafter_for(path: str, cfg: Any, dtype: Any, shardings: Any = None) ->
     """(dcfg, dparams) of a drafter, checked against the target's config, in the decoding layout
     (`drafter.fuse_draft_projections`, block-qkv: where the Hopper kernel runs, the block pass
     takes one qkv product and the qkv epilogue kernel a layer; on an H200 the draft's kernels
-    took 0.944 against 0.972 ms a DDTree(256) round, BENCHMARKS.md, twenty-eighth session)."""
+    took 0.944 against 0.972 ms a DDTree(256) round, BENCHMARKS.md)."""
     from convert.dflash_drafter import load_drafter
     from dflash_jax.drafter import fuse_draft_projections, validate_pair
 
@@ -110,6 +117,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     dtype = jnp.dtype(args.dtype or _default_dtype())
     mesh = sh.make_mesh(args.dp, args.tp) if args.dp * args.tp > 1 else None
+    spec = args.method != "ar"
+    compare = args.compare_ar and spec
+    progress = _Stages(1 + spec + 2 * (1 + compare) + bool(args.stage_times), args.quiet)
+    progress.begin(f"loading {args.model}")
     cfg, params, tokenizer = _load_target(args.model, dtype, mesh=mesh)
     token_lists = pipeline.encode_prompts(tokenizer, args.prompts, chat=not args.no_chat)
     token_lists += [token_lists[-1]] * (-len(token_lists) % args.dp)  # dp splits the batch evenly
@@ -119,18 +130,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     with sh.use_mesh(mesh):  # traced and compiled sharded over the mesh (no-op without one)
         if args.method == "ar":
             run = pipeline.run_ar(params, cfg, prompts, lens, max_new_tokens=args.max_new_tokens,
-                                  sampling=sampling, stop_tokens=stop, seed=args.seed)
+                                  sampling=sampling, stop_tokens=stop, seed=args.seed,
+                                  stage=progress.of("ar"))
         else:
             from dflash_jax.speculative import SpecSettings
 
+            progress.begin(f"loading drafter {args.draft}")
             dcfg, dparams = _load_drafter_for(args.draft, cfg, dtype,
                                               None if mesh is None else sh.placement(mesh))
             settings = SpecSettings(method=args.method, block_size=args.block_size or dcfg.block_size,
                                     budget=args.budget, sampling=sampling, max_new_tokens=args.max_new_tokens,
                                     stop_tokens=stop, rounds_per_check=args.rounds_per_check)
             run = pipeline.run_speculative(params, cfg, dparams, dcfg, prompts, lens, settings,
-                                           seed=args.seed)
+                                           seed=args.seed, stage=progress.of(args.method))
             if args.stage_times:
+                progress.begin("timing each stage of a round")
                 import jax
 
                 from dflash_jax.stage_times import time_stages
@@ -139,16 +153,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                      max_len=pipeline.default_max_len(prompts.shape[1], args.max_new_tokens,
                                                                       settings.cache_slack()))
         ar = None
-        if args.compare_ar and args.method != "ar":
+        if compare:
             ar = pipeline.run_ar(params, cfg, prompts, lens, max_new_tokens=args.max_new_tokens,
-                                 sampling=sampling, stop_tokens=stop, seed=args.seed)
+                                 sampling=sampling, stop_tokens=stop, seed=args.seed, stage=progress.of("ar"))
+    progress.close()
     texts = [tokenizer.decode(t, skip_special_tokens=True) for t in run.token_lists()[:len(args.prompts)]]
     record = {"method": args.method, "texts": texts, "tokens": run.total_tokens,
               "seconds": run.seconds, "compile_seconds": run.compile_seconds,
               "tokens_per_second": run.tokens_per_second, "acceptance": run.acceptance()}
     if ar is not None:
-        record["ar"] = {"tokens": ar.total_tokens, "seconds": ar.seconds, "tokens_per_second": ar.tokens_per_second,
-                        "speedup": run.tokens_per_second / ar.tokens_per_second,
+        record["ar"] = {"tokens": ar.total_tokens, "seconds": ar.seconds, "compile_seconds": ar.compile_seconds,
+                        "tokens_per_second": ar.tokens_per_second, "speedup": run.tokens_per_second / ar.tokens_per_second,
                         "same_tokens": run.token_lists() == ar.token_lists()}
     if stages is not None:
         record["stage_ms"] = {**stages.ms, "rounds_timed": stages.rounds}
@@ -158,19 +173,62 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for prompt, text in zip(args.prompts, texts):
         print(f">>> {prompt}\n{text}\n")
     acc = record["acceptance"]
-    tau = f", tau {acc['tau']:.2f}" if acc else ""
-    print(f"[{args.method}] {run.total_tokens} tokens in {run.seconds:.2f} s: "
-          f"{run.tokens_per_second:.1f} tokens/s (compile {run.compile_seconds:.1f} s excluded{tau})")
+    # tau: tokens committed per target forward (one round), the bonus token included.
+    tau = f", tau {acc['tau']:.2f} tokens per round" if acc else ""
+    width = len(args.method) + 1
+    print(f"{args.method + ':':<{width}} {run.total_tokens} tokens in {run.seconds:.2f} s = "
+          f"{run.tokens_per_second:.1f} tokens/s{tau} (compiling, {run.compile_seconds:.1f} s, not counted)")
     if stages is not None and stages.rounds:
         split = ", ".join(f"{k} {v:.2f}" for k, v in stages.ms.items())
-        print(f"[stages] median ms over {stages.rounds} rounds, each stage its own program: {split} "
+        print(f"stages: median ms over {stages.rounds} rounds, each stage its own program: {split} "
               f"(sum {stages.round_ms:.2f}; the fused round pays no per-stage launch)")
     if ar is not None:
         a = record["ar"]
-        same = "identical tokens" if a["same_tokens"] else "tokens DIFFER from AR"
-        print(f"[ar] {a['tokens']} tokens in {a['seconds']:.2f} s: {a['tokens_per_second']:.1f} tokens/s; "
-              f"{args.method} speedup over AR {a['speedup']:.2f}x ({same})")
+        same = ("the same tokens as ar (lossless)" if a["same_tokens"]
+                else "tokens DIFFER from ar" + (" (sampling)" if args.temperature > 0 else ""))
+        print(f"{'ar:':<{width}} {a['tokens']} tokens in {a['seconds']:.2f} s = {a['tokens_per_second']:.1f} "
+              f"tokens/s (compiling, {a['compile_seconds']:.1f} s, not counted)")
+        print(f"{args.method} is {a['speedup']:.2f}x as fast as ar; {same}")
     return 0
+
+
+class _Stages:
+    """generate's progress on stderr: the stage running (loading, compiling, decoding), how many
+    are done and the time so far, redrawn every second. Hidden with --quiet and when stderr is not
+    a terminal, so stdout carries only the answers."""
+
+    def __init__(self, total: int, quiet: bool) -> None:
+        import threading
+
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, desc="starting", file=sys.stderr, disable=True if quiet else None,
+                        leave=False, bar_format="{desc} ({n}/{total} stages done, {elapsed})")
+        self.running = False
+        self.done = threading.Event()
+        if not self.bar.disable:
+            # Compiling takes seconds without a callback; the clock shows it is still at work.
+            threading.Thread(target=self._tick, daemon=True).start()
+
+    def _tick(self) -> None:
+        while not self.done.wait(1.0):
+            self.bar.refresh()
+
+    def begin(self, what: str) -> None:
+        if self.running:
+            self.bar.update()
+        self.running = True
+        self.bar.set_description_str(what)
+
+    def of(self, method: str) -> Any:
+        """The `stage` callback of `pipeline.run_ar` / `run_speculative` for this method."""
+        return lambda stage: self.begin(f"{'compiling' if stage == 'compile' else 'decoding'} {method}")
+
+    def close(self) -> None:
+        self.done.set()
+        if self.running:
+            self.bar.update()
+        self.bar.close()
 
 
 def cmd_convert(args: argparse.Namespace) -> int:

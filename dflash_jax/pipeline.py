@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +39,7 @@ def encode_prompts(tokenizer: Any, prompts: Sequence[str], chat: bool = True) ->
 
 def stop_tokens_for(tokenizer: Any, cfg: ModelConfig) -> tuple[int, ...]:
     """End-of-turn and end-of-text ids known to the tokenizer and the config."""
-    # Not tokenizer.eos_token_id: transformers' GGUF tokenizer for SmolLM2 reports <|im_start|>.
+    # A chat model stops at the end of its turn, which is not always the tokenizer's eos_token.
     ids = set(cfg.eos_token_ids)
     if tokenizer is not None:
         vocab = tokenizer.get_vocab()
@@ -112,22 +112,32 @@ class Compiled:
         self.programs: dict[Any, Any] = {}
         self.compile_seconds = 0.0
 
-    def run(self, key: Any, fn: Any, args: tuple, kwargs: dict) -> tuple[Any, float]:
-        """-> (fn(*args, **kwargs), seconds of the compiled run)."""
+    def run(self, key: Any, fn: Any, args: tuple, kwargs: dict,
+            stage: Callable[[str], None] | None = None) -> tuple[Any, float]:
+        """-> (fn(*args, **kwargs), seconds of the compiled run).
+
+        stage: told "compile" before a program is compiled and "run" before it runs (progress).
+        """
         if key not in self.programs:
+            if stage is not None:
+                stage("compile")
             t0 = time.perf_counter()
             self.programs[key] = fn.lower(*args, **kwargs).compile()
             self.compile_seconds += time.perf_counter() - t0
         dynamic = [a for a in args if _is_array_tree(a)]
+        if stage is not None:
+            stage("run")
         t0 = time.perf_counter()
         out = jax.block_until_ready(self.programs[key](*dynamic))
         return out, time.perf_counter() - t0
 
 
-def timed_call(fn: Any, *args: Any, **kwargs: Any) -> TimedGeneration:
-    """Compiles `fn` for these arguments, then times one run of the compiled program."""
+def timed_call(fn: Any, *args: Any, stage: Callable[[str], None] | None = None, **kwargs: Any
+               ) -> TimedGeneration:
+    """Compiles `fn` for these arguments, then times one run of the compiled program (stage: as
+    for `Compiled.run`)."""
     compiled = Compiled()
-    result, seconds = compiled.run(None, fn, args, kwargs)
+    result, seconds = compiled.run(None, fn, args, kwargs, stage)
     return TimedGeneration(result, seconds, compiled.compile_seconds)
 
 
@@ -144,21 +154,22 @@ def default_max_len(prompt_width: int, max_new_tokens: int, slack: int) -> int:
 
 def run_ar(params: Any, cfg: ModelConfig, prompts: np.ndarray, lens: np.ndarray, *, max_new_tokens: int,
            sampling: SamplingParams, stop_tokens: tuple[int, ...], seed: int = 0, max_len: int | None = None,
-           attn_impl: str = "auto") -> TimedGeneration:
+           attn_impl: str = "auto", stage: Callable[[str], None] | None = None) -> TimedGeneration:
     max_len = max_len or default_max_len(prompts.shape[1], max_new_tokens, 1)
     check_prompts(lens, prompts.shape[1], max_new_tokens, max_len)
     return timed_call(generate_ar, params, cfg, jnp.asarray(prompts), jnp.asarray(lens), jax.random.key(seed),
                       max_new_tokens=max_new_tokens, max_len=max_len, sampling=sampling,
-                      stop_tokens=stop_tokens, attn_impl=attn_impl)
+                      stop_tokens=stop_tokens, attn_impl=attn_impl, stage=stage)
 
 
 def run_speculative(params: Any, cfg: ModelConfig, dparams: Any, dcfg: Any, prompts: np.ndarray,
-                    lens: np.ndarray, settings: Any, *, seed: int = 0, max_len: int | None = None
-                    ) -> TimedGeneration:
+                    lens: np.ndarray, settings: Any, *, seed: int = 0, max_len: int | None = None,
+                    stage: Callable[[str], None] | None = None) -> TimedGeneration:
     from dflash_jax.speculative import speculative_program
 
     slack = settings.cache_slack()
     max_len = max_len or default_max_len(prompts.shape[1], settings.max_new_tokens, slack)
     check_prompts(lens, prompts.shape[1], settings.max_new_tokens, max_len, slack=slack)
     return timed_call(speculative_program(settings), params, cfg, dparams, dcfg, jnp.asarray(prompts),
-                      jnp.asarray(lens), jax.random.key(seed), settings=settings, max_len=max_len)
+                      jnp.asarray(lens), jax.random.key(seed), settings=settings, max_len=max_len,
+                      stage=stage)
