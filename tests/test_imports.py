@@ -1,0 +1,132 @@
+"""The import graph of dflash_jax, pallas_kernels and convert, read with `ast`.
+
+Every import counts, at module level and inside functions: a function-level import that closes
+a cycle is still a cycle for a reader. The checks:
+  * no import cycle among the project's modules (the failure names the cycle);
+  * pallas_kernels imports nothing from dflash_jax (kernels take arrays and static sizes);
+  * the low modules (config, params, rope, sharding, kv_cache, impl) import no module above them.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("dflash_jax", "pallas_kernels", "convert")
+LOW = frozenset(f"dflash_jax.{m}" for m in ("config", "params", "rope", "sharding", "kv_cache", "impl"))
+
+
+def module_name(file: Path) -> str:
+    parts = list(file.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def project_modules() -> dict[str, Path]:
+    out = {}
+    for package in PACKAGES:
+        for file in sorted((ROOT / package).rglob("*.py")):
+            out[module_name(file)] = file
+    return out
+
+
+def imported_names(file: Path, name: str) -> set[str]:
+    """Every module name the file imports (absolute, relative ones resolved), anywhere in it."""
+    is_package = file.name == "__init__.py"
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(file.read_text(), str(file))):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".")
+                anchor = anchor if is_package else anchor[:-1]
+                anchor = anchor[:len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            out.add(base)
+            # `from package import module` imports that module.
+            out.update(f"{base}.{alias.name}" for alias in node.names)
+    return out
+
+
+def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the project modules it imports (a package import counts as its __init__)."""
+    graph = {}
+    for name, file in modules.items():
+        graph[name] = {m for m in imported_names(file, name) if m in modules and m != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as [a, b, ..., a], or None. Depth-first search with colours."""
+    colour: dict[str, int] = {}  # 1: on the current path, 2: finished
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        colour[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if colour.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in colour:
+                found = visit(nxt)
+                if found:
+                    return found
+        path.pop()
+        colour[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in colour:
+            found = visit(start)
+            if found:
+                return found
+    return None
+
+
+GRAPH = import_graph(project_modules())
+
+
+def test_the_checker_sees_every_package_and_a_function_level_import():
+    assert {"dflash_jax.model", "dflash_jax.drafter", "pallas_kernels.tree_attention",
+            "convert.layout"} <= set(GRAPH)
+    # sharding imports the attention kernel inside `attention`, not at module level.
+    assert "pallas_kernels.tree_attention" in GRAPH["dflash_jax.sharding"]
+
+
+def test_the_checker_reports_a_cycle_on_a_small_graph():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+    assert find_cycle({"x": {"x"}}) == ["x", "x"]
+
+
+def test_relative_imports_resolve(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "mod.py").write_text("from . import other\nfrom .sub import thing\n")
+    assert imported_names(pkg / "mod.py", "pkg.mod") >= {"pkg", "pkg.other", "pkg.sub", "pkg.sub.thing"}
+
+
+def test_no_import_cycle():
+    cycle = find_cycle(GRAPH)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_pallas_kernels_import_nothing_from_dflash_jax():
+    bad = {m: sorted(d for d in deps if d.split(".")[0] == "dflash_jax")
+           for m, deps in GRAPH.items() if m.startswith("pallas_kernels")}
+    bad = {m: deps for m, deps in bad.items() if deps}
+    assert not bad, f"pallas_kernels modules importing dflash_jax: {bad}"
+
+
+@pytest.mark.parametrize("low", sorted(LOW))
+def test_low_modules_import_nothing_above_them(low):
+    if low not in GRAPH:
+        pytest.skip(f"{low} does not exist")
+    above = sorted(d for d in GRAPH[low] if d.split(".")[0] == "dflash_jax" and d not in LOW
+                   and d != "dflash_jax")
+    assert not above, f"{low} imports modules above it: {above}"
