@@ -210,9 +210,8 @@ def kernel_mlp_layout(params: ModelParams, consume: bool = False) -> ModelParams
     gated-activation kernel (`pallas_kernels/gate_up_silu.py`) takes it: the verify of a wide
     tree then runs gate_up, SiLU and the product in one launch (`mlp_kernel_rows`); elsewhere
     XLA takes the same weight. Same values. Not the default: at 257 rows on an H200 the kernel
-    lost to XLA's gate_up + SiLU (DDTree(256) 11.11 against 10.93 ms, BENCHMARKS.md, twenty-third
-    session; with its warpgroups taking jobs in turn over 6 stages, 10.64 against 10.60,
-    twenty-fourth session). Params on a mesh come back unchanged (the kernel
+    lost to XLA's gate_up + SiLU (DDTree(256) 11.11 against 10.93 ms; with its warpgroups taking
+    jobs in turn over 6 stages, 10.64 against 10.60). Params on a mesh come back unchanged (the kernel
     runs on one device), and so do params already in this layout.
     consume: delete each layer's [embed, 2, mlp] weight once its new one exists.
     """
@@ -432,7 +431,7 @@ def residual_splits(params: ModelParams, cfg: ModelConfig, rows: int, sched: Any
     cuBLAS's 128 x 136 tiles for 132 SMs): the path asks for two slices wherever the output has
     at most half as many such tiles as there are SMs. Elsewhere it stays off: at 528 rows, one
     slice (float32 out) and the kernel took 18.55 ms a DDTree(512) round against XLA's 18.46
-    (BENCHMARKS.md, fifteenth session).
+    on an H200.
     """
     if not enabled or sched is None or params.layers[0].attn.o_bias is not None:
         return 0

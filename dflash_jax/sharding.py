@@ -284,7 +284,7 @@ def overlap_row_groups(groups: int):
     independent groups of rows (`row_groups`).
 
     Why: at batch 1 each all-reduce costs ~20 us however small, and at tp = 2 the 32B shape's
-    DDTree(256) round spends 3.2 ms per GPU in them (BENCHMARKS.md, seventh session). One row
+    DDTree(256) round spends 3.2 ms per GPU in them on H200s. One row
     group's all-reduce does not depend on the next group's products, so an async collective
     can run while they compute, if the compiler schedules it that way. The benchmark variant
     `bench.collectives.ALL_REDUCE["nccl-overlap"]` turns on XLA's latency-hiding scheduler and

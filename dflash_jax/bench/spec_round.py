@@ -140,7 +140,7 @@ def decoding_settings(method: str, dot_merger: str = "decoding", command_buffers
     resolved as decoding compiles `method` ("ddtree" or "dflash": speculative.DDTREE_COMPILER_OPTIONS
     / DFLASH_COMPILER_OPTIONS; "ar", `generate.generate_ar`: generate.COMMAND_BUFFERS_ALL). A profile
     cannot see into graphs, and spec_round's fori_loop times about the same with or without them
-    (BENCHMARKS.md, thirtieth session), so with `profile` a program compiles them off."""
+    (BENCHMARKS.md), so with `profile` a program compiles them off."""
     if dot_merger == "decoding":
         dot_merger = "off" if method == "ddtree" else "default"
     if command_buffers == "decoding":
@@ -326,7 +326,7 @@ def main() -> None:
                          "applies, fed by the fused qkv epilogue), the same with the epilogue in XLA "
                          "(pallas-unfused), the Hopper kernel's warpgroups not taking turns (pallas-no-pingpong), "
                          "its split-K merge in XLA instead of the Triton merge kernel (pallas-xla-merge), "
-                         "the thirteenth session's Hopper path (pallas-reduced-merge: no turns, the split-K merge as XLA reductions), "
+                         "an earlier Hopper path (pallas-reduced-merge: no turns, the split-K merge as XLA reductions), "
                          "the Hopper kernel scaling every score before the softmax (pallas-scaled-scores), "
                          "the Triton kernel alone (pallas-triton), or that without its "
                          "tail launch (several: each is timed, side by side)")
