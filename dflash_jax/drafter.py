@@ -341,7 +341,8 @@ def draft_specs(dcfg: DraftConfig, tp: int = 1) -> DraftParams:
     if block_qkv:
         context["context_kv"] = Spec(
             (e, n, kvh, 2, hd), (EMBED, None, KV_HEADS, None, HEAD_DIM),
-            parts=tuple(Part(f"layers.{i}.attn.{w}", slot(5, {1: i, 3: j})) for i in range(n) for j, w in enumerate("kv")))
+            parts=tuple(Part(f"layers.{i}.attn.{w}", slot(5, {1: i, 3: j}))
+                        for i in range(n) for j, w in enumerate("kv")))
         if bias:
             context["context_kv_bias"] = Spec(
                 (n, kvh, 2, hd), (None, KV_HEADS, None, HEAD_DIM),

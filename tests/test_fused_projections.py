@@ -164,7 +164,8 @@ def test_extract_inverts_assemble_and_errors_name_the_tensor():
 
 def test_a_layout_whose_parts_do_not_fit_is_refused():
     src = {"a": P.Spec((4, 3), (None, None)), "b": P.Spec((4, 2), (None, None))}
-    joined = P.Spec((4, 2, 3), (None, None, None), parts=(P.Part("a", P.slot(3, {1: 0})), P.Part("b", P.slot(3, {1: 1}))))
+    joined = P.Spec((4, 2, 3), (None, None, None),
+                    parts=(P.Part("a", P.slot(3, {1: 0})), P.Part("b", P.slot(3, {1: 1}))))
     with pytest.raises(ValueError, match=r"b \(4, 2\) does not fit its slot \(4, 3\)"):
         P.ParamLayout({"ab": joined}, src).plan
     with pytest.raises(ValueError, match="go into no decoding tensor"):

@@ -33,11 +33,22 @@ def project_modules() -> dict[str, Path]:
     return out
 
 
-def imported_names(file: Path, name: str) -> set[str]:
-    """Every module name the file imports (absolute, relative ones resolved), anywhere in it."""
+def imported_names(file: Path, name: str, modules: frozenset[str] = frozenset()) -> set[str]:
+    """Every module name the file imports (absolute, relative ones resolved), anywhere in it.
+
+    `from package import module` counts as importing that module (one of `modules`), not the
+    package: a submodule that imports its sibling does not depend on the package's __init__.
+    """
     is_package = file.name == "__init__.py"
+    tree = ast.parse(file.read_text(), str(file))
+    # `if TYPE_CHECKING:` imports never run; they name types for the reader and the checker.
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and getattr(block.test, "id", getattr(block.test, "attr", None)) == "TYPE_CHECKING"
+                   for stmt in block.body for n in ast.walk(stmt)}
     out: set[str] = set()
-    for node in ast.walk(ast.parse(file.read_text(), str(file))):
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             out.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -47,17 +58,18 @@ def imported_names(file: Path, name: str) -> set[str]:
                 anchor = anchor if is_package else anchor[:-1]
                 anchor = anchor[:len(anchor) - (node.level - 1)]
                 base = ".".join(anchor + ([base] if base else []))
-            out.add(base)
-            # `from package import module` imports that module.
-            out.update(f"{base}.{alias.name}" for alias in node.names)
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                out.add(sub if sub in modules else base)
     return out
 
 
 def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
     """module -> the project modules it imports (a package import counts as its __init__)."""
+    known = frozenset(modules)
     graph = {}
     for name, file in modules.items():
-        graph[name] = {m for m in imported_names(file, name) if m in modules and m != name}
+        graph[name] = {m for m in imported_names(file, name, known) if m in modules and m != name}
     return graph
 
 
@@ -104,11 +116,14 @@ def test_the_checker_reports_a_cycle_on_a_small_graph():
     assert find_cycle({"x": {"x"}}) == ["x", "x"]
 
 
-def test_relative_imports_resolve(tmp_path):
+def test_relative_function_level_and_type_only_imports(tmp_path):
     pkg = tmp_path / "pkg"
     pkg.mkdir()
-    (pkg / "mod.py").write_text("from . import other\nfrom .sub import thing\n")
-    assert imported_names(pkg / "mod.py", "pkg.mod") >= {"pkg", "pkg.other", "pkg.sub", "pkg.sub.thing"}
+    (pkg / "mod.py").write_text("from typing import TYPE_CHECKING\nfrom . import other, CONSTANT\n"
+                                "from .sub import thing\nimport pkg.deep.mod\nif TYPE_CHECKING:\n    import pkg.types\n"
+                                "def f():\n    from pkg import late\n")
+    got = imported_names(pkg / "mod.py", "pkg.mod", frozenset({"pkg.other", "pkg.sub", "pkg.late"}))
+    assert got == {"typing", "pkg.other", "pkg", "pkg.sub", "pkg.deep.mod", "pkg.late"}
 
 
 def test_no_import_cycle():

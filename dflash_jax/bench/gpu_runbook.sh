@@ -7,10 +7,8 @@
 # each benchmark step of the ar / rounds / rounds-split / kernel / tp phases (default 560).
 #
 # Phases, in the order the open issues need them:
-#   ar            AR decode vs the roofline: Qwen3-8B shape and SmolLM2, ctx 1K/8K, with profiles,
-#                 fused and separate projections side by side
-#   rounds        DFlash / DDTree round latency, 8 rounds per call (the decoding fast path), fused
-#                 and separate projections side by side
+#   ar            AR decode vs the roofline: Qwen3-8B shape and SmolLM2, ctx 1K/8K, with profiles
+#   rounds        DFlash / DDTree round latency, 8 rounds per call (the decoding fast path)
 #   rounds-tiling DFlash / DDTree(64, 256) rounds at ctx 4K with tree attention as it is and beside
 #                 its candidates (ROUNDS_IMPLS, default `auto pallas-reduced-merge pallas-unfused
 #                 pallas-triton`), side by side
@@ -171,14 +169,12 @@ case $phase in
 ar)
     if [ "$dry" = 1 ]; then set -- --models tiny --contexts 64 256 --steps 8 --copy-gb 0.05 --impls reference
     else set -- --models smollm2-135m qwen3-8b --contexts 1024 8192 --impls pallas --gemm default cublas; fi
-    # The target's projections fused (as decoding runs) and separate, side by side.
-    step ar "$limit" python -m dflash_jax.bench.ar_decode "$@" --layout fused separate --profile --dump-hlo "$out/hlo" \
+    step ar "$limit" python -m dflash_jax.bench.ar_decode "$@" --profile --dump-hlo "$out/hlo" \
         --out "$out/ar.json" ;;
 rounds)
     # shellcheck disable=SC2046
-    # The target's projections fused (as decoding runs) and separate, side by side; each round
-    # compiled as decoding compiles it (DDTree: XLA's dot merger and command buffers off).
-    step rounds "$limit" python -m dflash_jax.bench.spec_round $(spec_args) --layout fused separate \
+    # Each round compiled as decoding compiles it (DDTree: XLA's dot merger and command buffers off).
+    step rounds "$limit" python -m dflash_jax.bench.spec_round $(spec_args) \
         --no-profile --out "$out/rounds.json" ;;
 rounds-tiling)
     # Rounds with tree attention as it is, beside candidate variants of it (ROUNDS_IMPLS: the
