@@ -41,6 +41,17 @@ class Part:
     def slices(self) -> tuple:
         return tuple(slice(None) if i is None else slice(*i) if isinstance(i, tuple) else i for i in self.index)
 
+    def slot_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of this slot in a tensor of `shape` (an int index drops its axis)."""
+        index = self.index + (None,) * (len(shape) - len(self.index))
+        out = []
+        for i, n in zip(index, shape):
+            if i is None:
+                out.append(n)
+            elif isinstance(i, tuple):
+                out.append(len(range(*i)[:n]) if i[1] <= n else -1)
+        return tuple(out)
+
 
 def slot(rank: int, at: Mapping[int, int | tuple[int, int]]) -> SlotIndex:
     """A `Part` index of a rank-`rank` tensor: index `at[axis]` on the axes named, all of the others."""
@@ -130,8 +141,8 @@ class ParamLayout:
                 src = sources.get(part.source)
                 if src is None:
                     raise ValueError(f"layout: {path} names the source {part.source}, which is not declared")
-                slot = np.empty(spec.shape, np.bool_)[part.slices()].shape
-                if int(np.prod(slot)) != int(np.prod(src.shape)):
+                slot = part.slot_shape(spec.shape)
+                if -1 in slot or int(np.prod(slot)) != int(np.prod(src.shape)):
                     raise ValueError(f"layout: {part.source} {src.shape} does not fit its slot {slot} of {path}")
                 used.add(part.source)
             out.append((path, spec, parts))
@@ -156,7 +167,8 @@ class Builder:
     A decoding tensor goes to its device(s) (`sharding(path, spec)`, None: the default device) as
     soon as its last part is in, so the host holds only the tensors still being filled: one
     layer's at a time when sources arrive layer by layer, plus any tensor that spans layers
-    (the drafter's `context_kv`). A whole-tensor source is placed without a host copy of its own.
+    (the drafter's `context_kv`). Each source is copied once on the host (cast to `dtype`); a
+    source that is a whole decoding tensor is placed from that copy.
     """
 
     def __init__(self, layout: ParamLayout, dtype: Any, sharding: Callable[[str, Spec], Any] | None = None):
@@ -204,7 +216,7 @@ class Builder:
         missing = self.missing()
         if missing:
             raise ValueError(f"source tensor {missing[0]} is missing")
-        leaves, treedef = jax.tree_util.tree_flatten(self.layout.specs, is_leaf=is_spec)
+        treedef = jax.tree.structure(self.layout.specs, is_leaf=is_spec)
         return jax.tree_util.tree_unflatten(treedef, [self._done[path] for path, _, _ in self.layout.plan])
 
 
@@ -272,8 +284,7 @@ def init_layout(layout: ParamLayout, key: jax.Array, dtype: Any = jnp.float32, s
             src = sources[part.source]
             statics.append((src.shape, src.init, float(scale * (src.fan_in or src.shape[0]) ** -0.5), part.index))
         drawn.append(_builder(tuple(spec.shape), dtype, tuple(statics), sharding)(*[keys[p.source] for p in parts]))
-    leaves, treedef = jax.tree_util.tree_flatten(layout.specs, is_leaf=is_spec)
-    return jax.tree_util.tree_unflatten(treedef, drawn)
+    return jax.tree_util.tree_unflatten(jax.tree.structure(layout.specs, is_leaf=is_spec), drawn)
 
 
 def _draw(k: jax.Array, shape: tuple[int, ...], init: str, std: float, dtype: Any) -> jax.Array:
