@@ -54,31 +54,29 @@ def _hf_tokenizer(path: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(base))
 
 
-def load_model(path_or_name: str | Path, dtype: Any = jnp.float32, *, shardings: Any = None,
-               tokenizer: bool = True, mesh: Any = None) -> tuple[Any, Any, Any]:
-    """-> (ModelConfig, ModelParams, tokenizer or None).
+def load_model(path_or_name: str | Path, dtype: Any = jnp.float32, *, mesh: Any = None,
+               tokenizer: bool = True) -> tuple[Any, Any, Any]:
+    """-> (ModelConfig, ModelParams in the decoding layout, tokenizer or None).
 
+    Each checkpoint tensor is written straight into its slices of the decoding layout
+    (`dflash_jax.model.model_specs`), on its tensor-parallel shards under a mesh: one pass, no
+    re-layout afterwards.
     dtype: floating dtype of the params (for an orbax checkpoint, None keeps the saved dtype).
-    shardings: None, a tree of Shardings matching `model_specs(cfg)`, or (path, Spec) -> Sharding.
+    mesh: None (the default device) or a ("dp", "tp") mesh (`dflash_jax.sharding.make_mesh`).
     tokenizer: False skips building the tokenizer (it takes seconds for a GGUF file).
-    mesh: a ("dp", "tp") mesh (`dflash_jax.sharding.make_mesh`); when given without `shardings`,
-        each tensor goes straight to its tensor-parallel shards (`dflash_jax.sharding.placement`).
     """
-    if mesh is not None and shardings is None:
-        from dflash_jax.sharding import placement
-        shardings = placement(mesh)
     kind, path = resolve_source(path_or_name)
     if dtype is None and kind != "checkpoint":
         dtype = jnp.float32  # None means "as saved", which only our checkpoints record
     if kind == "gguf":
         reader = open_gguf(path)  # parsed once for the weights and the tokenizer
-        cfg, params = load_gguf(path, dtype=dtype, shardings=shardings, reader=reader)
+        cfg, params = load_gguf(path, dtype=dtype, mesh=mesh, reader=reader)
         tok = gguf_tokenizer(path, reader) if tokenizer else None
     elif kind == "checkpoint":
-        cfg, params = load_checkpoint(path, dtype=dtype, shardings=shardings)
+        cfg, params = load_checkpoint(path, dtype=dtype, mesh=mesh)
         tok = load_checkpoint_tokenizer(path) if tokenizer else None
     else:
-        cfg, params = load_hf(path, dtype=dtype, shardings=shardings)
+        cfg, params = load_hf(path, dtype=dtype, mesh=mesh)
         tok = _hf_tokenizer(path) if tokenizer else None
     return cfg, params, tok
 

@@ -3,7 +3,9 @@
 Layout of a checkpoint directory:
     dflash_jax_model.json   marker + format version + ModelConfig + saved dtype (written LAST,
                             so a directory whose save was interrupted is never taken for a checkpoint)
-    params/                 orbax StandardCheckpointer tree of ModelParams
+    params/                 orbax StandardCheckpointer tree of ModelParams, as checkpoints store
+                            them (`model.checkpoint_specs`: q, k, v, gate, up apart), whatever
+                            layout they are loaded into
     tokenizer/              optional, `tokenizer.save_pretrained` output
 """
 from __future__ import annotations
@@ -19,10 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from convert.layout import ConversionError, ShardingsArg, sharding_lookup
+from convert.hf_safetensors import target_layout
+from convert.layout import ConversionError
 from dflash_jax.config import ModelConfig, RopeConfig
-from dflash_jax.model import ModelParams, is_fused, model_specs
-from dflash_jax.params import is_spec, path_str
+from dflash_jax.model import ModelParams, param_layout
+from dflash_jax.params import Builder, extract, is_spec, layout_of, path_str
 
 MARKER = "dflash_jax_model.json"
 FORMAT = "dflash-jax/model-params"
@@ -63,12 +66,14 @@ def _dtype_name(params: ModelParams) -> str:
 
 def save_checkpoint(path: str | Path, cfg: ModelConfig, params: ModelParams, tokenizer: Any = None,
                     *, overwrite: bool = False) -> Path:
-    """Writes params (orbax), config (JSON) and optionally the tokenizer to directory `path`."""
-    if is_fused(params):
-        # load_checkpoint restores `model_specs(cfg)`, the layout checkpoints and converters share.
-        raise ConversionError(f"{path}: these params are in the decoding layout (model.fuse_projections: "
-                              f"layers.N.attn.qkv, layers.N.mlp.gate_up); a checkpoint stores the separate "
-                              f"q/k/v and gate/up weights, so save the params as they were loaded")
+    """Writes params (orbax), config (JSON) and optionally the tokenizer to directory `path`.
+
+    params: as the loaders give them (the decoding layout, at any tp). The checkpoint stores the
+    tensors as checkpoints store them (`model.checkpoint_specs`), so it loads at any tp.
+    """
+    layout = layout_of(params, [param_layout(cfg), param_layout(cfg, 2 * cfg.num_kv_heads)])
+    if layout is None:
+        raise ConversionError(f"{path}: the params hold none of the target's decoding layouts for this config")
     path = Path(path).absolute()  # orbax wants absolute paths
     if path.exists() and any(path.iterdir()):
         if not overwrite:
@@ -79,8 +84,10 @@ def save_checkpoint(path: str | Path, cfg: ModelConfig, params: ModelParams, tok
         shutil.rmtree(path)
     path.mkdir(parents=True, exist_ok=True)
     dtype = _dtype_name(params)
+    sources = extract(layout, params)
+    treedef = jax.tree.structure(layout.sources, is_leaf=is_spec)
     with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(path / "params", params)
+        ckpt.save(path / "params", jax.tree_util.tree_unflatten(treedef, list(sources.values())))
         ckpt.wait_until_finished()
     if tokenizer is not None:
         tokenizer.save_pretrained(str(path / "tokenizer"))
@@ -104,27 +111,29 @@ def read_meta(path: str | Path) -> tuple[ModelConfig, str]:
     return config_from_dict(meta["config"], str(marker)), meta["dtype"]
 
 
-def load_checkpoint(path: str | Path, *, dtype: Any = None, shardings: ShardingsArg = None
-                    ) -> tuple[ModelConfig, ModelParams]:
-    """Restores (config, params). dtype: None keeps the saved dtype; otherwise cast on restore.
+def load_checkpoint(path: str | Path, *, dtype: Any = None, mesh: Any = None) -> tuple[ModelConfig, ModelParams]:
+    """Restores (config, params in the decoding layout). dtype: None keeps the saved dtype.
 
-    shardings: as for `convert.hf_safetensors.load_hf` (default: the first device).
+    mesh: as for `convert.hf_safetensors.load_hf`. The saved tensors are restored to host memory
+    and then written into their slices of the decoding layout, as the other loaders do.
     """
     path = Path(path).absolute()
     cfg, saved_dtype = read_meta(path)
     dtype = jnp.dtype(dtype or saved_dtype)
-    specs = model_specs(cfg)
-    lookup = sharding_lookup(shardings, specs)
-    default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
-    target = jax.tree_util.tree_unflatten(treedef, [
-        jax.ShapeDtypeStruct(s.shape, dtype, sharding=lookup(path_str(p), s) or default) for p, s in leaves])
+    layout, sharding = target_layout(cfg, mesh)
+    host = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.dtype(saved_dtype), sharding=host),
+                          layout.sources, is_leaf=is_spec)
     try:
         with ocp.StandardCheckpointer() as ckpt:
-            params = ckpt.restore(path / "params", target)
+            saved = ckpt.restore(path / "params", target)
     except Exception as err:  # orbax raises a variety of types for missing/mismatched arrays
         raise ConversionError(f"{path / 'params'}: cannot restore params: {err}") from err
-    return cfg, params
+    builder = Builder(layout, dtype, sharding)
+    for (p, x) in jax.tree_util.tree_flatten_with_path(saved)[0]:
+        builder.put(path_str(p), np.array(x))  # a copy: x's buffer is freed next
+        x.delete()  # the host copy goes as soon as its slices are written
+    return cfg, builder.finish()
 
 
 def load_checkpoint_tokenizer(path: str | Path) -> Any:

@@ -21,11 +21,12 @@ from safetensors.numpy import save_file
 
 from convert.hf_safetensors import checkpoint_files, stream_tensors
 from convert.layout import (HEADS_IN, HEADS_OUT, IDENTITY, TRANSPOSE, Assembler, ConversionError, Layout,
-                            MappingTable, Rule, ShardingsArg, decoder_layer_rules)
+                            MappingTable, Rule, decoder_layer_rules)
 from dflash_jax.config import ConfigError
-from dflash_jax.drafter import (DraftConfig, DraftParams, draft_config_to_dict, draft_specs,
+from dflash_jax.drafter import (DraftConfig, DraftParams, draft_config_to_dict, draft_param_layout,
                                 load_draft_config)
-from dflash_jax.params import path_str, spec_leaves_with_paths
+from dflash_jax.params import extract, layout_of, path_str
+from dflash_jax.sharding import check_model, mesh_sizes, placement
 
 WEIGHTS_FILE = "model.safetensors"
 _PREFIX = "model."  # some exports nest the drafter under `model.`
@@ -62,14 +63,17 @@ def drafter_dir(path: str | Path) -> Path:
     return shipped_drafter_path(str(path)) if str(path) in SHIPPED_DRAFTERS else Path(path)
 
 
-def load_drafter(path: str | Path, dtype: Any = jnp.float32, *, shardings: ShardingsArg = None
+def load_drafter(path: str | Path, dtype: Any = jnp.float32, *, mesh: Any = None, training: bool = False
                  ) -> tuple[DraftConfig, DraftParams]:
-    """Reads a z-lab drafter directory -> (DraftConfig, DraftParams).
+    """Reads a z-lab drafter directory -> (DraftConfig, DraftParams) in the decoding layout
+    (`drafter.draft_specs` at the mesh's tp), each tensor written straight into its slices.
 
     path: the directory, or the short name of a shipped drafter ("smollm2").
-
     dtype: floating dtype of the params (float32 default; bfloat16 for GPU).
-    shardings: as `convert.hf_safetensors.load_hf`, against `draft_specs(dcfg)`.
+    mesh: None (the default device) or a ("dp", "tp") mesh: each decoding tensor goes straight
+        to its tensor-parallel shards.
+    training: the checkpoint layout instead (`drafter.draft_checkpoint_specs`), which training
+        optimises and `export_drafter` writes.
     Errors (ConversionError, a ValueError) name the file and the tensor: missing, unexpected
     (e.g. an embedding, or DFlash2's convolutions), duplicated, or mis-shaped for config.json.
     """
@@ -87,7 +91,10 @@ def load_drafter(path: str | Path, dtype: Any = jnp.float32, *, shardings: Shard
             return None
         return stored[len(_PREFIX):] if stored.startswith(_PREFIX) else stored
 
-    asm = Assembler(draft_specs(dcfg), DRAFT_TABLE, dtype, shardings)
+    tp = 1 if mesh is None else mesh_sizes(mesh)[1]
+    check_model(dcfg, tp)
+    asm = Assembler(draft_param_layout(dcfg, tp, training=training), DRAFT_TABLE, dtype,
+                    None if mesh is None else placement(mesh))
     stream_tensors(files, asm, DRAFT_TABLE, rename,
                    "not part of a DFlashDraftModel; embeddings and LM head come from the target")
     return dcfg, asm.finish(source)
@@ -103,20 +110,26 @@ def _to_source(layout: Layout, x: np.ndarray, source_shape: tuple[int, ...]) -> 
 
 
 def params_to_tensors(dcfg: DraftConfig, dparams: DraftParams) -> dict[str, np.ndarray]:
-    """DraftParams -> {checkpoint name (no prefix): PyTorch-layout array}."""
-    arrays = {path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(dparams)[0]}
+    """DraftParams in the training layout or a decoding one -> {checkpoint name (no prefix):
+    PyTorch-layout array}."""
+    layout = _layout_of(dcfg, dparams)
     out = {}
-    for path, spec in spec_leaves_with_paths(draft_specs(dcfg)):
-        if path not in arrays:
-            raise ConversionError(f"DraftParams has no tensor {path}")
-        x = np.asarray(arrays[path])
-        if tuple(x.shape) != spec.shape:
-            raise ConversionError(f"DraftParams tensor {path} has shape {tuple(x.shape)}, "
-                                  f"expected {spec.shape}")
+    for path, x in extract(layout, dparams).items():
         name = DRAFT_TABLE.source_name(path)
         rule, _ = DRAFT_TABLE.lookup(name)
-        out[name] = _to_source(rule.layout, x, tuple(rule.layout.source_shape(spec.shape)))
+        out[name] = _to_source(rule.layout, x, tuple(rule.layout.source_shape(x.shape)))
     return out
+
+
+def _layout_of(dcfg: DraftConfig, dparams: DraftParams) -> Any:
+    """The layout `dparams` is in: the training one, or a decoding one (kv heads split over tp,
+    or replicated)."""
+    layout = layout_of(dparams, [draft_param_layout(dcfg, training=True), draft_param_layout(dcfg),
+                                 draft_param_layout(dcfg, 2 * dcfg.num_kv_heads)])
+    if layout is None:
+        names = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(dparams)[0]]
+        raise ConversionError(f"DraftParams holds none of the drafter's layouts for this config: {names[:8]}")
+    return layout
 
 
 def export_drafter(dcfg: DraftConfig, dparams: DraftParams, out_dir: str | Path) -> Path:

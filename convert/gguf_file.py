@@ -2,7 +2,8 @@
 
 The config comes from the GGUF metadata, the weights from its tensors, dequantised one at a
 time with `gguf.quants.dequantize` (Q4_1, Q8_0, F16, BF16, F32, ... whatever `gguf` supports)
-from the memory-mapped file and placed on device before the next one is read.
+from the memory-mapped file and written into its slices of the decoding layout before the
+next one is read.
 
 (Named gguf_file.py, not gguf.py, so it does not shadow the `gguf` package.)
 """
@@ -18,10 +19,11 @@ import numpy as np
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
+from convert.hf_safetensors import target_layout
 from convert.layout import (HEADS_BIAS, HEADS_IN, HEADS_OUT, IDENTITY, TRANSPOSE, Assembler,
-                            ConversionError, MappingTable, Rule, ShardingsArg)
+                            ConversionError, MappingTable, Rule)
 from dflash_jax.config import ConfigError, ModelConfig, model_config_from_dict
-from dflash_jax.model import ModelParams, model_specs
+from dflash_jax.model import ModelParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -196,18 +198,20 @@ def config_from_gguf(reader: GGUFReader, path: str | Path) -> ModelConfig:
         raise ConversionError(str(err)) from err
 
 
-def load_gguf(path: str | Path, *, dtype: Any = jnp.float32, shardings: ShardingsArg = None,
+def load_gguf(path: str | Path, *, dtype: Any = jnp.float32, mesh: Any = None,
               reader: GGUFReader | None = None) -> tuple[ModelConfig, ModelParams]:
-    """Loads a llama/qwen3 GGUF file; quantised tensors are dequantised to `dtype`.
+    """Loads a llama/qwen3 GGUF file in the decoding layout (`model.model_specs`); quantised
+    tensors are dequantised to `dtype`.
 
-    shardings: as for `convert.hf_safetensors.load_hf`.
+    mesh: as for `convert.hf_safetensors.load_hf`.
     reader: an already opened `open_gguf(path)` (parsing the metadata of a file with a large
     vocabulary takes seconds, so callers that also inspect the file can share one).
     """
     path = Path(path)
     reader = reader if reader is not None else open_gguf(path)
     cfg = config_from_gguf(reader, path)
-    asm = Assembler(model_specs(cfg), GGUF_TABLE, dtype, shardings)
+    layout, sharding = target_layout(cfg, mesh)
+    asm = Assembler(layout, GGUF_TABLE, dtype, sharding)
     # Only llama-arch files are permuted: llama.cpp uses NeoX-style (half-split) RoPE for qwen3.
     rope_heads = {"rope_q": cfg.num_heads, "rope_k": cfg.num_kv_heads} if cfg.model_type == "llama" else {}
     for t in reader.tensors:

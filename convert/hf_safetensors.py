@@ -6,9 +6,10 @@ Accepted inputs:
 - a single `.safetensors` file (config from `config=` or a `config.json` beside it);
 - a `*.safetensors.index.json` file.
 
-Tensors stream one at a time: read (memory-mapped by safetensors), cast, re-laid out, and
-placed on device (optionally straight into a per-tensor sharding), so a checkpoint never needs
-two full host copies.
+Tensors stream one at a time: read (memory-mapped by safetensors), cast, and written into
+their slices of the decoding layout, each decoding tensor placed on device (optionally
+straight into its tensor-parallel shards) once filled, so a checkpoint never needs two full
+host copies.
 """
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ import jax.numpy as jnp
 from safetensors import safe_open
 
 from convert.layout import (IDENTITY, TRANSPOSE, Assembler, ConversionError, MappingTable, Rule,
-                            ShardingsArg, decoder_layer_rules)
+                            decoder_layer_rules)
 from dflash_jax.config import ConfigError, ModelConfig, load_json, model_config_from_dict
-from dflash_jax.model import ModelParams, model_specs
+from dflash_jax.model import ModelParams, param_layout
+from dflash_jax.sharding import check_model, mesh_sizes, placement
 
 # HF name -> our path. Shapes: HF Linear weights are [out, in]; ours are [in, ...out] (see layout.py).
 HF_TABLE = MappingTable([
@@ -126,12 +128,12 @@ def _config(path: Path, config: Any) -> ModelConfig:
 
 
 def load_hf(path: str | Path, *, config: Any = None, dtype: Any = jnp.float32,
-            shardings: ShardingsArg = None) -> tuple[ModelConfig, ModelParams]:
-    """Loads an HF Qwen3/Llama safetensors checkpoint.
+            mesh: Any = None) -> tuple[ModelConfig, ModelParams]:
+    """Loads an HF Qwen3/Llama safetensors checkpoint, in the decoding layout (`model.model_specs`).
 
     dtype: floating dtype of the result (float32 default; bfloat16 for GPU).
-    shardings: None (default device), a tree of Shardings matching `model_specs(cfg)`, or a
-    callable (dotted path, Spec) -> Sharding; each tensor is placed as it streams in.
+    mesh: None (the default device) or a ("dp", "tp") mesh (`dflash_jax.sharding.make_mesh`):
+    each tensor is then written into its tensor-parallel shards as it streams in.
     """
     path = Path(path)
     files, source = checkpoint_files(path)
@@ -144,9 +146,19 @@ def load_hf(path: str | Path, *, config: Any = None, dtype: Any = jnp.float32,
             return None  # some exporters write the tied copy too; the embedding is the weight
         return name
 
-    asm = Assembler(model_specs(cfg), HF_TABLE, dtype, shardings)
+    layout, sharding = target_layout(cfg, mesh)
+    asm = Assembler(layout, HF_TABLE, dtype, sharding)
     stream_tensors(files, asm, HF_TABLE, rename, "no mapping for this name")
     return cfg, asm.finish(source)
+
+
+def target_layout(cfg: ModelConfig, mesh: Any) -> tuple[Any, Any]:
+    """(the target's decoding layout at the mesh's tp, where each tensor goes) for an `Assembler`."""
+    if mesh is None:
+        return param_layout(cfg), None
+    tp = mesh_sizes(mesh)[1]
+    check_model(cfg, tp)
+    return param_layout(cfg, tp), placement(mesh)
 
 
 def checkpoint_files(path: Path) -> tuple[list[Path], str]:

@@ -6,9 +6,11 @@ safetensors and GGUF store matrices as `[out_features, in_features]` (GGUF's num
 reverses ggml's dimension order, which lands on the same layout), so both tables share the
 layouts below.
 
-`Assembler` receives tensors one at a time, checks each against `model_specs(cfg)` BEFORE
-reading its data (unexpected name, duplicate, wrong shape), converts it, and places it on
-device immediately, so at most one source tensor is alive on the host at once.
+`Assembler` receives tensors one at a time, checks each against the layout's sources (the
+checkpoint-layout declarations, e.g. `model.checkpoint_specs(cfg)`) BEFORE reading its data
+(unexpected name, duplicate, wrong shape), converts it, and writes it straight into its slices
+of the decoding layout (`params.ParamLayout`); a decoding tensor goes to its shards as soon as
+its last part is in, so the host holds only the tensors still being filled.
 """
 from __future__ import annotations
 
@@ -16,11 +18,10 @@ import dataclasses
 import re
 from typing import Any, Callable, Iterable
 
-import jax
 import ml_dtypes  # noqa: F401  registers bfloat16 with numpy (safetensors' numpy reader needs it)
 import numpy as np
 
-from dflash_jax.params import Spec, is_spec, path_str, spec_leaves_with_paths
+from dflash_jax.params import Builder, ParamLayout, Spec
 
 
 class ConversionError(ValueError):
@@ -136,47 +137,24 @@ def _template(name: str) -> tuple[str, str]:
     return name[:match.start()] + ".{i}." + name[match.end():], match.group(1)
 
 
-# ----------------------------------------------------------------------------- shardings
-
-ShardingsArg = Any  # None | tree of jax.sharding.Sharding matching model_specs | callable(path, Spec)
-
-
-def sharding_lookup(shardings: ShardingsArg, specs: Any) -> Callable[[str, Spec], Any]:
-    """Normalises the `shardings` argument to a function (path, spec) -> Sharding | None."""
-    if shardings is None:
-        return lambda path, spec: None
-    if callable(shardings) and not isinstance(shardings, jax.sharding.Sharding):
-        return shardings
-    if isinstance(shardings, jax.sharding.Sharding):  # one sharding for every tensor
-        return lambda path, spec: shardings
-    flat, _ = jax.tree_util.tree_flatten_with_path(
-        shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
-    table = {path_str(p): s for p, s in flat}
-    wanted = {p for p, _ in spec_leaves_with_paths(specs)}
-    if set(table) != wanted:
-        missing = sorted(wanted - set(table))[:3]
-        extra = sorted(set(table) - wanted)[:3]
-        raise ConversionError(f"the shardings tree does not match the model's parameters "
-                              f"(missing {missing}, unexpected {extra})")
-    return lambda path, spec: table[path]
-
-
 # ----------------------------------------------------------------------------- assembling
 
 class Assembler:
-    """Collects converted tensors into a param tree shaped like `specs`.
+    """Fills a `ParamLayout`'s decoding tensors from checkpoint tensors given one at a time.
 
-    Call `claim` with the source shape before reading a tensor (cheap checks), then `put`
-    with the converted host array; `finish` builds the tree and reports missing tensors.
+    Call `claim` with the source shape before reading a tensor (cheap checks against the
+    layout's sources), then `put` with its host array: it is cast, laid out (`Rule.layout`) and
+    written into its slices of the decoding tensors, each placed on `sharding(path, spec)` (None:
+    the default device) once its last part is in. `finish` builds the tree and reports missing
+    tensors by their checkpoint names.
     """
 
-    def __init__(self, specs: Any, table: MappingTable, dtype: Any, shardings: ShardingsArg = None):
-        self.specs = specs
+    def __init__(self, layout: ParamLayout, table: MappingTable, dtype: Any,
+                 sharding: Callable[[str, Spec], Any] | None = None):
         self.table = table
         self.dtype = np.dtype(dtype)
-        self._spec = dict(spec_leaves_with_paths(specs))
-        self._sharding = sharding_lookup(shardings, specs)
-        self._values: dict[str, jax.Array] = {}
+        self._spec = layout.source_specs
+        self._builder = Builder(layout, self.dtype, sharding)
         self._origin: dict[str, str] = {}
 
     def claim(self, path: str, rule: Rule, source_shape: tuple[int, ...], origin: str) -> Spec:
@@ -201,22 +179,15 @@ class Assembler:
         return spec
 
     def put(self, path: str, rule: Rule, x: np.ndarray) -> None:
-        """Converts one claimed source-layout host array and places it on device."""
-        spec = self._spec[path]
-        # Cast first (halves the host copy when going to bf16), then lay out; both make copies, so
-        # nothing aliases a memory-mapped file after this returns.
-        y = np.ascontiguousarray(rule.layout.apply(x.astype(self.dtype), spec.shape))
-        sharding = self._sharding(path, spec)
-        self._values[path] = jax.device_put(y, sharding) if sharding is not None else jax.device_put(y)
+        """Converts one claimed source-layout host array into its slices of the decoding tensors."""
+        # The layout is a view (transpose, reshape); the builder's one copy casts it, so nothing
+        # aliases a memory-mapped file after this returns.
+        self._builder.put(path, rule.layout.apply(x, self._spec[path].shape))
 
     def finish(self, source: str) -> Any:
         """Builds the param tree; raises naming the first missing source tensor."""
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(self.specs, is_leaf=is_spec)
-        out = []
-        for p, _ in leaves:
-            path = path_str(p)
-            if path not in self._values:
-                raise ConversionError(f"{source}: missing tensor {self.table.source_name(path)!r} "
-                                      f"(needed for {path})")
-            out.append(self._values[path])
-        return jax.tree_util.tree_unflatten(treedef, out)
+        missing = self._builder.missing()
+        if missing:
+            raise ConversionError(f"{source}: missing tensor {self.table.source_name(missing[0])!r} "
+                                  f"(needed for {missing[0]})")
+        return self._builder.finish()

@@ -72,30 +72,24 @@ def _default_dtype() -> str:
 
 
 def _load_target(name: str, dtype: Any, flag: str = "--model", **kwargs: Any) -> tuple[Any, Any, Any]:
-    """(cfg, params, tokenizer) of a target; every command that decodes text needs the tokenizer.
-
-    The params come in the decoding layout (`model.fuse_projections`: q/k/v and gate/up fused).
-    """
+    """(cfg, params, tokenizer) of a target, the params in the decoding layout; every command
+    that decodes text needs the tokenizer."""
     from convert import load_model
-    from dflash_jax.model import fuse_projections
 
     cfg, params, tokenizer = load_model(name, dtype=dtype, **kwargs)
     if tokenizer is None:
         raise ValueError(f"{flag} {name}: no tokenizer found beside the weights")
-    return cfg, fuse_projections(params, cfg, consume=True), tokenizer
+    return cfg, params, tokenizer
 
 
-def _load_drafter_for(path: str, cfg: Any, dtype: Any, shardings: Any = None) -> tuple[Any, Any]:
-    """(dcfg, dparams) of a drafter, checked against the target's config, in the decoding layout
-    (`drafter.fuse_draft_projections`, block-qkv: where the Hopper kernel runs, the block pass
-    takes one qkv product and the qkv epilogue kernel a layer; on an H200 the draft's kernels
-    took 0.944 against 0.972 ms a DDTree(256) round, BENCHMARKS.md)."""
+def _load_drafter_for(path: str, cfg: Any, dtype: Any, mesh: Any = None) -> tuple[Any, Any]:
+    """(dcfg, dparams) of a drafter in the decoding layout, checked against the target's config."""
     from convert.dflash_drafter import load_drafter
-    from dflash_jax.drafter import fuse_draft_projections, validate_pair
+    from dflash_jax.drafter import validate_pair
 
-    dcfg, dparams = load_drafter(path, dtype=dtype, shardings=shardings)
+    dcfg, dparams = load_drafter(path, dtype=dtype, mesh=mesh)
     validate_pair(dcfg, cfg)
-    return dcfg, fuse_draft_projections(dparams, dcfg, consume=True, block_qkv=True)
+    return dcfg, dparams
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -136,8 +130,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             from dflash_jax.speculative import SpecSettings
 
             progress.begin(f"loading drafter {args.draft}")
-            dcfg, dparams = _load_drafter_for(args.draft, cfg, dtype,
-                                              None if mesh is None else sh.placement(mesh))
+            dcfg, dparams = _load_drafter_for(args.draft, cfg, dtype, mesh)
             settings = SpecSettings(method=args.method, block_size=args.block_size or dcfg.block_size,
                                     budget=args.budget, sampling=sampling, max_new_tokens=args.max_new_tokens,
                                     stop_tokens=stop, rounds_per_check=args.rounds_per_check)

@@ -25,14 +25,13 @@ import jax.numpy as jnp
 from dflash_jax.config import (ConfigError, ModelConfig, RopeConfig, default_tap_layers, load_json,
                                rope_from_hf)
 from dflash_jax.kv_cache import KVCache, write_rows
-from dflash_jax.model import (LayerParams, MLPParams, ModelParams, attend_fused, attention_specs, can_fuse,
-                              embed_tokens, epilogue_schedule, fuse_layer_weights, fused_attention_specs,
-                              fused_mlp_specs, kv_product, logits_from_hidden, mlp, mlp_specs, output_projection,
-                              project_kv, project_qkv, rms_norm)
-from dflash_jax.params import EMBED, HEAD_DIM, KV_HEADS, Spec, init_from_specs
+from dflash_jax.model import (AttentionParams, LayerParams, MLPParams, ModelParams, attend_fused, attention_specs,
+                              can_fuse, embed_tokens, epilogue_schedule, gate_up_spec, kv_product, logits_from_hidden,
+                              mlp, mlp_specs, output_projection, project_kv, project_qkv, qkv_spec, rms_norm)
+from dflash_jax.params import EMBED, HEAD_DIM, KV_HEADS, ParamLayout, Part, Spec, init_layout, slot
 from dflash_jax.rope import apply_rope, rope_tables
 from dflash_jax.sharding import attention as sharded_attention
-from dflash_jax.sharding import mesh_sizes, specs_shardings
+from dflash_jax.sharding import check_model, mesh_sizes, specs_shardings
 from pallas_kernels.qkv_epilogue import applies_kv as kv_epilogue_applies
 from pallas_kernels.qkv_epilogue import kv_epilogue
 
@@ -287,8 +286,10 @@ class DraftParams:
     context_kv_bias: Any = None
 
 
-def draft_specs(dcfg: DraftConfig) -> DraftParams:
-    """Declares the drafter's weights (no embedding / LM head: the target's are used)."""
+def draft_checkpoint_specs(dcfg: DraftConfig) -> DraftParams:
+    """The drafter's weights as z-lab checkpoints store them (no embedding / LM head: the
+    target's are used): the loader's sources, and the layout training optimises and
+    `convert.dflash_drafter.export_drafter` writes."""
     e, lcfg = dcfg.hidden_size, dcfg.layer_config()
     layer = lambda: LayerParams(  # noqa: E731
         attn_norm=Spec((e,), (EMBED,), init="ones"), attn=attention_specs(lcfg),
@@ -301,185 +302,81 @@ def draft_specs(dcfg: DraftConfig) -> DraftParams:
     )
 
 
-def init_draft_params(dcfg: DraftConfig, key: jax.Array, dtype: Any = jnp.float32) -> DraftParams:
-    """Random drafter weights (tests, benchmarks, training from scratch)."""
-    return init_from_specs(draft_specs(dcfg), key, dtype)
+def draft_specs(dcfg: DraftConfig, tp: int = 1) -> DraftParams:
+    """The drafter's decoding layout at tensor parallelism `tp`; gate/up as one `gate_up`.
 
-
-# The drafter's attention layouts (`draft_attention_layout`) and the weights each layer holds
-# (the others None): as checkpoints store them, and the two decoding layouts of
-# `fuse_draft_projections` (block-qkv also holds `DraftParams.context_kv`).
-DRAFT_LAYOUTS = {"separate": ("q", "k", "v"), "fused": ("q", "kv"), "block-qkv": ("qkv",)}
-_PROJECTIONS = ("q", "k", "v", "kv", "qkv")
-
-
-def draft_attention_layout(dparams: DraftParams) -> str:
-    """The layout of the drafter's attention weights, a key of `DRAFT_LAYOUTS`.
-
-    Raises ValueError naming the layer when a layer holds another set of projections, when the
-    layers' layouts differ, or when `context_kv` and the layers disagree (layers with `qkv` alone
-    but no `context_kv`, e.g. the target's layout from `model.fuse_projections`: the context
-    pass needs k and v without q; or a `context_kv` beside another layout).
+    Where `model.can_fuse` (kv heads split over tp): each layer's q, k and v as one `qkv`, the
+    target's layout, for the block pass, and every layer's k and v stacked into one
+    `context_kv` [embed, layers, kv_heads, 2, head_dim] for the context pass (the fused
+    context is the same input to every layer's k/v projection, so one product serves them
+    all). Its full-attention layers then run the block pass as the target's verify does
+    (`draft_with_cache`): on an H200 the draft's kernels took 0.944 against 0.972 ms a
+    DDTree(256) round. k and v are held twice: 2 x embed x kv_heads x head_dim more a layer
+    (16 MB in bf16 at Qwen3-8B's shape).
+    Elsewhere (kv heads replicated over tp, where q is split and k, v are not): q apart, and k
+    and v as one `kv` [embed, kv_heads, 2, head_dim] a layer, which the block and the context
+    pass share.
     """
-    found = []
-    for i, lp in enumerate(dparams.layers):
-        held = tuple(name for name in _PROJECTIONS if getattr(lp.attn, name) is not None)
-        names = [name for name, weights in DRAFT_LAYOUTS.items() if set(weights) == set(held)]
-        if not names or (names[0] == "block-qkv") != (dparams.context_kv is not None):
-            raise ValueError(f"drafter layer {i} holds the projections {list(held)} "
-                             f"{'with' if dparams.context_kv is not None else 'without'} a context_kv, "
-                             "not a drafter layout: "
-                             + ", ".join(f"{k} {list(v)}" for k, v in DRAFT_LAYOUTS.items())
-                             + " (block-qkv with context_kv, the others without)")
-        found.append(names[0])
-    if len(set(found)) > 1:
-        raise ValueError(f"drafter layers mix layouts: {found}")
-    return found[0] if found else "separate"
+    sources = draft_checkpoint_specs(dcfg)
+    lcfg = dcfg.layer_config()
+    e, n, kvh, hd = dcfg.hidden_size, dcfg.num_layers, lcfg.num_kv_heads, lcfg.head_dim
+    block_qkv = can_fuse(lcfg, tp)
+    bias = lcfg.attention_bias
+    layers = []
+    for i, sep in enumerate(sources.layers):
+        a, prefix = sep.attn, f"layers.{i}.attn."
+        if block_qkv:
+            qkv, qkv_bias = qkv_spec(lcfg, prefix)
+            attn = AttentionParams(o=a.o, q_norm=a.q_norm, k_norm=a.k_norm, o_bias=a.o_bias, qkv=qkv, qkv_bias=qkv_bias)
+        else:
+            kv = Spec((e, kvh, 2, hd), (EMBED, KV_HEADS, None, HEAD_DIM),
+                      parts=(Part(prefix + "k", slot(4, {2: 0})), Part(prefix + "v", slot(4, {2: 1}))))
+            kv_bias = Spec((kvh, 2, hd), (KV_HEADS, None, HEAD_DIM),
+                           parts=(Part(prefix + "k_bias", slot(3, {1: 0})), Part(prefix + "v_bias", slot(3, {1: 1})))
+                           ) if bias else None
+            attn = dataclasses.replace(a, k=None, v=None, k_bias=None, v_bias=None, kv=kv, kv_bias=kv_bias)
+        mlp_ = MLPParams(gate_up=gate_up_spec(lcfg, f"layers.{i}.mlp."), down=sep.mlp.down)
+        layers.append(dataclasses.replace(sep, attn=attn, mlp=mlp_))
+    context = {}
+    if block_qkv:
+        context["context_kv"] = Spec(
+            (e, n, kvh, 2, hd), (EMBED, None, KV_HEADS, None, HEAD_DIM),
+            parts=tuple(Part(f"layers.{i}.attn.{w}", slot(5, {1: i, 3: j}))
+                        for i in range(n) for j, w in enumerate("kv")))
+        if bias:
+            context["context_kv_bias"] = Spec(
+                (n, kvh, 2, hd), (None, KV_HEADS, None, HEAD_DIM),
+                parts=tuple(Part(f"layers.{i}.attn.{w}_bias", slot(4, {0: i, 2: j}))
+                            for i in range(n) for j, w in enumerate("kv")))
+    return dataclasses.replace(sources, layers=tuple(layers), **context)
+
+
+def draft_param_layout(dcfg: DraftConfig, tp: int = 1, *, training: bool = False) -> ParamLayout:
+    """`draft_specs(dcfg, tp)` over `draft_checkpoint_specs(dcfg)`: what `load_drafter` fills.
+
+    training: the checkpoint layout itself (each weight once: the block-qkv layout holds k and
+    v twice, and two copies would drift apart under an optimiser).
+    """
+    sources = draft_checkpoint_specs(dcfg)
+    return ParamLayout(sources if training else draft_specs(dcfg, tp), sources)
+
+
+def init_draft_params(dcfg: DraftConfig, key: jax.Array, dtype: Any = jnp.float32, *, mesh: Any = None,
+                      training: bool = False) -> DraftParams:
+    """Random drafter weights (tests, benchmarks, training from scratch) in the decoding layout,
+    or with `training` the checkpoint layout; the same key gives the same weights in both.
+    mesh: a ("dp", "tp") mesh to draw them straight into their shards."""
+    tp = mesh_sizes(mesh)[1] if mesh is not None else 1
+    if mesh is not None:
+        check_model(dcfg, tp)
+    layout = draft_param_layout(dcfg, tp, training=training)
+    return init_layout(layout, key, dtype, None if mesh is None else specs_shardings(layout.specs, mesh))
 
 
 def is_draft_fused(dparams: DraftParams) -> bool:
-    """Whether the drafter is in a decoding layout of `fuse_draft_projections` (either one)."""
+    """Whether the drafter holds fused k/v weights (each layer's `kv`, or the stacked `context_kv`)."""
     return bool(dparams.layers) and (dparams.layers[0].attn.kv is not None or dparams.context_kv is not None)
 
-
-def is_draft_block_qkv(dparams: DraftParams) -> bool:
-    """Whether the drafter is in `fuse_draft_projections`' block-qkv layout (`qkv`, `context_kv`)."""
-    return bool(dparams.layers) and dparams.layers[0].attn.qkv is not None and dparams.context_kv is not None
-
-
-def fused_draft_specs(dcfg: DraftConfig, block_qkv: bool = False) -> DraftParams:
-    """`draft_specs` in the decoding layout of `fuse_draft_projections` (block_qkv: its block-qkv one)."""
-    e, lcfg = dcfg.hidden_size, dcfg.layer_config()
-    kvh, hd = lcfg.num_kv_heads, lcfg.head_dim
-    sep = draft_specs(dcfg)
-    attn = dataclasses.replace(
-        sep.layers[0].attn, k=None, v=None, k_bias=None, v_bias=None,
-        kv=Spec((e, kvh, 2, hd), (EMBED, KV_HEADS, None, HEAD_DIM), fan_in=e),
-        kv_bias=Spec((kvh, 2, hd), (KV_HEADS, None, HEAD_DIM), init="zeros") if lcfg.attention_bias else None)
-    context = {}
-    if block_qkv:  # the target's qkv (sharded by kv head); q and kv go, kv stacked over layers
-        joint = fused_attention_specs(lcfg)
-        attn = dataclasses.replace(attn, q=None, q_bias=None, kv=None, kv_bias=None, qkv=joint.qkv,
-                                   qkv_bias=joint.qkv_bias)
-        n = dcfg.num_layers
-        context = dict(
-            context_kv=Spec((e, n, kvh, 2, hd), (EMBED, None, KV_HEADS, None, HEAD_DIM), fan_in=e),
-            context_kv_bias=Spec((n, kvh, 2, hd), (None, KV_HEADS, None, HEAD_DIM), init="zeros")
-            if lcfg.attention_bias else None)
-    layer = dataclasses.replace(sep.layers[0], attn=attn, mlp=fused_mlp_specs(lcfg))
-    return dataclasses.replace(sep, layers=(layer,) * dcfg.num_layers, **context)
-
-
-def _fused_draft_weights(k: jax.Array, v: jax.Array, k_bias: Any, v_bias: Any, gate: jax.Array, up: jax.Array
-                         ) -> tuple[jax.Array, Any, jax.Array]:
-    """One layer's (kv, kv_bias or None, gate_up) from its separate weights."""
-    kv_bias = None if k_bias is None else jnp.stack([k_bias, v_bias], axis=1)
-    return jnp.stack([k, v], axis=2), kv_bias, jnp.stack([gate, up], axis=1)
-
-
-def _block_qkv_weights(q: jax.Array, kv: jax.Array, q_bias: Any, kv_bias: Any) -> tuple[jax.Array, Any]:
-    """One layer's (qkv, qkv_bias or None) from q [embed, q_heads, head_dim] and kv
-    [embed, kv_heads, 2, head_dim]: per kv head its `group` q heads, then k, then v, as the
-    target's `qkv` (`model.AttentionParams`), so the target's fused path takes it."""
-    e, kvh, _, hd = kv.shape
-    group = q.shape[1] // kvh
-    qkv = jnp.concatenate([q.reshape(e, kvh, group, hd), kv], axis=2)
-    qkv_bias = None if q_bias is None else jnp.concatenate([q_bias.reshape(kvh, group, hd), kv_bias], axis=1)
-    return qkv, qkv_bias
-
-
-def fuse_draft_projections(dparams: DraftParams, dcfg: DraftConfig, consume: bool = False,
-                           block_qkv: bool = False) -> DraftParams:
-    """The drafter's decoding layout: each layer's k/v as one `kv` weight and gate/up as one
-    `gate_up`; q stays apart. Same values; training keeps the layout checkpoints store.
-
-    Its keys and values come from two row sets (the committed context in `append_context`, the
-    block in `draft`) and its queries from the block alone, so k and v are fused and q is not:
-    each set then takes one GEMM for both. (A `qkv` weight as the target's made the context
-    pass slice k and v out of it, a 16 MB copy a layer every round at the Qwen3-8B shape:
-    BENCHMARKS.md, seventeenth session.)
-    block_qkv: the block-qkv layout instead: q, k and v also as one `qkv` weight (the target's
-    layout) for the block pass, and every layer's `kv` stacked into one `context_kv` for the
-    context pass (`append_context`: one product for all layers' context rows); q and the
-    per-layer kv go. Its full-attention layers then run the block pass as the target's verify
-    does (`draft_with_cache`): one product, one kernel for norms, RoPE and cache writes, the
-    Hopper kernel on rows. k and v are held twice: 2 x embed x kv_heads x head_dim more a layer
-    (16 MB in bf16 at Qwen3-8B's shape).
-    consume: delete each layer's separate k, v, gate and up (and, with block_qkv, q and kv) once
-    its fused ones exist. Under tensor parallelism the fused weights follow the same rules (kv by kv
-    head, sharded or replicated as k and v are; gate_up by the MLP axis; qkv by kv head, and not
-    made where `model.can_fuse` says kv heads are replicated). Params already in the layout
-    asked for come back unchanged, and so do block-qkv params asked for the plain one; fused
-    params asked for block_qkv gain their `qkv`. Raises ValueError on params in no drafter layout.
-    """
-    layout = draft_attention_layout(dparams)
-    if layout == "separate":
-        dparams = _fuse_kv_gate_up(dparams, dcfg, consume)
-    if block_qkv and layout != "block-qkv":
-        dparams = _add_block_qkv(dparams, dcfg, consume)
-    return dparams
-
-
-def _param_mesh(dparams: DraftParams) -> Any:
-    """The mesh the drafter's weights are placed on, or None."""
-    mesh = getattr(getattr(dparams.fc, "sharding", None), "mesh", None)
-    return None if mesh is None or getattr(mesh, "empty", False) else mesh
-
-
-def _fuse_kv_gate_up(dparams: DraftParams, dcfg: DraftConfig, consume: bool) -> DraftParams:
-    """`fuse_draft_projections`' plain layout from the separate weights."""
-    mesh = _param_mesh(dparams)
-    out_shardings = None
-    if mesh is not None:
-        specs = fused_draft_specs(dcfg).layers[0]
-        out_shardings = specs_shardings((specs.attn.kv, specs.attn.kv_bias, specs.mlp.gate_up), mesh)
-
-    def separate(lp: LayerParams) -> tuple:
-        a, m = lp.attn, lp.mlp
-        return a.k, a.v, a.k_bias, a.v_bias, m.gate, m.up
-
-    def fused(lp: LayerParams, kv: jax.Array, kv_bias: Any, gate_up: jax.Array) -> LayerParams:
-        attn = dataclasses.replace(lp.attn, k=None, v=None, k_bias=None, v_bias=None, kv=kv, kv_bias=kv_bias)
-        return dataclasses.replace(lp, attn=attn, mlp=MLPParams(gate_up=gate_up, down=lp.mlp.down))
-
-    fuse = jax.jit(_fused_draft_weights, out_shardings=out_shardings)
-    return dataclasses.replace(dparams, layers=fuse_layer_weights(dparams.layers, fuse, separate, fused, consume))
-
-
-def _add_block_qkv(dparams: DraftParams, dcfg: DraftConfig, consume: bool) -> DraftParams:
-    """The plain fused layout -> the block-qkv one: each layer's qkv, a layer at a time, then
-    every kv stacked into `context_kv` (consume: each q deleted once its qkv exists, the kvs
-    once the stack does)."""
-    mesh = _param_mesh(dparams)
-    out_shardings = stack_shardings = None
-    if mesh is not None:
-        if not can_fuse(dcfg.layer_config(), mesh_sizes(mesh)[1]):
-            return dparams
-        specs = fused_draft_specs(dcfg, block_qkv=True)
-        out_shardings = specs_shardings((specs.layers[0].attn.qkv, specs.layers[0].attn.qkv_bias), mesh)
-        stack_shardings = specs_shardings((specs.context_kv, specs.context_kv_bias), mesh)
-    join = jax.jit(_block_qkv_weights, out_shardings=out_shardings)
-    layers = []
-    for lp in dparams.layers:
-        a = lp.attn
-        qkv, qkv_bias = jax.block_until_ready(join(a.q, a.kv, a.q_bias, a.kv_bias))
-        attn = dataclasses.replace(a, q=None, q_bias=None, kv=None, kv_bias=None, qkv=qkv, qkv_bias=qkv_bias)
-        layers.append(dataclasses.replace(lp, attn=attn))
-        if consume:
-            for x in (a.q, a.q_bias):
-                if x is not None:
-                    x.delete()
-    kvs = [lp.attn.kv for lp in dparams.layers]
-    biases = [lp.attn.kv_bias for lp in dparams.layers]
-    stack = jax.jit(lambda ws, bs: (jnp.stack(ws, axis=1), None if bs[0] is None else jnp.stack(bs, axis=0)),
-                    out_shardings=stack_shardings)
-    context_kv, context_kv_bias = jax.block_until_ready(stack(kvs, biases))
-    if consume:
-        for x in kvs + biases:
-            if x is not None:
-                x.delete()
-    return dataclasses.replace(dparams, layers=tuple(layers), context_kv=context_kv,
-                               context_kv_bias=context_kv_bias)
 
 
 # ----------------------------------------------------------------------------- context cache
@@ -714,7 +611,7 @@ def draft_with_cache(dparams: DraftParams, dcfg: DraftConfig, target_params: Mod
     A decoder that goes on with this cache (the next `append_context` overwrites those slots)
     lets XLA write the block in place; one that keeps the old cache makes XLA copy every full
     layer's buffers first (10 copies of 10 MB a round for a 5-layer drafter at 5K slots).
-    In the block-qkv layout (`fuse_draft_projections(block_qkv=True)`), where the target's
+    In the block-qkv layout (`draft_specs`), where the target's
     verify would take its fused path for this block (`model.epilogue_schedule`: the Hopper
     kernel on bs x group rows, no mesh, the cache in the activation dtype), the full layers take
     it too (`model.attend_fused`): one qkv product where there were two, and one kernel for the

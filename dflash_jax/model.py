@@ -16,10 +16,11 @@ import jax.numpy as jnp
 
 from dflash_jax.config import ModelConfig
 from dflash_jax.kv_cache import KVCache, gather_rows, write_rows
-from dflash_jax.params import EMBED, HEAD_DIM, KV_HEADS, MLP, Q_HEADS, VOCAB, Spec, init_from_specs
+from dflash_jax.params import (EMBED, HEAD_DIM, KV_HEADS, MLP, Q_HEADS, VOCAB, ParamLayout, Part, Spec, init_layout,
+                               slot)
 from dflash_jax.rope import apply_rope, rope_tables
-from dflash_jax.sharding import (BATCH, attention, constrain, constrain_cache, embed_lookup, kv_heads_sharded,
-                                 mesh_sizes, row_groups, row_parallel_chunks, specs_shardings)
+from dflash_jax.sharding import (BATCH, attention, check_model, constrain, constrain_cache, embed_lookup,
+                                 kv_heads_sharded, mesh_sizes, row_groups, row_parallel_chunks, specs_shardings)
 from pallas_kernels import gate_up_silu as gated
 from pallas_kernels import qkv_epilogue as epilogue
 from pallas_kernels import residual_norm as residual
@@ -34,14 +35,14 @@ dataclass = dataclasses.dataclass
 @jax.tree_util.register_dataclass
 @dataclass
 class AttentionParams:
-    """One attention block's weights, in one of four layouts.
+    """One attention block's weights, in one of four layouts (the unused fields None).
 
-    As checkpoints store them (and training uses them): q, k, v, q_bias, k_bias, v_bias.
-    The target's decoding layout (`fuse_projections`): qkv and qkv_bias, the others None.
-    The drafter's (`drafter.fuse_draft_projections`): q and q_bias, kv and kv_bias (its keys and
-    values come from two row sets, the context's and the block's; its queries from one); or, in
-    its block-qkv layout, qkv and qkv_bias for the block (the context's k and v then live in
-    `drafter.DraftParams.context_kv`, every layer's stacked).
+    As checkpoints store them (`checkpoint_specs`; the drafter trains in it): q, k, v and biases.
+    The target's decoding layout (`model_specs`): qkv and qkv_bias (q, k, v apart where kv heads
+    are replicated over tp). The drafter's (`drafter.draft_specs`): qkv for the block, its
+    context's k and v in `drafter.DraftParams.context_kv`, every layer's stacked; where kv heads
+    are replicated over tp, q apart and kv (its keys and values come from two row sets, the
+    context's and the block's; its queries from one).
     """
     q: Any = None  # [embed, q_heads, head_dim]
     k: Any = None  # [embed, kv_heads, head_dim]
@@ -115,56 +116,85 @@ def mlp_specs(cfg: ModelConfig) -> MLPParams:
                      down=Spec((m, e), (MLP, EMBED), fan_in=m))
 
 
-def fused_attention_specs(cfg: ModelConfig) -> AttentionParams:
-    """The decoding layout of `attention_specs`: q, k and v as one `qkv` weight.
-
-    Sharded by kv head, so each tensor-parallel shard holds its q heads with their k and v.
-    """
-    e, kvh, hd = cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim
-    rows = cfg.num_heads // kvh + 2
-    sep = attention_specs(cfg)
-    return AttentionParams(
-        o=sep.o, q_norm=sep.q_norm, k_norm=sep.k_norm, o_bias=sep.o_bias,
-        qkv=Spec((e, kvh, rows, hd), (EMBED, KV_HEADS, None, HEAD_DIM), fan_in=e),
-        qkv_bias=Spec((kvh, rows, hd), (KV_HEADS, None, HEAD_DIM), init="zeros") if cfg.attention_bias else None)
-
-
-def fused_mlp_specs(cfg: ModelConfig) -> MLPParams:
-    e, m = cfg.hidden_size, cfg.intermediate_size
-    return MLPParams(gate_up=Spec((e, 2, m), (EMBED, None, MLP), fan_in=e), down=mlp_specs(cfg).down)
-
-
-def layer_specs(cfg: ModelConfig, fused: bool = False) -> LayerParams:
-    e = cfg.hidden_size
-    attn, mlp_ = (fused_attention_specs(cfg), fused_mlp_specs(cfg)) if fused else (attention_specs(cfg), mlp_specs(cfg))
-    return LayerParams(attn_norm=Spec((e,), (EMBED,), init="ones"), attn=attn,
-                       mlp_norm=Spec((e,), (EMBED,), init="ones"), mlp=mlp_)
-
-
-def model_specs(cfg: ModelConfig, fused: bool = False) -> ModelParams:
-    """The target's weights; fused=True: the decoding layout of `fuse_projections`."""
+def checkpoint_specs(cfg: ModelConfig) -> ModelParams:
+    """The target's weights as checkpoints store them (one per HF tensor): the converters' sources."""
     e, v = cfg.hidden_size, cfg.vocab_size
+    layer = lambda: LayerParams(attn_norm=Spec((e,), (EMBED,), init="ones"), attn=attention_specs(cfg),  # noqa: E731
+                                mlp_norm=Spec((e,), (EMBED,), init="ones"), mlp=mlp_specs(cfg))
     return ModelParams(
         embed=Spec((v, e), (VOCAB, EMBED), fan_in=1),
-        layers=tuple(layer_specs(cfg, fused) for _ in range(cfg.num_layers)),
+        layers=tuple(layer() for _ in range(cfg.num_layers)),
         final_norm=Spec((e,), (EMBED,), init="ones"),
         lm_head=None if cfg.tie_word_embeddings else Spec((e, v), (EMBED, VOCAB), fan_in=e),
     )
 
 
-def init_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.float32, fused: bool = False) -> ModelParams:
-    """Random weights (for tests and benchmarks); fused=True draws the decoding layout directly."""
-    return init_from_specs(model_specs(cfg, fused), key, dtype)
+def qkv_spec(cfg: ModelConfig, prefix: str) -> tuple[Spec, Spec | None]:
+    """The fused `qkv` [embed, kv_heads, group + 2, head_dim] (and its bias) made of the
+    sources `{prefix}q`, `k`, `v` (and their biases): per kv head its `group` q heads, then k,
+    then v. Sharded by kv head, so each tensor-parallel shard holds its q heads with their k
+    and v. Shared with the drafter's block pass."""
+    e, kvh, hd, g = cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim, cfg.group_size
+    rows = {"q": (0, g), "k": g, "v": g + 1}
+    qkv = Spec((e, kvh, g + 2, hd), (EMBED, KV_HEADS, None, HEAD_DIM),
+               parts=tuple(Part(prefix + n, slot(4, {2: r})) for n, r in rows.items()))
+    bias = None
+    if cfg.attention_bias:
+        bias = Spec((kvh, g + 2, hd), (KV_HEADS, None, HEAD_DIM),
+                    parts=tuple(Part(f"{prefix}{n}_bias", slot(3, {1: r})) for n, r in rows.items()))
+    return qkv, bias
 
 
-# ----------------------------------------------------------------------------- fused projections
+def gate_up_spec(cfg: ModelConfig, prefix: str) -> Spec:
+    """The fused `gate_up` [embed, 2, mlp] made of the sources `{prefix}gate` and `up`."""
+    e, m = cfg.hidden_size, cfg.intermediate_size
+    return Spec((e, 2, m), (EMBED, None, MLP), parts=(Part(prefix + "gate", slot(3, {1: 0})),
+                                                      Part(prefix + "up", slot(3, {1: 1}))))
+
+
+def model_specs(cfg: ModelConfig, tp: int = 1) -> ModelParams:
+    """The target's decoding layout at tensor parallelism `tp`: gate/up as one `gate_up`, and
+    q/k/v as one `qkv` where `can_fuse` (else q, k and v apart, as checkpoints store them).
+
+    Same values as the separate weights, one GEMM where there were three (and two). At
+    Qwen3-8B's shape on an H200, XLA ran the k and v projections of a 272-row tree as split-K
+    GEMMs whose float32 partials cost more than the products.
+    """
+    sources = checkpoint_specs(cfg)
+    fuse_qkv = can_fuse(cfg, tp)
+    layers = []
+    for i, sep in enumerate(sources.layers):
+        attn = sep.attn
+        if fuse_qkv:
+            qkv, qkv_bias = qkv_spec(cfg, f"layers.{i}.attn.")
+            attn = AttentionParams(o=attn.o, q_norm=attn.q_norm, k_norm=attn.k_norm, o_bias=attn.o_bias, qkv=qkv,
+                                   qkv_bias=qkv_bias)
+        mlp_ = MLPParams(gate_up=gate_up_spec(cfg, f"layers.{i}.mlp."), down=sep.mlp.down)
+        layers.append(dataclasses.replace(sep, attn=attn, mlp=mlp_))
+    return dataclasses.replace(sources, layers=tuple(layers))
+
+
+def param_layout(cfg: ModelConfig, tp: int = 1) -> ParamLayout:
+    """`model_specs(cfg, tp)` over `checkpoint_specs(cfg)`: what the loaders fill."""
+    return ParamLayout(model_specs(cfg, tp), checkpoint_specs(cfg))
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.float32, *, mesh: Any = None) -> ModelParams:
+    """Random weights in the decoding layout (tests and benchmarks), drawn straight into their
+    tensor-parallel shards when a ("dp", "tp") `mesh` is given."""
+    tp = mesh_sizes(mesh)[1] if mesh is not None else 1
+    if mesh is not None:
+        check_model(cfg, tp)
+    layout = param_layout(cfg, tp)
+    return init_layout(layout, key, dtype, None if mesh is None else specs_shardings(layout.specs, mesh))
+
 
 def is_fused(params: ModelParams) -> bool:
     return bool(params.layers) and params.layers[0].attn.qkv is not None
 
 
 def can_fuse(cfg: ModelConfig, tp: int) -> bool:
-    """Whether `fuse_projections` applies at tensor parallelism `tp`: kv heads split over tp.
+    """Whether q/k/v fuse into one `qkv` at tensor parallelism `tp`: kv heads split over tp.
 
     When kv heads are replicated (tp a multiple of them) the q heads are split but k and v are
     not, so one weight cannot hold both. Raises like `sharding.kv_heads_sharded` when the kv
@@ -173,63 +203,15 @@ def can_fuse(cfg: ModelConfig, tp: int) -> bool:
     return tp == 1 or kv_heads_sharded(cfg.num_kv_heads, tp)
 
 
-def _fused_weights(q: jax.Array, k: jax.Array, v: jax.Array, q_bias: Any, k_bias: Any, v_bias: Any,
-                   gate: jax.Array, up: jax.Array) -> tuple[jax.Array, Any, jax.Array]:
-    """One layer's (qkv, qkv_bias or None, gate_up) from its separate weights."""
-    e, kvh, hd = k.shape
-    group = q.shape[1] // kvh
-    qkv = jnp.concatenate([q.reshape(e, kvh, group, hd), k[:, :, None], v[:, :, None]], axis=2)
-    qkv_bias = None
-    if q_bias is not None:
-        qkv_bias = jnp.concatenate([q_bias.reshape(kvh, group, hd), k_bias[:, None], v_bias[:, None]], axis=1)
-    return qkv, qkv_bias, jnp.stack([gate, up], axis=1)
-
-
-def fuse_projections(params: ModelParams, cfg: ModelConfig, consume: bool = False) -> ModelParams:
-    """The decoding layout: each layer's q/k/v as one `qkv` weight and gate/up as one `gate_up`.
-
-    Same values, one GEMM where there were three (and two). At Qwen3-8B's shape on an H200,
-    XLA ran the k and v projections of a 272-row tree as split-K GEMMs whose float32 partials
-    cost more than the products (BENCHMARKS.md, eleventh session).
-    consume: delete each layer's separate weights once its fused ones exist, so the peak memory
-    grows by one layer, not by a model; `params` is then unusable (the CLI's loaders do this).
-    Under tensor parallelism the fused weights follow the same rules (qkv by kv head, gate_up
-    by the MLP axis). Where they cannot be fused (`can_fuse`) the params come back unchanged,
-    and so do params that are already fused.
-    """
-    if is_fused(params):
-        return params
-    mesh = getattr(getattr(params.embed, "sharding", None), "mesh", None)
-    out_shardings = None
-    if mesh is not None and not getattr(mesh, "empty", False):
-        if not can_fuse(cfg, mesh_sizes(mesh)[1]):
-            return params
-        specs = layer_specs(cfg, fused=True)
-        out_shardings = specs_shardings((specs.attn.qkv, specs.attn.qkv_bias, specs.mlp.gate_up), mesh)
-
-    def separate(lp: LayerParams) -> tuple:
-        a, m = lp.attn, lp.mlp
-        return a.q, a.k, a.v, a.q_bias, a.k_bias, a.v_bias, m.gate, m.up
-
-    def fused(lp: LayerParams, qkv: jax.Array, qkv_bias: Any, gate_up: jax.Array) -> LayerParams:
-        a = lp.attn
-        return dataclasses.replace(
-            lp, attn=AttentionParams(o=a.o, q_norm=a.q_norm, k_norm=a.k_norm, o_bias=a.o_bias, qkv=qkv,
-                                     qkv_bias=qkv_bias),
-            mlp=MLPParams(gate_up=gate_up, down=lp.mlp.down))
-
-    fuse = jax.jit(_fused_weights, out_shardings=out_shardings)
-    return dataclasses.replace(params, layers=fuse_layer_weights(params.layers, fuse, separate, fused, consume))
-
+# ----------------------------------------------------------------------------- kernel layout
 
 def kernel_mlp_layout(params: ModelParams, consume: bool = False) -> ModelParams:
     """The fused layout with each layer's gate_up stored [2, mlp, embed] (`gate_up_t`), as the
     gated-activation kernel (`pallas_kernels/gate_up_silu.py`) takes it: the verify of a wide
     tree then runs gate_up, SiLU and the product in one launch (`mlp_kernel_rows`); elsewhere
     XLA takes the same weight. Same values. Not the default: at 257 rows on an H200 the kernel
-    lost to XLA's gate_up + SiLU (DDTree(256) 11.11 against 10.93 ms, BENCHMARKS.md, twenty-third
-    session; with its warpgroups taking jobs in turn over 6 stages, 10.64 against 10.60,
-    twenty-fourth session). Params on a mesh come back unchanged (the kernel
+    lost to XLA's gate_up + SiLU (DDTree(256) 11.11 against 10.93 ms; with its warpgroups taking
+    jobs in turn over 6 stages, 10.64 against 10.60). Params on a mesh come back unchanged (the kernel
     runs on one device), and so do params already in this layout.
     consume: delete each layer's [embed, 2, mlp] weight once its new one exists.
     """
@@ -258,23 +240,6 @@ def mlp_kernel_rows(params: ModelParams, rows: int) -> int:
     if mlp is None or mlp.gate_up_t is None or not gated.applies(rows, mlp.gate_up_t):
         return 0
     return -(-rows // 8) * 8
-
-
-def fuse_layer_weights(layers: tuple, fuse: Any, separate: Any, fused: Any, consume: bool) -> tuple:
-    """Each layer rebuilt from fused weights, one layer at a time: `fused(lp, *fuse(*separate(lp)))`.
-
-    consume: delete a layer's separate weights once its fused ones exist, so the peak memory
-    grows by one layer, not by a model. Shared by the target's and the drafter's layouts.
-    """
-    out = []
-    for lp in layers:
-        parts = separate(lp)
-        out.append(fused(lp, *jax.block_until_ready(fuse(*parts))))
-        if consume:
-            for x in parts:
-                if x is not None:
-                    x.delete()
-    return tuple(out)
 
 
 # ----------------------------------------------------------------------------- building blocks
@@ -466,7 +431,7 @@ def residual_splits(params: ModelParams, cfg: ModelConfig, rows: int, sched: Any
     cuBLAS's 128 x 136 tiles for 132 SMs): the path asks for two slices wherever the output has
     at most half as many such tiles as there are SMs. Elsewhere it stays off: at 528 rows, one
     slice (float32 out) and the kernel took 18.55 ms a DDTree(512) round against XLA's 18.46
-    (BENCHMARKS.md, fifteenth session).
+    on an H200.
     """
     if not enabled or sched is None or params.layers[0].attn.o_bias is not None:
         return 0

@@ -177,11 +177,8 @@ def spec_sharding(spec: Spec, mesh: Mesh, rules: ShardingRules = TENSOR_PARALLEL
 
 
 def placement(mesh: Mesh, rules: ShardingRules = TENSOR_PARALLEL):
-    """A `(dotted.path, Spec) -> NamedSharding` callable for the converters' `shardings=`.
-
-    Each tensor is device_put to its shards as it streams in: a device only ever receives its
-    own slice, and the host holds one source tensor at a time.
-    """
+    """A `(dotted.path, Spec) -> NamedSharding` callable: where `params.Builder` (the loaders)
+    puts each decoding tensor once it is filled; a device only ever receives its own slice."""
     return lambda path, spec: spec_sharding(spec, mesh, rules, what=path)
 
 
@@ -189,26 +186,6 @@ def specs_shardings(specs: Any, mesh: Mesh, rules: ShardingRules = TENSOR_PARALL
     """A tree of NamedShardings matching a Spec tree."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
     return jax.tree_util.tree_unflatten(treedef, [spec_sharding(s, mesh, rules, path_str(p)) for p, s in flat])
-
-
-def param_shardings(cfg: Any, mesh: Mesh, fused: bool = False) -> Any:
-    """Shardings of a target's parameters (`model.model_specs(cfg, fused)`; fused: the decoding
-    layout of `model.fuse_projections`)."""
-    from dflash_jax.model import model_specs
-    check_model(cfg, mesh_sizes(mesh)[1])
-    return specs_shardings(model_specs(cfg, fused), mesh)
-
-
-def draft_param_shardings(dcfg: Any, mesh: Mesh) -> Any:
-    """Shardings of a drafter's parameters: the same tensor-parallel layout as the target."""
-    from dflash_jax.drafter import draft_specs
-    check_model(dcfg, mesh_sizes(mesh)[1])
-    return specs_shardings(draft_specs(dcfg), mesh)
-
-
-def shard_params(params: Any, shardings: Any) -> Any:
-    """Moves an existing param tree onto its shardings (use the loaders' `mesh=` for real weights)."""
-    return jax.tree.map(jax.device_put, params, shardings)
 
 
 def cache_sharding(mesh: Mesh, batch: int, kv_heads: int) -> NamedSharding:
@@ -247,12 +224,6 @@ def _batch_of(state: Any) -> int | None:
         if getattr(leaf, "ndim", 0) >= 1 and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
             return int(leaf.shape[0])
     return None
-
-
-def init_sharded(specs: Any, key: jax.Array, dtype: Any, mesh: Mesh, scale: float = 1.0) -> Any:
-    """Random weights drawn straight into their shards (no device ever holds a full model)."""
-    from dflash_jax.params import init_from_specs
-    return init_from_specs(specs, key, dtype, scale, shardings=specs_shardings(specs, mesh))
 
 
 # ----------------------------------------------------------------------------- inside model code
@@ -313,7 +284,7 @@ def overlap_row_groups(groups: int):
     independent groups of rows (`row_groups`).
 
     Why: at batch 1 each all-reduce costs ~20 us however small, and at tp = 2 the 32B shape's
-    DDTree(256) round spends 3.2 ms per GPU in them (BENCHMARKS.md, seventh session). One row
+    DDTree(256) round spends 3.2 ms per GPU in them on H200s. One row
     group's all-reduce does not depend on the next group's products, so an async collective
     can run while they compute, if the compiler schedules it that way. The benchmark variant
     `bench.collectives.ALL_REDUCE["nccl-overlap"]` turns on XLA's latency-hiding scheduler and

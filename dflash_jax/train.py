@@ -163,7 +163,7 @@ def drafter_from_init(path: str | Path, target: ModelConfig, *, num_layers: int 
     """
     from convert.dflash_drafter import load_drafter
 
-    dcfg, dparams = load_drafter(path, dtype=jnp.float32)
+    dcfg, dparams = load_drafter(path, dtype=jnp.float32, training=True)
     for flag, given, have in (("--layers", num_layers, dcfg.num_layers), ("--block-size", block_size, dcfg.block_size),
                               ("--mask-token-id", mask_token_id, dcfg.mask_token_id)):
         if given is not None and given != have:
@@ -750,7 +750,7 @@ def train(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: Seq
     if mesh is not None:
         target = place_replicated(target, mesh)  # frozen: a whole copy on every device
     if init_params is None:
-        init_params = dr.init_draft_params(dcfg, jax.random.key(tc.seed + 1))
+        init_params = dr.init_draft_params(dcfg, jax.random.key(tc.seed + 1), training=True)
     state = init_state(init_params, tc)
     # The best scheduled evaluation so far (keep_best): checkpointed with the state. step 0 = none yet.
     best = {"params": state.params, "step": jnp.zeros((), jnp.int32), "tau": jnp.zeros((), jnp.float32)}
@@ -909,7 +909,7 @@ def time_step_parts(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig,
     """
     mesh = data_parallel_mesh(dp, tc.batch_size)
     target = cast_floating(target, jnp.dtype(tc.compute_dtype))
-    state = init_state(dparams if dparams is not None else dr.init_draft_params(dcfg, jax.random.key(0)), tc)
+    state = init_state(dparams if dparams is not None else dr.init_draft_params(dcfg, jax.random.key(0), training=True), tc)
     if mesh is not None:
         target, state = place_replicated((target, state), mesh)
     batch = place_batch(data.batch(batch_indices(len(data), tc.batch_size, 0, tc.seed)), mesh)

@@ -49,7 +49,8 @@ def save_and_convert(model, directory: Path):
 
 
 def hf_state_from_params(cfg, params) -> dict[str, np.ndarray]:
-    """Our params -> HF names and layouts (the inverse transforms, written independently)."""
+    """Our params (the decoding layout: qkv and gate_up, or q/k/v apart) -> HF names and layouts
+    (the inverse transforms, written independently)."""
     e, qh, kvh, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     a = lambda x: np.asarray(x, np.float32)  # noqa: E731
     out = {"model.embed_tokens.weight": a(params.embed), "model.norm.weight": a(params.final_norm)}
@@ -59,19 +60,30 @@ def hf_state_from_params(cfg, params) -> dict[str, np.ndarray]:
         p = f"model.layers.{i}."
         out[p + "input_layernorm.weight"] = a(lp.attn_norm)
         out[p + "post_attention_layernorm.weight"] = a(lp.mlp_norm)
-        out[p + "self_attn.q_proj.weight"] = a(lp.attn.q).reshape(e, qh * hd).T
-        out[p + "self_attn.k_proj.weight"] = a(lp.attn.k).reshape(e, kvh * hd).T
-        out[p + "self_attn.v_proj.weight"] = a(lp.attn.v).reshape(e, kvh * hd).T
+        q, k, v, q_bias, k_bias, v_bias = (lp.attn.q, lp.attn.k, lp.attn.v, lp.attn.q_bias, lp.attn.k_bias,
+                                           lp.attn.v_bias)
+        if lp.attn.qkv is not None:  # [embed, kv_heads, group + 2, head_dim]: q heads, k, v per kv head
+            g = qh // kvh
+            qkv = a(lp.attn.qkv)
+            q, k, v = qkv[:, :, :g], qkv[:, :, g], qkv[:, :, g + 1]
+            if lp.attn.qkv_bias is not None:
+                b = a(lp.attn.qkv_bias)
+                q_bias, k_bias, v_bias = b[:, :g], b[:, g], b[:, g + 1]
+        out[p + "self_attn.q_proj.weight"] = a(q).reshape(e, qh * hd).T
+        out[p + "self_attn.k_proj.weight"] = a(k).reshape(e, kvh * hd).T
+        out[p + "self_attn.v_proj.weight"] = a(v).reshape(e, kvh * hd).T
         out[p + "self_attn.o_proj.weight"] = a(lp.attn.o).reshape(qh * hd, e).T
         if lp.attn.q_norm is not None:
             out[p + "self_attn.q_norm.weight"] = a(lp.attn.q_norm)
             out[p + "self_attn.k_norm.weight"] = a(lp.attn.k_norm)
-        if lp.attn.q_bias is not None:
-            out[p + "self_attn.q_proj.bias"] = a(lp.attn.q_bias).reshape(qh * hd)
-            out[p + "self_attn.k_proj.bias"] = a(lp.attn.k_bias).reshape(kvh * hd)
-            out[p + "self_attn.v_proj.bias"] = a(lp.attn.v_bias).reshape(kvh * hd)
+        if q_bias is not None:
+            out[p + "self_attn.q_proj.bias"] = a(q_bias).reshape(qh * hd)
+            out[p + "self_attn.k_proj.bias"] = a(k_bias).reshape(kvh * hd)
+            out[p + "self_attn.v_proj.bias"] = a(v_bias).reshape(kvh * hd)
             out[p + "self_attn.o_proj.bias"] = a(lp.attn.o_bias)
-        out[p + "mlp.gate_proj.weight"] = a(lp.mlp.gate).T
-        out[p + "mlp.up_proj.weight"] = a(lp.mlp.up).T
+        gate, up = (lp.mlp.gate, lp.mlp.up) if lp.mlp.gate_up is None else (a(lp.mlp.gate_up)[:, 0],
+                                                                             a(lp.mlp.gate_up)[:, 1])
+        out[p + "mlp.gate_proj.weight"] = a(gate).T
+        out[p + "mlp.up_proj.weight"] = a(up).T
         out[p + "mlp.down_proj.weight"] = a(lp.mlp.down).T
     return out

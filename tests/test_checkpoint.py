@@ -13,8 +13,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from convert import ConversionError, convert_command, load_model, resolve_source
 from convert.checkpoint import MARKER, load_checkpoint, save_checkpoint
 from dflash_jax.config import ModelConfig, RopeConfig
-from dflash_jax.model import fuse_projections, model_specs
-from dflash_jax.params import REPLICATED, is_spec, shardings_for
+from dflash_jax import sharding as sh
+from dflash_jax.model import checkpoint_specs, model_specs, param_layout
+from dflash_jax.params import assemble, is_spec
 
 CFG = ModelConfig("qwen3", vocab_size=61, hidden_size=24, intermediate_size=40, num_layers=2, num_heads=6,
                   num_kv_heads=2, head_dim=8, qk_norm=True, tie_word_embeddings=False,
@@ -22,11 +23,12 @@ CFG = ModelConfig("qwen3", vocab_size=61, hidden_size=24, intermediate_size=40, 
                   bos_token_id=3, eos_token_ids=(4, 5))
 
 
-def init_params(cfg: ModelConfig, seed: int, dtype=jnp.float32):
-    """Random params drawn with numpy (dflash_jax's jax.random init compiles per shape: seconds)."""
+def init_params(cfg: ModelConfig, seed: int, dtype=jnp.float32, tp: int = 1):
+    """Random params in the decoding layout at `tp`, drawn with numpy (dflash_jax's jax.random
+    init compiles per shape: seconds)."""
     rng = np.random.default_rng(seed)
-    return jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s.shape, np.float32), dtype),
-                        model_specs(cfg), is_leaf=is_spec)
+    sources = jax.tree.map(lambda s: rng.standard_normal(s.shape, np.float32), checkpoint_specs(cfg), is_leaf=is_spec)
+    return assemble(param_layout(cfg, tp), sources, dtype)
 
 
 def assert_bitwise_equal(a, b) -> None:
@@ -48,16 +50,27 @@ def test_round_trip_bitwise(tmp_path, dtype):
     assert_bitwise_equal(params, restored)
 
 
-def test_tied_none_leaves_and_dtype_cast_and_shardings(tmp_path):
+def test_tied_none_leaves_and_dtype_cast_and_mesh(tmp_path):
     cfg = ModelConfig("llama", 50, 16, 32, 1, 4, 4, 4, tie_word_embeddings=True, attention_bias=True)
     params = init_params(cfg, 2)
     save_checkpoint(tmp_path / "ck", cfg, params)
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
-    got_cfg, restored = load_checkpoint(tmp_path / "ck", dtype=jnp.bfloat16,
-                                        shardings=shardings_for(model_specs(cfg), mesh, REPLICATED))
+    mesh = sh.make_mesh(1, 2)
+    got_cfg, restored = load_checkpoint(tmp_path / "ck", dtype=jnp.bfloat16, mesh=mesh)
     assert got_cfg == cfg and restored.lm_head is None and restored.layers[0].attn.q_norm is None
-    assert all(isinstance(x.sharding, jax.sharding.NamedSharding) for x in jax.tree.leaves(restored))
+    declared = sh.specs_shardings(model_specs(cfg, 2), mesh)
+    for x, want in zip(jax.tree.leaves(restored), jax.tree.leaves(declared)):
+        assert x.sharding.is_equivalent_to(want, x.ndim)
     assert_bitwise_equal(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params), restored)
+
+
+def test_a_checkpoint_saved_at_one_layout_loads_at_another(tmp_path):
+    """Saved from the layout where kv heads are replicated over tp (q, k, v apart), restored on
+    one device (qkv fused): the checkpoint stores the tensors as checkpoints do, not a layout."""
+    replicated = init_params(CFG, 3, tp=4)
+    assert replicated.layers[0].attn.qkv is None
+    save_checkpoint(tmp_path / "ck", CFG, replicated)
+    _, restored = load_checkpoint(tmp_path / "ck")
+    assert_bitwise_equal(init_params(CFG, 3), restored)
 
 
 def test_refuses_to_clobber(tmp_path):
@@ -72,11 +85,13 @@ def test_refuses_to_clobber(tmp_path):
     save_checkpoint(tmp_path / "ck", CFG, params, overwrite=True)  # our own checkpoint: allowed
 
 
-def test_refuses_the_decoding_layout(tmp_path):
-    """Fused params would save, then fail to restore into model_specs: refused up front."""
-    fused = fuse_projections(init_params(CFG, 0), CFG)
-    with pytest.raises(ConversionError, match=r"decoding layout .*layers\.N\.attn\.qkv"):
-        save_checkpoint(tmp_path / "ck", CFG, fused)
+def test_refuses_params_in_no_layout_of_the_config(tmp_path):
+    """Params of another config (here one layer short) are refused before anything is written."""
+    params = init_params(CFG, 0)
+    short = params.__class__(embed=params.embed, layers=params.layers[:1], final_norm=params.final_norm,
+                             lm_head=params.lm_head)
+    with pytest.raises(ConversionError, match="none of the target's decoding layouts"):
+        save_checkpoint(tmp_path / "ck", CFG, short)
     assert not (tmp_path / "ck").exists()
 
 

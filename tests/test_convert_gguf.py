@@ -88,12 +88,12 @@ def test_smollm2_qk_unpermuted(smol, smol_reader, reference):
     """q/k rows are permuted in the file; after un-permutation they equal HF's, elsewhere not."""
     cfg, params = smol
     _, state = reference
-    e, hd = cfg.hidden_size, cfg.head_dim
     raw = {t.name: t for t in smol_reader.tensors}
+    loaded = hf_state_from_params(cfg, params)  # read back out of the fused qkv
     for layer in (0, cfg.num_layers - 1):
         for n, heads in (("q", cfg.num_heads), ("k", cfg.num_kv_heads)):
             ref = state[f"model.layers.{layer}.self_attn.{n}_proj.weight"]
-            ours = np.asarray(getattr(params.layers[layer].attn, n)).reshape(e, heads * hd).T
+            ours = loaded[f"model.layers.{layer}.self_attn.{n}_proj.weight"]
             np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-6)
             t = raw[f"blk.{layer}.attn_{n}.weight"]
             in_file = gguf.quants.dequantize(t.data, t.tensor_type)

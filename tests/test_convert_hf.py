@@ -19,8 +19,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from convert import ConversionError, load_model
 from convert.hf_safetensors import load_hf
+from dflash_jax import sharding as sh
 from dflash_jax.model import model_specs
-from dflash_jax.params import REPLICATED, shardings_for
 from tests.hf_models import hf_state_from_params
 
 COMMON = dict(vocab_size=97, intermediate_size=56, num_hidden_layers=2, num_attention_heads=6,
@@ -112,20 +112,16 @@ def test_single_file_with_config_argument(saved, tmp_path):
     assert_matches_torch(cfg, params, state)
 
 
-def test_shardings_tree_and_callable(saved):
+def test_mesh_places_each_tensor_on_its_declared_sharding(saved):
     path, state = saved["qwen3_tied"]
     cfg, _ = load_hf(path)
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
-    tree = shardings_for(model_specs(cfg), mesh, REPLICATED)
-    _, params = load_hf(path, shardings=tree)
-    assert all(isinstance(x.sharding, jax.sharding.NamedSharding) for x in jax.tree.leaves(params))
+    mesh = sh.make_mesh(2, 2)
+    _, params = load_hf(path, mesh=mesh)
+    declared = sh.specs_shardings(model_specs(cfg, 2), mesh)
+    for x, want in zip(jax.tree.leaves(params), jax.tree.leaves(declared)):
+        assert x.sharding.is_equivalent_to(want, x.ndim)
+    assert not params.layers[0].attn.qkv.sharding.is_fully_replicated  # split by kv head
     assert_matches_torch(cfg, params, state)
-    seen = []
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    load_hf(path, shardings=lambda p, spec: seen.append((p, spec.shape)) or one)
-    assert ("layers.1.attn.q", (40, 6, 12)) in seen and len(seen) == len(jax.tree.leaves(params))
-    with pytest.raises(ConversionError, match="shardings tree does not match"):
-        load_hf(path, shardings={"embed": one})
 
 
 # ----------------------------------------------------------------------------- bad inputs

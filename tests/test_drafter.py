@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -22,9 +23,9 @@ from convert.hf_safetensors import load_hf
 from convert.layout import ConversionError
 from dflash_jax.config import ConfigError, default_tap_layers
 from dflash_jax.drafter import (DraftCache, append_context, draft, draft_config_from_dict,
-                                draft_logits, draft_specs, load_draft_config, make_block,
+                                draft_checkpoint_specs, draft_logits, draft_param_layout, load_draft_config, make_block,
                                 validate_pair)
-from dflash_jax.params import Spec, cast_floating, is_spec
+from dflash_jax.params import Spec, assemble, cast_floating, is_spec
 
 dflash_model = pytest.importorskip("dflash.model")
 
@@ -293,7 +294,9 @@ def test_converter_accepts_model_prefix(tmp_path):
 
 
 def test_export_round_trip(tmp_path, target):
-    """Random JAX weights -> export -> DFlashDraftModel.from_pretrained == our forward."""
+    """Random JAX weights -> export -> DFlashDraftModel.from_pretrained == our forward; the export
+    of the same weights in the decoding layout writes the same tensors, and loading the export
+    gives them back bitwise in either layout."""
     t_model, _, tparams = target
     dcfg = draft_config_from_dict(_draft_hf_config(
         rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 5000.0,
@@ -306,9 +309,21 @@ def test_export_round_trip(tmp_path, target):
         noise = rng.standard_normal(spec.shape).astype(np.float32)
         return jnp.asarray(1.0 + 0.3 * noise if spec.init == "ones" else noise * spec.fan_in ** -0.5)
 
-    params = jax.tree.map(draw, draft_specs(dcfg), is_leaf=is_spec)
+    params = jax.tree.map(draw, draft_checkpoint_specs(dcfg), is_leaf=is_spec)
     export_drafter(dcfg, params, tmp_path / "export")
     assert load_draft_config(tmp_path / "export") == dcfg
+    decoding = assemble(draft_param_layout(dcfg), params)
+    export_drafter(dcfg, decoding, tmp_path / "from_decoding")
+    with safe_open(str(tmp_path / "export" / "model.safetensors"), "numpy") as a, \
+            safe_open(str(tmp_path / "from_decoding" / "model.safetensors"), "numpy") as b:
+        assert sorted(a.keys()) == sorted(b.keys()) and "layers.0.self_attn.k_proj.weight" in a.keys()
+        for name in a.keys():
+            np.testing.assert_array_equal(a.get_tensor(name), b.get_tensor(name), err_msg=name)
+    for layout, want in (("training", params), ("decoding", decoding)):
+        _, back = load_drafter(tmp_path / "export", training=layout == "training")
+        assert jax.tree.structure(back) == jax.tree.structure(want), layout
+        for x, y in zip(jax.tree.leaves(back), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=layout)
     model = dflash_model.DFlashDraftModel.from_pretrained(tmp_path / "export").float().eval()
 
     ref = ReferenceDrafter(model, t_model)

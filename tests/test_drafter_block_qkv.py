@@ -1,10 +1,12 @@
-"""The drafter's block-qkv layout (`drafter.fuse_draft_projections(block_qkv=True)`) and its
-block pass on the target's fused path (`model.attend_fused`).
+"""The drafter's decoding layouts (`drafter.draft_specs`) and the block pass of the block-qkv one
+on the target's fused path (`model.attend_fused`).
 
-On CPU: the layout against the plain fused one (every other weight kept, qkv = q + kv), its
-checks, the block pass with the fused path forced (the epilogue in interpret mode, the
-attention on rows by the reference) against the plain fused layout's block pass, in float32
-and bfloat16, and the lowering for cuda at the Qwen3-8B drafter's shape. On an H100/H200
+The block-qkv layout (kv heads split over tp) holds q, k and v as one `qkv` and every layer's
+k and v stacked in `context_kv`; the q + kv layout (kv heads replicated over tp) holds q apart
+and k, v as one `kv`. On CPU: the block-qkv layout against the checkpoint tensors it is made of,
+the block pass with the fused path forced (the epilogue in interpret mode, the attention on rows
+by the reference) against the q + kv layout's block pass, in float32 and bfloat16, and the
+lowering for cuda at the Qwen3-8B drafter's shape. On an H100/H200
 (`JAX_PLATFORMS=cuda pytest tests/test_drafter_block_qkv.py`): the compiled block pass of both
 layouts and the reference attention.
 """
@@ -24,7 +26,7 @@ from dflash_jax import drafter as dr
 from dflash_jax import model as model_lib
 from dflash_jax.bench.common import SHAPES
 from dflash_jax.config import ModelConfig, RopeConfig
-from dflash_jax.params import is_spec
+from dflash_jax.params import assemble, is_spec
 from pallas_kernels import tree_attention_reference
 
 hopper = importlib.import_module("pallas_kernels.tree_attention_hopper")
@@ -47,16 +49,27 @@ def target_for(dcfg: dr.DraftConfig, dtype) -> model_lib.ModelParams:
     """A target whose embedding (all the drafter reads of it) fits the drafter."""
     cfg = ModelConfig(model_type="qwen3", vocab_size=dcfg.vocab_size, hidden_size=dcfg.hidden_size,
                       intermediate_size=96, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=32, qk_norm=True)
-    return model_lib.init_params(cfg, jax.random.key(7), dtype, fused=True)
+    return model_lib.init_params(cfg, jax.random.key(7), dtype)
 
 
 def separate_params(dcfg: dr.DraftConfig, dtype) -> dr.DraftParams:
-    """Random drafter weights with norms and biases away from their ones / zeros, so they matter."""
-    base = dr.init_draft_params(dcfg, jax.random.key(3))
+    """Random drafter weights in the checkpoint layout with norms and biases away from their
+    ones / zeros, so they matter."""
+    base = dr.init_draft_params(dcfg, jax.random.key(3), training=True)
     leaves, treedef = jax.tree.flatten(base)
     keys = jax.random.split(jax.random.key(4), len(leaves))
     noisy = [x + 0.3 * jax.random.normal(k, x.shape) if x.ndim < 2 else x for x, k in zip(leaves, keys)]
     return jax.tree.map(lambda x: x.astype(dtype), jax.tree.unflatten(treedef, noisy))
+
+
+def block_qkv_layout(sep: dr.DraftParams, dcfg: dr.DraftConfig) -> dr.DraftParams:
+    """The decoding layout where kv heads are split over tp (one device: tp 1)."""
+    return assemble(dr.draft_param_layout(dcfg), sep)
+
+
+def q_kv_layout(sep: dr.DraftParams, dcfg: dr.DraftConfig) -> dr.DraftParams:
+    """The decoding layout where kv heads are replicated over tp (laid out here on one device)."""
+    return assemble(dr.draft_param_layout(dcfg, 2 * dcfg.num_kv_heads), sep)
 
 
 def force_fused_path(monkeypatch) -> list:
@@ -109,26 +122,26 @@ VARIANTS = {
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_block_pass_on_the_fused_path_matches_the_fused_layout(variant, dtype, monkeypatch):
+def test_block_pass_on_the_fused_path_matches_the_q_kv_layout(variant, dtype, monkeypatch):
     """Hidden states, logits and the returned cache (block K/V in the full layers' scratch
-    slots) equal the plain fused layout's; the epilogue runs once per full layer; shortened
+    slots) equal the q + kv layout's; the epilogue runs once per full layer; shortened
     blocks (block_len) too. Without the forced schedule (CPU), the layout's usual path gives the
     same values as well."""
     dcfg = draft_config(**VARIANTS[variant])
     target = target_for(dcfg, dtype)
     sep = separate_params(dcfg, dtype)
-    fused = dr.fuse_draft_projections(sep, dcfg)
-    joint = dr.fuse_draft_projections(sep, dcfg, block_qkv=True)
+    fused = q_kv_layout(sep, dcfg)
+    joint = block_qkv_layout(sep, dcfg)
     block_len = jnp.array([16, 11], jnp.int32)
     # float32: the same ops in another order; bf16: one unit in the last place of the largest
     # value (2^-7 of it at most; bf16 keeps 8 significant bits). Both orders round, and which way
-    # a value near a boundary goes depends on the CPU's code: on one machine they came out
-    # equal, on another (thirtieth session) two of 1830 logits differed by one unit at 2.0.
+    # a value near a boundary goes depends on the CPU's code: on one CPU they came out equal,
+    # on another two of 1830 logits differed by one unit at 2.0.
     tol = 1e-5 if dtype == jnp.float32 else 2 ** -7
     usual = run_block(joint, dcfg, target, dtype, block_len)  # CPU: no schedule, the jnp path
     calls = force_fused_path(monkeypatch)
     want = run_block(fused, dcfg, target, dtype, block_len)
-    assert not calls  # the plain fused layout has no qkv: its usual path
+    assert not calls  # the q + kv layout has no qkv: its usual path
     got = run_block(joint, dcfg, target, dtype, block_len)
     full_layers = sum(dcfg.layer_window(i) is None for i in range(dcfg.num_layers))
     assert len(calls) == full_layers
@@ -142,7 +155,7 @@ def test_fused_path_needs_the_cache_in_the_activation_dtype(monkeypatch):
     """A float32 cache under bf16 activations keeps the usual path (the schedule says no)."""
     dcfg = draft_config()
     calls = force_fused_path(monkeypatch)
-    joint = dr.fuse_draft_projections(separate_params(dcfg, jnp.bfloat16), dcfg, block_qkv=True)
+    joint = block_qkv_layout(separate_params(dcfg, jnp.bfloat16), dcfg)
     cache = dr.DraftCache.create(dcfg, 1, 32, jnp.float32)
     block = dr.make_block(dcfg, jnp.array([3], jnp.int32))
     dr.draft_with_cache(joint, dcfg, target_for(dcfg, jnp.bfloat16), cache, block, cache.lengths)
@@ -150,101 +163,60 @@ def test_fused_path_needs_the_cache_in_the_activation_dtype(monkeypatch):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_block_qkv_layout_keeps_every_other_weight(bias):
-    """qkv holds q then kv per kv head; context_kv every layer's kv, stacked; every other weight
-    is the plain fused layout's own; the specs describe it; converting again is a no-op; from
-    the fused layout it is the same."""
+def test_decoding_layouts_hold_the_checkpoint_tensors_in_place(bias):
+    """block-qkv: qkv holds, per kv head, its q heads, then k, then v; context_kv every layer's
+    k and v, stacked; q + kv: q apart, kv = k then v; gate_up = gate then up in both; every
+    other weight is the checkpoint's own; the specs give the shapes."""
     dcfg = draft_config(attention_bias=bias)
     sep = separate_params(dcfg, jnp.float32)
-    fused = dr.fuse_draft_projections(sep, dcfg)
-    joint = dr.fuse_draft_projections(sep, dcfg, block_qkv=True)
-    assert dr.draft_attention_layout(sep) == "separate"
-    assert dr.draft_attention_layout(fused) == "fused" and not dr.is_draft_block_qkv(fused)
-    assert dr.draft_attention_layout(joint) == "block-qkv"
-    assert dr.is_draft_block_qkv(joint) and dr.is_draft_fused(joint)
-    group = dcfg.num_heads // dcfg.num_kv_heads
-    for f, j in zip(fused.layers, joint.layers):
-        e = dcfg.hidden_size
-        assert j.attn.q is None and j.attn.q_bias is None
-        np.testing.assert_array_equal(np.asarray(j.attn.qkv[:, :, :group]),
-                                      np.asarray(f.attn.q).reshape(e, dcfg.num_kv_heads, group, dcfg.head_dim))
-        np.testing.assert_array_equal(np.asarray(j.attn.qkv[:, :, group:]), np.asarray(f.attn.kv))
-        assert j.attn.kv is None and j.attn.kv_bias is None
+    joint, fused = block_qkv_layout(sep, dcfg), q_kv_layout(sep, dcfg)
+    e, kvh, hd = dcfg.hidden_size, dcfg.num_kv_heads, dcfg.head_dim
+    group = dcfg.num_heads // kvh
+    a = np.asarray
+    for i, (s_, j, f) in enumerate(zip(sep.layers, joint.layers, fused.layers)):
+        q = a(s_.attn.q).reshape(e, kvh, group, hd)  # q head h belongs to kv head h // group
+        np.testing.assert_array_equal(a(j.attn.qkv[:, :, :group]), q)
+        np.testing.assert_array_equal(a(j.attn.qkv[:, :, group]), a(s_.attn.k))
+        np.testing.assert_array_equal(a(j.attn.qkv[:, :, group + 1]), a(s_.attn.v))
+        np.testing.assert_array_equal(a(joint.context_kv[:, i, :, 0]), a(s_.attn.k))
+        np.testing.assert_array_equal(a(joint.context_kv[:, i, :, 1]), a(s_.attn.v))
+        np.testing.assert_array_equal(a(f.attn.q), a(s_.attn.q))
+        np.testing.assert_array_equal(a(f.attn.kv[:, :, 0]), a(s_.attn.k))
+        np.testing.assert_array_equal(a(f.attn.kv[:, :, 1]), a(s_.attn.v))
+        for lp in (j, f):
+            np.testing.assert_array_equal(a(lp.mlp.gate_up[:, 0]), a(s_.mlp.gate))
+            np.testing.assert_array_equal(a(lp.mlp.gate_up[:, 1]), a(s_.mlp.up))
+            for name in ("o", "q_norm", "k_norm"):
+                np.testing.assert_array_equal(a(getattr(lp.attn, name)), a(getattr(s_.attn, name)))
+            np.testing.assert_array_equal(a(lp.mlp.down), a(s_.mlp.down))
+            assert lp.attn.k is None and lp.attn.v is None and lp.mlp.gate is None and lp.mlp.up is None
+        assert j.attn.q is None and j.attn.kv is None and f.attn.qkv is None
         if bias:
-            np.testing.assert_array_equal(np.asarray(j.attn.qkv_bias[:, :group]),
-                                          np.asarray(f.attn.q_bias).reshape(dcfg.num_kv_heads, group, -1))
-            np.testing.assert_array_equal(np.asarray(j.attn.qkv_bias[:, group:]), np.asarray(f.attn.kv_bias))
+            np.testing.assert_array_equal(a(j.attn.qkv_bias[:, :group]), a(s_.attn.q_bias).reshape(kvh, group, hd))
+            np.testing.assert_array_equal(a(j.attn.qkv_bias[:, group]), a(s_.attn.k_bias))
+            np.testing.assert_array_equal(a(j.attn.qkv_bias[:, group + 1]), a(s_.attn.v_bias))
+            np.testing.assert_array_equal(a(joint.context_kv_bias[i, :, 1]), a(s_.attn.v_bias))
+            np.testing.assert_array_equal(a(f.attn.kv_bias[:, 0]), a(s_.attn.k_bias))
+            np.testing.assert_array_equal(a(f.attn.o_bias), a(s_.attn.o_bias))
         else:
-            assert j.attn.qkv_bias is None
-    for i, f in enumerate(fused.layers):
-        np.testing.assert_array_equal(np.asarray(joint.context_kv[:, i]), np.asarray(f.attn.kv))
-        if bias:
-            np.testing.assert_array_equal(np.asarray(joint.context_kv_bias[i]), np.asarray(f.attn.kv_bias))
-    assert (joint.context_kv_bias is None) == (not bias)
-    # Every weight but q / kv -> qkv / context_kv is the plain fused layout's, unchanged.
-    strip = lambda dp: dataclasses.replace(dp, context_kv=None, context_kv_bias=None, layers=tuple(  # noqa: E731
-        dataclasses.replace(lp, attn=dataclasses.replace(lp.attn, q=None, q_bias=None, qkv=None, qkv_bias=None,
-                                                         kv=None, kv_bias=None))
-        for lp in dp.layers))
-    assert jax.tree.structure(strip(fused)) == jax.tree.structure(strip(joint))
-    for a, b in zip(jax.tree.leaves(strip(fused)), jax.tree.leaves(strip(joint))):
-        assert a is b or np.array_equal(np.asarray(a), np.asarray(b))
-    # The specs describe the layout, leaf for leaf.
-    specs = dr.fused_draft_specs(dcfg, block_qkv=True)
-    shapes = jax.tree.map(lambda s: s.shape, specs, is_leaf=is_spec)
-    assert shapes == jax.tree.map(lambda x: x.shape, joint)
-    assert jax.tree.structure(dr.fused_draft_specs(dcfg), is_leaf=is_spec) == jax.tree.structure(fused)
-    # Idempotent, and the same from the plain fused layout; block-qkv asked for the plain one stays.
-    assert dr.fuse_draft_projections(joint, dcfg, block_qkv=True) is joint
-    assert dr.fuse_draft_projections(joint, dcfg) is joint
-    assert dr.fuse_draft_projections(fused, dcfg) is fused
-    again = dr.fuse_draft_projections(fused, dcfg, block_qkv=True)
-    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(joint)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def test_consume_frees_q_and_kv():
-    dcfg = draft_config()
-    fused = dr.fuse_draft_projections(separate_params(dcfg, jnp.float32), dcfg)
-    q0, kv0 = fused.layers[0].attn.q, fused.layers[0].attn.kv
-    joint = dr.fuse_draft_projections(fused, dcfg, consume=True, block_qkv=True)
-    assert q0.is_deleted() and kv0.is_deleted() and not joint.context_kv.is_deleted()
-    sep = separate_params(dcfg, jnp.float32)
-    k0 = sep.layers[0].attn.k
-    joint = dr.fuse_draft_projections(sep, dcfg, consume=True, block_qkv=True)
-    assert k0.is_deleted() and dr.is_draft_block_qkv(joint)
-
-
-def test_layouts_that_cannot_draft_are_refused():
-    dcfg = draft_config()
-    sep = separate_params(dcfg, jnp.float32)
-    joint = dr.fuse_draft_projections(sep, dcfg, block_qkv=True)
-    # The target's layout: qkv alone, no context_kv for the context pass.
-    target_like = dataclasses.replace(joint, context_kv=None)
-    with pytest.raises(ValueError, match=r"layer 0 holds the projections \['qkv'\] without a context_kv"):
-        dr.fuse_draft_projections(target_like, dcfg, block_qkv=True)
-    # A context_kv beside per-layer kv weights is no layout either.
-    fused = dr.fuse_draft_projections(sep, dcfg)
-    with pytest.raises(ValueError, match=r"\['q', 'kv'\] with a context_kv"):
-        dr.draft_attention_layout(dataclasses.replace(fused, context_kv=joint.context_kv))
-    mixed = dataclasses.replace(fused, layers=(sep.layers[0],) + fused.layers[1:])
-    with pytest.raises(ValueError, match="mix layouts"):
-        dr.draft_attention_layout(mixed)
+            assert j.attn.qkv_bias is None and joint.context_kv_bias is None
+    assert fused.context_kv is None
+    for params, specs in ((joint, dr.draft_specs(dcfg)), (fused, dr.draft_specs(dcfg, 2 * kvh))):
+        assert jax.tree.map(lambda s: s.shape, specs, is_leaf=is_spec) == jax.tree.map(lambda x: x.shape, params)
 
 
 @pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (conftest's CPU devices)")
 def test_block_qkv_under_tp_is_sharded_by_kv_head_and_drafts_the_same():
     """At tp 2 (kv heads split) qkv is sharded by kv head as the target's and the block pass
     gives the unsharded values (the usual path: the fused one runs without a mesh); at tp 4
-    (kv heads replicated) no qkv is made, as `model.can_fuse` says."""
+    (kv heads replicated) the layout has no qkv, as `model.can_fuse` says."""
     from dflash_jax import sharding as sh
     dcfg = draft_config()
     sep = separate_params(dcfg, jnp.float32)
     target = target_for(dcfg, jnp.float32)
-    want = run_block(dr.fuse_draft_projections(sep, dcfg), dcfg, target, jnp.float32)
+    want = run_block(q_kv_layout(sep, dcfg), dcfg, target, jnp.float32)
     mesh = sh.make_mesh(1, 2)
-    placed = jax.device_put(sep, sh.draft_param_shardings(dcfg, mesh))
-    joint = dr.fuse_draft_projections(placed, dcfg, block_qkv=True)
+    joint = assemble(dr.draft_param_layout(dcfg, 2), sep, sharding=sh.placement(mesh))
     group = dcfg.num_heads // dcfg.num_kv_heads
     assert {x.data.shape for x in joint.layers[0].attn.qkv.addressable_shards} == {
         (dcfg.hidden_size, dcfg.num_kv_heads // 2, group + 2, dcfg.head_dim)}
@@ -252,10 +224,9 @@ def test_block_qkv_under_tp_is_sharded_by_kv_head_and_drafts_the_same():
         got = jax.jit(run_block, static_argnums=(1, 3))(joint, dcfg, target, jnp.float32)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert_close(g, w, 1e-5)
-    mesh4 = sh.make_mesh(1, 4)
-    replicated = dr.fuse_draft_projections(jax.device_put(sep, sh.draft_param_shardings(dcfg, mesh4)), dcfg,
-                                           block_qkv=True)
-    assert dr.draft_attention_layout(replicated) == "fused"
+    replicated = dr.init_draft_params(dcfg, jax.random.key(0), mesh=sh.make_mesh(1, 4))
+    assert replicated.layers[0].attn.qkv is None and replicated.context_kv is None
+    assert replicated.layers[0].attn.kv.sharding.is_fully_replicated
 
 
 def abstract(tree, dtype):
@@ -268,14 +239,14 @@ def test_block_pass_lowers_for_cuda_at_the_qwen3_8b_shape(block_qkv, monkeypatch
     """The jitted block pass of a 2-layer drafter of Qwen3-8B's shape (16 tokens x group 4) with
     the Hopper dispatch as on an H200: in the block-qkv layout one qkv product, one epilogue
     kernel and one Mosaic attention kernel a layer, the caches updated in place, no XLA cache
-    writes; in the plain fused layout no epilogue."""
+    writes; in the q + kv layout no epilogue."""
     from dflash_jax.bench.spec_round import drafter_config
     monkeypatch.setattr(hopper, "available", lambda: True)
     cfg = SHAPES["qwen3-8b"]
     dcfg = drafter_config(cfg, layers=2)
     bf16 = jnp.bfloat16
-    dparams = abstract(dr.fused_draft_specs(dcfg, block_qkv=block_qkv), bf16)
-    target = abstract(model_lib.model_specs(cfg, fused=True), bf16)
+    dparams = abstract(dr.draft_specs(dcfg, 1 if block_qkv else 2 * dcfg.num_kv_heads), bf16)
+    target = abstract(model_lib.model_specs(cfg), bf16)
     buf = jax.ShapeDtypeStruct((1, 5120, dcfg.num_kv_heads, dcfg.head_dim), bf16)
     cache = dr.DraftCache(k=(buf,) * 2, v=(buf,) * 2, lengths=jax.ShapeDtypeStruct((1,), jnp.int32))
     block = jax.ShapeDtypeStruct((1, 16), jnp.int32)
@@ -284,7 +255,7 @@ def test_block_pass_lowers_for_cuda_at_the_qwen3_8b_shape(block_qkv, monkeypatch
     text = fn.trace(dparams, target_params=target, cache=cache, block_tokens=block, block_start=start
                     ).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 2  # the Hopper kernel in both layouts
-    # Per layer: qkv (block-qkv) or q and kv (plain fused), then o, gate_up and down.
+    # Per layer: qkv (block-qkv) or q and kv (q + kv), then o, gate_up and down.
     assert text.count("stablehlo.dot_general") == 2 * (4 if block_qkv else 5)
     if block_qkv:
         assert text.count('name = "qkv_epilogue"') == 2
@@ -299,16 +270,16 @@ def test_block_pass_lowers_for_cuda_at_the_qwen3_8b_shape(block_qkv, monkeypatch
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("variant", ["full", "sliding_and_causal"])
-def test_gpu_block_pass_on_the_fused_path_matches_the_fused_layout(variant):
+def test_gpu_block_pass_on_the_fused_path_matches_the_q_kv_layout(variant):
     """bf16 on the GPU: the block-qkv layout takes the fused path (epilogue + Hopper kernel) and
-    gives the plain fused layout's hidden states, logits and caches (which take the same Hopper
+    gives the q + kv layout's hidden states, logits and caches (which take the same Hopper
     kernel), and both are near the reference attention."""
     dcfg = draft_config(hidden_size=256, num_heads=16, num_kv_heads=4, head_dim=128, **VARIANTS[variant])
     bf16 = jnp.bfloat16
     target = target_for(dcfg, bf16)
     sep = separate_params(dcfg, bf16)
-    fused = dr.fuse_draft_projections(sep, dcfg)
-    joint = dr.fuse_draft_projections(sep, dcfg, block_qkv=True)
+    fused = q_kv_layout(sep, dcfg)
+    joint = block_qkv_layout(sep, dcfg)
     cache = dr.DraftCache.create(dcfg, 2, 64, bf16)
     assert model_lib.epilogue_schedule(joint, dcfg.layer_config(), 2, 16, cache, bf16, "pallas") is not None
     assert model_lib.epilogue_schedule(fused, dcfg.layer_config(), 2, 16, cache, bf16, "pallas") is None
@@ -326,14 +297,14 @@ def test_gpu_block_pass_on_the_fused_path_matches_the_fused_layout(variant):
 def test_gpu_block_pass_compiles_the_epilogue_at_the_qwen3_8b_shape():
     """The block pass of a 2-layer drafter of Qwen3-8B's shape (context 4000 of 5120 slots) in
     the block-qkv layout dispatches to the epilogue on this GPU, and its compiled values match
-    the plain fused layout's."""
+    the q + kv layout's."""
     from dflash_jax.bench.spec_round import drafter_config
     cfg = SHAPES["qwen3-8b"]
     dcfg = drafter_config(cfg, layers=2)
     bf16 = jnp.bfloat16
-    sep = dr.init_draft_params(dcfg, jax.random.key(1), bf16)
-    fused = dr.fuse_draft_projections(sep, dcfg)
-    joint = dr.fuse_draft_projections(sep, dcfg, block_qkv=True)
+    sep = dr.init_draft_params(dcfg, jax.random.key(1), bf16, training=True)
+    fused = q_kv_layout(sep, dcfg)
+    joint = block_qkv_layout(sep, dcfg)
     embed = jax.random.normal(jax.random.key(2), (cfg.vocab_size, cfg.hidden_size), bf16)
     target = model_lib.ModelParams(embed=embed, layers=(), final_norm=jnp.ones((cfg.hidden_size,), bf16))
     cache = dr.DraftCache.create(dcfg, 1, 5120, bf16)
@@ -351,13 +322,14 @@ def test_gpu_block_pass_compiles_the_epilogue_at_the_qwen3_8b_shape():
 
 # ----------------------------------------------------------------------------- the context rows
 
-@pytest.mark.parametrize("layout", ["fused", "block-qkv"])
+@pytest.mark.parametrize("layout", ["q-kv", "block-qkv"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_context_rows_through_the_kv_epilogue_match_xla(layout, dtype):
     """`append_context` with one `kv_epilogue` launch a layer (interpret mode) writes the same
     caches as XLA's path: every slot, the scratch rows past `counts` included, and the lengths."""
     dcfg = draft_config()
-    dparams = dr.fuse_draft_projections(separate_params(dcfg, dtype), dcfg, block_qkv=layout == "block-qkv")
+    make = block_qkv_layout if layout == "block-qkv" else q_kv_layout
+    dparams = make(separate_params(dcfg, dtype), dcfg)
     batch, n = 2, 11
     taps = jax.random.normal(jax.random.key(5), (batch, n, dcfg.num_taps * dcfg.hidden_size)).astype(dtype)
     cache = dr.DraftCache.create(dcfg, batch, 64, dtype)
@@ -377,10 +349,10 @@ def test_context_rows_through_the_kv_epilogue_match_xla(layout, dtype):
 @pytest.mark.parametrize("epilogue", ["xla", "interpret"])
 def test_stacked_context_kv_writes_what_each_layers_kv_writes(epilogue):
     """The block-qkv layout's one product for every layer's context rows (`context_kv`) fills the
-    caches as the plain fused layout's per-layer `kv` products do, bias included."""
+    caches as the q + kv layout's per-layer `kv` products do, bias included."""
     dcfg = draft_config(attention_bias=True)
     sep = separate_params(dcfg, jnp.float32)
-    fused, joint = dr.fuse_draft_projections(sep, dcfg), dr.fuse_draft_projections(sep, dcfg, block_qkv=True)
+    fused, joint = q_kv_layout(sep, dcfg), block_qkv_layout(sep, dcfg)
     batch, n = 2, 9
     taps = jax.random.normal(jax.random.key(7), (batch, n, dcfg.num_taps * dcfg.hidden_size))
     cache = dr.DraftCache.create(dcfg, batch, 48, jnp.float32)
@@ -410,7 +382,7 @@ def test_context_epilogue_choices(monkeypatch):
     from dflash_jax.speculative import SpecSettings
     dcfg = draft_config()
     separate = separate_params(dcfg, jnp.bfloat16)
-    fused = dr.fuse_draft_projections(separate, dcfg)
+    fused = q_kv_layout(separate, dcfg)
     cache = dr.DraftCache.create(dcfg, 1, 64, jnp.bfloat16)
     assert dr.context_epilogue_applies(fused, cache, jnp.bfloat16, backend="gpu")
     assert not dr.context_epilogue_applies(fused, cache, jnp.bfloat16, backend="cpu")
@@ -429,7 +401,7 @@ def test_gpu_context_rows_kernel_matches_xla():
     """On the GPU "auto" takes the `kv_epilogue` launch (head_dim 128, 8 kv heads, as Qwen3-8B's
     drafter) and writes what XLA's path writes, 16 context rows after 4000 committed slots."""
     dcfg = draft_config(hidden_size=256, num_heads=32, num_kv_heads=8, head_dim=128, num_layers=2)
-    dparams = dr.fuse_draft_projections(separate_params(dcfg, jnp.bfloat16), dcfg, block_qkv=True)
+    dparams = block_qkv_layout(separate_params(dcfg, jnp.bfloat16), dcfg)
     cache = dr.DraftCache.create(dcfg, 1, 5120, jnp.bfloat16)
     cache = dataclasses.replace(cache, lengths=jnp.array([4000], jnp.int32))
     assert dr.context_epilogue_applies(dparams, cache, jnp.bfloat16)

@@ -22,6 +22,7 @@ from dflash_jax import model as model_lib
 from dflash_jax.bench.tree_attention_bench import random_tree_visibility
 from dflash_jax.config import ModelConfig, RopeConfig
 from dflash_jax.kv_cache import KVCache
+from dflash_jax.params import init_from_specs
 from dflash_jax.rope import rope_tables
 from pallas_kernels import tree_attention_reference
 from pallas_kernels.qkv_epilogue import (applies, applies_kv, kv_epilogue, kv_epilogue_reference, qkv_epilogue,
@@ -189,7 +190,7 @@ def test_model_takes_the_fused_path_where_it_applies(cfg, monkeypatch):
     interpret mode and the attention on rows is the reference. Logits and caches equal the
     model's usual path; and with separate weights, or W x group under 128 rows, no fused path."""
     batch, width, max_len = 2, 40, 96
-    params = model_lib.init_params(cfg, jax.random.key(2), jnp.float32, fused=True)
+    params = model_lib.init_params(cfg, jax.random.key(2), jnp.float32)
     params = jax.tree.map(lambda x: x * 1.5, params)  # norms away from ones
     rng = np.random.default_rng(5)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, width)), jnp.int32)
@@ -232,7 +233,7 @@ def test_model_takes_the_fused_path_where_it_applies(cfg, monkeypatch):
     narrow = model_lib.forward(params, cfg, tokens[:, :4], positions[:, :4], cache, visible[:, :4, :4],
                                attn_impl="reference")
     assert not calls and narrow.logits.shape == (batch, 4, cfg.vocab_size)
-    separate = model_lib.init_params(cfg, jax.random.key(2), jnp.float32)
+    separate = init_from_specs(model_lib.checkpoint_specs(cfg), jax.random.key(2))  # q, k, v apart: no qkv
     model_lib.forward(separate, cfg, tokens, positions, cache, visible, attn_impl="reference")
     assert not calls
 
@@ -255,7 +256,7 @@ def test_gpu_forward_on_the_fused_path_matches_reference(width):
     """A bf16 forward of a tree: epilogue + Hopper kernel against the reference attention."""
     cfg = tiny_config(hidden_size=256, num_heads=16, num_kv_heads=4, head_dim=128, num_layers=3)
     batch, max_len = 2, 1024
-    params = model_lib.init_params(cfg, jax.random.key(4), jnp.bfloat16, fused=True)
+    params = model_lib.init_params(cfg, jax.random.key(4), jnp.bfloat16)
     rng = np.random.default_rng(9)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, width)), jnp.int32)
     lengths = jnp.asarray([300, 611], jnp.int32)

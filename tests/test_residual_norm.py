@@ -154,7 +154,7 @@ def test_forward_on_the_fused_residual_path(taps, impl, monkeypatch):
     slices at 2."""
     cfg = tiny_config(num_layers=3)
     batch, width, max_len = 2, 12, 48
-    params = model_lib.init_params(cfg, jax.random.key(7), jnp.float32, fused=True)
+    params = model_lib.init_params(cfg, jax.random.key(7), jnp.float32)
     leaves, tree = jax.tree.flatten(params)  # every weight scaled apart, the norms away from ones and each other
     keys = jax.random.split(jax.random.key(8), len(leaves))
     params = jax.tree.unflatten(tree, [x * jax.random.uniform(k, x.shape, x.dtype, 0.5, 2.0)

@@ -1,8 +1,8 @@
 """Tensor / data parallelism on fake CPU devices (tests/conftest.py asks jax for 4).
 
 Sharded programs must give the single-device numbers: logits to float32 rounding, greedy
-tokens exactly. Weights are placed by the loaders (`shardings=sharding.placement(mesh)`), so
-these tests also check that every device holds only its own shard.
+tokens exactly. Weights are placed by the loaders (`mesh=`), straight into the decoding layout,
+so these tests also check that every device holds only its own shard.
 """
 import argparse
 import dataclasses
@@ -16,7 +16,6 @@ import torch
 
 from convert.dflash_drafter import load_drafter
 from convert.hf_safetensors import load_hf
-from dflash_jax.drafter import fuse_draft_projections
 from dflash_jax import sharding as sh
 from dflash_jax.generate import generate_ar
 from dflash_jax.kv_cache import KVCache
@@ -98,7 +97,7 @@ def test_sharded_logits_equal_single_device(saved):
     ref_pre, ref_step, _ = run(params, cfg, tokens, visible)
     for dp, tp in MESHES:
         mesh = sh.make_mesh(dp, tp)
-        _, sharded = load_hf(directory, shardings=sh.placement(mesh))
+        _, sharded = load_hf(directory, mesh=mesh)
         with sh.use_mesh(mesh):
             pre, step, cache = run(sharded, cfg, tokens, visible)
         assert rel_err(pre, ref_pre) <= 1e-5, (kind, dp, tp)
@@ -113,7 +112,8 @@ def test_kv_heads_replicated_at_tp4(tmp_path):
     hf_model(MODELS["qwen3_tp"]).save_pretrained(tmp_path)
     cfg, params = load_hf(tmp_path)
     mesh = sh.make_mesh(1, 4)
-    _, sharded = load_hf(tmp_path, shardings=sh.placement(mesh))
+    _, sharded = load_hf(tmp_path, mesh=mesh)
+    assert sharded.layers[0].attn.qkv is None  # q is split, k and v are not: apart
     assert spec(sharded.layers[0].attn.k) == (None, None, None)
     assert sharded.layers[0].attn.q.addressable_shards[0].data.shape == (cfg.hidden_size, 1, cfg.head_dim)
     tokens, visible = tree_inputs(cfg.vocab_size)
@@ -135,8 +135,8 @@ def expected_local_shape(path: str, shape: tuple, cfg, dp: int, tp: int) -> tupl
     leaf = path.split(".")[-1]
     table = {
         "embed": (vocab, e), "lm_head": (e, vocab), "q": (e, qh // tp, hd), "k": (e, kv, hd),
-        "v": (e, kv, hd), "o": (qh // tp, hd, e), "gate": (e, m // tp), "up": (e, m // tp),
-        "down": (m // tp, e),
+        "v": (e, kv, hd), "qkv": (e, kv, qh // kvh + 2, hd), "o": (qh // tp, hd, e),
+        "gate_up": (e, 2, m // tp), "down": (m // tp, e),
     }
     return table.get(leaf, shape)  # norms: replicated
 
@@ -145,7 +145,7 @@ def test_each_device_holds_only_its_shard(saved):
     kind, directory, cfg, params = saved
     dp, tp = 2, 2
     mesh = sh.make_mesh(dp, tp)
-    _, sharded = load_hf(directory, shardings=sh.placement(mesh))
+    _, sharded = load_hf(directory, mesh=mesh)
     full = dict(jax.tree_util.tree_flatten_with_path(params)[0])
     for path, arr in jax.tree_util.tree_flatten_with_path(sharded)[0]:
         name = jax.tree_util.keystr(path, simple=True, separator=".")
@@ -162,7 +162,7 @@ def test_each_device_holds_only_its_shard(saved):
 def tp2_prefill(directory, cfg):
     """A tp = 2 mesh, the model loaded onto it, 4 x 17 tokens, and a 17-token prefill's logits."""
     mesh = sh.make_mesh(1, 2)
-    _, sharded = load_hf(directory, shardings=sh.placement(mesh))
+    _, sharded = load_hf(directory, mesh=mesh)
     tokens, _ = tree_inputs(cfg.vocab_size)
 
     def fwd(params, tokens):
@@ -250,13 +250,13 @@ def test_heads_that_do_not_divide_are_errors(tmp_path):
     cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=48, intermediate_size=64,
                       num_layers=1, num_heads=6, num_kv_heads=3, head_dim=8)
     with pytest.raises(sh.ShardingError, match="kv_heads=3 .*tp=2"):
-        sh.param_shardings(cfg, sh.make_mesh(1, 2))
+        sh.check_model(cfg, 2)
     with pytest.raises(sh.ShardingError, match="num_heads=6 .*tp=4"):
         sh.check_model(cfg, 4)
-    # Through a loader: the hf_models qwen3 (5 q heads) at tp=2 names the tensor and the numbers.
+    # Through a loader: the hf_models qwen3 (5 q heads) at tp=2 names the numbers.
     hf_model(TINY["qwen3"]).save_pretrained(tmp_path)
-    with pytest.raises(sh.ShardingError, match=r"layers\.0\.attn\.\w+: q_heads = 5 is not divisible by tp=2"):
-        load_hf(tmp_path, shardings=sh.placement(sh.make_mesh(1, 2)))
+    with pytest.raises(sh.ShardingError, match=r"num_heads=5 \(query heads\) is not divisible by tp=2"):
+        load_hf(tmp_path, mesh=sh.make_mesh(1, 2))
     with pytest.raises(sh.ShardingError, match="needs 8 devices"):
         sh.make_mesh(2, 4)
 
@@ -273,11 +273,12 @@ def test_no_mesh_is_a_no_op():
 def test_random_init_and_decode_state_shardings():
     """Benchmarks draw weights straight into shards (same values) and place decode state by rule."""
     from dflash_jax.config import ModelConfig
-    from dflash_jax.model import init_params, model_specs
+    from dflash_jax.model import init_params
     cfg = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                       num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True)
     mesh = sh.make_mesh(2, 2)
-    sharded = sh.init_sharded(model_specs(cfg), jax.random.key(0), jnp.float32, mesh)
+    sharded = init_params(cfg, jax.random.key(0), mesh=mesh)
+    assert sharded.layers[0].attn.qkv.addressable_shards[0].data.shape == (32, 1, 4, 8)
     assert sharded.layers[0].mlp.down.addressable_shards[0].data.shape == (32, 32)
     for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(init_params(cfg, jax.random.key(0)))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -335,9 +336,8 @@ def prompts():
 
 
 def load_pair(directory, mesh):
-    placement = None if mesh is None else sh.placement(mesh)
-    cfg, params = load_hf(directory / "target", shardings=placement)
-    dcfg, dparams = load_drafter(directory / "draft", shardings=placement)
+    cfg, params = load_hf(directory / "target", mesh=mesh)
+    dcfg, dparams = load_drafter(directory / "draft", mesh=mesh)
     return cfg, params, dcfg, dparams
 
 
@@ -358,8 +358,14 @@ def test_greedy_speculative_tp_equals_ar(pair_dir, prompts, ar_tokens, dp, tp):
     ar = ar_tokens
     mesh = sh.make_mesh(dp, tp)
     cfg, params, dcfg, dparams = load_pair(pair_dir, mesh)
-    assert dparams.layers[0].mlp.gate.addressable_shards[0].data.shape == (dcfg.hidden_size,
-                                                                           dcfg.intermediate_size // tp)
+    assert dparams.layers[0].mlp.gate_up.addressable_shards[0].data.shape == (dcfg.hidden_size, 2,
+                                                                              dcfg.intermediate_size // tp)
+    # The drafter's block qkv and stacked context k/v split by kv head, like k and v.
+    kvh, group = dcfg.num_kv_heads, dcfg.num_heads // dcfg.num_kv_heads
+    assert {x.data.shape for x in dparams.layers[1].attn.qkv.addressable_shards} == {
+        (dcfg.hidden_size, kvh // tp, group + 2, dcfg.head_dim)}
+    assert {x.data.shape for x in dparams.context_kv.addressable_shards} == {
+        (dcfg.hidden_size, dcfg.num_layers, kvh // tp, 2, dcfg.head_dim)}
     with sh.use_mesh(mesh):
         if dp > 1:  # (sampled AR at tp=2: test_sampling_over_a_sharded_vocabulary_is_exact)
             assert token_lists(generate_ar(params, cfg, arr, lens, jax.random.key(0), max_new_tokens=NEW,
@@ -371,14 +377,6 @@ def test_greedy_speculative_tp_equals_ar(pair_dir, prompts, ar_tokens, dp, tp):
             assert token_lists(g) == ar, s.method
             assert np.asarray(g.accepted).max() >= 2  # drafted tokens were accepted
             assert spec(g.tokens)[0] == (sh.DP if dp > 1 else None)
-        # The drafter in its decoding layout, as the CLI loads it: kv split by kv head like k and v.
-        fused = fuse_draft_projections(dparams, dcfg)
-        kvh = dcfg.num_kv_heads
-        assert {x.data.shape for x in fused.layers[1].attn.kv.addressable_shards} == {
-            (dcfg.hidden_size, kvh // tp, 2, dcfg.head_dim)}
-        g = generate_speculative(params, cfg, fused, dcfg, arr, lens, jax.random.key(0), settings=ddtree,
-                                 max_len=128)
-        assert token_lists(g) == ar, "ddtree, fused drafter"
 
 
 def test_sampling_over_a_sharded_vocabulary_is_exact(pair_dir, prompts):
@@ -443,7 +441,7 @@ def test_tp_bench_ar_step_under_each_all_reduce_variant():
     cfg = tpb.TINY
     mesh = sh.make_mesh(1, 2)
     with sh.use_mesh(mesh):
-        target = sh.init_sharded(tpb.model_specs(cfg), jax.random.key(0), jnp.bfloat16, mesh)
+        target = tpb.init_params(cfg, jax.random.key(0), jnp.bfloat16, mesh=mesh)
         for name, options in ALL_REDUCE.items():
             row = tpb.bench_ar(target, cfg, mesh, ctx=16, steps=2, max_len=64, compiler_options=options)
             assert row["ms_per_token"] > 0, name

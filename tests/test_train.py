@@ -52,7 +52,7 @@ def numpy_init(dcfg, seed=0):
             return jnp.asarray(1.0 + 0.1 * rng.standard_normal(spec.shape), jnp.float32)
         return jnp.asarray(rng.standard_normal(spec.shape) * spec.fan_in ** -0.5, jnp.float32)
 
-    return jax.tree.map(draw, dr.draft_specs(dcfg), is_leaf=is_spec)
+    return jax.tree.map(draw, dr.draft_checkpoint_specs(dcfg), is_leaf=is_spec)
 
 
 def toy_sequences(n=12, seed=0) -> SequenceSet:
@@ -221,7 +221,7 @@ def test_export_loads_in_dflash_and_equals_our_forward(runs, target):
     t_model, cfg, params = target
     dcfg, full, _, _ = runs
     assert full.export_dir is not None
-    dcfg2, loaded = load_drafter(full.export_dir)
+    dcfg2, loaded = load_drafter(full.export_dir, training=True)
     assert dcfg2 == dcfg
     for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(full.state.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -247,7 +247,8 @@ def test_export_loads_in_dflash_and_equals_our_forward(runs, target):
         hidden = dr.draft(dparams, dcfg, params, cache, tr.block_tokens(tokens, p[:, None], dcfg)[:, 0], p)
         return dr.draft_logits(dparams, dcfg, params, hidden)
 
-    ours = np.asarray(jax.jit(infer)(loaded, jnp.asarray(tokens)[None], jnp.array([p])))[0]
+    # The drafter as inference loads it: the decoding layout.
+    ours = np.asarray(jax.jit(infer)(load_drafter(full.export_dir)[1], jnp.asarray(tokens)[None], jnp.array([p])))[0]
     assert np.max(np.abs(ours - ref_logits)) <= 1e-4 * np.max(np.abs(ref_logits))
 
 
@@ -372,7 +373,7 @@ def test_keep_best_exports_the_best_validation_step(val_runs):
         saved = mngr.restore(6, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(tr._abstract(full.state))))["state"]
     assert int(saved.step) == 6
-    _, exported = load_drafter(full.export_dir)
+    _, exported = load_drafter(full.export_dir, training=True)
     for a, b in zip(jax.tree.leaves(exported), jax.tree.leaves(saved.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # ... and not the last parameters.
@@ -417,7 +418,7 @@ def test_time_limit_with_keep_best_exports_its_last_evaluation(target, tmp_path)
                    log_every=100, time_limit=0.0, plots=False, progress=False, **VAL)
     assert int(out.state.step) == 1 and out.best_step == 1
     assert "val_loss" in out.history[-1] and out.summary["exported_step"] == 1
-    _, exported = load_drafter(out.export_dir)
+    _, exported = load_drafter(out.export_dir, training=True)
     for a, b in zip(jax.tree.leaves(exported), jax.tree.leaves(out.state.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

@@ -11,8 +11,8 @@ import pytest
 
 from dflash_jax.config import ModelConfig
 from dflash_jax.kv_cache import KVCache
-from dflash_jax.model import forward, model_specs
-from dflash_jax.params import is_spec
+from dflash_jax.model import checkpoint_specs, forward, param_layout
+from dflash_jax.params import assemble, is_spec
 from dflash_jax.train_data import (EvaluationDataError, TokenData, batch_indices, build_sequences,
                                    check_training_source, default_sources, make_token_data, read_prompts,
                                    split_by_prompt)
@@ -109,7 +109,8 @@ def toy_target():
             return jnp.ones(spec.shape, jnp.float32)
         return jnp.asarray(2.0 * rng.standard_normal(spec.shape) * spec.fan_in ** -0.5, jnp.float32)
 
-    return cfg, jax.tree.map(draw, model_specs(cfg), is_leaf=is_spec)
+    # Drawn as checkpoints store the weights, then laid out for decoding as the loaders do.
+    return cfg, assemble(param_layout(cfg), jax.tree.map(draw, checkpoint_specs(cfg), is_leaf=is_spec))
 
 
 def test_make_token_data_with_the_target(tmp_path, toy_target):

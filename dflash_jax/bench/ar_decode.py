@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.bench.common import (LAYOUTS, SHAPES, copy_bandwidth, dump_hlo, environment, log, time_fn,
+from dflash_jax.bench.common import (SHAPES, copy_bandwidth, dump_hlo, environment, log, time_fn,
                                      write_json)
 from dflash_jax.bench.profile import profile_program, scale_profile
 from dflash_jax.kv_cache import KVCache
@@ -66,19 +66,10 @@ GEMM_OPTIONS = {"default": None, "cublas": {"xla_gpu_enable_triton_gemm": False}
 
 def bench_model(name: str, contexts: list[int], steps: int, impls: list[str], bandwidth: float,
                 on_row=lambda rows: None, profile: bool = False, hlo_dir: str | None = None,
-                gemms: tuple[str, ...] = ("default",), layouts: tuple[str, ...] = ("fused",)) -> list[dict]:
-    rows: list[dict] = []
-    for layout in layouts:  # one set of weights at a time
-        rows += _bench_layout(name, contexts, steps, impls, bandwidth, lambda new: on_row(rows + new), profile,
-                              hlo_dir, gemms, layout)
-    return rows
-
-
-def _bench_layout(name: str, contexts: list[int], steps: int, impls: list[str], bandwidth: float,
-                  on_row, profile: bool, hlo_dir: str | None, gemms: tuple[str, ...], layout: str) -> list[dict]:
+                gemms: tuple[str, ...] = ("default",)) -> list[dict]:
     cfg = SHAPES[name]
-    params = jax.block_until_ready(init_params(cfg, jax.random.key(0), jnp.bfloat16, fused=layout == "fused"))
-    log(f"{name}: weights drawn ({layout} projections)")
+    params = jax.block_until_ready(init_params(cfg, jax.random.key(0), jnp.bfloat16))
+    log(f"{name}: weights drawn")
     wbytes = param_bytes(params)
     rows = []
     # One max_len for every context: the context is a runtime length, so one compile per impl.
@@ -96,8 +87,8 @@ def _bench_layout(name: str, contexts: list[int], steps: int, impls: list[str], 
                 runs[impl, gemm] = make_decoder(cfg, steps, impl).lower(params, cache, tok).compile(
                     compiler_options=GEMM_OPTIONS[gemm])
                 compile_s[impl, gemm] = time.perf_counter() - t0
-                log(f"{name} {impl} gemm={gemm} {layout}: compiled in {compile_s[impl, gemm]:.1f} s")
-                dump_hlo(hlo_dir, f"ar_{name}_{impl}_{gemm}_{layout}", runs[impl, gemm].as_text())
+                log(f"{name} {impl} gemm={gemm}: compiled in {compile_s[impl, gemm]:.1f} s")
+                dump_hlo(hlo_dir, f"ar_{name}_{impl}_{gemm}", runs[impl, gemm].as_text())
             run = runs[impl, gemm]
             state = {"cache": cache}
 
@@ -111,7 +102,7 @@ def _bench_layout(name: str, contexts: list[int], steps: int, impls: list[str], 
                 where = scale_profile(profile_program(call, run.as_text(), calls=3), steps)  # per token
             floor_w = wbytes / bandwidth * 1e3
             floor_wkv = (wbytes + kv_bytes) / bandwidth * 1e3
-            rows.append({"model": name, "ctx": ctx, "attn": impl, "gemm": gemm, "layout": layout, "ms_per_token": ms,
+            rows.append({"model": name, "ctx": ctx, "attn": impl, "gemm": gemm, "ms_per_token": ms,
                          "weight_gb": wbytes / 1e9, "kv_gb_read": kv_bytes / 1e9,
                          "roofline_weights_ms": floor_w, "roofline_weights_kv_ms": floor_wkv,
                          "pct_of_weight_roofline": 100 * floor_w / ms,
@@ -131,8 +122,6 @@ def main() -> None:
     ap.add_argument("--impls", nargs="+", default=["pallas", "reference"])
     ap.add_argument("--gemm", nargs="+", choices=sorted(GEMM_OPTIONS), default=["default"],
                     help="XLA GEMM backend options to compare side by side")
-    ap.add_argument("--layout", nargs="+", choices=LAYOUTS, default=["fused"],
-                    help="q/k/v and gate/up fused (as decoding runs) or separate, side by side")
     ap.add_argument("--copy-gb", type=float, default=4.0)
     ap.add_argument("--profile", action="store_true", help="split each step's device time by kind of work")
     ap.add_argument("--dump-hlo", metavar="DIR", help="write each compiled decoder's HLO here (gzip)")
@@ -148,15 +137,14 @@ def main() -> None:
         rows += bench_model(m, args.contexts, args.steps, args.impls, bw["tb_per_s"] * 1e12,
                             on_row=lambda new: write_json(args.out, {"env": env, "copy_bandwidth": bw,
                                                                      "rows": done + new}),
-                            profile=args.profile, hlo_dir=args.dump_hlo, gemms=tuple(args.gemm),
-                            layouts=tuple(args.layout))
+                            profile=args.profile, hlo_dir=args.dump_hlo, gemms=tuple(args.gemm))
     write_json(args.out, {"env": env, "copy_bandwidth": bw, "rows": rows})
     print(f"\ncopy bandwidth {bw['tb_per_s']:.2f} TB/s ({env['device']}, jax {env['jax']})")
-    print("| model | ctx | attention | gemm | layout | ms/token | weights GB | roofline (w) ms | % of (w) "
+    print("| model | ctx | attention | gemm | ms/token | weights GB | roofline (w) ms | % of (w) "
           "| roofline (w+kv) ms | % of (w+kv) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['ctx']} | {r['attn']} | {r['gemm']} | {r['layout']} | {r['ms_per_token']:.3f} | "
+        print(f"| {r['model']} | {r['ctx']} | {r['attn']} | {r['gemm']} | {r['ms_per_token']:.3f} | "
               f"{r['weight_gb']:.2f} | {r['roofline_weights_ms']:.3f} | {r['pct_of_weight_roofline']:.0f}% | "
               f"{r['roofline_weights_kv_ms']:.3f} | {r['pct_of_weight_kv_roofline']:.0f}% |")
 

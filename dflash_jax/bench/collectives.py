@@ -23,7 +23,7 @@ XLA read their environment once):
                  NCCL has low-latency kernels that read and write the peer's window directly;
   nccl-user-buffers  NCCL on buffers registered with NCCL (zero-copy for peer-to-peer transfers).
 The last two need a collective memory arena (`COLLECTIVE_ARENA_ENV`, set before jax starts).
-Measured in the ninth session (BENCHMARKS.md): neither changed the all-reduce or the tp round,
+Measured on H200s (BENCHMARKS.md): neither changed the all-reduce or the tp round,
 and NCCL's log showed no window registration, so the symmetric kernels likely never ran.
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0) in all of them: with it off NCCL creates no
 multicast object, also for symmetric windows (it uses multimem kernels only with NVLS support).

@@ -15,10 +15,6 @@ import jax.numpy as jnp
 from dflash_jax.config import ModelConfig, RopeConfig
 
 # Real models' shapes; the benchmarks use random weights of these shapes.
-# The target's projection layouts the benchmarks time side by side (`--layout`): fused, as
-# decoding runs (`model.fuse_projections`), or separate, as checkpoints store them.
-LAYOUTS = ("fused", "separate")
-
 SHAPES: dict[str, ModelConfig] = {
     "qwen3-8b": ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                             num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, qk_norm=True,

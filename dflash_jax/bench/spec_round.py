@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from dflash_jax import drafter as dr
 from dflash_jax.bench.ar_decode import layer_buffers, make_decoder, random_cache
 from dflash_jax.bench.clocks import ClockSampler
-from dflash_jax.bench.common import LAYOUTS, SHAPES, dump_hlo, environment, log, time_fn, write_json
+from dflash_jax.bench.common import SHAPES, dump_hlo, environment, log, time_fn, write_json
 from dflash_jax.bench.profile import profile_program, scale_profile
 from dflash_jax.config import default_tap_layers
 from dflash_jax.model import ACTIVATION_IMPLS, RESIDUAL_IMPLS, init_params, kernel_mlp_layout
@@ -59,8 +59,8 @@ def decoding_pair(model: str, dtype=jnp.bfloat16) -> tuple[Any, dr.DraftConfig, 
     target and a 5-layer drafter."""
     cfg = SHAPES[model]
     dcfg = drafter_config(cfg)
-    dparams = dr.fuse_draft_projections(dr.init_draft_params(dcfg, jax.random.key(1), dtype), dcfg, block_qkv=True)
-    target = jax.block_until_ready(init_params(cfg, jax.random.key(0), dtype, fused=True))
+    dparams = dr.init_draft_params(dcfg, jax.random.key(1), dtype)
+    target = jax.block_until_ready(init_params(cfg, jax.random.key(0), dtype))
     return cfg, dcfg, dparams, target
 
 
@@ -140,7 +140,7 @@ def decoding_settings(method: str, dot_merger: str = "decoding", command_buffers
     resolved as decoding compiles `method` ("ddtree" or "dflash": speculative.DDTREE_COMPILER_OPTIONS
     / DFLASH_COMPILER_OPTIONS; "ar", `generate.generate_ar`: generate.COMMAND_BUFFERS_ALL). A profile
     cannot see into graphs, and spec_round's fori_loop times about the same with or without them
-    (BENCHMARKS.md, thirtieth session), so with `profile` a program compiles them off."""
+    (BENCHMARKS.md), so with `profile` a program compiles them off."""
     if dot_merger == "decoding":
         dot_merger = "off" if method == "ddtree" else "default"
     if command_buffers == "decoding":
@@ -326,18 +326,10 @@ def main() -> None:
                          "applies, fed by the fused qkv epilogue), the same with the epilogue in XLA "
                          "(pallas-unfused), the Hopper kernel's warpgroups not taking turns (pallas-no-pingpong), "
                          "its split-K merge in XLA instead of the Triton merge kernel (pallas-xla-merge), "
-                         "the thirteenth session's Hopper path (pallas-reduced-merge: no turns, the split-K merge as XLA reductions), "
+                         "an earlier Hopper path (pallas-reduced-merge: no turns, the split-K merge as XLA reductions), "
                          "the Hopper kernel scaling every score before the softmax (pallas-scaled-scores), "
                          "the Triton kernel alone (pallas-triton), or that without its "
                          "tail launch (several: each is timed, side by side)")
-    ap.add_argument("--layout", nargs="+", choices=LAYOUTS, default=["fused"],
-                    help="the target's projections: fused (qkv, gate_up; as decoding runs) or separate "
-                         "(several: each is timed, side by side)")
-    ap.add_argument("--draft-layout", nargs="+", choices=tuple(dr.DRAFT_LAYOUTS), default=["block-qkv"],
-                    help="the drafter's projections: block-qkv (fuse_draft_projections(block_qkv=True), as decoding "
-                         "runs: the block pass on the verify's fused path, qkv product + qkv_epilogue + Hopper "
-                         "kernel on rows), fused (q apart, kv and gate_up fused; the default until the "
-                         "twenty-eighth session) or separate (several: each is timed, side by side)")
     ap.add_argument("--top-k-chunk", nargs="+", type=int, default=[TOP_K_CHUNK],
                     help="DDTree's vocabulary top_k chunk, 0 = one top_k (several: each is timed, side by side)")
     ap.add_argument("--rank-max", nargs="+", type=int, default=[RANK_TOP_K_MAX],
@@ -404,9 +396,7 @@ def main() -> None:
     else:
         dcfg = drafter_config(cfg)
         dparams = jax.block_until_ready(dr.init_draft_params(dcfg, jax.random.key(1), dtype))
-    drafters = {layout: dparams if layout == "separate" else
-                dr.fuse_draft_projections(dparams, dcfg, block_qkv=layout == "block-qkv")
-                for layout in args.draft_layout}
+    drafters = {"decoding": dparams}
     log("drafter weights ready")
     max_len = max(args.ctx + [args.ddtree_ctx]) + 1024
     profile = not args.no_profile
@@ -440,9 +430,9 @@ def main() -> None:
             return None
 
     rows = []
-    for layout in args.layout:  # one target at a time: two 8B-shaped targets would be 33 GB
-        target = jax.block_until_ready(init_params(cfg, jax.random.key(0), dtype, fused=layout == "fused"))
-        log(f"target weights drawn ({layout} projections)")
+    for layout in ("decoding",):
+        target = jax.block_until_ready(init_params(cfg, jax.random.key(0), dtype))
+        log("target weights drawn")
         first = len(rows)
         for ctx in args.ctx:
             rows.append(bench_ar(target, cfg, ctx, max_len, profile, args.kernel_table))
@@ -453,7 +443,7 @@ def main() -> None:
                     row["draft_layout"] = dl
                     rows.append(row)
         targets = {"xla": target}
-        if "kernel" in args.mlp and layout == "fused":  # both layouts kept: 7 GB more at Qwen3-8B
+        if "kernel" in args.mlp:  # both layouts kept: 7 GB more at Qwen3-8B
             targets["kernel"] = kernel_mlp_layout(target)
         for b in args.budgets:
             for (s, r, dm, cb, xo), (dl, dp), mlp in itertools.product(

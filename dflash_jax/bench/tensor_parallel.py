@@ -50,7 +50,7 @@ from dflash_jax.bench.collectives import ALL_REDUCE, ALL_REDUCE_MAX_BYTES, ROW_G
 from dflash_jax.bench.common import SHAPES, environment, time_fn, write_json
 from dflash_jax.config import ModelConfig, RopeConfig
 from dflash_jax.stage_times import STAGES
-from dflash_jax.model import can_fuse, forward, model_specs
+from dflash_jax.model import forward, init_params
 from dflash_jax.params import param_bytes
 from dflash_jax.bench.profile import profile_program, scale_profile
 from dflash_jax.bench.spec_round import ROUNDS_PER_CALL, drafter_config, make_state, round_program, timed_rounds
@@ -70,10 +70,9 @@ def sharded_jit_init(fn, mesh, *args):
 
 
 def make_models(cfg: ModelConfig, dcfg: dr.DraftConfig, mesh, dtype) -> tuple[Any, Any]:
-    """The target in the decoding layout (`model.fuse_projections`) where tp allows it."""
-    fused = can_fuse(cfg, sh.mesh_sizes(mesh)[1])
-    target = sh.init_sharded(model_specs(cfg, fused=fused), jax.random.key(0), dtype, mesh)
-    dparams = sh.init_sharded(dr.draft_specs(dcfg), jax.random.key(1), dtype, mesh)
+    """The target and the drafter in their decoding layouts at the mesh's tp, drawn into their shards."""
+    target = init_params(cfg, jax.random.key(0), dtype, mesh=mesh)
+    dparams = dr.init_draft_params(dcfg, jax.random.key(1), dtype, mesh=mesh)
     return target, dparams
 
 
