@@ -82,7 +82,7 @@ def _load_drafter_for(path: str, cfg: Any, dtype: Any, shardings: Any = None) ->
     """(dcfg, dparams) of a drafter, checked against the target's config, in the decoding layout
     (`drafter.fuse_draft_projections`, block-qkv: where the Hopper kernel runs, the block pass
     takes one qkv product and the qkv epilogue kernel a layer; on an H200 the draft's kernels
-    took 0.944 against 0.972 ms a DDTree(256) round, BENCHMARKS.md, twenty-eighth session)."""
+    took 0.944 against 0.972 ms a DDTree(256) round, BENCHMARKS.md)."""
     from convert.dflash_drafter import load_drafter
     from dflash_jax.drafter import fuse_draft_projections, validate_pair
 
@@ -121,21 +121,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
             run = pipeline.run_ar(params, cfg, prompts, lens, max_new_tokens=args.max_new_tokens,
                                   sampling=sampling, stop_tokens=stop, seed=args.seed)
         else:
+            from dflash_jax.impl import Impl
             from dflash_jax.speculative import SpecSettings
 
             dcfg, dparams = _load_drafter_for(args.draft, cfg, dtype,
                                               None if mesh is None else sh.placement(mesh))
             settings = SpecSettings(method=args.method, block_size=args.block_size or dcfg.block_size,
                                     budget=args.budget, sampling=sampling, max_new_tokens=args.max_new_tokens,
-                                    stop_tokens=stop, rounds_per_check=args.rounds_per_check)
+                                    stop_tokens=stop)
+            impl = Impl(rounds_per_check=args.rounds_per_check)
             run = pipeline.run_speculative(params, cfg, dparams, dcfg, prompts, lens, settings,
-                                           seed=args.seed)
+                                           seed=args.seed, impl=impl)
             if args.stage_times:
                 import jax
 
                 from dflash_jax.stage_times import time_stages
                 stages = time_stages(params, cfg, dparams, dcfg, jnp.asarray(prompts), jnp.asarray(lens),
-                                     jax.random.key(args.seed), settings=settings,
+                                     jax.random.key(args.seed), settings=settings, impl=impl,
                                      max_len=pipeline.default_max_len(prompts.shape[1], args.max_new_tokens,
                                                                       settings.cache_slack()))
         ar = None

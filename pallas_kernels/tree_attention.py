@@ -235,8 +235,8 @@ def default_block_sizes(batch: int, width: int, group: int, kv_heads: int, head_
     """Block sizes for a shape. The prefix length is dynamic, so max_len stands in for it.
     limits: the GPU's (default: `gpu_limits()`); tiles shrink to fit its shared memory.
 
-    Tuned on an H200 (jax 0.11.2, bf16, 32/8 heads x 128, `python -m
-    dflash_jax.bench.tree_attention_bench --sweep`). Rows per kv head are width * group:
+    Tuned on an H200 (jax 0.11.2, bf16, 32/8 heads x 128, the tree-attention benchmark's
+    `--sweep`). Rows per kv head are width * group:
 
     * <= 16 rows (AR decode): a pure K/V stream. 16-row blocks (Triton's minimum for a dot),
       64-key blocks, and split-K to ~512 programs: 8 kv heads alone would use 8 of 132 SMs.
@@ -248,12 +248,12 @@ def default_block_sizes(batch: int, width: int, group: int, kv_heads: int, head_
       tiles with 8 warps (two warpgroups share each K/V tile, halving the K/V reads), split-K to
       one program per SM. At ctx 4K / 16K / 32K, W = 64 took 25.8 / 75.3 / 136.7 us of kernel
       time against 31.3 / 90.4 / 170.2 with the 64 x 128 tiles split 4 ways, side by side
-      (BENCHMARKS.md, tenth session); W = 32 at 4K lost 1.6 us and won 13 us at 32K.
+      (BENCHMARKS.md); W = 32 at 4K lost 1.6 us and won 13 us at 32K.
 
     Split-K never makes the grid larger than one wave of resident programs (132 SMs, programs
     per SM by `_shared_memory_bytes`): a 64 x 128 tile takes ~208 KB, one per SM, so W = 64's
     split of 8-9 ran 2-3 waves; capped at 4 its kernel time went from 39 to 32 us at ctx 4K and
-    from 221 to 171 us at 32K (BENCHMARKS.md, seventh session). A grid just over a wave without
+    from 221 to 171 us at 32K (BENCHMARKS.md). A grid just over a wave without
     split-K gets a tail launch (`_tail_split`).
     """
     limits = limits or gpu_limits()
@@ -294,12 +294,12 @@ def _tail_split(heads: int, row_blocks: int, smem: int, block_k: int, max_len: i
     heads: batch * kv_heads; every head has row_blocks blocks of rows. The grid runs in waves of
     SMs x (programs resident per SM). W = 272 (budget 256, group 4, 8 kv heads) has 136
     programs: a full wave plus a wave of 4 that takes as long as the first, so its kernel time
-    is twice W = 256's (126 against 60 us at ctx 4K, BENCHMARKS.md, seventh session). Without
+    is twice W = 256's (126 against 60 us at ctx 4K, BENCHMARKS.md). Without
     the last block of each head the rest fits one wave fewer, and the `heads` tail programs,
     split over the keys, fill the SMs for a fraction of a program's time. Returns 0 when that
     saves no wave or the keys are too short to split. Each split streams at least 2 key blocks:
     at ctx 4K that lets W = 272's tail split 16 ways, not 8 (tail 15.1 against 21.5 us of
-    kernel time, BENCHMARKS.md, tenth session).
+    kernel time, BENCHMARKS.md).
     """
     slots = limits.resident_programs(smem)
     programs = heads * row_blocks
@@ -645,13 +645,13 @@ def triton_takes(head_dim: int) -> bool:
     return _is_triton_block(head_dim)
 
 
-def resolve_impl(impl: AttentionImpl = "auto") -> str:
-    """The implementation ``tree_attention`` runs for ``impl``: "auto" is "pallas" on a GPU
-    backend, "reference" elsewhere."""
+def resolve_impl(impl: AttentionImpl = "auto", backend: str | None = None) -> str:
+    """The implementation ``tree_attention`` runs for ``impl`` on ``backend`` (default
+    ``jax.default_backend()``): "auto" is "pallas" on a GPU, "reference" elsewhere."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
     if impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
+        return "pallas" if (backend or jax.default_backend()) == "gpu" else "reference"
     return impl
 
 
