@@ -12,8 +12,7 @@
 #   rounds        DFlash / DDTree round latency, 8 rounds per call (the decoding fast path), fused
 #                 and separate projections side by side
 #   rounds-tiling DFlash / DDTree(64, 256) rounds at ctx 4K with tree attention as it is and beside
-#                 its candidates (ROUNDS_IMPLS, default `auto pallas-reduced-merge pallas-unfused
-#                 pallas-triton`), side by side
+#                 the Triton kernel alone (ROUNDS_IMPLS, default `auto triton`), side by side
 #   rounds-split  the rounds with XLA command buffers off, for the per-stage split of each round
 #                 and its 40 costliest kernels
 #   kernel        tree attention vs XLA masked attention at ctx 1K-32K, W 1-512, beside the single
@@ -181,12 +180,11 @@ rounds)
     step rounds "$limit" python -m dflash_jax.bench.spec_round $(spec_args) --layout fused separate \
         --no-profile --out "$out/rounds.json" ;;
 rounds-tiling)
-    # Rounds with tree attention as it is, beside candidate variants of it (ROUNDS_IMPLS: the
-    # thirteenth session's Hopper path, the same before the qkv epilogue, and the Triton kernel
-    # alone; the seventh and ninth sessions also ran a one-wave tiling, since removed).
+    # Rounds with tree attention as it is, beside the Triton kernel alone (ROUNDS_IMPLS: what GPUs
+    # other than Hopper run).
     # shellcheck disable=SC2086
     if [ "$dry" = 1 ]; then set -- --model tiny --ctx 64 --budgets 16 --ddtree-ctx 128 --attn-impl auto
-    else set -- --ctx 4096 --budgets 64 256 --attn-impl ${ROUNDS_IMPLS:-auto pallas-reduced-merge pallas-unfused pallas-triton}; fi
+    else set -- --ctx 4096 --budgets 64 256 --attn-impl ${ROUNDS_IMPLS:-auto triton}; fi
     step rounds_tiling "$limit" python -m dflash_jax.bench.spec_round "$@" --no-profile --out "$out/rounds_tiling.json" ;;
 rounds-split)
     export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="
@@ -195,8 +193,8 @@ rounds-split)
         --dump-hlo "$out/hlo" --out "$out/rounds_split.json" ;;
 kernel)
     # Issue 4's grid (ctx 1K-32K, W 16-512, plus W 1 and 272) with today's defaults, beside the
-    # single launch (`--one-launch`), the kernels as dispatched (`--hopper`: the Mosaic GPU kernel
-    # on sm_90 where it applies) and XLA, with GPU kernel times from a profile.
+    # kernels as dispatched (`--hopper`: the Mosaic GPU kernel on sm_90 where it applies) and XLA,
+    # with GPU kernel times from a profile.
     # KERNEL_CONTEXTS / KERNEL_WIDTHS narrow the grid; KERNEL_TILINGS adds explicit tilings
     # ("W:block_q,block_k,warps,stages,split[,tail]" ...), each timed beside the default.
     tilings=()
@@ -207,18 +205,19 @@ kernel)
         set -- --contexts ${KERNEL_CONTEXTS:-1024 4096 16384 32768} --widths ${KERNEL_WIDTHS:-1 16 64 256 272 512} \
             --reps 5 --budget 480 --profile /tmp/kernel_profile
     fi
-    step kernel "$limit" python -m dflash_jax.bench.tree_attention_bench "$@" --one-launch --hopper --hopper-variants \
+    step kernel "$limit" python -m dflash_jax.bench.tree_attention_bench "$@" --hopper \
         "${tilings[@]}" --out "$out/kernel.json"
     # SWEEP_S=seconds adds a random tiling sweep at W = 64 and 272 (ctx 4K and 32K).
     [ "$dry" = 1 ] || [ -z "${SWEEP_S:-}" ] || kernel_sweep "$SWEEP_S" --contexts 4096 32768 --widths 64 272 ;;
 kernel-tests)
     # tests/conftest.py keeps jax on the CPU unless JAX_PLATFORMS says otherwise.
     if [ "$dry" = 1 ]; then echo "kernel-tests: GPU only (nothing to run with DRY=1)"
-    else JAX_PLATFORMS=cuda step kernel_tests "$limit" python -m pytest -q tests/test_tree_attention_hopper.py \
-        tests/test_qkv_epilogue.py tests/test_tree_attention.py tests/test_split_merge.py tests/test_residual_norm.py -k gpu_; fi ;;
+    else JAX_PLATFORMS=cuda step kernel_tests "$limit" python -m pytest -q tests/test_tree_attention.py \
+        tests/test_tree_attention_hopper.py tests/test_qkv_epilogue.py tests/test_kv_compact.py tests/test_split_merge.py \
+        tests/test_residual_norm.py tests/test_top_k_kernel.py tests/test_drafter_block_qkv.py -k gpu_; fi ;;
 kernel-sweep)
     # The sweep alone: `kernel SWEEP_S=...` first times the whole grid, which takes most of a
-    # call (ninth session). Each configuration's median ms is printed as it finishes.
+    # call. Each configuration's median ms is printed as it finishes.
     if [ "$dry" = 1 ]; then kernel_sweep 120 --interpret --contexts 64 --widths 16
     else
         # shellcheck disable=SC2086
@@ -339,7 +338,7 @@ collectives)
     # One all-reduce at the tp shapes: NCCL, NCCL on the compute stream, XLA's one-shot kernel
     # 136 rows: half of a budget-256 tree, the chunk one-shot-split all-reduces at the 32B width.
     if [ "$dry" = 1 ]; then set -- --tiny; else set -- --rows 1 80 136 272 --hidden 4096 5120; fi
-    # (nccl-sync and one-shot were no faster than nccl: BENCHMARKS.md, fifth session.) nccl-graph
+    # (nccl-sync and one-shot were no faster than nccl: BENCHMARKS.md.) nccl-graph
     # records the all-reduces into XLA's CUDA graphs: is the ~23 us floor per op launch cost?
     step collectives "$limit" python -m dflash_jax.bench.collectives "$@" --variants nccl nccl-graph nccl-no-graph \
         --out "$out/collectives.json" ;;
