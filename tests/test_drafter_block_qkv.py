@@ -123,7 +123,7 @@ def test_block_pass_on_the_fused_path_matches_the_fused_layout(variant, dtype, m
     # float32: the same ops in another order; bf16: one unit in the last place of the largest
     # value (2^-7 of it at most; bf16 keeps 8 significant bits). Both orders round, and which way
     # a value near a boundary goes depends on the CPU's code: on one machine they came out
-    # equal, on another (thirtieth session) two of 1830 logits differed by one unit at 2.0.
+    # equal, on another two of 1830 logits differed by one unit at 2.0.
     tol = 1e-5 if dtype == jnp.float32 else 2 ** -7
     usual = run_block(joint, dcfg, target, dtype, block_len)  # CPU: no schedule, the jnp path
     calls = force_fused_path(monkeypatch)
