@@ -14,10 +14,12 @@ every other kernel runs where it applies.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dflash_jax import drafter as dr
 from dflash_jax.accept import chain_rejection, follow_target
@@ -35,7 +37,8 @@ METHODS = ("dflash", "ddtree")
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer (numpy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 @dataclasses.dataclass(frozen=True)
