@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Literal
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +41,7 @@ from pallas_kernels.powers_of_two import is_power_of_two, next_power_of_two
 # other than Hopper, e.g. Ampere, which this lets a Hopper GPU run and test); "reference" (jnp);
 # "interpret" (the Triton kernel in Pallas' interpreter, for CPU tests).
 AttentionImpl = Literal["auto", "pallas", "triton", "reference", "interpret"]
-IMPLS: tuple[str, ...] = ("auto", "pallas", "triton", "reference", "interpret")
+IMPLS: tuple[str, ...] = get_args(AttentionImpl)
 
 # exp2 is the native GPU instruction; folding log2(e) into the score scale makes exp2 exact
 # replacement for exp.
