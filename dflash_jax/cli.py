@@ -127,22 +127,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                   sampling=sampling, stop_tokens=stop, seed=args.seed,
                                   stage=progress.of("ar"))
         else:
+            from dflash_jax.impl import Impl
             from dflash_jax.speculative import SpecSettings
 
             progress.begin(f"loading drafter {args.draft}")
             dcfg, dparams = _load_drafter_for(args.draft, cfg, dtype, mesh)
             settings = SpecSettings(method=args.method, block_size=args.block_size or dcfg.block_size,
                                     budget=args.budget, sampling=sampling, max_new_tokens=args.max_new_tokens,
-                                    stop_tokens=stop, rounds_per_check=args.rounds_per_check)
+                                    stop_tokens=stop)
+            impl = Impl(rounds_per_check=args.rounds_per_check)
             run = pipeline.run_speculative(params, cfg, dparams, dcfg, prompts, lens, settings,
-                                           seed=args.seed, stage=progress.of(args.method))
+                                           seed=args.seed, impl=impl, stage=progress.of(args.method))
             if args.stage_times:
                 progress.begin("timing each stage of a round")
                 import jax
 
                 from dflash_jax.stage_times import time_stages
                 stages = time_stages(params, cfg, dparams, dcfg, jnp.asarray(prompts), jnp.asarray(lens),
-                                     jax.random.key(args.seed), settings=settings,
+                                     jax.random.key(args.seed), settings=settings, impl=impl,
                                      max_len=pipeline.default_max_len(prompts.shape[1], args.max_new_tokens,
                                                                       settings.cache_slack()))
         ar = None

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.impl import Impl
 from dflash_jax.jsonl import iter_jsonl
 from dflash_jax.sampling import SamplingParams
 
@@ -120,12 +121,13 @@ def bench_tokens(params: Any, cfg: Any, token_lists: Sequence[Sequence[int]], ca
                  specs: Sequence[MethodSpec], *, dparams: Any = None, dcfg: Any = None,
                  max_new_tokens: int = 256, batch_size: int = 1, stop_tokens: tuple[int, ...] = (),
                  sampling: SamplingParams = SamplingParams(), seed: int = 0, width_multiple: int = 64,
-                 progress: bool = True) -> dict[str, Any]:
+                 progress: bool = True, impl: Impl = Impl()) -> dict[str, Any]:
     """Runs every method over the token prompts; returns the JSON-ready report.
 
     Prompts are decoded in their given order, `batch_size` at a time, every batch right-padded
     to the longest prompt rounded up to `width_multiple`: one compiled program per method (on a
-    GPU a compile costs more than the padded prefill rows).
+    GPU a compile costs more than the padded prefill rows). impl: how every method computes
+    (`impl.Impl`).
     """
     from tqdm.auto import tqdm
 
@@ -168,12 +170,12 @@ def bench_tokens(params: Any, cfg: Any, token_lists: Sequence[Sequence[int]], ca
                     ("ar", arr.shape, max_len), generate_ar,
                     (params, cfg, jnp.asarray(arr), jnp.asarray(lens), key),
                     dict(max_new_tokens=max_new_tokens, max_len=max_len, sampling=sampling,
-                         stop_tokens=tuple(stop_tokens)))
+                         stop_tokens=tuple(stop_tokens), impl=impl))
             else:
                 gen, secs = compiled.run(
                     (spec, arr.shape, max_len), speculative_program(settings),
                     (params, cfg, dparams, dcfg, jnp.asarray(arr), jnp.asarray(lens), key),
-                    dict(settings=settings, max_len=max_len))
+                    dict(settings=settings, max_len=max_len, impl=impl))
             toks, counts = np.asarray(gen.tokens), np.asarray(gen.num_tokens)
             for row, i in enumerate(idx):
                 outs[i] = toks[row, :counts[row]].tolist()

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import ModelConfig
+from dflash_jax.impl import Impl
 from dflash_jax.kv_cache import KVCache
 from dflash_jax.model import ModelParams, forward
 from dflash_jax.sampling import SamplingParams, sample
@@ -84,21 +85,23 @@ def is_stop(tokens: jax.Array, stop_tokens: tuple[int, ...]) -> jax.Array:
 # before it issues the next, so each step starts with the GPU waiting on the host. Speculative
 # decoding compiles its loop so too (`speculative.DDTREE_COMPILER_OPTIONS`). AR decoding at ctx 4K
 # (Qwen3-8B shape, 127 tokens, in turns): 4.803 against 4.844 ms a token with XLA's default
-# command types, faster in each of 7 turns, the same tokens (BENCHMARKS.md, thirty-first session).
+# command types, faster in each of 7 turns, the same tokens (BENCHMARKS.md).
 COMMAND_BUFFERS_ALL = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
                        "xla_gpu_graph_min_graph_size": 1}
 COMMAND_BUFFERS_OFF = {"xla_gpu_enable_command_buffer": ""}
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "max_len", "sampling", "stop_tokens",
-                                             "attn_impl"), compiler_options=COMMAND_BUFFERS_ALL)
+                                             "impl"), compiler_options=COMMAND_BUFFERS_ALL)
 def generate_ar(params: ModelParams, cfg: ModelConfig, prompts: jax.Array, prompt_lens: jax.Array,
                 key: jax.Array, *, max_new_tokens: int, max_len: int,
                 sampling: SamplingParams = SamplingParams(), stop_tokens: tuple[int, ...] = (),
-                attn_impl: str = "auto") -> Generation:
+                impl: Impl = Impl()) -> Generation:
     """Autoregressive generation for a batch of right-padded prompts [batch, P].
 
     Each sequence stops after a stop token (which is kept) or `max_new_tokens` tokens.
+    impl: the attention's implementation (`Impl.attention`); the loop reads `done` every step
+    (its `rounds_per_check` is for speculative rounds).
     """
     batch = prompts.shape[0]
     if prompts.shape[1] + max_new_tokens > max_len:
@@ -106,7 +109,7 @@ def generate_ar(params: ModelParams, cfg: ModelConfig, prompts: jax.Array, promp
                          f"max_new_tokens {max_new_tokens} need {prompts.shape[1] + max_new_tokens}")
     dtype = params.embed.dtype
     cache = KVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, dtype)
-    logits, _, cache = prefill(params, cfg, prompts, prompt_lens, cache, attn_impl=attn_impl)
+    logits, _, cache = prefill(params, cfg, prompts, prompt_lens, cache, attn_impl=impl.attention)
     key, sub = jax.random.split(key)
     first = sample(sub, logits, sampling)
     out = jnp.full((batch, max_new_tokens), PAD, jnp.int32).at[:, 0].set(first)
@@ -119,7 +122,7 @@ def generate_ar(params: ModelParams, cfg: ModelConfig, prompts: jax.Array, promp
     def body(state):
         cache, last, out, count, done, key = state
         positions = cache.lengths[:, None]
-        step = forward(params, cfg, last[:, None], positions, cache, None, attn_impl=attn_impl)
+        step = forward(params, cfg, last[:, None], positions, cache, None, attn_impl=impl.attention)
         key, sub = jax.random.split(key)
         nxt = sample(sub, step.logits[:, 0], sampling)
         # Finished sequences keep their slot and output; their compute is wasted but harmless.

@@ -21,10 +21,8 @@ from dflash_jax.params import (EMBED, HEAD_DIM, KV_HEADS, MLP, Q_HEADS, VOCAB, P
 from dflash_jax.rope import apply_rope, rope_tables
 from dflash_jax.sharding import (BATCH, attention, check_model, constrain, constrain_cache, embed_lookup,
                                  kv_heads_sharded, mesh_sizes, row_groups, row_parallel_chunks, specs_shardings)
-from pallas_kernels import gate_up_silu as gated
 from pallas_kernels import qkv_epilogue as epilogue
 from pallas_kernels import residual_norm as residual
-from pallas_kernels import silu_mul as activation_kernel
 from pallas_kernels.tree_attention import rows_schedule, tree_attention_rows
 
 dataclass = dataclasses.dataclass
@@ -64,13 +62,11 @@ class AttentionParams:
 @jax.tree_util.register_dataclass
 @dataclass
 class MLPParams:
-    """gate and up as checkpoints store them, or fused into gate_up (`fuse_projections`), or
-    fused as the gated-activation kernel takes them (`kernel_mlp_layout`)."""
+    """gate and up as checkpoints store them, or fused into gate_up (`fuse_projections`)."""
     gate: Any = None  # [embed, mlp]
     up: Any = None  # [embed, mlp]
     down: Any = None  # [mlp, embed]
     gate_up: Any = None  # [embed, 2, mlp]: gate, then up
-    gate_up_t: Any = None  # [2, mlp, embed]: gate, then up, each [out, in]
 
 
 @jax.tree_util.register_dataclass
@@ -203,43 +199,6 @@ def can_fuse(cfg: ModelConfig, tp: int) -> bool:
     return tp == 1 or kv_heads_sharded(cfg.num_kv_heads, tp)
 
 
-# ----------------------------------------------------------------------------- kernel layout
-
-def kernel_mlp_layout(params: ModelParams, consume: bool = False) -> ModelParams:
-    """The fused layout with each layer's gate_up stored [2, mlp, embed] (`gate_up_t`), as the
-    gated-activation kernel (`pallas_kernels/gate_up_silu.py`) takes it: the verify of a wide
-    tree then runs gate_up, SiLU and the product in one launch (`mlp_kernel_rows`); elsewhere
-    XLA takes the same weight. Same values. Not the default: at 257 rows on an H200 the kernel
-    lost to XLA's gate_up + SiLU (DDTree(256) 11.11 against 10.93 ms; with its warpgroups taking
-    jobs in turn over 6 stages, 10.64 against 10.60). Params on a mesh come back unchanged (the kernel
-    runs on one device), and so do params already in this layout.
-    consume: delete each layer's [embed, 2, mlp] weight once its new one exists.
-    """
-    if not is_fused(params):
-        raise ValueError("kernel_mlp_layout: params must be in the fused layout (fuse_projections) first")
-    mesh = getattr(getattr(params.embed, "sharding", None), "mesh", None)
-    if (mesh is not None and not getattr(mesh, "empty", False)) or params.layers[0].mlp.gate_up_t is not None:
-        return params
-    turn = jax.jit(lambda w: jnp.transpose(w, (1, 2, 0)))
-
-    def separate(lp: LayerParams) -> tuple:
-        return (lp.mlp.gate_up,)
-
-    def fused(lp: LayerParams, gate_up_t: jax.Array) -> LayerParams:
-        return dataclasses.replace(lp, mlp=MLPParams(gate_up_t=gate_up_t, down=lp.mlp.down))
-
-    return dataclasses.replace(params, layers=fuse_layer_weights(params.layers, lambda w: (turn(w),), separate,
-                                                                 fused, consume))
-
-
-def mlp_kernel_rows(params: ModelParams, rows: int) -> int:
-    """Rows the verify's gated-activation kernel takes for `rows` tokens (padded to a multiple of
-    8), or 0 where XLA runs the step: weights not in `kernel_mlp_layout`, no Hopper GPU, or rows
-    that fill fewer than two of the kernel's row tiles."""
-    mlp = params.layers[0].mlp if params.layers else None
-    if mlp is None or mlp.gate_up_t is None or not gated.applies(rows, mlp.gate_up_t):
-        return 0
-    return -(-rows // 8) * 8
 
 
 # ----------------------------------------------------------------------------- building blocks
@@ -381,12 +340,10 @@ def output_projection(p: AttentionParams, attn: jax.Array) -> jax.Array:
 
 
 def gate_up_product(p: MLPParams, x: jax.Array) -> jax.Array:
-    """x [..., embed] -> the fused product [..., 2, mlp] (gate, then up) of `gate_up` or
-    `gate_up_t`. One GEMM for both; like HF's bf16 Linear layers, gate and up come out rounded to
-    the activation dtype (exact in float32)."""
-    if p.gate_up is not None:
-        return jnp.einsum("...e,etm->...tm", x, p.gate_up, preferred_element_type=x.dtype)
-    return jnp.einsum("...e,tme->...tm", x, p.gate_up_t, preferred_element_type=x.dtype)
+    """x [..., embed] -> the fused product [..., 2, mlp] (gate, then up) of `gate_up`. One GEMM
+    for both; like HF's bf16 Linear layers, gate and up come out rounded to the activation dtype
+    (exact in float32)."""
+    return jnp.einsum("...e,etm->...tm", x, p.gate_up, preferred_element_type=x.dtype)
 
 
 def gated_activation(both: jax.Array, dtype: Any) -> jax.Array:
@@ -397,7 +354,7 @@ def gated_activation(both: jax.Array, dtype: Any) -> jax.Array:
 
 def mlp_activation(p: MLPParams, x: jax.Array) -> jax.Array:
     """x [batch, seq, embed] -> SiLU(gate) * up [batch, seq, mlp] in x's dtype."""
-    if p.gate_up is not None or p.gate_up_t is not None:
+    if p.gate_up is not None:
         act = gated_activation(gate_up_product(p, x), x.dtype)
     else:
         gate = jnp.einsum("bse,em->bsm", x, p.gate, preferred_element_type=jnp.float32)
@@ -422,7 +379,7 @@ def split_k_product(x: jax.Array, w: jax.Array, splits: int) -> jax.Array:
     return jnp.einsum("rsk,skn->srn", xs, ws, preferred_element_type=jnp.float32)
 
 
-def residual_splits(params: ModelParams, cfg: ModelConfig, rows: int, sched: Any, enabled: bool,
+def residual_splits(params: ModelParams, cfg: ModelConfig, rows: int, sched: Any,
                     num_sms: int = 132) -> int:
     """How many K slices the o and down products take on the fused residual path; 0 where it
     does not run (it runs beside the Hopper attention kernel, so only where `sched` is set).
@@ -433,7 +390,7 @@ def residual_splits(params: ModelParams, cfg: ModelConfig, rows: int, sched: Any
     slice (float32 out) and the kernel took 18.55 ms a DDTree(512) round against XLA's 18.46
     on an H200.
     """
-    if not enabled or sched is None or params.layers[0].attn.o_bias is not None:
+    if sched is None or params.layers[0].attn.o_bias is not None:
         return 0
     if not residual.applies(cfg.hidden_size):
         return 0
@@ -482,47 +439,20 @@ def _after_attention(lp: LayerParams, cfg: ModelConfig, x: jax.Array, attn: jax.
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
 
-# The residual path's implementations (`forward(residual=...)`): the o and down products as
-# K-slice partials summed, with the residual add and the next norm, by one `residual_norm` kernel
-# launch ("kernel") or by XLA from the same jnp ops ("jnp"); or the usual path, where XLA splits
-# the products itself ("xla").
-RESIDUAL_IMPLS = ("kernel", "jnp", "xla")
-# The gated activation on that path after XLA's gate_up product (`forward(activation=...)`): XLA's
-# fusion ("xla") or one `silu_mul` launch ("kernel"; opt-in: no faster on the H200).
-ACTIVATION_IMPLS = ("xla", "kernel")
-
-
 def _after_attention_fused(lp: LayerParams, cfg: ModelConfig, x: jax.Array, attn: jax.Array,
-                           next_norm: jax.Array, splits: int, impl: str = "kernel", kernel_rows: int = 0,
-                           activation: str = "xla") -> tuple[jax.Array, jax.Array]:
-    """`_after_attention` and the next norm (`next_norm`), each projection's split-K sum,
-    residual add and norm at once (`impl`: "kernel", one `residual_norm` launch, or "jnp"). Same
-    values as the usual path up to the order of the float32 sums.
-    kernel_rows (`mlp_kernel_rows`): if not 0, the gated activation by its kernel, on the norm
-    padded with zero rows to kernel_rows (written so by the junction, no pad of its own), and
-    the down product over those rows too (the junction after it reads only the real ones).
-    activation (`ACTIVATION_IMPLS`): otherwise, after XLA's fused gate_up product, silu(gate) * up
-    by XLA ("xla") or by one `silu_mul` launch ("kernel", where it applies).
+                           next_norm: jax.Array, splits: int) -> tuple[jax.Array, jax.Array]:
+    """`_after_attention` and the next norm (`next_norm`): each projection's split-K sum,
+    residual add and norm in one `residual_norm` launch. Same values as the usual path up to the
+    order of the float32 sums.
     x: [batch, W, embed] -> (x, normed x), both [batch, W, embed].
     """
     batch, width, embed = x.shape
     rows = batch * width
-    if impl == "kernel":
-        interpret = jax.default_backend() != "gpu"  # the path runs on GPUs; tests drive it on CPUs
-        junction = functools.partial(residual.residual_norm, eps=cfg.rms_norm_eps, interpret=interpret)
-    else:
-        junction = functools.partial(residual.residual_norm_reference, eps=cfg.rms_norm_eps)
+    interpret = jax.default_backend() != "gpu"  # the path runs on GPUs; tests drive it on CPUs
+    junction = functools.partial(residual.residual_norm, eps=cfg.rms_norm_eps, interpret=interpret)
     o_parts = split_k_product(attn.reshape(rows, -1), lp.attn.o.reshape(-1, embed), splits)
-    if kernel_rows:
-        x2, h = junction(x.reshape(rows, embed), o_parts, lp.mlp_norm, norm_rows=kernel_rows)
-        act = gated.gate_up_silu_kernel(h, lp.mlp.gate_up_t, tiles=gated.decode_tiles(kernel_rows))
-    else:
-        x2, h = junction(x.reshape(rows, embed), o_parts, lp.mlp_norm)
-        gate_up = lp.mlp.gate_up
-        if activation == "kernel" and gate_up is not None and activation_kernel.applies(gate_up.shape[-1]):
-            act = activation_kernel.silu_mul(gate_up_product(lp.mlp, h), interpret=jax.default_backend() != "gpu")
-        else:
-            act = mlp_activation(lp.mlp, h.reshape(batch, width, embed)).reshape(rows, -1)
+    x2, h = junction(x.reshape(rows, embed), o_parts, lp.mlp_norm)
+    act = mlp_activation(lp.mlp, h.reshape(batch, width, embed)).reshape(rows, -1)
     x3, h3 = junction(x2, split_k_product(act, lp.mlp.down, splits), next_norm)
     return x3.reshape(batch, width, embed), h3.reshape(batch, width, embed)
 
@@ -539,8 +469,7 @@ class ForwardOutput:
 def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
             cache: KVCache, visible: jax.Array | None = None, *, tap_layers: tuple[int, ...] = (),
             logit_rows: jax.Array | None = None, compute_logits: bool = True,
-            return_hidden: bool = False, attn_impl: str = "auto", residual: str = "kernel",
-            activation: str = "xla") -> ForwardOutput:
+            return_hidden: bool = False, attn_impl: str = "auto") -> ForwardOutput:
     """Runs W new tokens per sequence through the target.
 
     tokens, positions: [batch, W] int32. The new K/V go to cache slots
@@ -550,14 +479,10 @@ def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions:
         for the last layer is the final-normed output).
     logit_rows: optional [batch, R] row indices; logits are computed only for those rows.
     Where the Hopper tree-attention kernel runs (`epilogue_schedule`), each layer takes the
-    fused path of `attend_fused`, and (unless `residual` is "xla") the o and down products
-    end in `residual_norm` (`residual_splits`, `RESIDUAL_IMPLS`): same values, fewer kernels;
-    there `activation` ("kernel") takes silu(gate) * up from XLA to `silu_mul` (`ACTIVATION_IMPLS`).
+    fused path of `attend_fused`, and where `residual_splits` allows, the o and down products
+    end in `residual_norm`: same values, fewer kernels.
+    attn_impl: the attention's implementation (`impl.ATTENTION_IMPLS`).
     """
-    if residual not in RESIDUAL_IMPLS:
-        raise ValueError(f"residual must be one of {RESIDUAL_IMPLS}, got {residual!r}")
-    if activation not in ACTIVATION_IMPLS:
-        raise ValueError(f"activation must be one of {ACTIVATION_IMPLS}, got {activation!r}")
     bad = [t for t in tap_layers if not 0 <= t < cfg.num_layers]
     if bad:
         raise ValueError(f"tap_layers {bad} out of range for a {cfg.num_layers}-layer target")
@@ -565,8 +490,7 @@ def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions:
     cos, sin = rope_tables(positions, cfg.rope, cfg.head_dim)
     starts = cache.lengths
     sched = epilogue_schedule(params, cfg, tokens.shape[0], tokens.shape[1], cache, x.dtype, attn_impl)
-    splits = residual_splits(params, cfg, tokens.shape[0] * tokens.shape[1], sched, residual != "xla")
-    kernel_rows = mlp_kernel_rows(params, tokens.shape[0] * tokens.shape[1]) if splits else 0
+    splits = residual_splits(params, cfg, tokens.shape[0] * tokens.shape[1], sched)
     new_k, new_v, taps = [], [], {}
     norms = [lp.attn_norm for lp in params.layers[1:]] + [params.final_norm]  # each layer's next norm
     h = rms_norm(x, params.layers[0].attn_norm, cfg.rms_norm_eps)
@@ -581,7 +505,7 @@ def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions:
             v_buf = constrain_cache(write_rows(cache.v[i], v, starts))
             attn = attention(q, k_buf, v_buf, starts, visible, impl=attn_impl)  # shard_map under a mesh
         if splits:
-            x, h = _after_attention_fused(lp, cfg, x, attn, norms[i], splits, residual, kernel_rows, activation)
+            x, h = _after_attention_fused(lp, cfg, x, attn, norms[i], splits)
         else:
             x = _after_attention(lp, cfg, x, attn)
             h = rms_norm(x, norms[i], cfg.rms_norm_eps)
@@ -603,5 +527,4 @@ def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions:
 
 
 # `forward` as one compiled program (configs and flags static); the decoders jit whole loops instead.
-forward_jit = jax.jit(forward, static_argnames=("cfg", "tap_layers", "compute_logits", "return_hidden", "attn_impl",
-                                                "residual", "activation"))
+forward_jit = jax.jit(forward, static_argnames=("cfg", "tap_layers", "compute_logits", "return_hidden", "attn_impl"))

@@ -15,6 +15,7 @@ import numpy as np
 
 from dflash_jax.config import ModelConfig
 from dflash_jax.generate import Generation, check_prompts, generate_ar
+from dflash_jax.impl import Impl
 from dflash_jax.sampling import SamplingParams
 
 _STOP_TOKEN_TEXTS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end_of_text|>")
@@ -154,22 +155,22 @@ def default_max_len(prompt_width: int, max_new_tokens: int, slack: int) -> int:
 
 def run_ar(params: Any, cfg: ModelConfig, prompts: np.ndarray, lens: np.ndarray, *, max_new_tokens: int,
            sampling: SamplingParams, stop_tokens: tuple[int, ...], seed: int = 0, max_len: int | None = None,
-           attn_impl: str = "auto", stage: Callable[[str], None] | None = None) -> TimedGeneration:
+           impl: Impl = Impl(), stage: Callable[[str], None] | None = None) -> TimedGeneration:
     max_len = max_len or default_max_len(prompts.shape[1], max_new_tokens, 1)
     check_prompts(lens, prompts.shape[1], max_new_tokens, max_len)
     return timed_call(generate_ar, params, cfg, jnp.asarray(prompts), jnp.asarray(lens), jax.random.key(seed),
                       max_new_tokens=max_new_tokens, max_len=max_len, sampling=sampling,
-                      stop_tokens=stop_tokens, attn_impl=attn_impl, stage=stage)
+                      stop_tokens=stop_tokens, impl=impl, stage=stage)
 
 
 def run_speculative(params: Any, cfg: ModelConfig, dparams: Any, dcfg: Any, prompts: np.ndarray,
                     lens: np.ndarray, settings: Any, *, seed: int = 0, max_len: int | None = None,
-                    stage: Callable[[str], None] | None = None) -> TimedGeneration:
+                    impl: Impl = Impl(), stage: Callable[[str], None] | None = None) -> TimedGeneration:
     from dflash_jax.speculative import speculative_program
 
     slack = settings.cache_slack()
     max_len = max_len or default_max_len(prompts.shape[1], settings.max_new_tokens, slack)
     check_prompts(lens, prompts.shape[1], settings.max_new_tokens, max_len, slack=slack)
     return timed_call(speculative_program(settings), params, cfg, dparams, dcfg, jnp.asarray(prompts),
-                      jnp.asarray(lens), jax.random.key(seed), settings=settings, max_len=max_len,
+                      jnp.asarray(lens), jax.random.key(seed), settings=settings, max_len=max_len, impl=impl,
                       stage=stage)

@@ -6,95 +6,80 @@ One round (DESIGN.md, "The round"):
   3. verify  -- one target pass over the W tree slots with tree attention;
   4. accept  -- walk down the tree following the target (or rejection-sample the chain);
   5. commit  -- compact accepted K/V, extend the drafter context, emit tokens, update `done`.
-The generation is a `lax.while_loop` of rounds (`SpecSettings.rounds_per_check` of them between
-two looks at `done`); every sequence of the batch has its own length, tree, accepted count and
-stop state.
+The generation is a `lax.while_loop` of rounds (`Impl.rounds_per_check` of them between two
+looks at `done`); every sequence of the batch has its own length, tree, accepted count and stop
+state. `SpecSettings` says what is decoded, `impl.Impl` how (the attention's implementation);
+every other kernel runs where it applies.
 """
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dflash_jax import drafter as dr
 from dflash_jax.accept import chain_rejection, follow_target
 from dflash_jax.config import ModelConfig
 from dflash_jax.generate import COMMAND_BUFFERS_ALL, COMMAND_BUFFERS_OFF, PAD, Generation, is_stop, prefill
+from dflash_jax.impl import Impl
 from dflash_jax.kv_cache import KVCache, gather_rows, write_rows
-from dflash_jax.model import ACTIVATION_IMPLS, RESIDUAL_IMPLS, ModelParams, forward
+from dflash_jax.model import ModelParams, forward
 from dflash_jax.sampling import SamplingParams, sample, sample_from_probs, sampling_probs
 from dflash_jax.sharding import mesh_sizes
-from dflash_jax.tree import RANK_TOP_K_MAX, ROW_BLOCK, TOP_K_CHUNK, Tree, build_tree, chain_tree, tree_width
+from dflash_jax.tree import Tree, build_tree, chain_tree, tree_width
 from pallas_kernels import kv_compact
 
 METHODS = ("dflash", "ddtree")
 
 
+def _is_int(value: Any) -> bool:
+    """An integer (numpy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
 @dataclasses.dataclass(frozen=True)
 class SpecSettings:
-    """Static settings of a speculative decoder."""
+    """What a speculative decoder decodes (static; the implementation is `impl.Impl`).
+
+    method: "dflash" (the drafted block as a chain) or "ddtree" (the best-`budget` tree).
+    block_size: the drafter's block (root + block_size - 1 drafted tokens), >= 2.
+    budget: DDTree's drafted nodes per tree (root excluded), >= 1; unused by DFlash.
+    sampling: greedy at temperature 0, else the target's distribution exactly (lossless).
+    max_new_tokens: tokens emitted per sequence at most, >= 1.
+    stop_tokens: token ids that end a sequence (the stop token is kept).
+    """
 
     method: str = "dflash"
     block_size: int = 16
-    budget: int = 0  # DDTree node budget (drafted nodes, root excluded)
-    # DDTree's width W is 1 + budget rounded up to a multiple of this (tree.tree_width); every
-    # verify kernel pads its own rows, so this only trades padding rows against shapes.
-    row_block: int = ROW_BLOCK
+    budget: int = 0
     sampling: SamplingParams = SamplingParams()
     max_new_tokens: int = 256
     stop_tokens: tuple[int, ...] = ()
-    attn_impl: str = "auto"  # "reference"/"interpret" also keep the commit's K/V compaction in XLA
-    top_k_chunk: int = TOP_K_CHUNK  # DDTree's vocabulary top_k in chunks (tree.chunked_top_k); 0: one top_k
-    rank_max: int = RANK_TOP_K_MAX  # DDTree's own top-k selections by ranking up to this length (build_tree)
-    # DDTree's vocabulary top-k (`tree.build_tree`'s preselect): a fan-out, 0 (none), -c (radix),
-    # "kernel" (the Triton top-k, `tree.kernel_top_k`); None: by backend (on a GPU, the kernel).
-    preselect: int | str | None = None
-    # The commit moves every layer's accepted K/V in one Pallas launch (`pallas_kernels/kv_compact.py`)
-    # where `compact_in_one_launch` allows it; False: a gather + row write per buffer in XLA (2 x layers
-    # kernels), e.g. to compare the two.
-    compact_kernel: bool = True
-    # Where the fused verify path runs, the o and down products end in one `residual_norm` launch
-    # each (`model.residual_splits`); "jnp": the same ops left to XLA; "xla": the usual path
-    # (`model.RESIDUAL_IMPLS`), e.g. to compare them.
-    residual: str = "kernel"
-    # On that path, silu(gate) * up after XLA's gate_up product: XLA's fusion ("xla") or one
-    # `pallas_kernels/silu_mul.py` launch ("kernel"; opt-in: no faster on the H200).
-    activation: str = "xla"
-    # The generation's loop looks at `done` (which the host must read back) once every this many
-    # rounds; rounds run after every sequence is done change nothing but cost their time. Between
-    # checks the host issues rounds ahead of the GPU instead of waiting for each one to end.
-    rounds_per_check: int = 1
-    # The drafter's context rows (`drafter.append_context`): "auto" writes each layer's K/V with one
-    # `kv_epilogue` launch where it applies (a GPU, no mesh); "xla": XLA's kernels, e.g. to compare.
-    context_epilogue: str = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
-        if self.block_size < 2:
-            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if not _is_int(self.block_size) or self.block_size < 2:
+            raise ValueError(f"block_size must be an int >= 2, got {self.block_size!r}")
+        if not _is_int(self.budget) or self.budget < 0:
+            raise ValueError(f"budget must be an int >= 0, got {self.budget!r}")
         if self.method == "ddtree" and self.budget < 1:
             raise ValueError(f"budget must be >= 1 for ddtree, got {self.budget}")
-        if isinstance(self.row_block, bool) or not isinstance(self.row_block, int) or self.row_block < 1:
-            raise ValueError(f"row_block must be an int >= 1, got {self.row_block!r}")
-        if self.residual not in RESIDUAL_IMPLS:
-            raise ValueError(f"residual must be one of {RESIDUAL_IMPLS}, got {self.residual!r}")
-        if self.activation not in ACTIVATION_IMPLS:
-            raise ValueError(f"activation must be one of {ACTIVATION_IMPLS}, got {self.activation!r}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if isinstance(self.rounds_per_check, bool) or not isinstance(self.rounds_per_check, int) \
-                or self.rounds_per_check < 1:
-            raise ValueError(f"rounds_per_check must be an int >= 1, got {self.rounds_per_check!r}")
-        if self.context_epilogue not in ("auto", "xla"):
-            raise ValueError(f"context_epilogue must be 'auto' or 'xla', got {self.context_epilogue!r}")
+        if not isinstance(self.sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if not isinstance(self.stop_tokens, tuple) or not all(_is_int(t) and t >= 0 for t in self.stop_tokens):
+            raise ValueError(f"stop_tokens must be a tuple of token ids >= 0, got {self.stop_tokens!r}")
 
     @property
     def width(self) -> int:
         """Tree slots verified per round."""
-        return self.block_size if self.method == "dflash" else tree_width(self.budget, self.row_block)
+        return self.block_size if self.method == "dflash" else tree_width(self.budget)
 
     def cache_slack(self) -> int:
         """Scratch slots past the committed length that a round writes."""
@@ -166,8 +151,7 @@ def propose(state: SpecState, logits: jax.Array, s: SpecSettings) -> tuple[Draft
             probs = sampling_probs(logits, s.sampling)
             log_probs = jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)), -jnp.inf)
         with jax.named_scope("tree"):  # a scope of its own, so profiles can split it from the drafter pass
-            tree = build_tree(log_probs, state.root, s.budget, s.width, s.top_k_chunk, s.rank_max,
-                              s.preselect)
+            tree = build_tree(log_probs, state.root, s.budget, s.width)
     return Draft(tree=tree, draft_probs=draft_probs, limit=_block_limit(state, s)), key
 
 
@@ -181,13 +165,12 @@ def draft_stage(state: SpecState, target: ModelParams, dparams: Any, dcfg: Any, 
 
 
 def verify_stage(state: SpecState, draft: Draft, target: ModelParams, cfg: ModelConfig, dcfg: Any,
-                 s: SpecSettings) -> tuple[jax.Array, jax.Array, KVCache]:
+                 impl: Impl = Impl()) -> tuple[jax.Array, jax.Array, KVCache]:
     """Step 3: the target over all tree slots at positions L + depth, K/V to slots L..L+W-1."""
     tree = draft.tree
     positions = state.cache.lengths[:, None] + tree.depths
     out = forward(target, cfg, tree.tokens, positions, state.cache, tree.visible,
-                  tap_layers=tuple(dcfg.target_layer_ids), attn_impl=s.attn_impl, residual=s.residual,
-                  activation=s.activation)
+                  tap_layers=tuple(dcfg.target_layer_ids), attn_impl=impl.attention)
     return out.logits, out.taps, out.cache
 
 
@@ -206,30 +189,29 @@ def accept_stage(key: jax.Array, draft: Draft, logits: jax.Array, s: SpecSetting
     return follow_target(draft.tree, choice, s.block_size - 1, draft.node_ok)
 
 
-def compact_in_one_launch(cache: KVCache, bs: int, attn_impl: str = "auto", backend: str | None = None,
-                          enabled: bool = True) -> bool:
+def compact_in_one_launch(cache: KVCache, bs: int, impl: Impl = Impl(), backend: str | None = None) -> bool:
     """Whether the commit moves the accepted K/V with `kv_compact` (one launch for all 2 x layers
-    buffers): on a GPU (`backend`, default `jax.default_backend()`), without a mesh (as
-    `model.epilogue_schedule`; under one the buffers are sharded and stay on XLA's per-buffer
-    path), with all buffers of one shape and dtype (`kv_compact.applies`); not when
-    `enabled` is off (`SpecSettings.compact_kernel`) or the attention runs in jnp ("reference")
-    or interpreted."""
-    if not enabled or attn_impl in ("reference", "interpret"):
+    buffers, where XLA takes a gather and a row write per buffer): on a GPU (`backend`, default
+    `jax.default_backend()`), without a mesh (as `model.epilogue_schedule`; under one the
+    buffers are sharded and stay on XLA's per-buffer path), with all buffers of one shape and
+    dtype (`kv_compact.applies`), and not when `impl` keeps the round in XLA
+    (`Impl.round_kernels`)."""
+    if not impl.round_kernels:
         return False
     if (backend or jax.default_backend()) != "gpu" or mesh_sizes() != (1, 1):
         return False
     return kv_compact.applies(cache.k + cache.v, bs)
 
 
-def _context_epilogue(s: SpecSettings) -> str:
-    """`append_context`'s epilogue for these settings: XLA's kernels wherever the attention runs
-    in jnp ("reference"/"interpret"), as the K/V compaction does."""
-    return "xla" if s.attn_impl in ("reference", "interpret") else s.context_epilogue
+def _context_epilogue(impl: Impl) -> str:
+    """`append_context`'s epilogue: its kernel where it applies ("auto"), XLA's kernels where
+    `impl` keeps the round in XLA (`Impl.round_kernels`), as the K/V compaction does."""
+    return "auto" if impl.round_kernels else "xla"
 
 
 def commit_stage(state: SpecState, draft: Draft, path: jax.Array, m: jax.Array, bonus: jax.Array,
                  taps: jax.Array, cache: KVCache, dparams: Any, dcfg: Any, s: SpecSettings,
-                 key: jax.Array) -> SpecState:
+                 key: jax.Array, impl: Impl = Impl()) -> SpecState:
     """Step 5: compact K/V of the accepted path, extend the drafter context, emit tokens."""
     batch, bs = path.shape
     active = ~state.done
@@ -237,7 +219,7 @@ def commit_stage(state: SpecState, draft: Draft, path: jax.Array, m: jax.Array, 
     # Accepted nodes' K/V move from their tree slots to contiguous slots L..L+m.
     slots = start[:, None] + path
     layers = len(cache.k)
-    if compact_in_one_launch(cache, bs, s.attn_impl, enabled=s.compact_kernel):
+    if compact_in_one_launch(cache, bs, impl):
         moved = kv_compact.kv_compact(cache.k + cache.v, slots, start)
     else:
         moved = tuple(write_rows(x, gather_rows(x, slots), start) for x in cache.k + cache.v)
@@ -247,7 +229,7 @@ def commit_stage(state: SpecState, draft: Draft, path: jax.Array, m: jax.Array, 
     path_taps = gather_rows(taps, path)
     positions = start[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
     draft_cache = dr.append_context(dparams, dcfg, state.draft_cache, path_taps, positions,
-                                    jnp.where(active, m + 1, 0), epilogue=_context_epilogue(s))
+                                    jnp.where(active, m + 1, 0), epilogue=_context_epilogue(impl))
     # Emitted this round: the accepted drafted tokens, then the bonus.
     j = jnp.arange(bs, dtype=jnp.int32)[None]
     nxt = jnp.take_along_axis(draft.tree.tokens, path, 1)
@@ -271,7 +253,7 @@ def commit_stage(state: SpecState, draft: Draft, path: jax.Array, m: jax.Array, 
 
 
 def spec_round(state: SpecState, target: ModelParams, cfg: ModelConfig, dparams: Any, dcfg: Any,
-               s: SpecSettings) -> SpecState:
+               s: SpecSettings, impl: Impl = Impl()) -> SpecState:
     """One fused round for the whole batch.
 
     Each stage runs under a named scope ("draft", "tree", "verify", "accept", "commit") so that a
@@ -280,18 +262,19 @@ def spec_round(state: SpecState, target: ModelParams, cfg: ModelConfig, dparams:
     with jax.named_scope("draft"):
         draft, key, state = draft_stage(state, target, dparams, dcfg, s)
     with jax.named_scope("verify"):
-        logits, taps, cache = verify_stage(state, draft, target, cfg, dcfg, s)
+        logits, taps, cache = verify_stage(state, draft, target, cfg, dcfg, impl)
     with jax.named_scope("accept"):
         key, k_accept = jax.random.split(key)
         path, m, bonus = accept_stage(k_accept, draft, logits, s)
     with jax.named_scope("commit"):
-        return commit_stage(state, draft, path, m, bonus, taps, cache, dparams, dcfg, s, key)
+        return commit_stage(state, draft, path, m, bonus, taps, cache, dparams, dcfg, s, key, impl)
 
 
 # ----------------------------------------------------------------------------- generation
 
 def start_state(target: ModelParams, cfg: ModelConfig, dparams: Any, dcfg: Any, prompts: jax.Array,
-                prompt_lens: jax.Array, key: jax.Array, max_len: int, s: SpecSettings) -> SpecState:
+                prompt_lens: jax.Array, key: jax.Array, max_len: int, s: SpecSettings,
+                impl: Impl = Impl()) -> SpecState:
     """Prefill the target, seed the drafter context with the prompt's features, emit token 1."""
     batch, width = prompts.shape
     need = width + s.max_new_tokens + s.cache_slack()
@@ -301,13 +284,13 @@ def start_state(target: ModelParams, cfg: ModelConfig, dparams: Any, dcfg: Any, 
     dtype = target.embed.dtype
     cache = KVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, dtype)
     logits, taps, cache = prefill(target, cfg, prompts, prompt_lens, cache,
-                                  tap_layers=tuple(dcfg.target_layer_ids), attn_impl=s.attn_impl)
+                                  tap_layers=tuple(dcfg.target_layer_ids), attn_impl=impl.attention)
     key, sub = jax.random.split(key)
     first = sample(sub, logits, s.sampling)
     draft_cache = dr.DraftCache.create(dcfg, batch, max_len, dtype)
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
     draft_cache = dr.append_context(dparams, dcfg, draft_cache, taps, positions, prompt_lens,
-                                    epilogue=_context_epilogue(s))
+                                    epilogue=_context_epilogue(impl))
     out = jnp.full((batch, s.max_new_tokens), PAD, jnp.int32).at[:, 0].set(first)
     return SpecState(cache=cache, draft_cache=draft_cache, root=first, out=out,
                      count=jnp.ones((batch,), jnp.int32),
@@ -317,20 +300,21 @@ def start_state(target: ModelParams, cfg: ModelConfig, dparams: Any, dcfg: Any, 
 
 
 def _generate(target: ModelParams, cfg: ModelConfig, dparams: Any, dcfg: Any, prompts: jax.Array,
-              prompt_lens: jax.Array, key: jax.Array, *, settings: SpecSettings, max_len: int) -> Generation:
-    state = start_state(target, cfg, dparams, dcfg, prompts, prompt_lens, key, max_len, settings)
+              prompt_lens: jax.Array, key: jax.Array, *, settings: SpecSettings, max_len: int,
+              impl: Impl = Impl()) -> Generation:
+    state = start_state(target, cfg, dparams, dcfg, prompts, prompt_lens, key, max_len, settings, impl)
 
     def rounds(st: SpecState) -> SpecState:
         # A round of a finished sequence commits and emits nothing (`commit_stage`'s `active`).
-        return jax.lax.fori_loop(0, settings.rounds_per_check,
-                                 lambda _, s: spec_round(s, target, cfg, dparams, dcfg, settings), st)
+        return jax.lax.fori_loop(0, impl.rounds_per_check,
+                                 lambda _, s: spec_round(s, target, cfg, dparams, dcfg, settings, impl), st)
 
     state = jax.lax.while_loop(lambda st: ~jnp.all(st.done), rounds, state)
     return Generation(tokens=state.out, num_tokens=state.count, accepted=state.accepted,
                       rounds=state.rounds)
 
 
-_STATIC = ("cfg", "dcfg", "settings", "max_len")
+_STATIC = ("cfg", "dcfg", "settings", "max_len", "impl")
 # XLA's DotMerger concatenates each layer's q/k/v weights inside the round loop once the tree is
 # wide (a 48 MB copy per layer per round at Qwen3-8B, budget 256). With the pass off, a DDTree(256)
 # round took 15.66 ms instead of 16.20 (H200, BENCHMARKS.md); DFlash rounds showed no gain.
@@ -339,16 +323,15 @@ DOT_MERGER_OFF = {"xla_gpu_dot_merger_threshold_mb": 0}
 # included: a DDTree(256) round as decoding runs it (`bench/decode_loop.py`, 63-127 rounds, in turns)
 # took 10.33 / 10.58 / 10.54 / 10.12 / 10.57 ms with them against 10.52 / 10.78 / 10.75 / 10.49 /
 # 10.95 ms with command buffers off, on five H200s, the same tokens; without the loop types 10.70
-# against 10.78 (BENCHMARKS.md, thirtieth session).
-# spec_round's fori_loop, which reads nothing back, is as fast either way. Earlier sessions had them
-# off, when they cost spec_round time (12.04 against 12.30 ms, thirteenth session).
+# against 10.78 (BENCHMARKS.md). spec_round's fori_loop, which reads nothing back, is as fast
+# either way.
 DDTREE_COMPILER_OPTIONS = {**DOT_MERGER_OFF, **COMMAND_BUFFERS_ALL}
 # The same without graphs, for programs a profiler must see into (a trace cannot attribute the
 # kernels of a graph to their HLO instructions).
 DDTREE_PROFILED_OPTIONS = {**DOT_MERGER_OFF, **COMMAND_BUFFERS_OFF}
 # DFlash likewise: block 16, 127 rounds as decoding runs them took 5.81 ms against 6.10 with XLA's
 # default command types and 6.03 with none; on another H200 5.84 against 6.02 with none (in turns;
-# BENCHMARKS.md, thirtieth session).
+# BENCHMARKS.md).
 DFLASH_COMPILER_OPTIONS = COMMAND_BUFFERS_ALL
 _generate_dflash = jax.jit(_generate, static_argnames=_STATIC, compiler_options=DFLASH_COMPILER_OPTIONS)
 _generate_ddtree = jax.jit(_generate, static_argnames=_STATIC, compiler_options=DDTREE_COMPILER_OPTIONS)
@@ -361,7 +344,10 @@ def speculative_program(settings: SpecSettings) -> Any:
 
 def generate_speculative(target: ModelParams, cfg: ModelConfig, dparams: Any, dcfg: Any,
                          prompts: jax.Array, prompt_lens: jax.Array, key: jax.Array, *,
-                         settings: SpecSettings, max_len: int) -> Generation:
-    """DFlash or DDTree generation for right-padded prompts [batch, P], all on device (one jit)."""
+                         settings: SpecSettings, max_len: int, impl: Impl = Impl()) -> Generation:
+    """DFlash or DDTree generation for right-padded prompts [batch, P], all on device (one jit).
+
+    settings: what is decoded; impl: how (`impl.Impl`; static, like settings).
+    """
     return speculative_program(settings)(target, cfg, dparams, dcfg, prompts, prompt_lens, key,
-                                         settings=settings, max_len=max_len)
+                                         settings=settings, max_len=max_len, impl=impl)

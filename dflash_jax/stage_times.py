@@ -25,6 +25,7 @@ from typing import Any, Callable
 import jax
 
 from dflash_jax.config import ModelConfig
+from dflash_jax.impl import Impl
 from dflash_jax.model import ModelParams
 from dflash_jax.speculative import (SpecSettings, SpecState, accept_stage, commit_stage, drafter_pass,
                                     propose, start_state, verify_stage)
@@ -52,28 +53,29 @@ def _timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
 
 def time_stages(target: ModelParams, cfg: ModelConfig, dparams: Any, dcfg: Any, prompts: jax.Array,
                 prompt_lens: jax.Array, key: jax.Array, *, settings: SpecSettings, max_len: int,
-                rounds: int = 8, warmup: int = 2) -> StageTimes:
+                impl: Impl = Impl(), rounds: int = 8, warmup: int = 2) -> StageTimes:
     """Runs `warmup + rounds` real rounds stage by stage from right-padded prompts [batch, P].
 
     The first `warmup` rounds compile and are not timed. Rounds stop early once every sequence is
     done. The stages, and the PRNG keys they use, are those of `spec_round`, so the tokens equal
-    the fused generation's.
+    the fused generation's. impl: as `generate_speculative` takes it (its `rounds_per_check`
+    does not apply: every round is run and timed on its own).
     """
     if rounds < 1 or warmup < 0:
         raise ValueError(f"rounds must be >= 1 and warmup >= 0, got rounds={rounds}, warmup={warmup}")
     s = settings
-    start = jax.jit(functools.partial(start_state, cfg=cfg, dcfg=dcfg, max_len=max_len, s=s))
+    start = jax.jit(functools.partial(start_state, cfg=cfg, dcfg=dcfg, max_len=max_len, s=s, impl=impl))
     state = start(target, dparams=dparams, prompts=prompts, prompt_lens=prompt_lens, key=key)
     f_draft = jax.jit(lambda st, t, d: drafter_pass(st, t, d, dcfg, s))
     f_tree = jax.jit(lambda st, logits: propose(st, logits, s))
-    f_verify = jax.jit(lambda st, draft, t: verify_stage(st, draft, t, cfg, dcfg, s))
+    f_verify = jax.jit(lambda st, draft, t: verify_stage(st, draft, t, cfg, dcfg, impl))
 
     def accept(draft, logits, key):
         key, k_accept = jax.random.split(key)
         return accept_stage(k_accept, draft, logits, s), key
     f_accept = jax.jit(accept)
     f_commit = jax.jit(lambda st, draft, acc, taps, cache, d, key:
-                       commit_stage(st, draft, *acc, taps, cache, d, dcfg, s, key))
+                       commit_stage(st, draft, *acc, taps, cache, d, dcfg, s, key, impl))
     samples: dict[str, list[float]] = {name: [] for name in STAGES}
     for i in range(warmup + rounds):
         if bool(jax.device_get(state.done).all()):

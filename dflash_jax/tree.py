@@ -26,41 +26,13 @@ import numpy as np
 # verify's kernels pad their own rows (the Hopper kernel to 128-row blocks of W x group rows,
 # the Triton kernel by masking) and every padded node is a row of every GEMM. On an H200,
 # DDTree(256) at W 257 took 10.72-10.95 ms against 10.99-11.38 at W 272 (row block 16), and
-# budgets 16 / 64 / 512 were as fast or faster at 1 + budget (BENCHMARKS.md, nineteenth and
-# twentieth sessions).
+# budgets 16 / 64 / 512 were as fast or faster at 1 + budget (BENCHMARKS.md).
 ROW_BLOCK = 1
 # Vocabulary chunk of the two-stage top_k (`chunked_top_k`); 0 = one top_k over the whole row.
 TOP_K_CHUNK = 2048
 # Longest row that the tree's top-k selections (per depth and over all depths) rank with
 # `ranked_top_k` instead of `lax.top_k`: ranking compares every pair, m * m per row.
 RANK_TOP_K_MAX = 4096
-# The vocabulary top-k's preselection (`preselected_top_k`) by default: each level cuts a row of
-# length n into about fanout * k chunks and keeps the k with the highest maxima (n / fanout
-# entries), ranking about fanout * k maxima; the default fan-out keeps that near
-# PRESELECT_RANKED (within 2..PRESELECT_FANOUT), and rows of k > PRESELECT_MAX_K take
-# `chunked_top_k`. Measured on the H200 at [15, 151936] (BENCHMARKS.md, eighteenth session),
-# kernel time per top-k, chunked / fan-out 2 / 4 / 8 / 16, us: k 16: 285 / 83 / 54 / 37 / 43;
-# k 64: 183 / - / 67 / 52 / 53; k 256: 212 / 113 / 103 / 164 / 262; k 512: 296 / 159 / 217 / 374.
-PRESELECT_FANOUT = 8
-PRESELECT_RANKED = 1024
-PRESELECT_MAX_K = 512
-# `radix_top_k`'s key bits per pass: ceil(32 / RADIX_BITS) passes over the row, each counting
-# 2**RADIX_BITS - 1 thresholds.
-RADIX_BITS = 4
-# `build_tree`'s vocabulary top-k on a GPU by default: `radix_top_k` (preselect -RADIX_PRECHUNK)
-# when True, else `preselected_top_k`. Off: at [15, 151936] on the H200 (jax 0.11.2), kernel us
-# per top-k, preselect's default / radix at prechunk 1 / 2 / 4: k 16: 36 / 148 / 123 / 94; k 64:
-# 52 / 152 / 128 / 95; k 256: 103 / 268 / 236 / 106; k 512: 217 (fan-out 4) / 473 / 178 / 135.
-RADIX_BY_DEFAULT = False
-# `radix_top_k`'s preselection chunk by default: 4 keeps its passes on a quarter of the row.
-RADIX_PRECHUNK = 4
-# `build_tree`'s `preselect` value for the vocabulary top-k as two Triton kernels
-# (`kernel_top_k`, pallas_kernels/top_k.py).
-KERNEL_PRESELECT = "kernel"
-# `build_tree`'s vocabulary top-k on a GPU by default: `kernel_top_k` when True (before
-# RADIX_BY_DEFAULT). On an H200 the tree's kernels took 0.15 against 0.23 ms a DDTree(256) round
-# and 0.27 against 0.39 at budget 512 (BENCHMARKS.md, twenty-ninth session).
-KERNEL_TOP_K_BY_DEFAULT = True
 
 
 @jax.tree_util.register_dataclass
@@ -109,15 +81,14 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
     return int(value)
 
 
-def tree_width(budget: int, row_block: int = ROW_BLOCK) -> int:
-    """Slots for a root plus `budget` nodes: 1 + budget rounded up to a multiple of `row_block`.
+def tree_width(budget: int) -> int:
+    """Slots for a root plus `budget` nodes: 1 + budget rounded up to a multiple of ROW_BLOCK.
 
     Not the next power of two: verify cost grows with the width, and e.g. budget 256 would
     otherwise pay for 512 rows.
     """
     budget = _check_int("budget", budget, 1)
-    row_block = _check_int("row_block", row_block, 1)
-    return _round_up(1 + budget, row_block)
+    return _round_up(1 + budget, ROW_BLOCK)
 
 
 def ancestors_visible(parents: jax.Array, valid: jax.Array, max_depth: int | None = None) -> jax.Array:
@@ -206,8 +177,7 @@ def _check_draft_inputs(log_probs: Any, root_tokens: Any) -> None:
 
 
 def build_tree(log_probs: jax.Array, root_tokens: jax.Array, budget: int,
-               width: int | None = None, top_k_chunk: int = TOP_K_CHUNK,
-               rank_max: int = RANK_TOP_K_MAX, preselect: int | str | None = None) -> Tree:
+               width: int | None = None) -> Tree:
     """DDTree: the root plus the `budget` most probable draft prefixes.
 
     log_probs:   [batch, depth, vocab] float, log q_d for draft depths 1..depth (the drafter's
@@ -216,16 +186,11 @@ def build_tree(log_probs: jax.Array, root_tokens: jax.Array, budget: int,
     root_tokens: [batch] int, the last bonus token of each sequence.
     budget:      static int >= 1, drafted nodes per tree (the root is extra).
     width:       static int >= 1 + budget, node slots (default `tree_width(budget)`).
-    top_k_chunk: static int >= 0, the vocabulary chunk of `chunked_top_k` (0: one top_k);
-                 the tree is the same for every value.
-    rank_max:    static int >= 0, the longest row the tree's own top-k selections rank with
-                 `ranked_top_k` (longer ones use lax.top_k); the tree is the same for every value.
-    preselect:   static int, the fan-out of the vocabulary top-k's preselection
-                 (`preselected_top_k`); 0 takes `chunked_top_k`; a negative -c takes
-                 `radix_top_k` with prechunk c (-1: none); KERNEL_PRESELECT ("kernel") takes
-                 `kernel_top_k` (Triton kernels; interpreted off a GPU); None:
-                 `preselect_fanout`'s default for the backend. The tree is the same for every
-                 value.
+
+    The vocabulary top-k runs as `vocab_backend` says for this backend (on a GPU the Triton
+    kernels of `kernel_top_k`, elsewhere `chunked_top_k`); the tree's own selections rank rows
+    of up to RANK_TOP_K_MAX with `ranked_top_k` and leave longer ones to lax.top_k. The tree
+    is the same either way.
 
     Node scores are summed log-probs along the path. Ties are broken by lower depth, then by
     rank within the depth (lower parent rank, then lower token rank, token ranks coming from a
@@ -236,11 +201,8 @@ def build_tree(log_probs: jax.Array, root_tokens: jax.Array, budget: int,
     _check_draft_inputs(log_probs, root_tokens)
     budget = _check_int("budget", budget, 1)
     width = tree_width(budget) if width is None else _check_int("width", width, 1 + budget)
-    top_k_chunk = _check_int("top_k_chunk", top_k_chunk, 0)
-    rank_max = _check_int("rank_max", rank_max, 0)
-    preselect = preselect_fanout(preselect, min(budget, log_probs.shape[2]))
-    return _build_tree(log_probs, root_tokens, budget=budget, width=width, top_k_chunk=top_k_chunk,
-                       rank_max=rank_max, preselect=preselect)
+    return _build_tree(log_probs, root_tokens, budget=budget, width=width, top_k_chunk=TOP_K_CHUNK,
+                       rank_max=RANK_TOP_K_MAX, kernel_backend=vocab_backend())
 
 
 def chunked_top_k(rows: jax.Array, k: int, chunk: int = TOP_K_CHUNK) -> tuple[jax.Array, jax.Array]:
@@ -252,7 +214,7 @@ def chunked_top_k(rows: jax.Array, k: int, chunk: int = TOP_K_CHUNK) -> tuple[ja
     candidates are laid out chunk by chunk, each chunk in its own stable order, so among equal
     values a lower candidate position means a lower index.
     Why: on GPU XLA sorts the whole row for a large k; at [15, 151936] and k = 256 that sort
-    took 0.55 ms of a 13.2 ms DDTree(256) round (BENCHMARKS.md, eleventh session). Sorting
+    took 0.55 ms of a 13.2 ms DDTree(256) round (BENCHMARKS.md). Sorting
     2048-long rows and one 19200-long row per depth is cheaper.
     Falls back to one top_k when chunk is 0, smaller than k, or the row is short.
     """
@@ -321,7 +283,7 @@ def ranked_top_k(values: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     position r holds the index whose rank is r, found by a [n, k, m] reduction, and its value.
     Why: on GPU XLA lowers a small top_k with k = 256 to a sort of several single-SM kernels;
     two fused reductions cost less when m is small. The work grows as m * m, so callers use it
-    only up to `RANK_TOP_K_MAX` (`build_tree`'s rank_max).
+    only up to `RANK_TOP_K_MAX`.
     """
     _, k = _check_rank_input(values, k)
     indices = _positions_of_ranks(_stable_ranks(values), k)
@@ -358,241 +320,6 @@ def _top_k_set_of_ranks(rank: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return chosen, jnp.where(taken, count, 0)
 
 
-def _preselect(keys: jax.Array, indices: jax.Array, k: int, chunk: int, rank_max: int
-               ) -> tuple[jax.Array, jax.Array]:
-    """One preselection level: the k chunks of `chunk` entries with the highest maxima.
-
-    keys: [n, m] int32 order keys (`_order_keys`); indices: [n, m] int32, ascending along each
-    row. Returns the chosen chunks' keys and indices, [n, k * chunk] each, chunk by chunk in
-    ascending order, so the indices stay ascending and the row's top k (higher key first, ties
-    by lower index) is among them: an entry left out lies in a chunk that k chosen chunks
-    outrank, and each of their maxima outranks the entry (a higher key, or an equal one at a
-    lower index). Padding takes the lowest key, so it ranks after every real entry and is never
-    among the k (k <= the real entries).
-    """
-    n, m = keys.shape
-    n_chunks = -(-m // chunk)
-    pad = ((0, 0), (0, n_chunks * chunk - m))
-    blocks = jnp.pad(keys, pad, constant_values=np.iinfo(np.int32).min).reshape(n, n_chunks, chunk)
-    block_idx = jnp.pad(indices, pad, constant_values=np.iinfo(np.int32).max).reshape(n, n_chunks, chunk)
-    best = jnp.max(blocks, axis=2)                                               # [n, n_chunks]
-    if n_chunks <= rank_max:
-        chosen, _ = _top_k_set_of_ranks(_key_ranks(best), k)
-    else:
-        chosen = jnp.sort(jax.lax.top_k(best, k)[1], axis=1)
-
-    def take(x: jax.Array) -> jax.Array:
-        return jnp.take_along_axis(x, chosen[:, :, None], axis=1).reshape(n, k * chunk)
-
-    return take(blocks), take(block_idx)
-
-
-def preselected_top_k(rows: jax.Array, k: int, fanout: int = PRESELECT_FANOUT,
-                      rank_max: int = RANK_TOP_K_MAX) -> tuple[jax.Array, jax.Array]:
-    """`jax.lax.top_k(rows, k)` (values and int32 indices, same order and tie-break), for long rows.
-
-    rows: [n, length] float32 or narrower; k: static int <= length; fanout: static int >= 2.
-    While a row holds at least 2 * fanout * k candidates, a preselection level (`_preselect`)
-    cuts it into chunks of length // (fanout * k) (longer where that makes more than rank_max
-    chunks) and keeps the k chunks with the highest maxima. The candidates left are ranked
-    (`ranked_top_k`'s method) when at most `rank_max` long, else go to one lax.top_k; the chunk
-    maxima likewise. All of it works on int32 keys in top_k's total order of floats
-    (`_order_keys`).
-    Why: at [15, 151936] and k = 256 (DDTree(256), Qwen3's vocabulary) XLA sorts each
-    2048-entry chunk of `chunked_top_k` on GPU: 0.13 ms of a 0.37 ms tree. A level is a max over
-    chunks and a ranking of about a thousand maxima: the top-k took 103 us against 212, and
-    DDTree(256) rounds 11.23 ms against 11.48 (H200, BENCHMARKS.md, eighteenth session).
-    """
-    _, k = _check_rank_input(rows, k)
-    fanout = _check_int("fanout", fanout, 2)
-    n, length = rows.shape
-    keys = _order_keys(rows)
-    indices = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (n, length))
-    while keys.shape[1] // (fanout * k) >= 2:
-        chunk = keys.shape[1] // (fanout * k)
-        if rank_max >= 2 * k:  # chunks long enough for their maxima to be ranked, not sorted
-            chunk = max(chunk, -(-keys.shape[1] // rank_max))
-        keys, indices = _preselect(keys, indices, k, chunk, rank_max)
-    if keys.shape[1] <= rank_max:
-        pos = _positions_of_ranks(_key_ranks(keys), k)
-    else:
-        pos = jax.lax.top_k(keys, k)[1]
-    chosen = jnp.take_along_axis(indices, pos, axis=1)
-    return jnp.take_along_axis(rows, chosen, axis=1), chosen
-
-
-def _unsigned_keys(keys: jax.Array) -> jax.Array:
-    """uint32 keys in the order of the int32 order keys (`_order_keys`): the sign bit flipped.
-
-    Why unsigned: a radix pass adds offsets of up to 2**32 - 2**s to the interval's lower end,
-    which fits an unsigned key but would overflow a signed one.
-    """
-    return jax.lax.bitcast_convert_type(keys, jnp.uint32) ^ jnp.uint32(0x80000000)
-
-
-def _counts_at_least(ukeys: jax.Array, thresholds: list[jax.Array], variadic: bool = True
-                     ) -> list[jax.Array]:
-    """[n] int32 per threshold t ([n] uint32): #{c : ukeys[:, c] >= t}.
-
-    variadic: one reduce with an operand per threshold, so the GPU kernel reads each key once and
-    keeps a count per threshold; otherwise a [n, T, m] compare summed over m, which XLA reduces
-    row by row, reading the keys once per threshold.
-    """
-    if variadic:
-        ops = tuple((ukeys >= t[:, None]).astype(jnp.int32) for t in thresholds)
-        return list(jax.lax.reduce(ops, (jnp.int32(0),) * len(ops),
-                                   lambda a, b: tuple(x + y for x, y in zip(a, b)), (1,)))
-    thr = jnp.stack(thresholds, axis=1)                                           # [n, T]
-    counts = jnp.sum(ukeys[:, None, :] >= thr[:, :, None], axis=2, dtype=jnp.int32)
-    return [counts[:, j] for j in range(len(thresholds))]
-
-
-def _radix_kth_largest(ukeys: jax.Array, k: int, bits: int, variadic: bool = True) -> jax.Array:
-    """[n] uint32: the k-th largest key of each row (1 <= k <= m), found `bits` bits per pass.
-
-    ukeys: [n, m] uint32. Invariant: #{keys >= lo} >= k > #{keys >= lo + 2**s}, so the k-th
-    largest key lies in [lo, lo + 2**s). A pass counts the keys at or above the 2**b - 1 inner
-    thresholds lo + j * 2**(s - b) and moves lo to the highest one still counting k (counts
-    fall as j grows). It starts at lo = 0, s = 32 and ends at s = 0, where lo is the key: a fixed
-    ceil(32 / bits) passes, each one reduction over the row and a tiny one over its counts, with
-    no data-dependent control flow (a lax.cond or while_loop on data would sync with the host).
-    Why not narrow the start from the row's bounds first: the passes must cover the worst case
-    (keys across the whole range, e.g. a NaN or +-inf), so a data-dependent start saves none.
-    """
-    n = ukeys.shape[0]
-    lo = jnp.zeros((n,), jnp.uint32)
-    shift = 32
-    while shift > 0:
-        step = max(shift - bits, 0)
-        thresholds = [lo + jnp.uint32(j << step) for j in range(1, 1 << (shift - step))]
-        # Summed elementwise, not stacked and reduced: XLA can then fuse the update into the
-        # counting reduction's last kernel instead of launching two more per pass.
-        j = sum((c >= k).astype(jnp.uint32) for c in _counts_at_least(ukeys, thresholds, variadic))
-        lo = lo + (j << jnp.uint32(step))
-        shift = step
-    return lo
-
-
-def _prefix_sum(x: jax.Array) -> jax.Array:
-    """Inclusive cumulative sum of [n, m] int32 along the row, in two levels of compare-sums.
-
-    Why not jnp.cumsum: on GPU it lowers to a reduce-window over the whole row, which took
-    113 us at m = 3617 on the H200; here the row is cut into g groups of h ~ sqrt(m) entries,
-    prefixed within each group (m * h adds) and across the group totals (g * g).
-    """
-    n, m = x.shape
-    h = max(1, math.isqrt(m - 1) + 1)
-    g = -(-m // h)
-    groups = jnp.pad(x, ((0, 0), (0, g * h - m))).reshape(n, g, h)
-    q = jnp.arange(h, dtype=jnp.int32)
-    within = jnp.sum(jnp.where(q[None, :] <= q[:, None], groups[:, :, None, :], 0), axis=3,
-                     dtype=jnp.int32)                                             # [n, g, h]
-    totals = within[:, :, -1]
-    gi = jnp.arange(g, dtype=jnp.int32)
-    before = jnp.sum(jnp.where(gi[None, :] < gi[:, None], totals[:, None, :], 0), axis=2,
-                     dtype=jnp.int32)                                             # [n, g]
-    return (within + before[:, :, None]).reshape(n, g * h)[:, :m]
-
-
-def _compaction_block(m: int, k: int) -> int:
-    """Block length b for `_radix_top_k_set`'s compaction: it costs about k * ceil(m / b)
-    compares to find each output's block and k * b * b to find the entry within it."""
-    return min(range(1, 129), key=lambda b: k * -(-m // b) + k * b * b)
-
-
-def _radix_top_k_set(keys: jax.Array, k: int, bits: int, variadic: bool = True) -> jax.Array:
-    """[n, k] int32: the indices of `lax.top_k`'s selection on order keys, sorted ascending.
-
-    keys: [n, m] int32 order keys (`_order_keys`); 1 <= k <= m. With tau the k-th largest key
-    (`_radix_kth_largest`), the selection is every key > tau (g of them) and the r = k - g
-    lowest-index keys == tau: top_k breaks ties by lower index. Compaction without a sort or a
-    cumulative sum over the row: the row is cut into blocks of b entries, each block's counts of
-    keys > tau and == tau come from one reduction, their cumulative sums over the blocks give how
-    many selected entries precede each block, output p finds its block by a count over the
-    blocks and the entry within it by prefix counts over the block's b entries. Padding at the
-    row's end counts as neither.
-    """
-    n, m = keys.shape
-    ukeys = _unsigned_keys(keys)
-    tau = _radix_kth_largest(ukeys, k, bits, variadic)[:, None]                   # [n, 1]
-    b = _compaction_block(m, k)
-    n_blocks = -(-m // b)
-    # One int32 per entry: bit 0 "> tau", bit 16 "== tau"; block sums stay below 2**16 per field.
-    flags = (ukeys > tau).astype(jnp.int32) | ((ukeys == tau).astype(jnp.int32) << 16)
-    flags = jnp.pad(flags, ((0, 0), (0, n_blocks * b - m))).reshape(n, n_blocks, b)
-    per_block = jnp.sum(flags, axis=2, dtype=jnp.int32)                           # [n, n_blocks]
-    both = _prefix_sum(jnp.concatenate([per_block & 0xFFFF, per_block >> 16], axis=0))
-    gt_incl, eq_incl = both[:n], both[n:]                                         # [n, n_blocks] each
-    r = k - gt_incl[:, -1:]                                                       # ties to take, [n, 1]
-    eq_excl = eq_incl - (per_block >> 16)
-    taken_incl = gt_incl + jnp.minimum(eq_incl, r)     # selected entries up to each block's end
-    taken_excl = gt_incl - (per_block & 0xFFFF) + jnp.minimum(eq_excl, r)
-    position = jnp.arange(k, dtype=jnp.int32)
-    # Output p lies in the first block whose running count exceeds p.
-    block = jnp.sum(taken_incl[:, None, :] <= position[None, :, None], axis=2, dtype=jnp.int32)  # [n, k]
-    want = position[None, :] - jnp.take_along_axis(taken_excl, block, axis=1)    # rank in the block
-    quota = jnp.maximum(r - jnp.take_along_axis(eq_excl, block, axis=1), 0)     # ties it may take
-    inner = jnp.take_along_axis(flags, block[:, :, None], axis=1)               # [n, k, b]
-    q = jnp.arange(b, dtype=jnp.int32)
-    prefix = jnp.sum(jnp.where(q[None, :] <= q[:, None], inner[:, :, None, :], 0), axis=3,
-                     dtype=jnp.int32)                                             # [n, k, b]
-    taken = (prefix & 0xFFFF) + jnp.minimum(prefix >> 16, quota[:, :, None])
-    offset = jnp.sum(taken <= want[:, :, None], axis=2, dtype=jnp.int32)
-    return block * b + offset
-
-
-def radix_top_k(rows: jax.Array, k: int, bits: int = RADIX_BITS, prechunk: int = RADIX_PRECHUNK,
-                variadic: bool = True) -> tuple[jax.Array, jax.Array]:
-    """`jax.lax.top_k(rows, k)` (values and int32 indices, same order and tie-break) by radix select.
-
-    rows: [n, length] float32 or narrower; k: static int <= length; bits: static int in 1..8,
-    key bits resolved per pass; prechunk: static int >= 1, the chunk of one preselection level
-    first (1: none; skipped when the row has fewer than k chunks); variadic: how the passes
-    count (`_counts_at_least`).
-    Method, on int32 keys in top_k's total order of floats (`_order_keys`): find each row's k-th
-    largest key exactly by narrowing a key interval `bits` bits per pass (`_radix_kth_largest`:
-    ceil(32 / bits) passes, each one reduction over the row counting the keys at or above
-    2**bits - 1 thresholds), take the keys above it and the lowest-index keys equal to it, compact
-    them to k indices in ascending order (`_radix_top_k_set`), then rank just those k (k * k
-    compares) into top_k's order. With prechunk c > 1 the row is first cut into chunks of c
-    and the exact top k chunks by maximum are found the same way (`_preselect`'s argument: the
-    row's top k lies in them); their k * c entries are then ranked.
-    Why: on GPU XLA sorts for lax.top_k, and `preselected_top_k` ranks about a thousand maxima
-    per level at O(m * m) compares each; here the long row is only read by a fixed number of
-    fused reductions and the rest works on [n, k]-sized arrays, whatever the values (ties,
-    -inf, NaN) are. Measured on the H200 at [15, 151936]: XLA splits each pass's reduction into
-    two kernels and the 15-output reduce reads the row at well under memory speed (about 13 us
-    a pass on the whole row, 7 on a quarter), so the 8 passes dominate: prechunk 4 took 106 us
-    at k = 256 (preselect's 103) and 135 at k = 512 (its 217), but 94 at k = 16 (its 36).
-    """
-    _, k = _check_rank_input(rows, k)
-    bits = _check_int("bits", bits, 1)
-    if bits > 8:
-        raise ValueError(f"bits must be <= 8 (2**bits - 1 counts a pass), got {bits}")
-    prechunk = _check_int("prechunk", prechunk, 1)
-    n, length = rows.shape
-    if k == 0:
-        return jax.lax.top_k(rows, 0)
-    keys = _order_keys(rows)
-    if prechunk > 1 and length // prechunk >= k:
-        n_chunks = -(-length // prechunk)
-        pad = ((0, 0), (0, n_chunks * prechunk - length))
-        # Padding takes the lowest key at the highest indices, so it ranks after every real
-        # entry; every chunk holds a real entry (the padding is shorter than a chunk).
-        blocks = jnp.pad(keys, pad, constant_values=np.iinfo(np.int32).min).reshape(n, n_chunks, prechunk)
-        chosen = _radix_top_k_set(jnp.max(blocks, axis=2), k, bits, variadic)   # [n, k] ascending
-        candidates = jnp.take_along_axis(blocks, chosen[:, :, None], axis=1).reshape(n, k * prechunk)
-        within = (chosen[:, :, None] * prechunk
-                  + jnp.arange(prechunk, dtype=jnp.int32)[None, None, :]).reshape(n, k * prechunk)
-    else:
-        within = _radix_top_k_set(keys, k, bits, variadic)                        # [n, k] ascending
-        candidates = jnp.take_along_axis(keys, within, axis=1)
-    # Candidates lie in ascending index order, so ranking them by position breaks ties by index.
-    order = _positions_of_ranks(_key_ranks(candidates), k)
-    indices = jnp.take_along_axis(within, order, axis=1)
-    return jnp.take_along_axis(rows, indices, axis=1), indices
-
-
 def kernel_top_k(rows: jax.Array, k: int, backend: str | None = None) -> tuple[jax.Array, jax.Array]:
     """`jax.lax.top_k(rows, k)` (values bitwise, int32 indices, same order and tie-break) as two
     Triton kernels (`pallas_kernels.top_k.top_k`: chunk maxima over the row, then per row the
@@ -602,9 +329,11 @@ def kernel_top_k(rows: jax.Array, k: int, backend: str | None = None) -> tuple[j
 
     rows: [n, length] float32 or narrower; k: static int <= length; backend: where it runs
     (default `jax.default_backend()`): compiled on "gpu", in Pallas' interpreter elsewhere.
-    Why: at [15, 151936] the XLA ways (`preselected_top_k`, `radix_top_k`) took 103-106 us of
-    kernel time at k 256 on the H200 in a dozen or more kernels; here the row is read once by
-    one launch and the selection runs in a second one.
+    Why: at [15, 151936] XLA ways of the same selection (chunk maxima preselected by ranking,
+    or a radix select) took 103-106 us of kernel time at k 256 on the H200 in a dozen or more
+    kernels; here the row is read once by one launch and the selection runs in a second one. In
+    the DDTree round the tree's kernels took 0.15 against 0.23 ms at budget 256 and 0.27
+    against 0.39 at budget 512 (BENCHMARKS.md).
     """
     from pallas_kernels import top_k as kernels
 
@@ -614,42 +343,21 @@ def kernel_top_k(rows: jax.Array, k: int, backend: str | None = None) -> tuple[j
     return kernels.top_k(rows, k, interpret=(backend or jax.default_backend()) != "gpu")
 
 
-def preselect_fanout(preselect: int | str | None, k: int, backend: str | None = None) -> int | str:
-    """The fan-out `build_tree` uses for a vocabulary top-k of k: `preselect` as given (0 =
-    none; a negative -c takes `radix_top_k` with prechunk c, -1 without one; KERNEL_PRESELECT
-    takes `kernel_top_k`), or by default, on a GPU (`backend`, default `jax.default_backend()`),
-    KERNEL_PRESELECT if KERNEL_TOP_K_BY_DEFAULT, else -RADIX_PRECHUNK if RADIX_BY_DEFAULT, else
-    PRESELECT_RANKED // k within 2..PRESELECT_FANOUT for k <= PRESELECT_MAX_K, else none. None
-    elsewhere: XLA's CPU backend writes each ranking's [n, m, m] compare out before summing it;
-    on the 2-core development CPU, trees at [15, 49152] (SmolLM2) took 1.9 against 3.3 ms at
-    k 16 but 25 against 9 ms at k 64 and 73 against 49 ms at k 256 (BENCHMARKS.md, eighteenth
-    session). The tree is the same for every fan-out."""
-    if preselect is None:
-        if (backend or jax.default_backend()) != "gpu":
-            return 0
-        if KERNEL_TOP_K_BY_DEFAULT:
-            return KERNEL_PRESELECT
-        if RADIX_BY_DEFAULT:
-            return -RADIX_PRECHUNK
-        if k > PRESELECT_MAX_K:
-            return 0
-        return min(PRESELECT_FANOUT, max(2, PRESELECT_RANKED // max(k, 1)))
-    if isinstance(preselect, str) and preselect == KERNEL_PRESELECT:
-        return KERNEL_PRESELECT
-    preselect = _check_int("preselect", preselect, -(1 << 30))
-    if preselect == 1:
-        raise ValueError("preselect must be 0 (none), a fan-out >= 2 or -prechunk (radix), got 1")
-    return preselect
+def vocab_backend(backend: str | None = None) -> str | None:
+    """The tree's vocabulary top-k for a backend (default `jax.default_backend()`): "gpu"
+    (`kernel_top_k`, compiled) on a GPU, else None (`chunked_top_k`). XLA's CPU backend has no
+    use for the kernels: interpreted, they are a test of their logic, not a speed-up."""
+    return "gpu" if (backend or jax.default_backend()) == "gpu" else None
 
 
 def _per_depth_best(log_probs: jax.Array, budget: int, chunk: int = TOP_K_CHUNK,
-                    rank_max: int = RANK_TOP_K_MAX, preselect: int | str = 0,
-                    kernel_backend: str | None = None
+                    rank_max: int = RANK_TOP_K_MAX, kernel_backend: str | None = None
                     ) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
     """Best `budget` nodes of every depth, each depth in rank order.
 
-    log_probs: [batch, depth, vocab] sanitised float32. preselect: as `preselect_fanout`
-    returns it; kernel_backend: `kernel_top_k`'s backend (default: jax's).
+    log_probs: [batch, depth, vocab] sanitised float32. kernel_backend: None for the vocabulary
+    top-k by `chunked_top_k`, else `kernel_top_k`'s backend ("gpu": compiled; any other:
+    interpreted).
     Returns per depth d (list index d-1), each [batch, n_d]: scores, token ids, and the rank of
     the parent within depth d-1's list (0 = root at depth 1).
     """
@@ -659,12 +367,8 @@ def _per_depth_best(log_probs: jax.Array, budget: int, chunk: int = TOP_K_CHUNK,
     # On rows ([batch * depth, vocab]): XLA lowers a rank-2 top_k to its TopK kernel, but a
     # rank-3 one to a full sort of the vocabulary (measured: 220 of a 340 ms CPU round).
     rows = log_probs.reshape(batch * depth, vocab)
-    if preselect == KERNEL_PRESELECT:
+    if kernel_backend is not None:
         token_lp, token_ids = kernel_top_k(rows, n_tokens, kernel_backend)
-    elif preselect < 0:
-        token_lp, token_ids = radix_top_k(rows, n_tokens, RADIX_BITS, -preselect)
-    elif preselect:
-        token_lp, token_ids = preselected_top_k(rows, n_tokens, preselect, rank_max)
     else:
         token_lp, token_ids = chunked_top_k(rows, n_tokens, chunk)
     token_lp = token_lp.reshape(batch, depth, n_tokens)
@@ -685,7 +389,7 @@ def _per_depth_best(log_probs: jax.Array, budget: int, chunk: int = TOP_K_CHUNK,
         # into this level's consumers and recomputes it there, so level d costs O(d): on an H200
         # its select fusions grew from 1.7 to 7.6 us over the 14 levels of DDTree(256), and stay
         # at 1.3-1.7 us with the barrier (the tree 223-232 against 255-263 us a round;
-        # BENCHMARKS.md, twenty-seventh session).
+        # BENCHMARKS.md).
         best, which = jax.lax.optimization_barrier((best, which))
         scores.append(best)
         parent_rank.append(jnp.asarray(pi)[which])
@@ -696,10 +400,13 @@ def _per_depth_best(log_probs: jax.Array, budget: int, chunk: int = TOP_K_CHUNK,
 
 def _build_tree_impl(log_probs: jax.Array, root_tokens: jax.Array, budget: int, width: int,
                      top_k_chunk: int = TOP_K_CHUNK, rank_max: int = RANK_TOP_K_MAX,
-                     preselect: int | str = 0, kernel_backend: str | None = None) -> Tree:
+                     kernel_backend: str | None = None) -> Tree:
+    """`build_tree` with its implementation choices explicit (static): the vocabulary chunk of
+    `chunked_top_k`, the longest row ranked rather than top_k'd, and the vocabulary top-k's
+    kernel backend (`_per_depth_best`); tests drive each path with them."""
     batch, depth, _ = log_probs.shape
     scores, tokens, parent_rank = _per_depth_best(_sanitize(log_probs), budget, top_k_chunk, rank_max,
-                                                  preselect, kernel_backend)
+                                                  kernel_backend)
 
     # Concatenate the depths: flat index = offset[d] + rank, so a lower flat index means lower
     # depth, then lower rank -- exactly the tie-break, which stable top_k applies for free.
@@ -748,8 +455,7 @@ def _build_tree_impl(log_probs: jax.Array, root_tokens: jax.Array, budget: int, 
 
 
 _build_tree = jax.jit(_build_tree_impl,
-                      static_argnames=("budget", "width", "top_k_chunk", "rank_max", "preselect",
-                                       "kernel_backend"))
+                      static_argnames=("budget", "width", "top_k_chunk", "rank_max", "kernel_backend"))
 
 
 def chain_tree(block_tokens: jax.Array, width: int | None = None) -> Tree:

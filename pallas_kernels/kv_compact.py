@@ -9,7 +9,7 @@ round). `kv_compact` moves the rows of every buffer in ONE launch: a grid over (
 column block), each program picking its buffer with static `pl.when(program_id(0) == i)`
 branches (Pallas refs are separate arguments), every buffer updated in place through
 `input_output_aliases`. On an H200 the commit stage of a DDTree(256) round at context 4096 went
-from 0.21 to 0.13 ms (`dflash_jax.bench.spec_round`, BENCHMARKS.md, fourteenth session).
+from 0.21 to 0.13 ms (BENCHMARKS.md).
 
 Sources and destinations overlap (path[j] >= j, so a slot can be the source of one row and the
 destination of an earlier one): each program loads all its source rows as one [rows, columns]
@@ -34,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.powers_of_two import is_power_of_two, next_power_of_two
+from pallas_kernels.reference_ops import gather_rows, write_rows
 
 NUM_WARPS = 4
 # Elements of one program's [rows, columns] block: 16 rows x 256 columns (8 KiB of bf16) by default.
@@ -171,6 +172,4 @@ def compact_reference(buffers: Sequence[jax.Array], slots: jax.Array, starts: ja
                       ) -> tuple[jax.Array, ...]:
     """`kv_compact` in jnp: a gather of the source rows and a row write, per buffer (the commit's
     former path). buffers [batch, max_len, ...]; slots [batch, bs]; starts [batch]."""
-    from dflash_jax.kv_cache import gather_rows, write_rows
-
     return tuple(write_rows(x, gather_rows(x, slots), starts) for x in buffers)

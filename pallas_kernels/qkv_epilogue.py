@@ -1,7 +1,7 @@
 """The epilogue of the fused qkv projection in one launch (Pallas, Triton backend).
 
 After the `qkv` GEMM of a layer, XLA ran eight small kernels per layer on a 272-token tree
-(BENCHMARKS.md, thirteenth session): slices of q and k, the per-head RMS norms, RoPE, the move
+(BENCHMARKS.md): slices of q and k, the per-head RMS norms, RoPE, the move
 of q into the Hopper kernel's row layout, its zero padding, and two cache writes, about 21 us
 of kernels per layer. This kernel does all of it per (sequence, kv head, block of tokens):
 
@@ -33,10 +33,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.powers_of_two import is_power_of_two
+from pallas_kernels.reference_ops import apply_rope, rms_norm, write_rows
 
 # Rows (tokens x group) per program: one 128-row block of the Hopper kernel or less. 8 tokens
 # and 4 warps took 4.0 / 5.6 us of kernel time at W 272 / 528 on an H200, against 5.0 / 6.9 us
-# for 16 tokens (`bench/epilogue_bench.py`, BENCHMARKS.md, thirteenth session).
+# for 16 tokens (BENCHMARKS.md).
 _MAX_ROWS = 128
 _MAX_TOKENS = 8
 NUM_WARPS = 4
@@ -122,7 +123,7 @@ def qkv_epilogue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
       padded_rows: rows per kv head of the output, a multiple of `tokens * group` and at least
         width * group.
       tokens, num_warps: the block (a power of two; default `token_block(group)`) and warps of
-        one program (`dflash_jax/bench/epilogue_bench.py` times them).
+        one program.
     Returns:
       (q_rows [batch, kv_heads, padded_rows, head_dim] with zero padding rows,
        k_cache, v_cache with the tree's K/V at slots L .. L+width-1).
@@ -244,10 +245,7 @@ def qkv_epilogue_reference(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax
                            cos: jax.Array, sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                            starts: jax.Array, *, eps: float, padded_rows: int
                            ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`qkv_epilogue` in jnp, from the model's own norm, RoPE and cache write."""
-    from dflash_jax.kv_cache import write_rows
-    from dflash_jax.model import rms_norm
-    from dflash_jax.rope import apply_rope
+    """`qkv_epilogue` in jnp: the model's norm, RoPE and cache write (`reference_ops`)."""
     from pallas_kernels.tree_attention_hopper import rows_of
 
     batch, width, kv_heads, slots, head_dim = qkv.shape
@@ -264,11 +262,7 @@ def qkv_epilogue_reference(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax
 def kv_epilogue_reference(kv: jax.Array, k_norm: jax.Array | None, cos: jax.Array, sin: jax.Array,
                           k_cache: jax.Array, v_cache: jax.Array, starts: jax.Array, *, eps: float
                           ) -> tuple[jax.Array, jax.Array]:
-    """`kv_epilogue` in jnp, as the drafter's context pass computes it (`drafter.context_kv`)."""
-    from dflash_jax.kv_cache import write_rows
-    from dflash_jax.model import rms_norm
-    from dflash_jax.rope import apply_rope
-
+    """`kv_epilogue` in jnp, as the drafter's context pass computes it (`reference_ops`)."""
     k, v = kv[:, :, :, 0], kv[:, :, :, 1]
     if k_norm is not None:
         k = rms_norm(k, k_norm, eps)

@@ -2,8 +2,8 @@
 
 At 272 rows XLA runs the target's o and down projections (N = 4096 outputs, 64 output tiles of
 cuBLAS's 128 x 136 for 132 SMs) as two half-K products, writing float32 partials, and sums
-them in the fusions that follow. Those fusions came apart (BENCHMARKS.md, fifteenth session,
-from the dumped HLO): after the o projection one adds the residual and norms for the MLP
+them in the fusions that follow. Those fusions came apart (BENCHMARKS.md, from the dumped
+HLO): after the o projection one adds the residual and norms for the MLP
 (5.7 us); after the down projection one adds the residual again, re-reading the o partials
 (5.3 us), and another norms for the next layer (2.6 us): three kernels, about 40 MB moved.
 The model now asks for the partials itself (`model.split_k_product`) and this kernel does each
@@ -27,24 +27,23 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.powers_of_two import next_power_of_two
+from pallas_kernels.reference_ops import rms_norm
 
 # Rows per program. One row of 4096 float32 partials is 16 KB per split; a row each keeps a
 # program's registers light (8 warps x 32 threads hold 16 values of each operand) and gives 272
-# programs at W 272. 2 or 4 rows were no faster (bench/glue_bench.py, fifteenth session).
+# programs at W 272. 2 or 4 rows were no faster (BENCHMARKS.md).
 ROWS = 1
-# Columns per warp: 8 warps at 4096 took 4.2 us against 4.5 for 4 (bench/glue_bench.py, fifteenth session).
+# Columns per warp: 8 warps at 4096 took 4.2 us against 4.5 for 4 (BENCHMARKS.md).
 _COLUMNS_PER_WARP = 512
 MAX_EMBED = 16384
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def _kernel(x_ref, parts_ref, w_ref, x_out_ref, h_ref, *, splits: int, embed: int, eps: float, real_rows: int):
+def _kernel(x_ref, parts_ref, w_ref, x_out_ref, h_ref, *, splits: int, embed: int, eps: float):
     """One program: `rows` rows.
 
     Refs: x_ref [rows, E]; parts_ref [splits, rows, E] f32; w_ref [1, E]; x_out_ref, h_ref
-    [rows, E], where E is the embedding padded to a power of two (masked past `embed`). h is
-    zero in every row at or past `real_rows` (x's rows; `norm_rows`); a program past x's last
-    row block reads and writes that block again, with the same values.
+    [rows, E], where E is the embedding padded to a power of two (masked past `embed`).
     """
     cols = jnp.arange(x_ref.shape[-1], dtype=jnp.int32)
     ok = (cols < embed)[None, :]
@@ -62,10 +61,7 @@ def _kernel(x_ref, parts_ref, w_ref, x_out_ref, h_ref, *, splits: int, embed: in
     inv = jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) / embed + eps)
     w = plgpu.load(w_ref, mask=ok, other=0).astype(jnp.float32)
     plgpu.store(x_out_ref, x_new, mask=ok)
-    h = w * (xf * inv)
-    row = pl.program_id(0) * x_ref.shape[0] + jnp.arange(x_ref.shape[0], dtype=jnp.int32)
-    h = jnp.where((row < real_rows)[:, None], h, 0.0)
-    plgpu.store(h_ref, h.astype(dtype), mask=ok)
+    plgpu.store(h_ref, (w * (xf * inv)).astype(dtype), mask=ok)
 
 
 def applies(embed: int) -> bool:
@@ -94,17 +90,8 @@ def check(x: jax.Array, parts: jax.Array, weight: jax.Array) -> None:
         raise ValueError(f"residual_norm: x dtype {x.dtype} is not one of float32, bfloat16, float16")
 
 
-def _norm_rows(n: int, norm_rows: int | None) -> int:
-    if norm_rows is None:
-        return n
-    if norm_rows < n:
-        raise ValueError(f"residual_norm: norm_rows={norm_rows} must be at least x's {n} rows")
-    return norm_rows
-
-
 def residual_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, *, eps: float, rows: int = ROWS,
-                  num_warps: int | None = None, interpret: bool = False, norm_rows: int | None = None
-                  ) -> tuple[jax.Array, jax.Array]:
+                  num_warps: int | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """x + sum(parts) and its RMS norm, in one launch.
 
     Args:
@@ -114,15 +101,12 @@ def residual_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, *, eps: flo
       weight: [embed] the RMS norm's weight.
       rows, num_warps: rows per program (a power of two) and warps per program (default
         `num_warps_for(embed)`).
-      norm_rows: the norm's rows, at least x's: those past x's are zeros (the padded rows
-        a kernel after it wants, with no pad of their own).
     Returns:
-      (x_new [rows, embed] = x + round(sum(parts)), h [norm_rows, embed] = rms_norm(x_new) *
-      weight, then zeros), both in x's dtype.
+      (x_new [rows, embed] = x + round(sum(parts)), h [rows, embed] = rms_norm(x_new) * weight),
+      both in x's dtype.
     """
     check(x, parts, weight)
     n, embed = x.shape
-    out_rows = _norm_rows(n, norm_rows)
     splits = parts.shape[0]
     num_warps = num_warps_for(embed) if num_warps is None else num_warps
     if rows < 1 or rows & (rows - 1):
@@ -134,36 +118,30 @@ def residual_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, *, eps: flo
         x = jnp.pad(x, ((0, padded - n), (0, 0)))
     if parts.shape[1] < padded:
         parts = jnp.pad(parts, ((0, 0), (0, padded - parts.shape[1]), (0, 0)))
-    h_rows = max(padded, pl.cdiv(out_rows, rows) * rows)
     if block != embed:
         x = jnp.pad(x, ((0, 0), (0, block - embed)))
         parts = jnp.pad(parts, ((0, 0), (0, 0), (0, block - embed)))
         weight = jnp.pad(weight, (0, block - embed))
-    last = padded // rows - 1  # x's last row block
-    row_spec = pl.BlockSpec((rows, block), lambda i: (jnp.minimum(i, last), 0))
+    row_spec = pl.BlockSpec((rows, block), lambda i: (i, 0))
     x_new, h = pl.pallas_call(
-        functools.partial(_kernel, splits=splits, embed=embed, eps=float(eps), real_rows=n),
-        grid=(h_rows // rows,),
-        in_specs=[row_spec, pl.BlockSpec((splits, rows, block), lambda i: (0, jnp.minimum(i, last), 0)),
+        functools.partial(_kernel, splits=splits, embed=embed, eps=float(eps)),
+        grid=(padded // rows,),
+        in_specs=[row_spec, pl.BlockSpec((splits, rows, block), lambda i: (0, i, 0)),
                   pl.BlockSpec((1, block), lambda i: (0, 0))],
-        out_specs=(row_spec, pl.BlockSpec((rows, block), lambda i: (i, 0))),
-        out_shape=(jax.ShapeDtypeStruct((padded, block), x.dtype), jax.ShapeDtypeStruct((h_rows, block), x.dtype)),
+        out_specs=(row_spec, row_spec),
+        out_shape=(jax.ShapeDtypeStruct((padded, block), x.dtype),) * 2,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="residual_norm",
     )(x, parts, weight.reshape(1, block))
-    x_new = x_new if (padded, block) == (n, embed) else x_new[:n, :embed]
-    return x_new, h if (h_rows, block) == (out_rows, embed) else h[:out_rows, :embed]
+    if (padded, block) != (n, embed):
+        x_new, h = x_new[:n, :embed], h[:n, :embed]
+    return x_new, h
 
 
-def residual_norm_reference(x: jax.Array, parts: jax.Array, weight: jax.Array, *, eps: float,
-                            norm_rows: int | None = None) -> tuple[jax.Array, jax.Array]:
-    """`residual_norm` in jnp, from the model's own norm."""
-    from dflash_jax.model import rms_norm
-
+def residual_norm_reference(x: jax.Array, parts: jax.Array, weight: jax.Array, *, eps: float
+                            ) -> tuple[jax.Array, jax.Array]:
+    """`residual_norm` in jnp, with the model's norm (`reference_ops.rms_norm`)."""
     check(x, parts, weight)
-    n = x.shape[0]
-    out_rows = _norm_rows(n, norm_rows)
-    x_new = x + jnp.sum(parts[:, :n], axis=0).astype(x.dtype)
-    h = rms_norm(x_new, weight, eps)
-    return x_new, h if out_rows == n else jnp.pad(h, ((0, out_rows - n), (0, 0)))
+    x_new = x + jnp.sum(parts[:, :x.shape[0]], axis=0).astype(x.dtype)
+    return x_new, rms_norm(x_new, weight, eps)

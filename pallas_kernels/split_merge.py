@@ -15,21 +15,18 @@ per program are sized by the splits: each program reads about `_PARTIAL_ROWS` ro
 (rows x splits), as independent loads that all come before any arithmetic (the splits
 unrolled in Python, one static code path for each range). At W 272 x group 4, head_dim 128:
 32 rows (8 tokens) per main program and 4 rows (1 token) per tail program, 16 KB of bf16
-partials each, 32 + 16 programs per kv head, 384 in all. An earlier Triton merge (thirteenth
-session) ran one program per 16 tokens looping over the splits as an online merge: 14 us, its
-8 tail programs per kv head (16 dependent steps each) the long pole.
+partials each, 32 + 16 programs per kv head, 384 in all. An earlier Triton merge ran one
+program per 16 tokens looping over the splits as an online merge: 14 us, its 8 tail programs
+per kv head (16 dependent steps each) the long pole.
 
-Whether this beats XLA's 8.9 us, and the best `_PARTIAL_ROWS` and warps, need a GPU
-measurement not yet made: the sizes below are reasoned, not timed.
-(`Schedule.merge_kernel` = False, the dispatcher's "pallas-xla-merge", keeps the jnp merge to
-compare with.)
+In the DDTree(256) round at Qwen3-8B's shape it took 11.45 ms against 11.79 with XLA's merge
+(H200, BENCHMARKS.md); its sizes (`_PARTIAL_ROWS`, warps) are reasoned, not swept.
 
 `split_merge_reference` is the same contract in jnp: the merge it replaces.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -46,7 +43,7 @@ if TYPE_CHECKING:  # the Hopper module imports this one
     from pallas_kernels.tree_attention_hopper import Schedule
 
 # Rows of partials (rows x splits) each program reads: 64 x head_dim 128 x bf16 is 16 KB, 384
-# programs at the real shape, ~3 per SM of an H200, all resident in one wave. Not yet timed.
+# programs at the real shape, ~3 per SM of an H200, all resident in one wave.
 _PARTIAL_ROWS = 64
 NUM_WARPS = 4
 
@@ -249,4 +246,4 @@ def split_merge_reference(out: jax.Array, lse: jax.Array, sched: Schedule, *, wi
     """`split_merge` in jnp: the Hopper module's unrolled merge, then the move to tokens."""
     from pallas_kernels.tree_attention_hopper import merge, tokens_of
 
-    return tokens_of(merge(out, lse, dataclasses.replace(sched, unrolled_merge=True)), width, group)
+    return tokens_of(merge(out, lse, sched), width, group)

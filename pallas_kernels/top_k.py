@@ -1,11 +1,10 @@
 """An exact `jax.lax.top_k` over long rows in two launches (Pallas, Triton backend).
 
 DDTree's tree takes the top k of every draft depth's log-probs over the vocabulary: rows
-[batch x 15, 151936] for Qwen3, k = min(budget, vocab) up to 512. The XLA way used so far
-(`tree.preselected_top_k`) took about 103 us of kernel time at k 256 on an H200: a chunk-max
-reduce, then four preselection levels, each ranking about a thousand chunk maxima with an
-[n, m, m] compare-and-sum, cumsums and gathers; an XLA radix select (`tree.radix_top_k`) took
-106 us, its counting passes running as slow reductions. Here the whole selection is two
+[batch x 15, 151936] for Qwen3, k = min(budget, vocab) up to 512. An XLA preselection took
+about 103 us of kernel time at k 256 on an H200: a chunk-max reduce, then four preselection
+levels, each ranking about a thousand chunk maxima with an [n, m, m] compare-and-sum, cumsums
+and gathers; an XLA radix select took 106 us, its counting passes running as slow reductions. Here the whole selection is two
 Triton kernels:
 
 1. `_maxima_kernel`, programs over (row, block of chunks): each reads `chunks_per_program`
@@ -29,8 +28,8 @@ Triton kernels:
 
 Why exact: the row's top k (higher key first, ties by lower index) lies in the k chunks
 whose maxima rank highest by (key, chunk index) -- an entry left out lies in a chunk that k
-chosen chunks outrank, and each of their maxima outranks the entry (`tree._preselect`'s
-argument); its k-th key tau is >= mu, because the k chosen maxima are k entries >= mu; so
+chosen chunks outrank, and each of their maxima outranks the entry (a higher key, or an equal
+one at a lower index); its k-th key tau is >= mu, because the k chosen maxima are k entries >= mu; so
 the top k lies among the candidates, and the candidates' top k is the row's. Padding (past
 the row's end, and maxima past the last chunk) takes the lowest key INT32_MIN at the highest
 positions, so it ranks after every real entry, a real INT32_MIN (-NaN with every bit set)
@@ -41,8 +40,8 @@ programs of 4096 entries; kernel 2 is 30 programs (15 rows x 2 shares), each abo
 counting passes over 8192 maxima (32 keys a thread at 8 warps), one gather of 256 x 32
 entries (L2 hits: kernel 1 just read them), about 11 passes over about 270 candidates and a
 [128, 256] compare-count. No sort, no atomics, no XLA op between the two launches. Measured
-on an H200: 25.4 us at k 256 and 39.0 at k 512 against the XLA way's 102.7 and 205.1 (BENCHMARKS.md,
-twenty-ninth session).
+on an H200: 25.4 us at k 256 and 39.0 at k 512 against the XLA way's 102.7 and 205.1
+(BENCHMARKS.md).
 
 In interpret mode (CPU tests) a masked-off lane of a store writes back the old value, which
 could undo a real lane's write to the same place; so every scatter here sends its idle lanes

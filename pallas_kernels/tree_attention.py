@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Literal
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -35,53 +35,13 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import tree_attention_hopper as hopper
 from pallas_kernels.powers_of_two import is_power_of_two, next_power_of_two
 
-Impl = Literal["auto", "pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge",
-               "pallas-scaled-scores", "pallas-pdl", "pallas-min-rows-128", "pallas-heads-major", "pallas-tail-programs",
-               "pallas-ordered-turn", "pallas-triton", "pallas-one-launch", "reference", "interpret"]
-# The kernels as dispatched ("pallas": on Hopper, `tree_attention_hopper` where it applies, fed
-# by the model's fused qkv epilogue), and the variants benchmarks time beside it:
-# "pallas-unfused", the same kernels with the model's epilogue in XLA (the default before the
-# thirteenth session); "pallas-no-pingpong", "pallas" with the Hopper kernel's two compute
-# warpgroups not taking turns on the tensor cores; "pallas-xla-merge", "pallas" with the Hopper
-# kernel's split-K partials merged into tokens in jnp (XLA) instead of by the Triton merge kernel
-# (`split_merge.py`); "pallas-reduced-merge", the thirteenth session's Hopper path (no turns,
-# padding warpgroups computing, the split merge in XLA as reductions); "pallas-scaled-scores",
-# "pallas" with the Hopper kernel scaling every score before its softmax (`Schedule.fma_scale` off);
-# "pallas-pdl", "pallas" with the Hopper kernel launched as a programmatic dependent (`Schedule.pdl`);
-# "pallas-min-rows-128", "pallas" leaving rows per kv head under 128 (HOPPER_OLD_MIN_ROWS: DFlash's
-# 16-token verify and drafter pass, DDTree(16)'s 17 tokens at group 4) to the Triton kernel, the
-# default before the twentieth session; "pallas-heads-major", "pallas" with the Hopper kernel's
-# grid ordered by kv head, each head's tail programs right after its full ones
-# (`Schedule.tails_last` off), the default before the twenty-first session;
-# "pallas-tail-programs", "pallas" with a partial block of at most 8 rows (W 257 at group 4) in
-# programs of its own instead of taken by the full-block programs' memory warpgroups
-# (`Schedule.fold_tail`, which every other Hopper variant but "pallas-reduced-merge" applies), the
-# default before the twenty-fifth session;
-# "pallas-ordered-turn", "pallas" with a compute warpgroup's turn handed over only after its
-# softmax's exp2s (`Schedule.ordered_turn`: faster alone, not in the power-capped round);
-# "pallas-triton", the Triton kernel alone; and
-# "pallas-one-launch", its default tiling without the tail launch (at W 272, the default before
-# the seventh session).
-# Candidates that lost were removed after measuring them (BENCHMARKS.md): a one-wave tiling
-# (seventh session; its split-K cap is in the default), a Pallas kernel merging the split-K
-# partials (seventh), a merge inside the kernel by the last program of each row block (tenth),
-# and a Triton kernel merging the Hopper kernel's partials into tokens with one program per 16
-# tokens (thirteenth; today's `split_merge.py` sizes its programs by their splits instead), and
-# two schedules of the Hopper kernel (sixteenth): a turn issuing P @ V and the next Q K^T
-# together, and 64-key blocks; and (seventeenth) pairs of its programs in clusters of two SMs
-# loading their shared K/V blocks once, by TMA multicast; and (twenty-second) a partial block's
-# rows taken by the full-block programs after their own key blocks instead of by tail programs
-# (the kernel 1.8 us faster at W 257, the DDTree(256) round no faster).
-PALLAS_VARIANTS = ("pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge",
-                   "pallas-scaled-scores", "pallas-pdl", "pallas-min-rows-128", "pallas-heads-major",
-                   "pallas-tail-programs", "pallas-ordered-turn", "pallas-triton", "pallas-one-launch")
-# The variants that run the Hopper kernel where it applies; those fed by the qkv epilogue.
-HOPPER_VARIANTS = ("pallas", "pallas-unfused", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge",
-                   "pallas-scaled-scores", "pallas-pdl", "pallas-min-rows-128", "pallas-heads-major",
-                   "pallas-tail-programs", "pallas-ordered-turn")
-_ROWS_VARIANTS = ("pallas", "pallas-no-pingpong", "pallas-xla-merge", "pallas-reduced-merge", "pallas-scaled-scores",
-                  "pallas-pdl", "pallas-min-rows-128", "pallas-heads-major", "pallas-tail-programs",
-                  "pallas-ordered-turn")
+# The implementations `tree_attention` takes: "auto" (by backend, `resolve_impl`); "pallas" (on
+# sm_90 the Hopper kernel of `tree_attention_hopper` where it applies, fed by the model's fused
+# qkv epilogue, else the Triton kernel); "triton" (the Triton kernel alone: the path of GPUs
+# other than Hopper, e.g. Ampere, which this lets a Hopper GPU run and test); "reference" (jnp);
+# "interpret" (the Triton kernel in Pallas' interpreter, for CPU tests).
+AttentionImpl = Literal["auto", "pallas", "triton", "reference", "interpret"]
+IMPLS: tuple[str, ...] = get_args(AttentionImpl)
 
 # exp2 is the native GPU instruction; folding log2(e) into the score scale makes exp2 exact
 # replacement for exp.
@@ -275,8 +235,8 @@ def default_block_sizes(batch: int, width: int, group: int, kv_heads: int, head_
     """Block sizes for a shape. The prefix length is dynamic, so max_len stands in for it.
     limits: the GPU's (default: `gpu_limits()`); tiles shrink to fit its shared memory.
 
-    Tuned on an H200 (jax 0.11.2, bf16, 32/8 heads x 128, `python -m
-    dflash_jax.bench.tree_attention_bench --sweep`). Rows per kv head are width * group:
+    Tuned on an H200 (jax 0.11.2, bf16, 32/8 heads x 128, the tree-attention benchmark's
+    `--sweep`). Rows per kv head are width * group:
 
     * <= 16 rows (AR decode): a pure K/V stream. 16-row blocks (Triton's minimum for a dot),
       64-key blocks, and split-K to ~512 programs: 8 kv heads alone would use 8 of 132 SMs.
@@ -288,12 +248,12 @@ def default_block_sizes(batch: int, width: int, group: int, kv_heads: int, head_
       tiles with 8 warps (two warpgroups share each K/V tile, halving the K/V reads), split-K to
       one program per SM. At ctx 4K / 16K / 32K, W = 64 took 25.8 / 75.3 / 136.7 us of kernel
       time against 31.3 / 90.4 / 170.2 with the 64 x 128 tiles split 4 ways, side by side
-      (BENCHMARKS.md, tenth session); W = 32 at 4K lost 1.6 us and won 13 us at 32K.
+      (BENCHMARKS.md); W = 32 at 4K lost 1.6 us and won 13 us at 32K.
 
     Split-K never makes the grid larger than one wave of resident programs (132 SMs, programs
     per SM by `_shared_memory_bytes`): a 64 x 128 tile takes ~208 KB, one per SM, so W = 64's
     split of 8-9 ran 2-3 waves; capped at 4 its kernel time went from 39 to 32 us at ctx 4K and
-    from 221 to 171 us at 32K (BENCHMARKS.md, seventh session). A grid just over a wave without
+    from 221 to 171 us at 32K (BENCHMARKS.md). A grid just over a wave without
     split-K gets a tail launch (`_tail_split`).
     """
     limits = limits or gpu_limits()
@@ -334,12 +294,12 @@ def _tail_split(heads: int, row_blocks: int, smem: int, block_k: int, max_len: i
     heads: batch * kv_heads; every head has row_blocks blocks of rows. The grid runs in waves of
     SMs x (programs resident per SM). W = 272 (budget 256, group 4, 8 kv heads) has 136
     programs: a full wave plus a wave of 4 that takes as long as the first, so its kernel time
-    is twice W = 256's (126 against 60 us at ctx 4K, BENCHMARKS.md, seventh session). Without
+    is twice W = 256's (126 against 60 us at ctx 4K, BENCHMARKS.md). Without
     the last block of each head the rest fits one wave fewer, and the `heads` tail programs,
     split over the keys, fill the SMs for a fraction of a program's time. Returns 0 when that
     saves no wave or the keys are too short to split. Each split streams at least 2 key blocks:
     at ctx 4K that lets W = 272's tail split 16 ways, not 8 (tail 15.1 against 21.5 us of
-    kernel time, BENCHMARKS.md, tenth session).
+    kernel time, BENCHMARKS.md).
     """
     slots = limits.resident_programs(smem)
     programs = heads * row_blocks
@@ -617,82 +577,50 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens:
 # --------------------------------------------------------------------------------------------
 
 # Rows per kv head (width x group) from which "pallas" takes the Hopper kernel on sm_90 (one
-# warpgroup's 64 rows; an AR step's 4 keep the Triton kernel), and from which
-# "pallas-min-rows-128" does. At 64 rows (DFlash's 16 tokens x group 4, and its drafter) the
-# Hopper kernel made a DFlash round 6.32 ms against 6.72 with the Triton kernel, DDTree(16) at
-# W 17 6.53 against 7.05 (H200, in turns; BENCHMARKS.md, twentieth session).
+# warpgroup's 64 rows; an AR step's 4 keep the Triton kernel). At 64 rows (DFlash's 16 tokens x
+# group 4, and its drafter) the Hopper kernel made a DFlash round 6.32 ms against 6.72 with the
+# Triton kernel, DDTree(16) at W 17 6.53 against 7.05 (H200, in turns; BENCHMARKS.md).
 HOPPER_MIN_ROWS = 64
-HOPPER_OLD_MIN_ROWS = 128
 # Widths up to which it does: its mask is a [batch, W x group, ~W] bf16 bias, by its shape 9 MB
 # per sequence at W 1024 x group 4 but 138 MB at a 4096-token prefill (sizes computed, not
 # measured), which keeps the Triton kernel.
 HOPPER_MAX_WIDTH = 1024
 
 
-def hopper_takes(width: int, q_heads: int, kv_heads: int, head_dim: int, max_len: int, dtype,
-                 min_rows: int = HOPPER_MIN_ROWS) -> bool:
+def hopper_takes(width: int, q_heads: int, kv_heads: int, head_dim: int, max_len: int, dtype) -> bool:
     """Whether "pallas" runs `tree_attention_hopper` for this shape on this machine: a GPU of
     compute capability 9.x, bf16/f16, head_dim 64 or 128, a cache length that is a multiple of
     8 (the TMA's tiling), at least HOPPER_MIN_ROWS rows per kv head and at most HOPPER_MAX_WIDTH
     new tokens."""
     return (jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim in (64, 128)
-            and max_len % 8 == 0 and width * (q_heads // kv_heads) >= min_rows
+            and max_len % 8 == 0 and width * (q_heads // kv_heads) >= HOPPER_MIN_ROWS
             and width <= HOPPER_MAX_WIDTH and hopper.available())
 
 
-def _min_rows(which: str) -> int:
-    return HOPPER_OLD_MIN_ROWS if which == "pallas-min-rows-128" else HOPPER_MIN_ROWS
-
-
-def hopper_applies(q: jax.Array, k: jax.Array, impl: Impl = "pallas") -> bool:
-    """`hopper_takes` for these arrays (and k in q's dtype), with the row threshold of `impl`."""
+def hopper_applies(q: jax.Array, k: jax.Array) -> bool:
+    """`hopper_takes` for these arrays (and k in q's dtype)."""
     _, width, q_heads, head_dim = q.shape
-    return k.dtype == q.dtype and hopper_takes(width, q_heads, k.shape[2], head_dim, k.shape[1], q.dtype,
-                                               _min_rows(resolve_impl(impl)))
+    return k.dtype == q.dtype and hopper_takes(width, q_heads, k.shape[2], head_dim, k.shape[1], q.dtype)
 
 
 def rows_schedule(batch: int, width: int, q_heads: int, kv_heads: int, head_dim: int, max_len: int,
-                  dtype, impl: Impl = "auto") -> hopper.Schedule | None:
+                  dtype, impl: AttentionImpl = "auto") -> hopper.Schedule | None:
     """The Hopper kernel's schedule where `impl` runs it for this shape, else None.
 
     A caller that gets one may hand q over already in the kernel's row layout
     (`tree_attention_rows`), e.g. straight from `qkv_epilogue`, instead of [batch, W, heads, dim].
-    ("pallas-unfused" never gets one: it is the path without that epilogue.)
     """
-    which = resolve_impl(impl)
-    if which not in _ROWS_VARIANTS:
+    if resolve_impl(impl) != "pallas" or not hopper_takes(width, q_heads, kv_heads, head_dim, max_len, dtype):
         return None
-    if not hopper_takes(width, q_heads, kv_heads, head_dim, max_len, dtype, _min_rows(which)):
-        return None
-    return _hopper_schedule(which, batch, width * (q_heads // kv_heads), kv_heads, max_len)
+    return hopper_schedule(batch, width * (q_heads // kv_heads), kv_heads, max_len)
 
 
-def _hopper_schedule(which: str, batch: int, rows: int, kv_heads: int, max_len: int) -> hopper.Schedule:
-    """The Hopper kernel's schedule for `rows` rows per kv head as the variant `which` runs it:
-    a partial block of at most 8 rows folded into the full-block programs (`hopper.fold_tail`;
-    the kernel 40.6 against 46.0 us at W 257, ctx 4K, and DDTree(256) 10.87 against 11.01 ms in
-    turns, BENCHMARKS.md, twenty-fifth session) except in "pallas-tail-programs" and the
-    thirteenth session's "pallas-reduced-merge"."""
-    sched = _variant_schedule(which, hopper.schedule(batch, kv_heads, rows, max_len, gpu_limits().num_sms))
-    return sched if which in ("pallas-tail-programs", "pallas-reduced-merge") else hopper.fold_tail(sched)
-
-
-def _variant_schedule(which: str, sched: hopper.Schedule) -> hopper.Schedule:
-    """The default schedule `sched` with the variant `which`'s fields changed."""
-    if which == "pallas-reduced-merge":  # the thirteenth session's kernel and merge, as they were
-        return dataclasses.replace(sched, pingpong=False, unrolled_merge=False, real_rows=0, merge_kernel=False,
-                                   fma_scale=False)
-    if which == "pallas-scaled-scores":
-        return dataclasses.replace(sched, fma_scale=False)
-    if which == "pallas-xla-merge":  # today's kernel, its partials merged in jnp
-        return dataclasses.replace(sched, merge_kernel=False)
-    if which == "pallas-pdl":
-        return dataclasses.replace(sched, pdl=True)
-    if which == "pallas-heads-major":
-        return dataclasses.replace(sched, tails_last=False)
-    if which == "pallas-ordered-turn":
-        return dataclasses.replace(sched, ordered_turn=True)
-    return dataclasses.replace(sched, pingpong=which != "pallas-no-pingpong")
+def hopper_schedule(batch: int, rows: int, kv_heads: int, max_len: int) -> hopper.Schedule:
+    """The Hopper kernel's schedule for `rows` rows per kv head: `hopper.schedule` for this GPU's
+    SMs, with a partial block of at most 8 rows folded into the full-block programs
+    (`hopper.fold_tail`; the kernel 40.6 against 46.0 us at W 257, ctx 4K, and DDTree(256) 10.87
+    against 11.01 ms in turns, BENCHMARKS.md)."""
+    return hopper.fold_tail(hopper.schedule(batch, kv_heads, rows, max_len, gpu_limits().num_sms))
 
 
 def tree_attention_rows(q_rows: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Array,
@@ -717,19 +645,19 @@ def triton_takes(head_dim: int) -> bool:
     return _is_triton_block(head_dim)
 
 
-def resolve_impl(impl: Impl = "auto") -> str:
-    """The implementation ``tree_attention`` runs for ``impl``: "pallas" on a GPU backend."""
+def resolve_impl(impl: AttentionImpl = "auto", backend: str | None = None) -> str:
+    """The implementation ``tree_attention`` runs for ``impl`` on ``backend`` (default
+    ``jax.default_backend()``): "auto" is "pallas" on a GPU, "reference" elsewhere."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
     if impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
-    if impl not in (*PALLAS_VARIANTS, "reference", "interpret"):
-        raise ValueError(f"impl must be one of auto, {', '.join(PALLAS_VARIANTS)}, reference or interpret, "
-                         f"got {impl!r}")
+        return "pallas" if (backend or jax.default_backend()) == "gpu" else "reference"
     return impl
 
 
 def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Array,
                    visible: jax.Array | None = None, *, scale: float | None = None,
-                   impl: Impl = "auto") -> jax.Array:
+                   impl: AttentionImpl = "auto") -> jax.Array:
     """Attention of W new tokens over one layer's KV cache (prefix + tree visibility).
 
     Args:
@@ -738,29 +666,20 @@ def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Ar
         prefix_lens[b] .. prefix_lens[b]+width-1.
       prefix_lens: [batch] int32.
       visible: [batch, width, width] bool, or None for causal among the new tokens.
-      impl: "auto" (Pallas on GPU where a kernel takes the head size, reference elsewhere),
-        "pallas" (on Hopper, the Mosaic GPU kernel where `hopper_applies`, else the Triton
-        one), a variant of it ("pallas-unfused":
-        the same here, but the model does not feed it from `qkv_epilogue`; "pallas-no-pingpong",
-        "pallas-xla-merge", "pallas-reduced-merge": the Hopper kernel scheduled otherwise
-        (`_hopper_schedule`); "pallas-triton":
-        the Triton kernel alone; "pallas-one-launch": that without its tail launch),
-        "reference", "interpret".
+      impl: one of `IMPLS`: "auto" (Pallas on GPU where a kernel takes the head size, reference
+        elsewhere), "pallas" (on Hopper, the Mosaic GPU kernel where `hopper_applies`, else the
+        Triton one), "triton" (the Triton kernel alone), "reference", "interpret".
     Returns:
       [batch, width, q_heads, head_dim] in q's dtype.
     """
     which = resolve_impl(impl)
-    if which == "reference" or (impl == "auto" and not hopper_applies(q, k, which)
-                                and not triton_takes(q.shape[-1])):
+    if which == "reference" or (impl == "auto" and not hopper_applies(q, k) and not triton_takes(q.shape[-1])):
         # "auto" on a GPU, for a head size neither kernel takes (a tiny test model's 8, say).
         return tree_attention_reference(q, k, v, prefix_lens, visible, scale=scale)
-    if which in HOPPER_VARIANTS and hopper_applies(q, k, which):
+    if which == "pallas" and hopper_applies(q, k):
         _check_shapes(q, k, v, prefix_lens, visible)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         batch, width, q_heads, _ = q.shape
-        sched = _hopper_schedule(which, batch, width * (q_heads // k.shape[2]), k.shape[2], k.shape[1])
+        sched = hopper_schedule(batch, width * (q_heads // k.shape[2]), k.shape[2], k.shape[1])
         return hopper.tree_attention_hopper(q, k, v, prefix_lens, visible, scale=scale, sched=sched)
-    # "pallas-one-launch": the default tiling without its tail launch.
-    blocks = {"tail_split": 0} if which == "pallas-one-launch" else {}
-    return tree_attention_pallas(q, k, v, prefix_lens, visible, scale=scale,
-                                 interpret=which == "interpret", **blocks)
+    return tree_attention_pallas(q, k, v, prefix_lens, visible, scale=scale, interpret=which == "interpret")

@@ -6,13 +6,13 @@ heads, so the group shares every K/V tile) through `wgmma`, with K/V streamed by
 memory accelerator (TMA), in a warp-specialised block:
 
 * two compute warpgroups, 64 rows each (128 rows per block), each running an online softmax in
-  registers, taking turns on the tensor cores (`Schedule.pingpong`: one warpgroup's softmax
-  runs while the other's products do; 42.7 against 44.7 us at W 272, ctx 4K); a warpgroup whose
-  rows are all padding only keeps step (41.4 us);
+  registers, taking turns on the tensor cores (one warpgroup's softmax runs while the other's
+  products do; 42.7 against 44.7 us at W 272, ctx 4K, with the turns than without); a
+  warpgroup whose rows are all padding only keeps step (41.4 us);
 * one memory warpgroup streaming K/V tiles into a ring of `stages` shared-memory slots, each
   slot freed by a barrier that both compute warpgroups arrive at;
-* a softmax that scales inside exp2's argument (`Schedule.fma_scale`, one fused multiply-add
-  per score: 40.1 against 41.1 us at W 272, ctx 4K).
+* a softmax that scales inside exp2's argument (one fused multiply-add per score: 40.1 against
+  41.1 us at W 272, ctx 4K, against scaling every score first).
 
 Keys come in blocks of `block_k` aligned to block_k (TMA into tiled shared memory needs starts
 the compiler can prove aligned). The blocks before floor(L / block_k) lie in the committed
@@ -23,18 +23,16 @@ Grid (`Schedule`): the rows of each kv head, padded to whole 128-row blocks, are
 keys flash-decoding style so that one launch fills the SMs: the full blocks `main_split` ways,
 a last partial block (at W 272 x group 4: 64 real rows) `tail_split` ways. Each program writes
 its output normalised with its log-sum-exp; `split_merge.py` (a Triton kernel, its grid sized
-so that the tail's 16 splits are no long pole) merges them straight into tokens, or, with
-`Schedule.merge_kernel` False, `merge` does in jnp, the splits summed elementwise (an earlier
-Triton merge, one program per 16 tokens looping over the splits, lost to XLA by 0.5 ms a round:
-BENCHMARKS.md, thirteenth session). The grid numbers every kv head's full-block programs before
-any tail program (`Schedule.tails_last`), so the long programs all start in the first wave and
-the short tail ones take the SMs as those end (the kernel 39.3 against 40.3 us at W 257, ctx 4K).
+so that the tail's 16 splits are no long pole) merges them straight into tokens where it takes
+the shape, else `merge` does in jnp. The grid numbers every kv head's full-block programs
+before any tail program, so the long programs all start in the first wave and the short tail
+ones take the SMs as those end (the kernel 39.3 against 40.3 us at W 257, ctx 4K, against
+each head's tail programs right after its full ones).
 
 A partial block of at most TAIL_COLS real rows (W 257 x group 4: the 4 rows of the 257th token)
 is instead folded into the full-block programs (`Schedule.fold_tail`, `fold_tail`): their memory
 warpgroups take it on the K/V tiles they stream, swap-AB (keys on wgmma's M side, the rows on N),
-one tail partial per program (the kernel 40.6 against 46.0 us at W 257, ctx 4K, twenty-fifth
-session).
+one tail partial per program (the kernel 40.6 against 46.0 us at W 257, ctx 4K).
 
 Needs: bf16/f16, head_dim 64 or 128, a cache length (max_len) that is a multiple of 8, and cache
 slots from L+W to the end of the last key block that hold finite values (the TMA reads them
@@ -85,26 +83,7 @@ class Schedule:
     """The programs of one (sequence, kv head): `full_blocks` blocks of 128 rows, each split
     `main_split` ways over the keys, then (if `tail`) one partial block split `tail_split` ways.
     block_k: keys per step (a multiple of 64); stages: K/V slots in flight.
-    pingpong: the two compute warpgroups take turns on the tensor cores.
-    unrolled_merge: the jnp merge's splits unrolled into elementwise ops (else reductions).
-    real_rows: rows per kv head that are not padding (a warpgroup of padding only keeps step);
-      0: every row computes.
-    merge_kernel: the partials are merged into tokens by `split_merge.split_merge` (one Triton
-      launch) where it applies; False: by `merge` and `tokens_of` in jnp (as `unrolled_merge`
-      says).
-    fma_scale: the softmax takes the row max of the raw scores and scales inside exp2's
-      argument (s * scale - max, one fused multiply-add), rather than scaling every score first.
-    tails_last: one grid axis for (kv head, program) that numbers every kv head's full-block
-      programs before any partial-block (tail) program. The GPU starts blocks in about the
-      order of their index, so this puts all the long programs in the first wave and leaves the
-      short tail programs to the SMs as they come free; with the kv head as a grid axis of its
-      own (False), each head's tail programs come right after its full ones, and at W 257 (128
-      full and 128 tail programs) the first wave holds 64 tail programs while the last heads'
-      full programs wait for SMs.
-    pdl: the kernel starts with `griddepcontrol.wait`, before it reads any input; jax 0.11.2's
-      Mosaic GPU then launches it as a programmatic dependent of the kernel before it (older
-      ones launch it as usual, and the wait returns at once), so its launch and set-up overlap
-      that kernel's end, as XLA's own kernels already do.
+    real_rows: rows per kv head that are not padding (a warpgroup of padding only keeps step).
     fold_tail: no tail programs. A partial block of at most `TAIL_COLS` real rows (W 257 x
       group 4: 4 rows) is taken by the memory warpgroups of the full-block programs, on the
       K/V tiles they stream anyway: block i of a kv head by the program of row block
@@ -112,35 +91,15 @@ class Schedule:
       O^T = V^T P^T), so the rows cost 8 columns of each product, not a 64-row warpgroup.
       Program p's share is written as tail partial p (tail_split is main_programs). See
       `fold_tail`.
-    compute_registers: registers a thread that the compute warpgroups take (`setmaxnreg`); the
-      memory warpgroup keeps what that leaves of the launch's (`warpgroup_registers`). 0: the
-      `REGISTERS` entry for `fold_tail`.
-    ordered_turn: a compute warpgroup hands over its turn only once its softmax is done: it
-      stores its row sums to shared memory and passes its warpgroup barrier (`commit_smem`)
-      before it arrives. Without it nothing ties the arrive to the exp2s (it has no operand they
-      feed), and the compiled kernel arrives right after the row max (Nsight Compute's SASS,
-      thirty-second session), so the two warpgroups' softmaxes overlap. Opt-in: ordered, the
-      kernel alone took 35.9 against 39.4 us at W 257, ctx 4K, but inside the power-capped round
-      1.585 against 1.492 ms a round (41 launches), and decoding's loop ran 10.147 against
-      10.129 ms a round, 10.392 against 10.343 with the order swapped (BENCHMARKS.md,
-      thirty-second session).
     """
     full_blocks: int
     main_split: int
     tail: bool
     tail_split: int
+    real_rows: int
     block_k: int = 128
     stages: int = 2
-    pingpong: bool = True
-    unrolled_merge: bool = True
-    real_rows: int = 0
-    merge_kernel: bool = True
-    fma_scale: bool = True
-    tails_last: bool = True
-    pdl: bool = False
     fold_tail: bool = False
-    compute_registers: int = 0
-    ordered_turn: bool = False
 
     @property
     def main_programs(self) -> int:
@@ -189,20 +148,6 @@ def fold_tail(sched: Schedule) -> Schedule:
     return dataclasses.replace(sched, fold_tail=True, tail_split=sched.main_programs)
 
 
-def warpgroup_registers(sched: Schedule) -> tuple[int, int]:
-    """(compute, memory) registers a thread for `sched`: `REGISTERS[sched.fold_tail]`, or the
-    compute warpgroups at `sched.compute_registers` and the memory warpgroup at what the launch's
-    `LAUNCH_REGISTERS` a thread leaves it (a warpgroup can only take what another gave back)."""
-    if not sched.compute_registers:
-        return REGISTERS[sched.fold_tail]
-    compute = sched.compute_registers
-    memory = (COMPUTE_WGS + 1) * LAUNCH_REGISTERS - COMPUTE_WGS * compute
-    if compute % 8 or not LAUNCH_REGISTERS < compute <= 256 or memory < 24:
-        raise ValueError(f"compute_registers={compute} must be a multiple of 8 in ({LAUNCH_REGISTERS}, 256] "
-                         f"that leaves the memory warpgroup at least 24 (it would get {memory})")
-    return compute, memory
-
-
 def available() -> bool:
     """Whether the local backend can run the kernel: a GPU of compute capability 9.x."""
     if plgpu is None or jax.default_backend() != "gpu":
@@ -249,10 +194,10 @@ def _transposed(ref):
 
 
 def head_and_program(sched: Schedule, kv_heads: int, c: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """With `sched.tails_last`: the kv head of the program at c on the grid's "program" axis
-    (over kv_heads * programs) and its index among that head's programs (as `merge` numbers
-    them: full-block programs, then tail ones). Indices below kv_heads * main_programs are the
-    full-block programs, head by head; the rest the tail programs, head by head."""
+    """The kv head of the program at c on the grid's "program" axis (over kv_heads * programs)
+    and its index among that head's programs (as `merge` numbers them: full-block programs,
+    then tail ones). Indices below kv_heads * main_programs are the full-block programs, head by
+    head; the rest the tail programs, head by head."""
     if not sched.tail or sched.fold_tail:
         n = jnp.int32(sched.main_programs)
         return lax.div(c, n), lax.rem(c, n)
@@ -266,13 +211,6 @@ def head_and_program(sched: Schedule, kv_heads: int, c: jax.Array) -> tuple[jax.
     program = jnp.where(in_tail, sched.main_programs + lax.rem(t, jnp.int32(sched.tail_split)),
                         lax.rem(c, jnp.int32(sched.main_programs)))
     return head, program
-
-
-def _head_and_program(sched: Schedule, kv_heads: int) -> tuple[jax.Array, jax.Array]:
-    """This program's kv head and its index among that head's `sched.programs` programs."""
-    if not sched.tails_last:
-        return lax.axis_index("kv_head"), lax.axis_index("program")
-    return head_and_program(sched, kv_heads, lax.axis_index("program"))
 
 
 def _program(sched: Schedule, c: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -316,12 +254,10 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
     lse_ref [batch, kv_heads, programs, 128] f32 (log2 units; -inf where a split saw nothing).
     """
     block_k, stages = sched.block_k, sched.stages
-    if sched.pdl:  # everything below reads what earlier kernels wrote
-        plgpu.griddepcontrol_wait()
     (q_smem, k_smem, v_smem, bias_smem, lse_smem, *tail_smem), barriers = scratch
     k_ready, v_ready, q_ready, bias_ready, k_free, v_free, turn, *tail_ready = barriers
     b = lax.axis_index("batch")
-    head, program = _head_and_program(sched, kv_heads)
+    head, program = head_and_program(sched, kv_heads, lax.axis_index("program"))
     row_block, split, split_k = _program(sched, program)
     wg = lax.axis_index("wg")
     dtype = q_smem.dtype
@@ -331,7 +267,6 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
     total = lax.div(prefix_len + width + block_k - 1, jnp.int32(block_k))
     lo, hi = split_range(split, split_k, total)
 
-    pingpong = sched.pingpong
     row0 = row_block * ROWS_PER_BLOCK + wg * ROWS_PER_WG
     tail_row0 = sched.full_blocks * ROWS_PER_BLOCK  # the partial block's first row
 
@@ -346,16 +281,14 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
         plgpu.barrier_wait(turn)
 
     def turns_before():
-        if pingpong:
-            # Warpgroup 1 starts a turn behind warpgroup 0 and warpgroup 0 ends one turn after
-            # it, so both arrive at `turn` equally often; K block `lo` is awaited here, each
-            # later one inside the step before it.
-            pl.when(wg == 1)(take_turn)
-            pl.when(lo < hi)(lambda: plgpu.barrier_wait(k_ready.at[0]))
+        # Warpgroup 1 starts a turn behind warpgroup 0 and warpgroup 0 ends one turn after it,
+        # so both arrive at `turn` equally often; K block `lo` is awaited here, each later one
+        # inside the step before it.
+        pl.when(wg == 1)(take_turn)
+        pl.when(lo < hi)(lambda: plgpu.barrier_wait(k_ready.at[0]))
 
     def turns_after():
-        if pingpong:
-            pl.when(wg == 0)(take_turn)
+        pl.when(wg == 0)(take_turn)
 
     def _idle():
         """A warpgroup whose 64 rows are all padding (the second half of a last block that is
@@ -366,17 +299,12 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
         @pl.loop(lo, hi)
         def _step(i):
             slot = slot_of(i)
-            if pingpong:
-                take_turn()
-            else:
-                plgpu.barrier_wait(k_ready.at[slot])
+            take_turn()
             plgpu.barrier_arrive(k_free.at[slot])
-            if pingpong:
-                plgpu.barrier_arrive(turn)
+            plgpu.barrier_arrive(turn)
             plgpu.barrier_wait(v_ready.at[slot])
-            if pingpong:
-                plgpu.barrier_wait(turn)
-                await_next_k(i)
+            plgpu.barrier_wait(turn)
+            await_next_k(i)
             plgpu.barrier_arrive(v_free.at[slot])
 
         turns_after()
@@ -397,7 +325,7 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
         read the tile, the copy could overwrite rows a late warp has yet to read (their mask
         then comes from the next block). Seen on an H200 as 7 different outputs in 20 runs of one
         case, 0.10 off in the main rows, once the folded tail's memory warpgroup shared the SM's
-        issue slots (BENCHMARKS.md, twenty-sixth session). The warpgroup's barrier (in
+        issue slots (BENCHMARKS.md). The warpgroup's barrier (in
         `commit_smem`) closes that."""
         plgpu.commit_smem()
         load_bias(step)
@@ -416,19 +344,17 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
 
     def softmax(i, s, acc, m_i, l_i, masked: bool):
         """The online softmax of key block i's scores s [64, block_k] (raw q.k): the rescaled
-        acc, the new running max and sum, and P in the input dtype for P @ V."""
-        scale_first = not sched.fma_scale
-        if scale_first:
-            s = s * qk_scale
+        acc, the new running max and sum, and P in the input dtype for P @ V. The scores are
+        scaled inside exp2's argument (s * scale - max, one fused multiply-add), so the row max
+        is taken of the raw scores and scaled once."""
         if masked:  # the bias is 0 / -inf, the same scaled or not
             plgpu.barrier_wait(bias_ready.at[wg])
             s = s + bias_tile[...].astype(jnp.float32)
             pl.when(i + 1 < hi)(functools.partial(next_bias, i + 1))
-        row_max = s.max(axis=1)
-        m_new = jnp.maximum(m_i, row_max if scale_first else row_max * qk_scale)
+        m_new = jnp.maximum(m_i, s.max(axis=1) * qk_scale)
         alpha = jnp.exp2(m_i - m_new)
         m_cols = lax.broadcast_in_dim(m_new, s.shape, [0])
-        p = jnp.exp2(s - m_cols if scale_first else s * qk_scale - m_cols)
+        p = jnp.exp2(s * qk_scale - m_cols)
         l_i = l_i * alpha + p.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         return acc, m_new, l_i, p.astype(dtype)
@@ -452,35 +378,27 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
         def step(i, carry, masked: bool):
             acc, m_i, l_i = carry
             slot = slot_of(i)
-            if not pingpong:
-                plgpu.barrier_wait(k_ready.at[slot])
 
             def scores(acc_ref):
                 plgpu.wgmma(acc_ref, q_tile, _transposed(k_smem.at[slot]))
-                if pingpong:  # the other warpgroup's P @ V goes next, while this one waits
-                    take_turn()
+                take_turn()  # the other warpgroup's P @ V goes next, while this one waits
                 return acc_ref[...]
 
             s = pl.run_scoped(scores, plgpu.ACC((ROWS_PER_WG, block_k), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
             acc, m_new, l_i, p16 = softmax(i, s, acc, m_i, l_i, masked)
-            if pingpong:
-                # Meant to keep the softmax before the handover; the compiled kernel still arrives
-                # after the row max unless `ordered_turn` ties the arrive to the row sums.
-                acc, m_new, l_i, p16 = lax.optimization_barrier((acc, m_new, l_i, p16))
-                if sched.ordered_turn:  # the row sums need every exp2: store them, then a barrier
-                    lse_smem.at[wg][...] = l_i
-                    plgpu.commit_smem()
-                plgpu.barrier_arrive(turn)
-                plgpu.barrier_wait(v_ready.at[slot])
-                plgpu.barrier_wait(turn)
-            else:
-                plgpu.barrier_wait(v_ready.at[slot])
+            # Meant to keep the softmax before the handover; the compiled kernel still arrives
+            # right after the row max, so the two warpgroups' softmaxes overlap. Tying the
+            # arrive to the row sums made the kernel alone faster (35.9 against 39.4 us at
+            # W 257, ctx 4K) but the decoding round no faster (BENCHMARKS.md).
+            acc, m_new, l_i, p16 = lax.optimization_barrier((acc, m_new, l_i, p16))
+            plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(v_ready.at[slot])
+            plgpu.barrier_wait(turn)
 
             def values(acc_ref):
                 plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                if pingpong:  # wait for the next K block while this product runs
-                    await_next_k(i)
+                await_next_k(i)  # wait for the next K block while this product runs
 
             acc = pl.run_state(values)(plgpu.ACC.init(acc))
             plgpu.barrier_arrive(v_free.at[slot])
@@ -494,10 +412,7 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
-        plgpu.set_max_registers(warpgroup_registers(sched)[0], action="increase")
-        if not sched.real_rows:  # every row counts as real: no warpgroup is idle
-            _work()
-            return
+        plgpu.set_max_registers(REGISTERS[sched.fold_tail][0], action="increase")
         idle = row0 >= sched.real_rows
         pl.when(idle)(_idle)
         pl.when(jnp.logical_not(idle))(_work)
@@ -587,7 +502,7 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
 
     @pl.when(wg == COMPUTE_WGS)
     def _memory():
-        plgpu.set_max_registers(warpgroup_registers(sched)[1], action="decrease")
+        plgpu.set_max_registers(REGISTERS[sched.fold_tail][1], action="decrease")
 
         def issue(i, slot):
             keys = pl.ds(i * block_k, block_k)
@@ -605,7 +520,7 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, 
 
 # A jit of its own: a model calls the kernel once per layer, and JAX lowers a jitted function
 # once per program, not once per call. Lowering 36 calls for cuda took 20.8 s and 13 MB of HLO
-# text inline, 0.8 s and 0.4 MB nested (on a CPU, thirteenth session).
+# text inline, 0.8 s and 0.4 MB nested (on a CPU).
 @functools.partial(jax.jit, static_argnames=("width", "scale", "sched"))
 def hopper_partials(q_rows: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Array,
                     bias: jax.Array, *, width: int, scale: float, sched: Schedule
@@ -656,7 +571,7 @@ def hopper_partials(q_rows: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: 
             plgpu.Barrier(num_barriers=COMPUTE_WGS),
             plgpu.Barrier(num_arrivals=freers, num_barriers=stages),
             plgpu.Barrier(num_arrivals=freers, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # turns on the tensor cores (pingpong)
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # turns on the tensor cores
         ) + ((plgpu.Barrier(num_barriers=1),) if sched.fold_tail else ())
         pl.run_scoped(
             lambda *scratch: _kernel(lens_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref,
@@ -670,8 +585,8 @@ def hopper_partials(q_rows: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: 
     call = plgpu.kernel(
         entry,
         out_type=out_type,
-        grid=(kv_heads * sched.launched, batch) if sched.tails_last else (sched.launched, kv_heads, batch),
-        grid_names=("program", "batch") if sched.tails_last else ("program", "kv_head", "batch"),
+        grid=(kv_heads * sched.launched, batch),
+        grid_names=("program", "batch"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -696,28 +611,17 @@ def _merge_splits(out: jax.Array, lse: jax.Array) -> jax.Array:
     return functools.reduce(jnp.add, terms)
 
 
-def _merge_splits_reduced(out: jax.Array, lse: jax.Array) -> jax.Array:
-    """`_merge_splits` with reductions over the split axis (four XLA kernels a layer at W 272)."""
-    top = jnp.max(lse, axis=-2, keepdims=True)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    w = jnp.exp2(lse - top)
-    total = jnp.sum(w, axis=-2)
-    num = jnp.sum(w[..., None] * out.astype(jnp.float32), axis=-3)
-    return num / jnp.where(total > 0, total, 1.0)[..., None]
-
-
 def merge(out: jax.Array, lse: jax.Array, sched: Schedule) -> jax.Array:
     """The programs' partials -> [batch, kv_heads, padded_rows, head_dim] in out's dtype."""
     batch, kv_heads, _, block, head_dim = out.shape
-    merge_splits = _merge_splits if sched.unrolled_merge else _merge_splits_reduced
     parts = []
     if sched.full_blocks:
         n, s = sched.full_blocks, sched.main_split
         o = out[:, :, :sched.main_programs].reshape(batch, kv_heads, n, s, block, head_dim)
         m = lse[:, :, :sched.main_programs].reshape(batch, kv_heads, n, s, block)
-        parts.append(merge_splits(o, m).reshape(batch, kv_heads, n * block, head_dim))
+        parts.append(_merge_splits(o, m).reshape(batch, kv_heads, n * block, head_dim))
     if sched.tail:
-        parts.append(merge_splits(out[:, :, sched.main_programs:], lse[:, :, sched.main_programs:]))
+        parts.append(_merge_splits(out[:, :, sched.main_programs:], lse[:, :, sched.main_programs:]))
     merged = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=2)
     return merged.astype(out.dtype)
 
@@ -742,7 +646,7 @@ def attend_rows(q_rows: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.
                 visible: jax.Array | None, *, width: int, group: int, scale: float, sched: Schedule
                 ) -> jax.Array:
     """The kernel on q given as rows, its merge, and the move back to tokens (one Triton kernel
-    where `sched.merge_kernel` and it applies, else jnp).
+    where it applies, else jnp).
 
     q_rows: [batch, kv_heads, sched.padded_rows, head_dim] (`rows_of`, or the qkv epilogue's);
     returns [batch, width, kv_heads * group, head_dim].
@@ -752,7 +656,7 @@ def attend_rows(q_rows: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.
                          f"rows >= width * group = {width * group}, head_dim]")
     bias = tree_bias(visible, prefix_lens, width, group, sched.padded_rows, sched.block_k)
     out, lse = hopper_partials(q_rows, k, v, prefix_lens, bias, width=width, scale=scale, sched=sched)
-    if sched.merge_kernel and split_merge.applies(group, out.shape[-1], ROWS_PER_BLOCK):
+    if split_merge.applies(group, out.shape[-1], ROWS_PER_BLOCK):
         return split_merge.split_merge(out, lse, sched, width=width, group=group)
     return tokens_of(merge(out, lse, sched), width, group)
 

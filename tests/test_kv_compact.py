@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from dflash_jax import speculative
+from dflash_jax.impl import Impl
 from dflash_jax.kv_cache import KVCache
 from dflash_jax.sharding import make_mesh, use_mesh
 from pallas_kernels import kv_compact as kc
@@ -151,14 +152,13 @@ def test_commit_takes_the_kernel_where_it_applies():
     cache = KVCache.create(3, 2, 64, 2, 64, jnp.bfloat16)
     assert not speculative.compact_in_one_launch(cache, 16)  # tests run on CPU
     assert speculative.compact_in_one_launch(cache, 16, backend="gpu")
-    assert speculative.compact_in_one_launch(cache, 16, "pallas-triton", backend="gpu")
-    assert not speculative.compact_in_one_launch(cache, 16, "reference", backend="gpu")
-    assert not speculative.compact_in_one_launch(cache, 16, "interpret", backend="gpu")
+    assert speculative.compact_in_one_launch(cache, 16, Impl("triton"), backend="gpu")
+    assert not speculative.compact_in_one_launch(cache, 16, Impl("reference"), backend="gpu")
+    assert not speculative.compact_in_one_launch(cache, 16, Impl("interpret"), backend="gpu")
     mixed = dataclasses.replace(cache, v=tuple(v.astype(jnp.float32) for v in cache.v))
     assert not speculative.compact_in_one_launch(mixed, 16, backend="gpu")
     with use_mesh(make_mesh(dp=2)):
         assert not speculative.compact_in_one_launch(cache, 16, backend="gpu")
-    assert not speculative.compact_in_one_launch(cache, 16, backend="gpu", enabled=False)
 
 
 # ----------------------------------------------------------------------------- whole generations

@@ -63,28 +63,23 @@ def test_kernel_matches_reference(rows, embed, splits, block, dtype):
     assert ulps(got[1], want[1]) <= 1.0
 
 
-@pytest.mark.parametrize("rows,extra_parts,norm_rows,block", [(13, 3, 16, 1), (7, 1, 12, 4), (9, 0, 9, 2),
-                                                              (5, 2, 5, 1)])
-def test_padded_rows_in_and_out(rows, extra_parts, norm_rows, block):
-    """Partials over more rows than x (a product over padded rows) are read only as far as x's;
-    with norm_rows the norm comes out padded with zero rows."""
+@pytest.mark.parametrize("rows,extra_parts,block", [(13, 3, 1), (7, 1, 4), (9, 0, 2), (5, 2, 1)])
+def test_partials_over_more_rows_are_read_as_far_as_x(rows, extra_parts, block):
+    """Partials over more rows than x (a product over padded rows) are read only as far as x's."""
     x, parts, weight = make_case(rows, rows, 128, 2, jnp.bfloat16)
     junk = jnp.full((2, extra_parts, 128), 3.0, jnp.float32)  # must not be read
     long_parts = jnp.concatenate([parts, junk], axis=1)
-    got = residual_norm(x, long_parts, weight, eps=1e-6, rows=block, interpret=True, norm_rows=norm_rows)
-    want = residual_norm_reference(x, long_parts, weight, eps=1e-6, norm_rows=norm_rows)
+    got = residual_norm(x, long_parts, weight, eps=1e-6, rows=block, interpret=True)
+    want = residual_norm_reference(x, long_parts, weight, eps=1e-6)
     plain = residual_norm_reference(x, parts, weight, eps=1e-6)
-    assert got[0].shape == (rows, 128) and got[1].shape == want[1].shape == (norm_rows, 128)
+    assert got[0].shape == got[1].shape == want[1].shape == (rows, 128)
     np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(plain[0], np.float32))
-    np.testing.assert_array_equal(np.asarray(want[1][:rows], np.float32), np.asarray(plain[1], np.float32))
-    assert ulps(got[1][:rows], plain[1]) <= 1.0
-    assert not np.any(np.asarray(got[1][rows:], np.float32)) and not np.any(np.asarray(want[1][rows:], np.float32))
+    np.testing.assert_array_equal(np.asarray(want[1], np.float32), np.asarray(plain[1], np.float32))
+    assert ulps(got[1], plain[1]) <= 1.0
 
 
-def test_norm_rows_below_the_rows_is_named():
+def test_partials_over_fewer_rows_are_named():
     x, parts, weight = make_case(0, 8, 128, 2, jnp.bfloat16)
-    with pytest.raises(ValueError, match="norm_rows=4 must be at least x's 8 rows"):
-        residual_norm(x, parts, weight, eps=1e-6, interpret=True, norm_rows=4)
     with pytest.raises(ValueError, match="parts must be \\[splits, rows >= 8"):
         residual_norm(x, parts[:, :6], weight, eps=1e-6, interpret=True)
 
@@ -137,21 +132,19 @@ def test_splits_rule():
     cfg = tiny_config(hidden_size=4096, intermediate_size=12288, num_heads=32, num_kv_heads=8, head_dim=128)
     params = model_lib.init_params(tiny_config(), jax.random.key(0), jnp.float32)  # only o_bias is read
     sched = object()
-    assert model_lib.residual_splits(params, cfg, 272, sched, True) == 2
-    assert model_lib.residual_splits(params, cfg, 528, sched, True) == 0
-    assert model_lib.residual_splits(params, cfg, 272, None, True) == 0
-    assert model_lib.residual_splits(params, cfg, 272, sched, False) == 0
+    assert model_lib.residual_splits(params, cfg, 272, sched) == 2
+    assert model_lib.residual_splits(params, cfg, 528, sched) == 0
+    assert model_lib.residual_splits(params, cfg, 272, None) == 0
     biased = model_lib.init_params(tiny_config(model_type="llama", qk_norm=False, attention_bias=True),
                                    jax.random.key(0), jnp.float32)
     if biased.layers[0].attn.o_bias is not None:
-        assert model_lib.residual_splits(biased, cfg, 272, sched, True) == 0
+        assert model_lib.residual_splits(biased, cfg, 272, sched) == 0
 
 
-@pytest.mark.parametrize("taps,impl", [((), "kernel"), ((0, 2), "kernel"), ((0, 2), "jnp")])
-def test_forward_on_the_fused_residual_path(taps, impl, monkeypatch):
-    """The fused residual path forced on CPU (the kernel in interpret mode, or its jnp form)
-    against the usual path: logits, taps, final hidden states and caches, with the split-K
-    slices at 2."""
+@pytest.mark.parametrize("taps", [(), (0, 2)])
+def test_forward_on_the_fused_residual_path(taps, monkeypatch):
+    """The fused residual path forced on CPU (the kernel in interpret mode) against the usual
+    path: logits, taps, final hidden states and caches, with the split-K slices at 2."""
     cfg = tiny_config(num_layers=3)
     batch, width, max_len = 2, 12, 48
     params = model_lib.init_params(cfg, jax.random.key(7), jnp.float32)
@@ -169,7 +162,7 @@ def test_forward_on_the_fused_residual_path(taps, impl, monkeypatch):
     real = model_lib._after_attention_fused
     monkeypatch.setattr(model_lib, "_after_attention_fused", lambda *a: calls.append(1) or real(*a))
     run = functools.partial(model_lib.forward, params, cfg, tokens, positions, cache, tap_layers=taps,
-                            return_hidden=True, attn_impl="reference", residual=impl)
+                            return_hidden=True, attn_impl="reference")
     usual = run()
     assert not calls
     monkeypatch.setattr(model_lib, "residual_splits", lambda *a, **kw: 2)
@@ -184,26 +177,10 @@ def test_forward_on_the_fused_residual_path(taps, impl, monkeypatch):
 
 
 @pytest.mark.skipif(not hopper.available(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("rows,embed,splits,norm_rows", [(272, 4096, 2, None), (528, 4096, 1, None),
-                                                         (80, 5120, 2, None), (257, 4096, 2, 264)])
-def test_gpu_kernel_matches_reference(rows, embed, splits, norm_rows):
+@pytest.mark.parametrize("rows,embed,splits", [(272, 4096, 2), (528, 4096, 1), (80, 5120, 2), (257, 4096, 2)])
+def test_gpu_kernel_matches_reference(rows, embed, splits):
     x, parts, weight = make_case(rows + embed, rows, embed, splits, jnp.bfloat16)
-    got = jax.jit(functools.partial(residual_norm, eps=1e-6, norm_rows=norm_rows))(x, parts, weight)
-    want = jax.jit(functools.partial(residual_norm_reference, eps=1e-6, norm_rows=norm_rows))(x, parts, weight)
+    got = jax.jit(functools.partial(residual_norm, eps=1e-6))(x, parts, weight)
+    want = jax.jit(functools.partial(residual_norm_reference, eps=1e-6))(x, parts, weight)
     np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
     assert ulps(got[1], want[1]) <= 1.0
-
-
-@pytest.mark.parametrize("option", ["residual", "activation"])
-def test_unknown_fused_path_impl_is_named(option):
-    """An unknown `residual` or `activation` (the fused residual path's choices) is named, by
-    `forward` and by `SpecSettings`."""
-    cfg = tiny_config()
-    params = model_lib.init_params(cfg, jax.random.key(0), jnp.float32)
-    cache = KVCache.create(cfg.num_layers, 1, 8, cfg.num_kv_heads, cfg.head_dim)
-    tokens = jnp.zeros((1, 2), jnp.int32)
-    with pytest.raises(ValueError, match=f"{option} must be one of"):
-        model_lib.forward(params, cfg, tokens, tokens, cache, **{option: "triton"})
-    from dflash_jax.speculative import SpecSettings
-    with pytest.raises(ValueError, match=f"{option} must be one of"):
-        SpecSettings(**{option: "triton"})

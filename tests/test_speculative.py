@@ -9,6 +9,7 @@ import torch
 
 from dflash_jax import speculative
 from dflash_jax.generate import generate_ar
+from dflash_jax.impl import Impl
 from dflash_jax.kv_cache import KVCache
 from dflash_jax.model import forward_jit as forward
 from dflash_jax.pipeline import pad_prompts
@@ -73,13 +74,13 @@ def test_greedy_speculative_equals_greedy_ar(pair, ar_tokens, method, size, batc
     assert acc.max() >= (3 if method == "ddtree" and size >= 16 else 2)
 
 
-@pytest.mark.parametrize("budget,row_block,batch", [(4, 8, 3), (16, 1, 1), (31, 8, 1)])
-def test_greedy_ddtree_equals_greedy_ar_at_any_width(pair, ar_tokens, budget, row_block, batch):
-    """Widths off the default multiple of 16 (W = 8, 17, 32 here): the verify kernels pad their
-    own rows, so the tree may have as few padding slots as the row block leaves."""
+@pytest.mark.parametrize("budget,batch", [(4, 3), (16, 1), (31, 1)])
+def test_greedy_ddtree_equals_greedy_ar_at_any_width(pair, ar_tokens, budget, batch):
+    """Widths of no particular multiple (W = 5, 17, 32 here): the verify kernels pad their own
+    rows, so the tree has no padding slots (W = 1 + budget)."""
     cfg, params, dcfg, dparams = pair
-    s = SpecSettings(method="ddtree", block_size=16, budget=budget, row_block=row_block, max_new_tokens=NEW)
-    assert s.width == -(-(budget + 1) // row_block) * row_block
+    s = SpecSettings(method="ddtree", block_size=16, budget=budget, max_new_tokens=NEW)
+    assert s.width == budget + 1
     got = run_batches(lambda a, l: generate_speculative(params, cfg, dparams, dcfg, a, l, jax.random.key(0),
                                                         settings=s, max_len=256), prompts_20(SMALL_VOCAB), batch)
     assert got == ar_tokens
@@ -87,7 +88,7 @@ def test_greedy_ddtree_equals_greedy_ar_at_any_width(pair, ar_tokens, budget, ro
 
 @pytest.mark.parametrize("method,temperature", [("ddtree", 0.0), ("dflash", 1.0)])
 def test_rounds_between_checks_change_nothing_but_time(pair, ar_tokens, method, temperature):
-    """`rounds_per_check` > 1: the loop reads `done` every k rounds, and the rounds run after every
+    """`Impl.rounds_per_check` > 1: the loop reads `done` every k rounds, and the rounds run after every
     sequence is done change nothing: the same tokens, counts, rounds and acceptance (greedy: AR's
     tokens; sampled: the same draws), over 20 prompts in one batch, which end in different rounds."""
     cfg, params, dcfg, dparams = pair
@@ -95,11 +96,11 @@ def test_rounds_between_checks_change_nothing_but_time(pair, ar_tokens, method, 
     sampling = SamplingParams(temperature=temperature)
 
     def run(k):
-        s = (SpecSettings(method="ddtree", block_size=16, budget=16, max_new_tokens=NEW, rounds_per_check=k)
+        s = (SpecSettings(method="ddtree", block_size=16, budget=16, max_new_tokens=NEW)
              if method == "ddtree" else
-             SpecSettings(method="dflash", block_size=4, max_new_tokens=NEW, sampling=sampling, rounds_per_check=k))
+             SpecSettings(method="dflash", block_size=4, max_new_tokens=NEW, sampling=sampling))
         g = generate_speculative(params, cfg, dparams, dcfg, jnp.asarray(arr), jnp.asarray(lens),
-                                 jax.random.key(3), settings=s, max_len=256)
+                                 jax.random.key(3), settings=s, max_len=256, impl=Impl(rounds_per_check=k))
         return {f: np.asarray(getattr(g, f)) for f in ("tokens", "num_tokens", "accepted", "rounds")}
 
     one = run(1)
@@ -221,10 +222,17 @@ def test_bad_settings():
         SpecSettings(method="medusa")
     with pytest.raises(ValueError, match="block_size"):
         SpecSettings(block_size=1)
-    with pytest.raises(ValueError, match="row_block"):
-        SpecSettings(method="ddtree", budget=4, row_block=0)
-    with pytest.raises(ValueError, match="rounds_per_check"):
-        SpecSettings(rounds_per_check=0)
+    with pytest.raises(ValueError, match="block_size"):
+        SpecSettings(block_size=4.0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SpecSettings(max_new_tokens=0)
+    with pytest.raises(ValueError, match="stop_tokens"):
+        SpecSettings(stop_tokens=[2])
+    with pytest.raises(ValueError, match="sampling"):
+        SpecSettings(sampling=0.7)
+    for knob in ("attn_impl", "row_block", "preselect", "residual", "rounds_per_check"):
+        with pytest.raises(TypeError, match=knob):  # implementation choices live in `Impl`
+            SpecSettings(**{knob: 1})
 
 
 @pytest.mark.parametrize("method,temperature", [("ddtree", 0.0), ("dflash", 1.0)])

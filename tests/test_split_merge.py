@@ -1,14 +1,13 @@
 """The split-K merge kernel (`pallas_kernels/split_merge.py`) and its wiring into the Hopper path.
 
 On CPU: the kernel in interpret mode against its jnp reference (the Hopper module's unrolled
-merge and move to tokens), its input checks, its lowering for cuda, `attend_rows` taking it or
-the jnp merge as the schedule says, and the dispatcher's schedules. On a GPU: the compiled
+merge and move to tokens), its input checks, its lowering for cuda, and `attend_rows` taking it
+where it applies (the jnp merge elsewhere). On a GPU: the compiled
 kernel against the reference; on an H100/H200, tree attention through it against the jnp merge.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 
@@ -20,7 +19,6 @@ import pytest
 from pallas_kernels.split_merge import applies, split_merge, split_merge_reference, tokens_per_program
 
 hopper = importlib.import_module("pallas_kernels.tree_attention_hopper")
-dispatch = importlib.import_module("pallas_kernels.tree_attention")
 merge_module = importlib.import_module("pallas_kernels.split_merge")
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -146,21 +144,22 @@ def test_merge_kernel_lowers_for_cuda():
     assert "tensor<1x272x32x128xbf16>" in text
 
 
-@pytest.mark.parametrize("merge_kernel", [True, False])
-def test_attend_rows_takes_the_merge_the_schedule_says(merge_kernel, monkeypatch):
+@pytest.mark.parametrize("kernel_applies", [True, False])
+def test_attend_rows_merges_with_the_kernel_where_it_applies(kernel_applies, monkeypatch):
     """`attend_rows` with the Mosaic kernel (and its bias) replaced by fixed partials: the merge
-    kernel runs (in interpret mode here) where `merge_kernel` is set, the jnp merge otherwise;
+    kernel runs (in interpret mode here) where `split_merge.applies`, the jnp merge otherwise;
     the same result. The shapes of the case "group8_hd64", whose kernel compile is made already;
     the jnp merge jitted (op by op it compiles for seconds)."""
     batch, width, kv_heads, group, head_dim, max_len = 1, 24, 2, 8, 64, 5120
     sched = real_schedule(batch, width, group, num_sms=32)
     out, lse = make_partials(1, batch, kv_heads, head_dim, sched, width, group, jnp.float32)
     want = reference(out, lse, sched, width, group)
-    sched = dataclasses.replace(sched, merge_kernel=merge_kernel)
+    assert merge_module.applies(group, head_dim)
     ran = []
     kernel, jnp_merge = merge_module.split_merge, jax.jit(hopper.merge, static_argnames="sched")
     monkeypatch.setattr(hopper, "tree_bias", lambda *a, **kw: None)
     monkeypatch.setattr(hopper, "hopper_partials", lambda *a, **kw: (out, lse))
+    monkeypatch.setattr(merge_module, "applies", lambda *a, **kw: kernel_applies)
     monkeypatch.setattr(merge_module, "split_merge",
                         lambda *a, **kw: ran.append("kernel") or kernel(*a, **kw, interpret=True))
     monkeypatch.setattr(hopper, "merge", lambda *a, **kw: ran.append("jnp") or jnp_merge(*a, **kw))
@@ -168,24 +167,8 @@ def test_attend_rows_takes_the_merge_the_schedule_says(merge_kernel, monkeypatch
     kv = jnp.zeros((batch, max_len, kv_heads, head_dim), jnp.float32)
     got = hopper.attend_rows(q_rows, kv, kv, jnp.zeros((batch,), jnp.int32), None, width=width, group=group,
                              scale=1.0, sched=sched)
-    assert ran == ["kernel" if merge_kernel else "jnp"]
+    assert ran == ["kernel" if kernel_applies else "jnp"]
     assert_matches(got, want, jnp.float32)
-
-
-def test_dispatcher_schedules_choose_the_merge(monkeypatch):
-    """"pallas" (and the other current variants) merge with the kernel; "pallas-xla-merge" and
-    the thirteenth session's "pallas-reduced-merge" in jnp."""
-    monkeypatch.setattr(hopper, "available", lambda: True)
-    assert hopper.schedule(1, 8, 272 * 4, 5120).merge_kernel
-    assert "pallas-xla-merge" in dispatch.PALLAS_VARIANTS and "pallas-xla-merge" in dispatch.HOPPER_VARIANTS
-    want = {"pallas": True, "pallas-no-pingpong": True, "pallas-xla-merge": False, "pallas-reduced-merge": False,
-            "pallas-scaled-scores": True}
-    for impl, merge_kernel in want.items():
-        sched = dispatch.rows_schedule(1, 272, 32, 8, 128, 5120, jnp.bfloat16, impl)
-        assert sched is not None and sched.merge_kernel == merge_kernel, impl
-    xla_merge = dispatch.rows_schedule(1, 272, 32, 8, 128, 5120, jnp.bfloat16, "pallas-xla-merge")
-    assert dataclasses.replace(xla_merge, merge_kernel=True) == dispatch.rows_schedule(
-        1, 272, 32, 8, 128, 5120, jnp.bfloat16, "pallas")
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
@@ -199,9 +182,9 @@ def test_gpu_merge_kernel_matches_the_jnp_merge(batch, width, kv_heads, group, h
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
-def test_gpu_tree_attention_through_the_merge_kernel():
-    """The real shape, the Hopper kernel's own partials: "pallas" (merge kernel) against
-    "pallas-xla-merge" (jnp merge) and the reference."""
+def test_gpu_tree_attention_through_the_merge_kernel(monkeypatch):
+    """The real shape, the Hopper kernel's own partials: "pallas" (merge kernel) against the
+    same kernel's partials merged in jnp (`split_merge.applies` patched off) and the reference."""
     from dflash_jax.bench.tree_attention_bench import random_tree_visibility
     from pallas_kernels import tree_attention, tree_attention_reference
 
@@ -212,8 +195,9 @@ def test_gpu_tree_attention_through_the_merge_kernel():
     v = jnp.asarray(rng.standard_normal((batch, max_len, kv_heads, head_dim)), jnp.bfloat16)
     lens = jnp.asarray([4096], jnp.int32)
     visible = jnp.asarray(random_tree_visibility(rng, batch, width))
-    outs = {impl: jax.jit(functools.partial(tree_attention, impl=impl))(q, k, v, lens, visible)
-            for impl in ("pallas", "pallas-xla-merge")}
-    assert_matches(outs["pallas"], outs["pallas-xla-merge"], jnp.bfloat16)
+    outs = {"pallas": jax.jit(functools.partial(tree_attention, impl="pallas"))(q, k, v, lens, visible)}
+    monkeypatch.setattr(merge_module, "applies", lambda *a, **kw: False)
+    outs["jnp merge"] = jax.jit(functools.partial(tree_attention, impl="pallas"))(q, k, v, lens, visible)
+    assert_matches(outs["pallas"], outs["jnp merge"], jnp.bfloat16)
     ref = np.asarray(tree_attention_reference(q, k, v, lens, visible), np.float64)
     assert np.abs(np.asarray(outs["pallas"], np.float64) - ref).max() < 1.5e-2 * np.abs(ref).max()

@@ -8,9 +8,46 @@ import numpy as np
 import pytest
 
 from dflash_jax import tree as tree_module
-from dflash_jax.tree import KERNEL_PRESELECT, build_tree, kernel_top_k, preselect_fanout
+from dflash_jax.tree import kernel_top_k, tree_width, vocab_backend
 from pallas_kernels import top_k as tk
-from tests.test_tree_radix import check_equal, hard_rows
+
+
+def hard_rows(seed: int, length: int, k: int) -> np.ndarray:
+    """[10, length] float32 rows that stress an exact top-k: ties everywhere, ties at the k-th
+    value, -inf, -0.0 / +0.0, NaN of both signs, adjacent floats and plain random values."""
+    rng = np.random.default_rng(seed)
+    rows = np.empty((10, length), np.float32)
+    rows[0] = rng.standard_normal(length)                                     # plain random
+    rows[1] = -1.5                                                            # one value everywhere
+    rows[2] = rng.choice(np.array([-0.5, -1.0, -2.0], np.float32), length)    # a few values
+    # Many copies of the k-th value, spread over the row and straddling the cut.
+    rows[3] = -3.0 * rng.random(length)
+    kth = np.sort(rows[3])[-k]
+    rows[3, rng.random(length) < 0.3] = kth
+    rows[4] = rng.choice(np.array([-np.inf, -1.0], np.float32), length, p=[0.9, 0.1])
+    rows[4, :3] = -np.inf                                                     # mostly -inf
+    rows[5] = rng.choice(np.array([0.0, -0.0, -1.0], np.float32), length)    # -0.0 below +0.0
+    rows[6] = rng.standard_normal(length)
+    rows[6, rng.random(length) < 0.2] = np.nan                                # NaN above all
+    rows[6, rng.random(length) < 0.2] = -np.nan                               # -NaN below -inf
+    # Adjacent float32 values: a run of nextafter steps around one value, shuffled.
+    steps = np.empty(length, np.float32)
+    steps[0] = -0.75
+    for i in range(1, length):
+        steps[i] = np.nextafter(steps[i - 1], np.float32(0.0))
+    rows[7] = rng.permutation(steps)
+    rows[8] = rng.choice(steps[:3], length)                                   # 3 adjacent values
+    rows[9] = rng.choice(np.array([np.inf, -np.inf, np.nan, 0.0, -0.0], np.float32), length)
+    return rows
+
+
+def check_equal(got: tuple[jax.Array, jax.Array], want: tuple[jax.Array, jax.Array]) -> None:
+    got_val, got_idx = got
+    want_val, want_idx = want
+    assert got_idx.dtype == jnp.int32 and got_val.dtype == want_val.dtype
+    np.testing.assert_array_equal(np.asarray(got_idx), np.asarray(want_idx))
+    bits = np.dtype(f"uint{8 * got_val.dtype.itemsize}")
+    np.testing.assert_array_equal(np.asarray(got_val).view(bits), np.asarray(want_val).view(bits))
 
 
 def kernel(rows: jax.Array, k: int, **kw) -> tuple[jax.Array, jax.Array]:
@@ -109,16 +146,16 @@ def test_kernel_lowers_for_cuda_without_a_sort(k: int) -> None:
     text = jax.jit(lambda r: kernel_top_k(r, k, backend="gpu")).trace(rows).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call") == 2 and "stablehlo.sort" not in text
-    # The tree sorts no more than with the XLA preselection (at budget 512 its own selection
-    # over all depths sorts either way), and not at all below 512.
+    # The tree sorts no more than with chunked_top_k, and nothing below budget 512 (at 512 its
+    # own selection over all depths, 15 x 512 candidates, is past RANK_TOP_K_MAX and sorts).
     lp = jax.ShapeDtypeStruct((1, 15, 151936), jnp.float32)
 
-    def tree_text(preselect):
+    def tree_text(kernel_backend):
         return jax.jit(lambda x: tree_module._build_tree_impl(
-            x, jnp.zeros((1,), jnp.int32), budget=k, width=k + 1, preselect=preselect,
-            kernel_backend="gpu")).trace(lp).lower(lowering_platforms=("cuda",)).as_text()
+            x, jnp.zeros((1,), jnp.int32), budget=k, width=k + 1, kernel_backend=kernel_backend)).trace(
+            lp).lower(lowering_platforms=("cuda",)).as_text()
 
-    text, xla = tree_text(KERNEL_PRESELECT), tree_text(2 if k == 512 else 4)
+    text, xla = tree_text("gpu"), tree_text(None)
     assert "top_k_select" in text and "top_k_select" not in xla
     assert text.count("stablehlo.sort") <= xla.count("stablehlo.sort")
     assert k == 512 or "stablehlo.sort" not in text
@@ -133,50 +170,44 @@ def test_tree_with_the_kernel_is_the_same() -> None:
         logits[1, :, ::5] = logits[1, :, :1]
         lp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
         lp, roots = jnp.asarray(lp.astype(np.float32)), jnp.array([3, 4], jnp.int32)
-        plain = build_tree(lp, roots, budget, preselect=0)
-        kern = build_tree(lp, roots, budget, preselect=KERNEL_PRESELECT)
+        plain, kern = (tree_module._build_tree(lp, roots, budget=budget, width=tree_width(budget),
+                                               kernel_backend=backend) for backend in (None, "cpu"))
         for a, b in zip(jax.tree_util.tree_leaves(plain), jax.tree_util.tree_leaves(kern)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_kernel_preselect_values(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert preselect_fanout(KERNEL_PRESELECT, 256, "cpu") == KERNEL_PRESELECT
-    assert preselect_fanout(None, 256, "gpu") == KERNEL_PRESELECT  # the default on a GPU
-    monkeypatch.setattr(tree_module, "KERNEL_TOP_K_BY_DEFAULT", False)
-    assert preselect_fanout(None, 256, "gpu") == 4  # the XLA preselection without it
-    monkeypatch.setattr(tree_module, "KERNEL_TOP_K_BY_DEFAULT", True)
-    assert preselect_fanout(None, 256, "gpu") == KERNEL_PRESELECT
-    assert preselect_fanout(None, 1024, "gpu") == KERNEL_PRESELECT
-    assert preselect_fanout(None, 256, "cpu") == 0
-    with pytest.raises(ValueError, match="preselect"):
-        preselect_fanout("kernels", 16)
+def test_the_kernel_is_the_default_on_a_gpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert vocab_backend("gpu") == "gpu" and vocab_backend("cpu") is None
+    seen = []
+    monkeypatch.setattr(tree_module, "_build_tree", lambda *a, kernel_backend, **kw: seen.append(kernel_backend))
+    lp, roots = jnp.zeros((1, 3, 40), jnp.float32), jnp.zeros((1,), jnp.int32)
+    tree_module.build_tree(lp, roots, 8)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    tree_module.build_tree(lp, roots, 8)
+    assert seen == [None, "gpu"]
     # The kernel where it applies, else the XLA way (a vocabulary too short for k chunks is
     # still exact: chunks of one entry; past the kernel's limits lax.top_k).
     rows = jnp.asarray(hard_rows(2, 300, 8))
-    check_equal(kernel_top_k(rows, 8), jax.lax.top_k(rows, 8))
+    check_equal(kernel_top_k(rows, 8, backend="cpu"), jax.lax.top_k(rows, 8))
     big = jax.ShapeDtypeStruct((2, 1 << 22), jnp.float32)
     jaxpr = str(jax.make_jaxpr(lambda r: kernel_top_k(r, 1024, backend="gpu"))(big))
     assert "pallas_call" not in jaxpr
 
 
-def test_spec_round_takes_the_kernel() -> None:
-    from dflash_jax.bench.spec_round import parse_preselect
-
-    assert parse_preselect("kernel") == KERNEL_PRESELECT
-    assert [parse_preselect(x) for x in ("auto", "4", "radix2")] == [None, 4, -2]
-
-
-def test_greedy_ddtree_with_the_kernel_is_the_same(tmp_path) -> None:
-    # A whole decode (tiny random target and drafter, vocabulary 40): the same tokens.
+def test_greedy_ddtree_with_the_kernel_is_the_same(tmp_path, monkeypatch) -> None:
+    # A whole decode (tiny random target and drafter, vocabulary 40): the same tokens with the
+    # tree's vocabulary top-k by the kernels (interpreted here) as by chunked_top_k.
     from dflash_jax.pipeline import pad_prompts
     from dflash_jax.speculative import SpecSettings, generate_speculative
     from tests.spec_models import convert_pair, drafter_model, target_model
 
     cfg, params, dcfg, dparams = convert_pair(target_model(vocab=40), drafter_model(16, vocab=40), tmp_path)
     arr, lens = pad_prompts([[1, 5, 7], [3, 2, 9, 11, 4]], multiple=32)
+    s = SpecSettings(method="ddtree", block_size=16, budget=32, max_new_tokens=12)
     out = []
-    for preselect in (0, KERNEL_PRESELECT):
-        s = SpecSettings(method="ddtree", block_size=16, budget=32, max_new_tokens=12, preselect=preselect)
+    for backend in (None, "cpu"):
+        monkeypatch.setattr(tree_module, "vocab_backend", lambda backend_=None, b=backend: b)
+        jax.clear_caches()  # the jitted generation must trace the tree again
         g = generate_speculative(params, cfg, dparams, dcfg, jnp.asarray(arr), jnp.asarray(lens),
                                  jax.random.key(0), settings=s, max_len=128)
         out.append((np.asarray(g.tokens), np.asarray(g.num_tokens)))
@@ -195,7 +226,7 @@ def test_gpu_kernel_equals_top_k(k: int, length: int) -> None:
 
     The expected result is lax.top_k over the int32 order keys: on the GPU, lax.top_k over the
     floats themselves ranks -0.0 level with +0.0 at k 16 (its small-k kernel compares with >),
-    where the CPU, the XLA preselection and these kernels put +0.0 first (first seen in call 5).
+    where the CPU and these kernels put +0.0 first.
     """
     rows = jnp.asarray(hard_rows(k * 7919 + length, length, k))
     _, idx = jax.lax.top_k(tree_module._order_keys(rows), k)

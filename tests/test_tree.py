@@ -10,8 +10,15 @@ import numpy as np
 import pytest
 
 from dflash_jax import tree as tree_module
-from dflash_jax.tree import (Tree, ancestors_visible, build_tree, chain_tree, chunked_top_k,
-                             preselected_top_k, ranked_top_k, tree_width)
+from dflash_jax.tree import Tree, ancestors_visible, build_tree, chain_tree, chunked_top_k, ranked_top_k, tree_width
+
+
+def build_with(lp: jax.Array, roots: jax.Array, budget: int, **impl) -> Tree:
+    """`build_tree` with its implementation choices (`top_k_chunk`, `rank_max`,
+    `kernel_backend`) set, as `tree._build_tree` takes them; the tree must not depend on them."""
+    impl = {"top_k_chunk": tree_module.TOP_K_CHUNK, "rank_max": tree_module.RANK_TOP_K_MAX,
+            "kernel_backend": None, **impl}
+    return tree_module._build_tree(lp, roots, budget=budget, width=tree_width(budget), **impl)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,75 +191,6 @@ def test_chunked_top_k_equals_top_k_with_ties(k: int, chunk: int, length: int) -
     np.testing.assert_array_equal(np.asarray(got_val), np.asarray(want_val))
 
 
-@pytest.mark.parametrize("k,fanout,length", [(8, 2, 61), (5, 2, 100), (4, 3, 48), (3, 4, 257),
-                                             (1, 2, 7), (40, 2, 200), (2, 5, 90), (16, 8, 16)])
-@pytest.mark.parametrize("rank_max", [tree_module.RANK_TOP_K_MAX, 0])
-def test_preselected_top_k_equals_top_k_with_ties(k: int, fanout: int, length: int, rank_max: int) -> None:
-    # Few distinct values, so ties straddle chunk borders and chunk maxima tie; one to four
-    # levels (none at length 16), most with a partial last chunk; rank_max 0 takes lax.top_k
-    # (and its sort) for every selection.
-    rng = np.random.default_rng(k * 1000 + length)
-    rows = rng.choice(np.array([0.0, -0.25, -1.0, -np.inf], np.float32), size=(7, length))
-    rows[1] = -np.inf                                     # nothing but -inf
-    rows[2] = -1.0                                        # one value everywhere
-    rows[3] = rng.standard_normal(length).astype(np.float32)
-    rows[4, ::3] = -0.0                                   # -0.0 ranks below +0.0
-    rows[5, 1::4] = np.nan                                # NaN ranks above everything
-    rows[6, ::2] = -np.nan                                # -NaN below -inf: after the padding too
-    rows = jnp.asarray(rows)
-    want_val, want_idx = jax.lax.top_k(rows, k)
-    got_val, got_idx = jax.jit(preselected_top_k, static_argnums=(1, 2, 3))(rows, k, fanout, rank_max)
-    assert got_idx.dtype == jnp.int32 and got_val.dtype == jnp.float32
-    np.testing.assert_array_equal(np.asarray(got_idx), np.asarray(want_idx))
-    np.testing.assert_array_equal(np.asarray(got_val), np.asarray(want_val))
-    np.testing.assert_array_equal(np.signbit(np.asarray(got_val)), np.signbit(np.asarray(want_val)))
-
-
-@pytest.mark.parametrize("k", [16, 64, 256, 512])
-def test_preselected_top_k_at_the_qwen_vocabulary_has_no_sort(k: int) -> None:
-    # DDTree's shapes: the default levels leave rankings and maxima only, no sort or top_k.
-    rows = jax.ShapeDtypeStruct((15, 151936), jnp.float32)
-    jaxpr = str(jax.make_jaxpr(lambda r: preselected_top_k(r, k))(rows))
-    assert jaxpr.count(" sort[") == 0 and jaxpr.count("top_k[") == 0
-    chunked = str(jax.make_jaxpr(lambda r: chunked_top_k(r, 256))(rows))
-    assert chunked.count("top_k[") == 2  # what the preselection replaces
-
-
-@pytest.mark.parametrize("k", [16, 256])
-def test_preselected_top_k_on_a_large_vocabulary(k: int) -> None:
-    # Random logits at SmolLM2's vocabulary size (two levels at the default fan-out), with one
-    # value repeated across chunks in one row and the top value tied in another.
-    rng = np.random.default_rng(k)
-    rows = (rng.standard_normal((3, 49152)) * 3).astype(np.float32)
-    rows[0, 100:40000:97] = np.sort(rows[0])[-k // 2]
-    rows[1, 5::1000] = rows[1].max()
-    rows = jnp.asarray(rows)
-    want_val, want_idx = jax.lax.top_k(rows, k)
-    got_val, got_idx = jax.jit(preselected_top_k, static_argnums=1)(rows, k)
-    np.testing.assert_array_equal(np.asarray(got_idx), np.asarray(want_idx))
-    np.testing.assert_array_equal(np.asarray(got_val), np.asarray(want_val))
-
-
-def test_tree_with_preselection_is_the_same() -> None:
-    # A vocabulary long enough for preselection levels at budget 64: the tree must not change.
-    lp = random_log_probs(8, (2, 5, 5000), sharpness=3.0)
-    lp[1, :, ::7] = lp[1, :, :1]  # ties with each depth's first token across chunks
-    lp, roots = jnp.asarray(lp), jnp.array([1, 2], jnp.int32)
-    plain, preselected = build_tree(lp, roots, 64, preselect=0), build_tree(lp, roots, 64, preselect=4)
-    for a, b in zip(jax.tree_util.tree_leaves(plain), jax.tree_util.tree_leaves(preselected)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    check_structure(preselected, 65)
-
-
-def test_preselection_by_default_on_gpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    fanout = tree_module.preselect_fanout
-    assert fanout(None, 256, "gpu") == tree_module.KERNEL_PRESELECT  # the Triton top-k first
-    monkeypatch.setattr(tree_module, "KERNEL_TOP_K_BY_DEFAULT", False)
-    assert [fanout(None, k, "gpu") for k in (1, 16, 64, 128, 256, 257, 512, 513)] == [8, 8, 8, 8, 4, 3, 2, 0]
-    assert fanout(None, 64, "cpu") == 0
-    assert fanout(3, 512, "cpu") == 3 and fanout(0, 64, "gpu") == 0
-
-
 @pytest.mark.parametrize("n,m,k", [(1, 1, 1), (2, 5, 0), (3, 17, 5), (4, 64, 64), (2, 300, 256),
                                    (3, 1500, 256)])
 def test_ranked_top_k_equals_top_k_with_ties(n: int, m: int, k: int) -> None:
@@ -296,7 +234,7 @@ def test_tree_without_ranking_is_the_same() -> None:
     lp, roots = jnp.asarray(lp), jnp.array([1, 2], jnp.int32)
 
     def build(rank_max: int) -> Tree:
-        return build_tree(lp, roots, 64, rank_max=rank_max)
+        return build_with(lp, roots, 64, rank_max=rank_max)
 
     def sorts(rank_max: int) -> int:
         return str(jax.make_jaxpr(lambda: tree_module._build_tree_impl(
@@ -314,7 +252,7 @@ def test_chunked_vocabulary_top_k_equals_brute_force_with_ties(budget: int) -> N
     depth, vocab = 3, 24
     rng = np.random.default_rng(budget)
     lp = rng.choice(np.array([0.0, -0.5, -1.0, -np.inf], np.float32), size=(2, depth, vocab))
-    tree = build_tree(jnp.asarray(lp), jnp.array([1, 2], jnp.int32), budget, top_k_chunk=8)
+    tree = build_with(jnp.asarray(lp), jnp.array([1, 2], jnp.int32), budget, top_k_chunk=8)
     for b in range(2):
         got = tree_paths(tree, b)
         want = brute_force(lp[b], budget)
@@ -338,18 +276,13 @@ def test_nan_and_positive_log_probs_keep_the_tree_closed() -> None:
     check_structure(tree, 21)
 
 
-# One top_k over the vocabulary; 4 chunks; the default fan-out, whose levels a 1000-token
-# vocabulary skips (it ranks the whole row); and fan-out 2 over 2048 tokens, two levels (512
-# chunks of 4, then 512 of 2).
-@pytest.mark.parametrize("top_k_chunk,preselect,vocab", [(0, 0, 1000), (256, 0, 1000),
-                                                         (256, tree_module.PRESELECT_FANOUT, 1000),
-                                                         (256, 2, 2048)])
-def test_equals_best_first_heap_realistic_shapes(top_k_chunk: int, preselect: int, vocab: int) -> None:
+# One top_k over the vocabulary; 4 chunks of 256; and the default chunk over 5000 tokens.
+@pytest.mark.parametrize("top_k_chunk,vocab", [(0, 1000), (256, 1000), (tree_module.TOP_K_CHUNK, 5000)])
+def test_equals_best_first_heap_realistic_shapes(top_k_chunk: int, vocab: int) -> None:
     batch, depth, budget = 2, 15, 256
     lp = random_log_probs(11, (batch, depth, vocab), sharpness=4.0)
-    tree = build_tree(jnp.asarray(lp), jnp.array([3, 4], jnp.int32), budget, top_k_chunk=top_k_chunk,
-                      preselect=preselect)
-    assert tree.width == 1 + budget  # tree_width: no padding by default
+    tree = build_with(jnp.asarray(lp), jnp.array([3, 4], jnp.int32), budget, top_k_chunk=top_k_chunk)
+    assert tree.width == 1 + budget  # tree_width: no padding
     check_structure(tree, 1 + budget)
     for b in range(batch):
         got = dict(tree_paths(tree, b))
@@ -365,10 +298,6 @@ def test_tree_width() -> None:
     assert tree_width(255) == 256
     assert tree_width(256) == 257
     assert tree_width(512) == 513
-    assert tree_width(7, row_block=8) == 8
-    assert tree_width(15, row_block=16) == 16
-    assert tree_width(16, row_block=16) == 32
-    assert tree_width(256, row_block=16) == 272
 
 
 def test_explicit_wider_width_pads() -> None:
@@ -425,16 +354,8 @@ def test_bad_arguments_name_the_argument() -> None:
         build_tree(lp, roots, jnp.int32(4))
     with pytest.raises(ValueError, match="width"):
         build_tree(lp, roots, 16, width=16)
-    with pytest.raises(ValueError, match="top_k_chunk"):
-        build_tree(lp, roots, 4, top_k_chunk=-1)
-    with pytest.raises(ValueError, match="preselect"):
-        build_tree(lp, roots, 4, preselect=1)
-    with pytest.raises(ValueError, match="preselect"):
-        build_tree(lp, roots, 4, preselect=(64, 16))
-    with pytest.raises(ValueError, match="fanout"):
-        preselected_top_k(lp[0], 2, fanout=1)
     with pytest.raises(ValueError, match="k must be"):
-        preselected_top_k(lp[0], 6)
+        ranked_top_k(lp[0], 6)
     with pytest.raises(ValueError, match="log_probs"):
         build_tree(lp[0], roots, 4)
     with pytest.raises(ValueError, match="log_probs"):
@@ -449,8 +370,6 @@ def test_bad_arguments_name_the_argument() -> None:
         build_tree(lp, roots.astype(jnp.float32), 4)
     with pytest.raises(ValueError, match="budget"):
         tree_width(0)
-    with pytest.raises(ValueError, match="row_block"):
-        tree_width(4, row_block=0)
     with pytest.raises(ValueError, match="block_tokens"):
         chain_tree(jnp.zeros((4,), jnp.int32))
     with pytest.raises(ValueError, match="width"):

@@ -223,8 +223,9 @@ def test_dispatcher_uses_reference_on_cpu(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert resolve_impl("auto") == "pallas"
     assert resolve_impl("interpret") == "interpret"
+    assert resolve_impl("triton") == "triton"
     with pytest.raises(ValueError):
-        resolve_impl("triton")
+        resolve_impl("mosaic")
 
 
 def test_dispatcher_falls_back_for_head_sizes_no_kernel_takes(monkeypatch):
@@ -277,17 +278,23 @@ def test_gpu_kernel_matches_reference(batch, width, kv_heads, group, head_dim, m
     assert rel_err(out, ref) < tolerance(dtype)
 
 
-def test_one_launch_variant_drops_the_tail_launch():
-    """impl="pallas-one-launch" drops the tail launch that the default has at W 272."""
+def test_triton_impl_keeps_the_triton_kernel_where_hopper_applies(monkeypatch):
+    """impl="triton" (the path of GPUs other than Hopper) runs the Triton kernel, with the tail
+    launch its default tiling has at W 272, even where "pallas" takes the Hopper kernel."""
+    import importlib
+
+    hopper = importlib.import_module("pallas_kernels.tree_attention_hopper")
+    monkeypatch.setattr(hopper, "available", lambda: True)
     q = jax.ShapeDtypeStruct((1, 272, 32, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 4368, 8, 128), jnp.bfloat16)
     args = [q, kv, kv, jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1, 272, 272), jnp.bool_)]
-    for impl, launches in (("pallas", 2), ("pallas-one-launch", 1)):
-        fn = functools.partial(tree_attention, impl=impl)
-        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        assert text.count("__gpu$xla.gpu.triton") == launches, impl
-    with pytest.raises(ValueError, match="pallas-one-launch"):
-        resolve_impl("one-wave")
+    texts = {impl: jax.jit(functools.partial(tree_attention, impl=impl)).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text() for impl in ("pallas", "triton")}
+    assert texts["triton"].count("__gpu$xla.gpu.triton") == 2 and "mosaic_gpu" not in texts["triton"]
+    assert "mosaic_gpu" in texts["pallas"]
+    for gone in ("pallas-triton", "pallas-one-launch", "pallas-unfused"):
+        with pytest.raises(ValueError, match="impl must be one of auto, pallas, triton, reference, interpret"):
+            resolve_impl(gone)
 
 
 # (batch, width, kv_heads, group, head_dim, max_len, lens, dtype, tree, block_q, tail_split)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import importlib
 
 import jax
@@ -115,19 +114,17 @@ def _split_partials(q, k, v, prefix_lens, visible, sched: hopper.Schedule):
     return jnp.asarray(outs), jnp.asarray(lses)
 
 
-@pytest.mark.parametrize("unrolled", [True, False])
 @pytest.mark.parametrize("batch,width,lens,tree", [
     (2, 80, [300, 40], True),   # 2 full blocks + a partial one per kv head, split both ways
     (1, 16, [200], False),      # only a partial block (a DFlash chain)
 ])
-def test_merge_of_split_partials_is_the_reference(batch, width, lens, tree, unrolled):
-    """Partials split over the keys the way the kernel splits them, merged by `merge` (either
-    way), give the reference's attention (float32)."""
+def test_merge_of_split_partials_is_the_reference(batch, width, lens, tree):
+    """Partials split over the keys the way the kernel splits them, merged by `merge`, give the
+    reference's attention (float32)."""
     kv_heads, group, head_dim, max_len = 2, 4, 64, 512
     q, k, v, prefix_lens, visible = make_case(3, batch, width, kv_heads, group, head_dim, max_len,
                                               lens, jnp.float32, tree)
     sched = hopper.schedule(batch, kv_heads, width * group, max_len, num_sms=24, block_k=64)
-    sched = dataclasses.replace(sched, unrolled_merge=unrolled)
     assert sched.tail and (sched.main_split > 1 or not sched.full_blocks) and sched.tail_split > 1
     out, lse = _split_partials(q, k, v, prefix_lens, visible, sched)
     got = hopper.tokens_of(hopper.merge(out, lse, sched), width, group)
@@ -193,8 +190,8 @@ def test_folded_tail_launches_the_full_block_programs_only(rows, kv_heads):
 
 def test_warpgroup_registers_fit_what_the_launch_gives():
     """setmaxnreg: the compute warpgroups can only take the registers the memory warpgroup gave
-    back from the launch's 168 a thread (more deadlocks the kernel: the twenty-fifth session's
-    first folded kernel, at 232 / 48, hung on the GPU); steps of 8, as the instruction needs."""
+    back from the launch's 168 a thread (more deadlocks the kernel: a folded kernel at 232 / 48
+    hung on the GPU); steps of 8, as the instruction needs."""
     threads = (hopper.COMPUTE_WGS + 1) * 128
     assert hopper.LAUNCH_REGISTERS == 65536 // threads // 8 * 8
     for fold, (compute, memory) in hopper.REGISTERS.items():
@@ -202,29 +199,12 @@ def test_warpgroup_registers_fit_what_the_launch_gives():
         assert hopper.COMPUTE_WGS * (compute - hopper.LAUNCH_REGISTERS) <= hopper.LAUNCH_REGISTERS - memory, fold
 
 
-def test_compute_registers_leave_the_memory_warpgroup_the_rest():
-    """`Schedule.compute_registers` moves registers between the warpgroups within the launch's
-    (what `REGISTERS` holds by default); a split that leaves the memory warpgroup under 24, or
-    that is not in steps of 8 above the launch's, is refused by name."""
-    sched = hopper.fold_tail(hopper.schedule(1, 8, 257 * 4, 5120))
-    assert hopper.warpgroup_registers(sched) == hopper.REGISTERS[True]
-    for compute, memory in ((232, 40), (224, 56), (216, 72)):
-        got = hopper.warpgroup_registers(dataclasses.replace(sched, compute_registers=compute))
-        assert got == (compute, memory)
-        assert hopper.COMPUTE_WGS * (compute - hopper.LAUNCH_REGISTERS) <= hopper.LAUNCH_REGISTERS - memory
-    for bad in (236, 168, 248):
-        with pytest.raises(ValueError, match="compute_registers"):
-            hopper.warpgroup_registers(dataclasses.replace(sched, compute_registers=bad))
-
-
 def test_fold_tail_leaves_other_schedules_as_they_are():
-    """No fold without both kinds of block, with a partial block over TAIL_COLS rows (W 272: 64
-    rows), or with the real rows unknown."""
+    """No fold without both kinds of block, or with a partial block over TAIL_COLS rows (W 272:
+    64 rows)."""
     for rows in (256 * 4, 16 * 4, 17 * 4, 272 * 4, 264 * 4):
         sched = hopper.schedule(1, 8, rows, 5120)
         assert hopper.fold_tail(sched) == sched, rows
-    unknown = dataclasses.replace(hopper.schedule(1, 8, 257 * 4, 5120), real_rows=0)
-    assert hopper.fold_tail(unknown) == unknown
 
 
 def _lowered_kernel(sched, width: int, monkeypatch, kv_heads: int = 8, head_dim: int = 128) -> bytes:
@@ -241,16 +221,14 @@ def _lowered_kernel(sched, width: int, monkeypatch, kv_heads: int = 8, head_dim:
     return kernel
 
 
-@pytest.mark.parametrize("width,group,head_dim,tails_last,pingpong", [
-    (257, 4, 128, True, True), (257, 4, 128, False, True), (257, 4, 128, True, False), (129, 8, 64, True, True)])
-def test_folded_tail_kernel_lowers_for_cuda(width, group, head_dim, tails_last, pingpong, monkeypatch):
-    """With `fold_tail` the kernel lowers for cuda (in either grid order, with and without
-    turns, 4 or 8 tail rows), as one Mosaic kernel whose products include the tail's swap-AB
-    ones: N = TAIL_COLS columns, which the kernel without the fold has none of."""
+@pytest.mark.parametrize("width,group,head_dim", [(257, 4, 128), (129, 8, 64)])
+def test_folded_tail_kernel_lowers_for_cuda(width, group, head_dim, monkeypatch):
+    """With `fold_tail` the kernel lowers for cuda (4 or 8 tail rows), as one Mosaic kernel
+    whose products include the tail's swap-AB ones: N = TAIL_COLS columns, which the kernel
+    without the fold has none of."""
     kv_heads = 8 if group == 4 else 2
     kv = jax.ShapeDtypeStruct((1, 5120, kv_heads, head_dim), jnp.bfloat16)
-    base = dataclasses.replace(hopper.schedule(1, kv_heads, width * group, 5120), tails_last=tails_last,
-                               pingpong=pingpong)
+    base = hopper.schedule(1, kv_heads, width * group, 5120)
     folded, plain = (_lowered_kernel(sched, width, monkeypatch, kv_heads, head_dim)
                      for sched in (hopper.fold_tail(base), base))
     assert b"n8k16" in folded and b"n8k16" not in plain
@@ -261,76 +239,20 @@ def test_folded_tail_kernel_lowers_for_cuda(width, group, head_dim, tails_last, 
     assert text.count("xla.gpu.triton") == 1  # the split-K merge, over the folded tail's partials too
 
 
-def test_folded_tail_kernel_lowers_with_other_register_splits(monkeypatch):
-    """The folded kernel lowers with the compute warpgroups at other `compute_registers` (the
-    memory warpgroup, which runs the tail's products, then at 40 or 72): each split is a kernel
-    of its own, and 224 is the default's."""
-    base = hopper.fold_tail(hopper.schedule(1, 8, 257 * 4, 5120))
-    jax.clear_caches()  # another test may have lowered the default schedule already: no new kernel then
-    kernels = {compute: _lowered_kernel(dataclasses.replace(base, compute_registers=compute), 257, monkeypatch)
-               for compute in (0, 224, 232, 216)}
-    assert kernels[0] == kernels[224]
-    assert len({kernels[224], kernels[232], kernels[216]}) == 3
-
-
-def test_ordered_turn_changes_only_the_kernel_with_turns(monkeypatch):
-    """`Schedule.ordered_turn` (the row sums stored and the warpgroup's barrier passed before a
-    turn is handed over) gives another kernel where the warpgroups take turns, and the same
-    kernel where they do not (it has no turn to order)."""
-    base = hopper.fold_tail(hopper.schedule(1, 8, 257 * 4, 5120))
-    assert not base.ordered_turn  # opt-in
-    jax.clear_caches()  # another test may have lowered one of these schedules already
-    kernels = {(pingpong, ordered): _lowered_kernel(dataclasses.replace(base, pingpong=pingpong, ordered_turn=ordered),
-                                                    257, monkeypatch)
-               for pingpong, ordered in itertools.product((True, False), (True, False))}
-    assert kernels[True, True] != kernels[True, False]
-    assert kernels[False, True] == kernels[False, False]
-
-
-@pytest.mark.parametrize("pingpong", [True, False])
-@pytest.mark.parametrize("skip_padding", [True, False])
-@pytest.mark.parametrize("fma_scale,block_k,stages,tails_last", [(True, 128, 2, True), (False, 128, 2, True),
-                                                                  (True, 64, 4, True), (True, 128, 2, False)])
-def test_hopper_kernel_lowers_for_cuda(pingpong, skip_padding, fma_scale, block_k, stages, tails_last):
+@pytest.mark.parametrize("block_k,stages", [(128, 2), (64, 4)])
+def test_hopper_kernel_lowers_for_cuda(block_k, stages):
     """The Mosaic GPU kernel traces and lowers for cuda without a GPU (one custom call, and one
-    Triton launch merging its partials), with and without turns, with the padding warpgroup
-    skipping its products (real_rows) or not, scaling in exp2's argument or first, on 128- and
-    64-key blocks."""
+    Triton launch merging its partials), on 128- and 64-key blocks."""
     q = jax.ShapeDtypeStruct((1, 272, 32, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 5120, 8, 128), jnp.bfloat16)
     args = [q, kv, kv, jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1, 272, 272), jnp.bool_)]
     sched = hopper.schedule(1, 8, 272 * 4, 5120)
-    sched = dataclasses.replace(sched, pingpong=pingpong, real_rows=sched.real_rows if skip_padding else 0,
-                                fma_scale=fma_scale, block_k=block_k, stages=stages, tails_last=tails_last)
+    sched = hopper.schedule(1, 8, 272 * 4, 5120, block_k=block_k)
+    sched = dataclasses.replace(sched, stages=stages)
     fn = functools.partial(hopper.tree_attention_hopper, scale=128 ** -0.5, sched=sched)
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 1
     assert text.count("xla.gpu.triton") == 1  # the split-K merge (`split_merge.py`)
-
-
-@pytest.mark.parametrize("pdl", [True, False])
-def test_hopper_kernel_waits_for_its_predecessor_only_with_pdl(pdl, monkeypatch):
-    """`Schedule.pdl` puts one griddepcontrol.wait in the kernel (before its first read; from it
-    jax 0.11.2 launches the kernel as a programmatic dependent); without it, no wait."""
-    q = jax.ShapeDtypeStruct((1, 272, 32, 128), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((1, 5120, 8, 128), jnp.bfloat16)
-    args = [q, kv, kv, jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1, 272, 272), jnp.bool_)]
-    sched = dataclasses.replace(hopper.schedule(1, 8, 272 * 4, 5120), pdl=pdl)
-    from jax.experimental.mosaic.gpu import core as mgpu_core
-    monkeypatch.setattr(mgpu_core, "KNOWN_KERNELS", {})  # this lowering's kernels only
-    lowered = hopper.hopper_partials.trace(
-        jax.ShapeDtypeStruct((1, 8, sched.padded_rows, 128), jnp.bfloat16), kv, kv,
-        jax.ShapeDtypeStruct((1,), jnp.int32),
-        jax.ShapeDtypeStruct((1, sched.padded_rows, hopper.bias_columns(272, 128)), jnp.bfloat16),
-        width=272, scale=1.0, sched=sched).lower(lowering_platforms=("cuda",))
-    module = lowered.as_text()
-    # The kernel's MLIR travels serialised inside the custom call; the wait is an inline asm string.
-    assert module.count("mosaic_gpu") >= 1
-    kernels = [bytes(k) for k in mgpu_core.KNOWN_KERNELS.values()]
-    assert len(kernels) == 1
-    assert (b"griddepcontrol.wait" in kernels[0]) == pdl
-    fn = functools.partial(hopper.tree_attention_hopper, scale=128 ** -0.5, sched=sched)
-    assert jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text().count("mosaic_gpu") >= 1
 
 
 def test_hopper_partials_validate_shapes():
@@ -372,8 +294,7 @@ GPU_CASES = [
     (1, 65, 8, 4, 128, 4400, [4001], True),      # budget 64 at row block 1
     (1, 513, 8, 4, 128, 4616, [4000], True),     # budget 512 at row block 1
 ]
-# From HOPPER_MIN_ROWS (64) to 127 rows: "pallas" takes the Hopper kernel, "pallas-min-rows-128"
-# (the old threshold) the Triton one.
+# From HOPPER_MIN_ROWS (64) to 127 rows: "pallas" takes the Hopper kernel.
 GPU_SMALL_CASES = [
     (1, 16, 8, 4, 128, 4224, [4100], False),     # DFlash's verify: a chain of 16 (64 rows)
     (2, 17, 8, 4, 128, 4400, [4000, 77], True),  # DDTree(16) at W 17 (68 rows)
@@ -390,17 +311,6 @@ def test_gpu_hopper_kernel_matches_reference(batch, width, kv_heads, group, head
     ref = tree_attention_reference(q, k, v, prefix_lens, visible)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert rel_err(out, ref) < 1.5e-2
-    # The same kernel with its compute warpgroups not taking turns (`Schedule.pingpong`),
-    # scaling the scores the other way (`Schedule.fma_scale`), launched as a programmatic
-    # dependent of the kernel before it (`Schedule.pdl`), on the grid in the other order
-    # (`Schedule.tails_last`), and with its turns ordered the other way (`Schedule.ordered_turn`).
-    default = hopper.schedule(batch, kv_heads, width * group, max_len)
-    for fields in (dict(pingpong=False), dict(fma_scale=not default.fma_scale), dict(pdl=not default.pdl),
-                   dict(tails_last=not default.tails_last), dict(ordered_turn=not default.ordered_turn)):
-        sched = dataclasses.replace(default, **fields)
-        out = jax.jit(functools.partial(hopper.tree_attention_hopper, scale=head_dim ** -0.5, sched=sched))(
-            q, k, v, prefix_lens, visible)
-        assert rel_err(out, ref) < 1.5e-2, fields
 
 
 # Partial blocks of at most TAIL_COLS rows, which `fold_tail` folds.
@@ -415,16 +325,14 @@ GPU_FOLD_CASES = [
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("tails_last", [True, False])
 @pytest.mark.parametrize("batch,width,kv_heads,group,head_dim,max_len,lens,tree", GPU_FOLD_CASES)
-def test_gpu_folded_tail_matches_reference(batch, width, kv_heads, group, head_dim, max_len, lens, tree,
-                                           tails_last):
+def test_gpu_folded_tail_matches_reference(batch, width, kv_heads, group, head_dim, max_len, lens, tree):
     """The partial block's rows taken by the full-block programs' memory warpgroups
-    (`Schedule.fold_tail`), in both grid orders, against the reference."""
+    (`Schedule.fold_tail`), against the reference."""
     q, k, v, prefix_lens, visible = make_case(7, batch, width, kv_heads, group, head_dim, max_len,
                                               lens, jnp.bfloat16, tree)
     sched = hopper.schedule(batch, kv_heads, width * group, max_len)
-    sched = hopper.fold_tail(dataclasses.replace(sched, tails_last=tails_last))
+    sched = hopper.fold_tail(sched)
     assert sched.fold_tail
     out = jax.jit(functools.partial(hopper.tree_attention_hopper, scale=head_dim ** -0.5, sched=sched))(
         q, k, v, prefix_lens, visible)
@@ -435,15 +343,14 @@ def test_gpu_folded_tail_matches_reference(batch, width, kv_heads, group, head_d
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("tails_last", [True, False])
-def test_gpu_folded_tail_gives_the_same_bits_every_run(tails_last):
+def test_gpu_folded_tail_gives_the_same_bits_every_run():
     """The same inputs, run after run, give the same output. With the folded tail, the compute
     warpgroups' copy of the next bias block could land before a late warp had read the current
-    one: in the heads-major order, 7 different outputs in 20 runs, 0.10 off in sequence 1's main
-    rows (H200, twenty-sixth session), until `next_bias` waited for the whole warpgroup."""
+    one: 7 different outputs in 20 runs, 0.10 off in sequence 1's main rows (H200), until
+    `next_bias` waited for the whole warpgroup."""
     q, k, v, prefix_lens, visible = make_case(7, 2, 257, 8, 4, 128, 4400, [4096, 1001], jnp.bfloat16, True)
     sched = hopper.schedule(2, 8, 257 * 4, 4400)
-    sched = hopper.fold_tail(dataclasses.replace(sched, tails_last=tails_last))
+    sched = hopper.fold_tail(sched)
     fn = jax.jit(functools.partial(hopper.tree_attention_hopper, scale=128 ** -0.5, sched=sched))
     first = np.asarray(fn(q, k, v, prefix_lens, visible))
     assert rel_err(first, tree_attention_reference(q, k, v, prefix_lens, visible)) < 1.5e-2
@@ -457,72 +364,43 @@ def test_gpu_hopper_kernel_from_64_rows_matches_reference(batch, width, kv_heads
                                                           lens, tree):
     q, k, v, prefix_lens, visible = make_case(7, batch, width, kv_heads, group, head_dim, max_len,
                                               lens, jnp.bfloat16, tree)
-    assert dispatch.hopper_applies(q, k) and not dispatch.hopper_applies(q, k, "pallas-min-rows-128")
+    assert dispatch.hopper_applies(q, k)
     out = jax.jit(functools.partial(tree_attention, impl="pallas"))(q, k, v, prefix_lens, visible)
     ref = tree_attention_reference(q, k, v, prefix_lens, visible)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert rel_err(out, ref) < 1.5e-2
 
 
-def test_hopper_kernel_from_64_rows_and_the_old_threshold(monkeypatch):
-    """From 64 rows per kv head (DFlash's 16 tokens x group 4) "pallas" runs the Hopper kernel
-    where "pallas-min-rows-128" keeps the Triton one; under 64 (an AR step) neither does."""
+def test_hopper_kernel_from_64_rows(monkeypatch):
+    """From 64 rows per kv head (DFlash's 16 tokens x group 4) "pallas" runs the Hopper kernel;
+    under 64 (an AR step) the Triton one; "triton" never gets a Hopper schedule."""
     monkeypatch.setattr(hopper, "available", lambda: True)
     kv = jnp.zeros((1, 5120, 8, 128), jnp.bfloat16)
-    for width, default, old in ((16, True, False), (17, True, False), (15, False, False), (32, True, True),
-                                (1, False, False)):
+    for width, takes in ((16, True), (17, True), (15, False), (32, True), (1, False)):
         q = jnp.zeros((1, width, 32, 128), jnp.bfloat16)
-        assert dispatch.hopper_applies(q, kv) == default, width
-        assert dispatch.hopper_applies(q, kv, "pallas-min-rows-128") == old, width
-        assert (dispatch.rows_schedule(1, width, 32, 8, 128, 5120, jnp.bfloat16, "pallas") is not None) == default, width
-        got = dispatch.rows_schedule(1, width, 32, 8, 128, 5120, jnp.bfloat16, "pallas-min-rows-128")
-        assert (got is not None) == old, width
+        assert dispatch.hopper_applies(q, kv) == takes, width
+        assert (dispatch.rows_schedule(1, width, 32, 8, 128, 5120, jnp.bfloat16, "pallas") is not None) == takes, width
+        assert dispatch.rows_schedule(1, width, 32, 8, 128, 5120, jnp.bfloat16, "triton") is None, width
 
 
-def test_variants_reach_the_kernel_with_their_schedule(monkeypatch):
-    """Each Hopper variant gets its own schedule, on the model's row path (`rows_schedule`) and
-    through the dispatcher alike."""
+def test_dispatcher_and_row_path_share_the_schedule(monkeypatch):
+    """"pallas" reaches the kernel with `hopper_schedule`'s schedule through the dispatcher and on
+    the model's row path (`rows_schedule`) alike: W 272's 64-row partial block in tail programs,
+    W 257's 4-row one folded into the full-block programs."""
     monkeypatch.setattr(hopper, "available", lambda: True)
-    # (pingpong, unrolled_merge, real_rows, merge_kernel)
-    want = {"pallas": (True, True, 272 * 4, True), "pallas-unfused": (True, True, 272 * 4, True),
-            "pallas-no-pingpong": (False, True, 272 * 4, True), "pallas-xla-merge": (True, True, 272 * 4, False),
-            "pallas-reduced-merge": (False, False, 0, False), "pallas-scaled-scores": (True, True, 272 * 4, True),
-            "pallas-pdl": (True, True, 272 * 4, True), "pallas-min-rows-128": (True, True, 272 * 4, True),
-            "pallas-heads-major": (True, True, 272 * 4, True), "pallas-tail-programs": (True, True, 272 * 4, True),
-            "pallas-ordered-turn": (True, True, 272 * 4, True)}
     seen = {}
     monkeypatch.setattr(hopper, "tree_attention_hopper",
                         lambda *a, sched, **kw: seen.setdefault("sched", sched) and a[0])
-    q = jnp.zeros((1, 272, 32, 128), jnp.bfloat16)
     kv = jnp.zeros((1, 5120, 8, 128), jnp.bfloat16)
-    assert set(want) == set(dispatch.HOPPER_VARIANTS)
-    for impl, fields in want.items():
+    for width, fold in ((272, False), (257, True)):
         seen.clear()
-        tree_attention(q, kv, kv, jnp.zeros((1,), jnp.int32), None, impl=impl)
+        q = jnp.zeros((1, width, 32, 128), jnp.bfloat16)
+        tree_attention(q, kv, kv, jnp.zeros((1,), jnp.int32), None, impl="pallas")
         got = seen["sched"]
-        assert (got.pingpong, got.unrolled_merge, got.real_rows, got.merge_kernel) == fields, impl
-        assert got.fma_scale == (impl not in ("pallas-scaled-scores", "pallas-reduced-merge")), impl
-        assert got.pdl == (impl == "pallas-pdl"), impl
-        assert got.tails_last == (impl != "pallas-heads-major"), impl
-        assert got.ordered_turn == (impl == "pallas-ordered-turn"), impl
-        assert not got.fold_tail, impl  # W 272's 64-row partial block is not folded
-        rows = dispatch.rows_schedule(1, 272, 32, 8, 128, 5120, jnp.bfloat16, impl)
-        if impl == "pallas-unfused":
-            assert rows is None  # the path without the qkv epilogue
-        else:
-            assert rows == got, impl
-
-
-def test_fold_tail_variant_folds_a_few_row_tail(monkeypatch):
-    """"pallas" (and the variants but two) folds W 257's 4-row partial block, and
-    "pallas-tail-programs" and "pallas-reduced-merge" do not, on the model's row path and
-    through the dispatcher."""
-    monkeypatch.setattr(hopper, "available", lambda: True)
-    for impl, fold in (("pallas", True), ("pallas-pdl", True), ("pallas-tail-programs", False),
-                       ("pallas-reduced-merge", False)):
-        got = dispatch.rows_schedule(1, 257, 32, 8, 128, 5120, jnp.bfloat16, impl)
-        assert got.fold_tail == fold and got.launched == (16 if fold else 32), impl
-        assert got == dispatch._hopper_schedule(impl, 1, 257 * 4, 8, 5120)
+        assert got.fold_tail == fold and got.real_rows == width * 4, width
+        assert got == dispatch.rows_schedule(1, width, 32, 8, 128, 5120, jnp.bfloat16, "pallas")
+        assert got == dispatch.hopper_schedule(1, width * 4, 8, 5120)
+        assert got == (hopper.fold_tail(hopper.schedule(1, 8, width * 4, 5120)))
 
 
 def test_bench_hopper_sched_specs():
@@ -530,10 +408,10 @@ def test_bench_hopper_sched_specs():
     unknown field or an empty spec is refused, naming the flag."""
     from dflash_jax.bench.tree_attention_bench import parse_hopper_scheds
 
-    assert parse_hopper_scheds(["bk64:block_k=64,stages=4", "plain:fma_scale=false,pingpong=True"]) == {
-        "bk64": {"block_k": 64, "stages": 4}, "plain": {"fma_scale": False, "pingpong": True}}
+    assert parse_hopper_scheds(["bk64:block_k=64,stages=4", "fold:fold_tail=true"]) == {
+        "bk64": {"block_k": 64, "stages": 4}, "fold": {"fold_tail": True}}
     sched = hopper.schedule(1, 8, 272 * 4, 5120)
     assert dataclasses.replace(sched, **parse_hopper_scheds(["x:stages=3"])["x"]).stages == 3
-    for bad in ("x:block=64", "x:", ":stages=3"):
+    for bad in ("x:block=64", "x:", ":stages=3", "x:pingpong=false"):
         with pytest.raises(SystemExit, match="--hopper-sched"):
             parse_hopper_scheds([bad])

@@ -4,8 +4,7 @@
 round after round without waiting. The generation (`speculative.generate_speculative`) loops until
 every sequence is done: a `while_loop`. Run by the host (XLA's while thunk), it reads the
 condition back before it issues the next round, so each round starts with the GPU waiting for the
-host to issue its first kernels; `SpecSettings.rounds_per_check` = k reads `done` once every k
-rounds. With XLA's command buffers (CUDA graphs) for every command type, WHILE and CONDITIONAL among
+host to issue its first kernels; `Impl.rounds_per_check` = k reads `done` once every k rounds. With XLA's command buffers (CUDA graphs) for every command type, WHILE and CONDITIONAL among
 them, as decoding compiles it (`speculative.DDTREE_COMPILER_OPTIONS`, `DFLASH_COMPILER_OPTIONS`),
 XLA can run the loop as a graph with conditional nodes instead. `--command-buffers` times the generation as decoding
 compiles it and with other settings (`spec_round`'s names); the generations are timed in turns.
@@ -26,13 +25,12 @@ so that each starts below the GPU's power limit (sustained decoding runs at it).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import itertools
 import math
 import statistics
 import time
-from typing import Any, get_args
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,12 +40,10 @@ from dflash_jax.bench.common import SHAPES, environment, log, time_fn, write_jso
 from dflash_jax.bench.spec_round import (COMMAND_BUFFERS, add_xla_options_argument, decoding_options, decoding_pair,
                                          make_state, parse_xla_options, timed_rounds)
 from dflash_jax.generate import generate_ar
-from dflash_jax.model import ACTIVATION_IMPLS, kernel_mlp_layout
+from dflash_jax.impl import ATTENTION_IMPLS, Impl
 from dflash_jax.speculative import _STATIC, SpecSettings, _generate, speculative_program, start_state
-from pallas_kernels.tree_attention import Impl
 
-
-AR_STATIC = ("cfg", "max_new_tokens", "max_len", "sampling", "stop_tokens", "attn_impl")
+AR_STATIC = ("cfg", "max_new_tokens", "max_len", "sampling", "stop_tokens", "impl")
 
 
 def generation_program(method: str, s: SpecSettings | None, command_buffers: str, extra: dict[str, Any] | None = None):
@@ -78,19 +74,12 @@ def main() -> None:
                     help="XLA's command buffers for the generation: as decoding compiles it (every command type), "
                          "or as spec_round names them: off, default, all "
                          "(every type, WHILE and CONDITIONAL among them), no-loops; several: each is timed")
-    ap.add_argument("--mlp", nargs="+", choices=("xla", "kernel"), default=["xla"],
-                    help="the verify's MLP: XLA's gate_up product and SiLU, or the gated-activation kernel "
-                         "(the target in `model.kernel_mlp_layout`); several: each is timed")
-    ap.add_argument("--activation", nargs="+", choices=ACTIVATION_IMPLS, default=["xla"],
-                    help="the speculative verify's silu(gate) * up: XLA's fusion or one silu_mul launch "
-                         "(SpecSettings.activation); several: each is timed (AR keeps XLA's)")
     add_xla_options_argument(ap, ", added to the command-buffer setting's")
-    ap.add_argument("--attn-impl", nargs="+", default=["auto"], choices=get_args(Impl),
-                    help="tree-attention implementations of the speculative methods (SpecSettings.attn_impl), "
-                         "timed in turns")
+    ap.add_argument("--attn-impl", nargs="+", default=["auto"], choices=ATTENTION_IMPLS,
+                    help="the attention's implementations (Impl.attention), AR's included; timed in turns")
     ap.add_argument("--rest", type=float, default=0.0,
                     help="seconds idle before each timed generation and prefill (0: back to back), so that "
-                         "each starts below the GPU's power limit (clocks.timed_calls rests so)")
+                         "each starts below the GPU's power limit")
     ap.add_argument("--out")
     args = ap.parse_args()
     env = environment()
@@ -123,41 +112,35 @@ def main() -> None:
         prefills["ar"] = median_ms(lambda: generate_ar(target, cfg, prompts, lens, key, max_new_tokens=1,
                                                        max_len=max_len).tokens)
     log(f"prefill {prefills} ms")
-    targets = {"xla": target}
-    if "kernel" in args.mlp:  # both layouts kept: 7 GB more at Qwen3-8B
-        targets["kernel"] = kernel_mlp_layout(target)
     programs = []
     first_tokens: dict[str, Any] = {}  # by method
     combos = [(m, cb) for m in args.method for cb in args.command_buffers]
     # A setting that compiles as an earlier one of the same method (DDTree's "decoding" is "all") runs once.
     combos = [(m, cb) for i, (m, cb) in enumerate(combos)
               if all(m != m2 or decoding_options(m, cb) != decoding_options(m2, cb2) for m2, cb2 in combos[:i])]
-    variants = itertools.product(combos, args.mlp, args.activation, args.attn_impl, args.xla_options,
-                                 args.rounds_per_check)
-    for (method, cb), mlp, act, attn, xla, k in variants:
-        if method == "ar" and (k != args.rounds_per_check[0] or act != args.activation[0]
-                               or attn != args.attn_impl[0]):
-            continue  # AR reads `done` every step and has neither the silu_mul path nor tree attention
-        s = None if method == "ar" else dataclasses.replace(bases[method], rounds_per_check=k, activation=act,
-                                                            attn_impl=attn)
+    variants = itertools.product(combos, args.attn_impl, args.xla_options, args.rounds_per_check)
+    for (method, cb), attn, xla, k in variants:
+        if method == "ar" and k != args.rounds_per_check[0]:
+            continue  # AR reads `done` every step
+        s = bases[method]
+        impl = Impl(attention=attn, rounds_per_check=1 if s is None else k)
         t0 = time.perf_counter()
         program = generation_program(method, s, cb, parse_xla_options(xla))
         # Compiled ahead of time; the static arguments are baked in.
         if s is None:
-            compiled = program.lower(targets[mlp], cfg, prompts, lens, key, max_new_tokens=args.new,
-                                     max_len=max_len).compile()
-            call = functools.partial(compiled, targets[mlp], prompts, lens, key)
+            compiled = program.lower(target, cfg, prompts, lens, key, max_new_tokens=args.new,
+                                     max_len=max_len, impl=impl).compile()
+            call = functools.partial(compiled, target, prompts, lens, key)
         else:
-            compiled = program.lower(targets[mlp], cfg, dparams, dcfg, prompts, lens, key, settings=s,
-                                     max_len=max_len).compile()
-            call = functools.partial(compiled, targets[mlp], dparams, prompts, lens, key)
+            compiled = program.lower(target, cfg, dparams, dcfg, prompts, lens, key, settings=s,
+                                     max_len=max_len, impl=impl).compile()
+            call = functools.partial(compiled, target, dparams, prompts, lens, key)
         gen = call()
         rounds = int(jax.device_get(gen.num_tokens).max()) - 1 if s is None else int(jax.device_get(gen.rounds).max())
         tokens = jax.device_get(gen.tokens)
         same = bool((tokens == first_tokens.setdefault(method, tokens)).all())
-        setting = {"method": method, "command_buffers": cb, "mlp": mlp, "activation": "xla" if s is None else act,
-                   "attn_impl": "auto" if s is None else attn,
-                   "xla_options": xla, "tokens_as_first": same, "rounds_per_check": 1 if s is None else k,
+        setting = {"method": method, "command_buffers": cb, "attn_impl": attn,
+                   "xla_options": xla, "tokens_as_first": same, "rounds_per_check": impl.rounds_per_check,
                    "rounds": rounds, "first_call_s": round(time.perf_counter() - t0, 1)}
         programs.append((setting, call))
     # Timed in turns, one generation of each per turn, so drift falls on all alike.
@@ -193,18 +176,18 @@ def main() -> None:
           f"prompt {args.ctx}, {args.new} new tokens, "
           f"batch 1 (random weights: about one token a round)"
           + (f", each generation and prefill after {args.rest} s idle" if args.rest else ""))
-    print("| method | command buffers | MLP | activation | attention | XLA options | tokens as the method's first "
+    print("| method | command buffers | attention | XLA options | tokens as the method's first "
           "| rounds per check | rounds | rounds run | generation ms | prefill ms | ms / round run | ms / round needed |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['method']} | {r['command_buffers']} | {r['mlp']} | {r['activation']} | {r['attn_impl']} | "
+        print(f"| {r['method']} | {r['command_buffers']} | {r['attn_impl']} | "
               f"{r['xla_options'] or '-'} | "
               f"{r['tokens_as_first']} | "
               f"{r['rounds_per_check']} | "
               f"{r['rounds']} | {r['rounds_run']} | "
               f"{r['generation_ms']} | {r['prefill_ms']} | {r['ms_per_round_run']} | {r['ms_per_round_needed']} |")
     for cb, ms in bench.items():
-        print(f"| {cb}: spec_round (fori_loop of 8) | | xla | xla | auto | - | | | | | | | {ms:.3f} | |")
+        print(f"| {cb}: spec_round (fori_loop of 8) | | auto | - | | | | | | | {ms:.3f} | |")
     if args.out:
         write_json(args.out, {"env": env, "rows": rows, "spec_round_ms": bench})
 

@@ -35,13 +35,11 @@ from dflash_jax.bench.clocks import ClockSampler
 from dflash_jax.bench.common import SHAPES, dump_hlo, environment, log, time_fn, write_json
 from dflash_jax.bench.profile import profile_program, scale_profile
 from dflash_jax.config import default_tap_layers
-from dflash_jax.model import ACTIVATION_IMPLS, RESIDUAL_IMPLS, init_params, kernel_mlp_layout
+from dflash_jax.impl import ATTENTION_IMPLS, Impl
+from dflash_jax.model import init_params
 from dflash_jax.speculative import (COMMAND_BUFFERS_ALL, COMMAND_BUFFERS_OFF, DOT_MERGER_OFF, SpecSettings, SpecState,
                                    spec_round)
 from dflash_jax.stage_times import STAGES  # the round's named scopes
-from dflash_jax.tree import (KERNEL_PRESELECT, RADIX_PRECHUNK, RANK_TOP_K_MAX, ROW_BLOCK, TOP_K_CHUNK,
-                             preselect_fanout)
-from pallas_kernels.tree_attention import PALLAS_VARIANTS
 
 
 def drafter_config(cfg, layers: int = 5, block_size: int = 16) -> dr.DraftConfig:
@@ -90,15 +88,15 @@ ROUNDS_PER_CALL = 8
 
 
 @functools.lru_cache(maxsize=None)
-def round_program(cfg, dcfg, s: SpecSettings, rounds: int = ROUNDS_PER_CALL):
+def round_program(cfg, dcfg, s: SpecSettings, rounds: int = ROUNDS_PER_CALL, impl: Impl = Impl()):
     """`rounds` fused rounds in one jitted, donated `fori_loop`, each from the lengths it was given.
 
     Decoding runs its rounds inside one on-device loop (`generate_speculative`), so this is the
     latency a round has there: no per-round host dispatch. The context is data, so one compile
-    serves every context of a settings.
+    serves every context of a settings. impl: the attention's implementation (`Impl.attention`).
     """
     def run(state: SpecState, start: jax.Array, target, dparams) -> SpecState:
-        body = lambda _, st: spec_round(reset(st, start), target, cfg, dparams, dcfg, s)  # noqa: E731
+        body = lambda _, st: spec_round(reset(st, start), target, cfg, dparams, dcfg, s, impl)  # noqa: E731
         return reset(jax.lax.fori_loop(0, rounds, body, state), start)
     # `start` is its own argument, not read from the donated state: on GPU (jax 0.11.2), reading
     # the donated state's lengths and writing them back after the loop returned garbage lengths.
@@ -106,8 +104,8 @@ def round_program(cfg, dcfg, s: SpecSettings, rounds: int = ROUNDS_PER_CALL):
 
 
 def timed_rounds(target, dparams, cfg, dcfg, s: SpecSettings, state: SpecState,
-                 compiler_options: dict[str, Any] | None = None, rounds: int = ROUNDS_PER_CALL
-                 ) -> tuple[float, Any, Callable[[], jax.Array]]:
+                 compiler_options: dict[str, Any] | None = None, rounds: int = ROUNDS_PER_CALL,
+                 impl: Impl = Impl()) -> tuple[float, Any, Callable[[], jax.Array]]:
     """Median ms per round of the fused, donated round (`rounds` a call), every round starting at
     `state`'s lengths.
 
@@ -115,7 +113,7 @@ def timed_rounds(target, dparams, cfg, dcfg, s: SpecSettings, state: SpecState,
     callers can read its HLO (`.as_text()`) and profile it. `compiler_options` go to XLA as they are.
     """
     ms, rnd, call, _ = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile=False, rounds=rounds,
-                                     compiler_options=compiler_options)
+                                     compiler_options=compiler_options, impl=impl)
     return ms, rnd, call
 
 
@@ -156,11 +154,11 @@ def decoding_options(method: str, command_buffers: str = "decoding") -> dict[str
 
 def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool, rounds: int = ROUNDS_PER_CALL,
                   compiler_options: dict[str, Any] | None = None, table: int = 0, timeline: bool = False,
-                  clocks: bool = False):
+                  clocks: bool = False, impl: Impl = Impl()):
     # Compiled ahead of time: the same executable is timed and profiled, and its HLO is at hand.
     t0 = time.perf_counter()
     start = jnp.array(state.cache.lengths)  # a copy: the state is donated
-    rnd = round_program(cfg, dcfg, s, rounds).lower(state, start, target=target, dparams=dparams).compile(
+    rnd = round_program(cfg, dcfg, s, rounds, impl).lower(state, start, target=target, dparams=dparams).compile(
         compiler_options=compiler_options)
     compile_s = time.perf_counter() - t0
     box = {"state": state}
@@ -187,23 +185,19 @@ def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool, rounds: i
 def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_len: int, profile: bool,
                    hlo_dir: str | None = None, rounds: int = ROUNDS_PER_CALL, dot_merger: str = "decoding",
                    table: int = 0, command_buffers: str = "decoding", xla_options: str = "",
-                   timers: list | None = None, timeline: bool = False, clocks: bool = False) -> dict:
+                   timers: list | None = None, timeline: bool = False, clocks: bool = False,
+                   impl: Impl = Impl()) -> dict:
     state = make_state(cfg, dcfg, ctx, max_len, s.max_new_tokens, target.embed.dtype)
     dot_merger, command_buffers = decoding_settings(s.method, dot_merger, command_buffers, profile)
     options = {**DOT_MERGER[dot_merger], **COMMAND_BUFFERS[command_buffers], **parse_xla_options(xla_options)} or None
     ms, rnd, call, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile, rounds, options, table,
-                                         timeline, clocks)
-    fanout = preselect_fanout(s.preselect, s.budget)
+                                         timeline, clocks, impl)
     dump_hlo(hlo_dir, f"round_{s.method}_b{s.budget}_ctx{ctx}_r{rounds}_dm-{dot_merger}_cb-{command_buffers}"
-                      f"_{s.attn_impl}_topk{s.top_k_chunk}_pre{fanout}_w{s.width}_res-{s.residual}"
+                      f"_{impl.attention}_w{s.width}"
                       f"{'_xla-' + re.sub(r'[^A-Za-z0-9]+', '-', xla_options) if xla_options else ''}", rnd.as_text())
     row = {"method": s.method, "budget": s.budget, "width": s.width, "ctx": ctx, "round_ms": ms,
            "dot_merger": dot_merger, "command_buffers": command_buffers, "xla_options": xla_options,
-           "attn_impl": s.attn_impl,
-           "top_k_chunk": s.top_k_chunk, "rank_max": s.rank_max,
-           "preselect": fanout,
-           "kv_compact": "kernel" if s.compact_kernel else "xla",
-           "residual": s.residual, "activation": s.activation, "context_epilogue": s.context_epilogue, **extra}
+           "attn_impl": impl.attention, **extra}
     log(row)
     if timers is not None:  # kept compiled, with its state, for `interleaved_medians`
         timers.append((row, call, rounds))
@@ -288,26 +282,6 @@ def add_xla_options_argument(ap: argparse.ArgumentParser, note: str = "") -> Non
                          f"{note} (several: each is timed, side by side)")
 
 
-def parse_preselect(text: str) -> int | str | None:
-    """--preselect value: "auto" (the default for the budget and backend), a fan-out (0 = none),
-    "radix" / "radixC" (tree.radix_top_k with prechunk tree.RADIX_PRECHUNK / C: preselect -C), or
-    "kernel" (tree.kernel_top_k, the Triton kernels: preselect tree.KERNEL_PRESELECT)."""
-    if text == "auto":
-        return None
-    if text == KERNEL_PRESELECT:
-        return KERNEL_PRESELECT
-    try:
-        if text.startswith("radix"):
-            prechunk = int(text[5:]) if text[5:] else RADIX_PRECHUNK
-            if prechunk < 1:
-                raise ValueError(f"the radix prechunk must be >= 1, got {prechunk}")
-            return preselect_fanout(-prechunk, 1)
-        return preselect_fanout(int(text), 1)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"--preselect takes 'auto', 0, a fan-out >= 2, 'radix' or 'radixC' "
-                                         f"(C >= 1) or 'kernel', got {text!r} ({e})")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-8b", choices=sorted(SHAPES))
@@ -321,43 +295,11 @@ def main() -> None:
     ap.add_argument("--dot-merger", nargs="+", choices=sorted(DOT_MERGER) + ["decoding"], default=["decoding"],
                     help="XLA's dot merger as decoding compiles it (off for DDTree, as is for DFlash), "
                          "as is, or off (several: each is timed, side by side)")
-    ap.add_argument("--attn-impl", nargs="+", choices=("auto", *sorted(PALLAS_VARIANTS)), default=["auto"],
-                    help="tree attention as dispatched (auto/pallas: the Hopper kernel on sm_90 where it "
-                         "applies, fed by the fused qkv epilogue), the same with the epilogue in XLA "
-                         "(pallas-unfused), the Hopper kernel's warpgroups not taking turns (pallas-no-pingpong), "
-                         "its split-K merge in XLA instead of the Triton merge kernel (pallas-xla-merge), "
-                         "an earlier Hopper path (pallas-reduced-merge: no turns, the split-K merge as XLA reductions), "
-                         "the Hopper kernel scaling every score before the softmax (pallas-scaled-scores), "
-                         "the Triton kernel alone (pallas-triton), or that without its "
-                         "tail launch (several: each is timed, side by side)")
-    ap.add_argument("--top-k-chunk", nargs="+", type=int, default=[TOP_K_CHUNK],
-                    help="DDTree's vocabulary top_k chunk, 0 = one top_k (several: each is timed, side by side)")
-    ap.add_argument("--rank-max", nargs="+", type=int, default=[RANK_TOP_K_MAX],
-                    help="DDTree's own top-k selections by ranking up to this row length, 0 = lax.top_k "
-                         "(several: each is timed, side by side)")
-    ap.add_argument("--preselect", nargs="+", type=parse_preselect, default=[None],
-                    help="DDTree's vocabulary top-k preselection fan-out (tree.preselected_top_k), 0 for "
-                         "--top-k-chunk's two stages alone, radix or radixC for tree.radix_top_k (prechunk C, "
-                         "shown as preselect -C), kernel for tree.kernel_top_k (the Triton kernels of "
-                         "pallas_kernels/top_k.py), auto for the default (several: each is timed, "
-                         "side by side)")
-    ap.add_argument("--row-block", nargs="+", type=int, default=[ROW_BLOCK],
-                    help="DDTree's width is 1 + budget rounded up to a multiple of this (tree.tree_width) "
-                         "(several: each is timed, side by side)")
-    ap.add_argument("--kv-compact", nargs="+", choices=("kernel", "xla"), default=["kernel"],
-                    help="the commit's K/V compaction in one Pallas launch where it applies, or per buffer "
-                         "in XLA (several: each is timed, side by side)")
-    ap.add_argument("--context-epilogue", nargs="+", choices=("auto", "xla"), default=["auto"],
-                    help="the commit's drafter context rows: one kv_epilogue launch a drafter layer where it "
-                         "applies (auto) or XLA's kernels (several: each is timed, side by side)")
-    ap.add_argument("--residual", nargs="+", choices=RESIDUAL_IMPLS, default=["kernel"],
-                    help="on the fused verify path, the o and down products as K-slice partials, their sums, "
-                         "residual adds and norms in one residual_norm launch each (kernel) or in XLA from the "
-                         "same ops (jnp); or the usual path, XLA splitting the products itself (xla) "
-                         "(several: each is timed, side by side)")
-    ap.add_argument("--activation", nargs="+", choices=ACTIVATION_IMPLS, default=["xla"],
-                    help="on the fused residual path, silu(gate) * up after XLA's gate_up product: XLA's fusion "
-                         "or one silu_mul launch (kernel) (several: each is timed, side by side)")
+    ap.add_argument("--attn-impl", nargs="+", choices=ATTENTION_IMPLS, default=["auto"],
+                    help="the target's attention (Impl.attention): as dispatched (auto/pallas: the Hopper "
+                         "kernel on sm_90 where it applies, fed by the fused qkv epilogue), the Triton kernel "
+                         "alone as GPUs other than Hopper run it (triton), or jnp (reference, which keeps the "
+                         "whole round in XLA) (several: each is timed, side by side)")
     ap.add_argument("--rounds-per-call", nargs="+", type=int, default=[ROUNDS_PER_CALL],
                     help="rounds per jitted call (several: each is timed, side by side)")
     ap.add_argument("--command-buffers", nargs="+", choices=sorted(COMMAND_BUFFERS) + ["decoding"],
@@ -379,10 +321,6 @@ def main() -> None:
     ap.add_argument("--clocks", action="store_true",
                     help="sample the SM clock, power and throttle reasons (nvidia-smi, every 50 ms) while each "
                          "DDTree row is timed, and keep their medians in the row (bench/clocks.py)")
-    ap.add_argument("--mlp", nargs="+", choices=("xla", "kernel"), default=["xla"],
-                    help="DDTree's verify MLP: XLA's gate_up product and SiLU, or the gated-activation "
-                         "kernel on the target in `model.kernel_mlp_layout` where it applies (fused layout "
-                         "only; several: each is timed, side by side)")
     ap.add_argument("--out")
     args = ap.parse_args()
     env = environment()
@@ -402,22 +340,12 @@ def main() -> None:
     profile = not args.no_profile
 
     def variants(**method):
-        """Every side-by-side variant of one method: attention impl x top_k chunk x rank max (both
-        DDTree) x K/V compaction x residual path x activation x rounds per call x dot merger x command
-        buffers."""
-        ddtree = method["method"] == "ddtree"
-        chunks = args.top_k_chunk if ddtree else [TOP_K_CHUNK]
-        ranks = args.rank_max if ddtree else [RANK_TOP_K_MAX]
-        preselects = args.preselect if ddtree else [None]
-        row_blocks = args.row_block if ddtree else [ROW_BLOCK]
-        for ai, chunk, rank, pre, rb, compact, res, act, ce, r, dm, cb, xo in itertools.product(
-                args.attn_impl, chunks, ranks, preselects, row_blocks, args.kv_compact, args.residual,
-                args.activation, args.context_epilogue, args.rounds_per_call, args.dot_merger,
-                args.command_buffers, args.xla_options):
-            s = SpecSettings(block_size=dcfg.block_size, max_new_tokens=512, attn_impl=ai, top_k_chunk=chunk,
-                             rank_max=rank, preselect=pre, row_block=rb, compact_kernel=compact == "kernel",
-                             residual=res, activation=act, context_epilogue=ce, **method)
-            yield s, r, dm, cb, xo
+        """Every side-by-side variant of one method: attention impl x rounds per call x dot merger x
+        command buffers x XLA options."""
+        s = SpecSettings(block_size=dcfg.block_size, max_new_tokens=512, **method)
+        for ai, r, dm, cb, xo in itertools.product(args.attn_impl, args.rounds_per_call, args.dot_merger,
+                                                   args.command_buffers, args.xla_options):
+            yield s, Impl(attention=ai), r, dm, cb, xo
 
     timers: list | None = [] if args.interleave > 0 else None
 
@@ -436,24 +364,20 @@ def main() -> None:
         first = len(rows)
         for ctx in args.ctx:
             rows.append(bench_ar(target, cfg, ctx, max_len, profile, args.kernel_table))
-            for (s, r, dm, cb, xo), (dl, dp) in itertools.product(variants(method="dflash"), drafters.items()):
+            for (s, impl, r, dm, cb, xo), (dl, dp) in itertools.product(variants(method="dflash"), drafters.items()):
                 row = bench_or_report(target, cfg, dp, dcfg, s, ctx, max_len, profile, args.dump_hlo, r,
-                                      dm, args.kernel_table, cb, xla_options=xo)
+                                      dm, args.kernel_table, cb, xla_options=xo, impl=impl)
                 if row:
                     row["draft_layout"] = dl
                     rows.append(row)
-        targets = {"xla": target}
-        if "kernel" in args.mlp:  # both layouts kept: 7 GB more at Qwen3-8B
-            targets["kernel"] = kernel_mlp_layout(target)
         for b in args.budgets:
-            for (s, r, dm, cb, xo), (dl, dp), mlp in itertools.product(
-                    variants(method="ddtree", budget=b), drafters.items(), [m for m in args.mlp if m in targets]):
-                row = bench_or_report(targets[mlp], cfg, dp, dcfg, s, args.ddtree_ctx, max_len, profile,
+            for (s, impl, r, dm, cb, xo), (dl, dp) in itertools.product(variants(method="ddtree", budget=b),
+                                                                        drafters.items()):
+                row = bench_or_report(target, cfg, dp, dcfg, s, args.ddtree_ctx, max_len, profile,
                                       args.dump_hlo, r, dm, args.kernel_table, cb, xla_options=xo,
-                                      timeline=args.timeline, clocks=args.clocks)
+                                      timeline=args.timeline, clocks=args.clocks, impl=impl)
                 if row:
                     row["draft_layout"] = dl
-                    row["mlp"] = mlp
                     rows.append(row)
         for row in rows[first:]:
             row["layout"] = layout
@@ -461,13 +385,13 @@ def main() -> None:
             interleaved_medians(timers, args.interleave)
             timers.clear()
         write_json(args.out, {"env": env, "rows": rows})
-        del target, targets
+        del target
     print(f"\n{env['device']}, jax {env['jax']}, {args.model} target + {dcfg.num_layers}-layer drafter, "
           f"{dtype.name}, batch 1")
-    print("| method | budget | W | ctx | layout | draft layout | rounds/call | dot merger | command buffers | XLA options | attention | top_k chunk "
-          "| rank max | preselect | K/V compaction | residual | activation | round ms | device ms | draft | tree | verify | accept | commit "
-          "| other | idle ms (by stage that waited) |")
-    print("|---" * 26 + "|")
+    print("| method | budget | W | ctx | layout | draft layout | rounds/call | dot merger | command buffers | XLA options "
+          "| attention | round ms | device ms | draft | tree | verify | accept | commit | other "
+          "| idle ms (by stage that waited) |")
+    print("|---" * 20 + "|")
     for r in rows:
         prof = r.get("profile") or {}
         split = prof.get("by_scope", {})
@@ -476,17 +400,12 @@ def main() -> None:
         print(f"| {r['method']} | {r.get('budget', '-')} | {r.get('width', 1)} | {r['ctx']} | {r['layout']} | {r.get('draft_layout', '-')} | "
               f"{r['rounds_per_call']} | {r.get('dot_merger', '-')} | {r.get('command_buffers', '-')} | "
               f"{r.get('xla_options') or '-'} | "
-              f"{r.get('attn_impl', 'auto')} | "
-              f"{r.get('top_k_chunk', '-') if r['method'] == 'ddtree' else '-'} | "
-              f"{r.get('rank_max', '-') if r['method'] == 'ddtree' else '-'} | "
-              f"{r.get('preselect', '-') if r['method'] == 'ddtree' else '-'} | {r.get('kv_compact', '-')} | "
-              f"{r.get('residual', '-')} | {r.get('activation', '-')} | {r['round_ms']:.2f} | "
+              f"{r.get('attn_impl', 'auto')} | {r['round_ms']:.2f} | "
               f"{dev} | " + " | ".join(cells) + f" | {_idle(prof)} |")
     for r in rows:
         if "round_ms_interleaved" in r:
-            print(f"interleaved {r['method']} W {r.get('width', 1)} {r.get('attn_impl', '')} mlp {r.get('mlp', 'xla')} "
-                  f"draft layout {r.get('draft_layout', '-')} context {r.get('context_epilogue', '-')} "
-                  f"activation {r.get('activation', 'xla')} "
+            print(f"interleaved {r['method']} W {r.get('width', 1)} {r.get('attn_impl', '')} "
+                  f"draft layout {r.get('draft_layout', '-')} "
                   f"{r.get('xla_options') or '-'} rounds/call {r['rounds_per_call']}: {r['round_ms_interleaved']:.3f} ms "
                   f"(turns {r['round_ms_turns']})")
     for r in rows:  # how each row's idle time is made (bench.profile.gap_sizes)

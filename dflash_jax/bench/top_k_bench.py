@@ -4,22 +4,18 @@ At [batch * 15 depths, vocab] log-probs (the drafter's per-depth distributions o
 and k = min(budget, vocab), for each budget:
 
 * the vocabulary top-k alone: `lax.top_k` itself, `tree.chunked_top_k` (chunks of 2048, the
-  tree's way until the eighteenth session), `tree.preselected_top_k` at each `--fanouts` value
-  and `tree.radix_top_k` at each `--radix-bits` x `--radix-prechunks` value (and with its
-  counts as a broadcast compare instead of one variadic reduce, `--radix-broadcast`);
-* the whole tree (`tree.build_tree`) with `preselect` 0 (chunked), the default fan-out for k on
-  a GPU, each `--tree-fanouts` value and radix (`preselect` -c for each `--radix-prechunks` c);
-* with `--kernel`: the Triton kernels (`pallas_kernels.top_k.top_k`, two launches) at each
-  `--kernel-chunks` x `--kernel-warps` value (their select kernel's warps), and the tree with
-  `preselect` "kernel" (`tree.kernel_top_k`, the kernels' defaults).
+  tree's way off a GPU), and the Triton kernels (`pallas_kernels.top_k.top_k`, two launches,
+  the tree's way on a GPU) at each `--kernel-chunks` x `--kernel-warps` value (their select
+  kernel's warps);
+* the whole tree (`tree.build_tree`'s program) with its vocabulary top-k by `chunked_top_k` and
+  by the kernels (`tree.kernel_top_k`, the kernels' defaults).
 
 Each variant runs `--calls` calls on distinct inputs in one jitted program; reported per call:
 the GPU's kernel time from a profiler trace (all kernels of the call), the number of kernels
-and the wall time. Every variant's indices are checked against `lax.top_k` (and every tree
-against the chunked one) before it is timed.
+and the wall time. Every variant's indices are checked against `lax.top_k` (and the kernel's
+tree against the chunked one) before it is timed.
 
     python -m dflash_jax.bench.top_k_bench --budgets 16 64 256 512 --out top_k.json
-    python -m dflash_jax.bench.top_k_bench --budgets 16 64 256 512 --fanouts 4 --kernel
 """
 from __future__ import annotations
 
@@ -30,12 +26,12 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from dflash_jax import tree as tree_module
 from dflash_jax.bench.common import environment, log, time_fn, write_json
 from dflash_jax.bench.profile import kernel_events
-from dflash_jax.tree import (KERNEL_PRESELECT, TOP_K_CHUNK, build_tree, chunked_top_k, preselect_fanout,
-                             preselected_top_k, radix_top_k, tree_width)
+from dflash_jax.tree import TOP_K_CHUNK, chunked_top_k, tree_width
+from pallas_kernels import top_k as top_k_kernels
 
 
 def log_probs(calls: int, batch: int, depth: int, vocab: int, sharpness: float) -> tuple[jax.Array, ...]:
@@ -59,31 +55,22 @@ def time_variant(step: Callable[[jax.Array], tuple], inputs: tuple[jax.Array, ..
             "kernels": len(events) / calls, "wall_us": wall["median_ms"] * 1e3 / calls}
 
 
-def bench_budget(inputs: tuple[jax.Array, ...], budget: int, fanouts: list[int],
-                 tree_extra: list[int], radix_bits: list[int], radix_prechunks: list[int],
-                 radix_broadcast: bool, kernel_settings: list[tuple[int, int]] = ()) -> list[dict]:
+def bench_budget(inputs: tuple[jax.Array, ...], budget: int, kernel_settings: list[tuple[int, int]]
+                 ) -> list[dict]:
     """Rows of the table for one budget. kernel_settings: (chunk, select warps) pairs for the
-    Triton kernels (none: neither they nor the tree through them are timed)."""
+    Triton kernels."""
     batch, depth, vocab = inputs[0].shape
     k = min(budget, vocab)
-    rows_of = lambda x: x.reshape(batch * depth, vocab)
+    rows_of = lambda x: x.reshape(batch * depth, vocab)  # noqa: E731
+    interpret = jax.default_backend() != "gpu"
     want_val, want = jax.lax.top_k(rows_of(inputs[0]), k)
     top_k = {"lax.top_k": lambda x: jax.lax.top_k(rows_of(x), k),
              f"chunked {TOP_K_CHUNK}": lambda x: chunked_top_k(rows_of(x), k, TOP_K_CHUNK)}
-    for f in fanouts:
-        top_k[f"preselect {f}"] = functools.partial(lambda x, f: preselected_top_k(rows_of(x), k, f), f=f)
-    for bits in radix_bits:
-        for c in radix_prechunks:
-            for variadic in (True, False) if radix_broadcast else (True,):
-                top_k[f"radix {bits} bits, prechunk {c}{'' if variadic else ', broadcast'}"] = functools.partial(
-                    lambda x, b, c, v: radix_top_k(rows_of(x), k, b, c, v), b=bits, c=c, v=variadic)
-    if kernel_settings:
-        from pallas_kernels import top_k as top_k_kernels
     for chunk, warps in kernel_settings:
         plan = top_k_kernels.plan(batch * depth, vocab, k, chunk)
         top_k[f"kernel, chunk {plan.chunk}, {warps} warps, split {plan.split}"] = functools.partial(
-            lambda x, c, w: top_k_kernels.top_k(rows_of(x), k, chunk=c, select_warps=w,
-                                                interpret=jax.default_backend() != "gpu"), c=chunk, w=warps)
+            lambda x, c, w: top_k_kernels.top_k(rows_of(x), k, chunk=c, select_warps=w, interpret=interpret),
+            c=chunk, w=warps)
     out = []
     for name, step in top_k.items():
         got_val, got = jax.jit(step)(inputs[0])
@@ -94,17 +81,19 @@ def bench_budget(inputs: tuple[jax.Array, ...], budget: int, fanouts: list[int],
         log(out[-1])
     roots = jnp.zeros((batch,), jnp.int32)
     width = tree_width(budget)
-    plain = build_tree(inputs[0], roots, budget, width, preselect=0)
-    presets = sorted({0, preselect_fanout(None, k, "gpu")} - {KERNEL_PRESELECT} | set(tree_extra)
-                     | {-c for c in radix_prechunks})
-    for f in presets + ([KERNEL_PRESELECT] if kernel_settings else []):
-        step = functools.partial(lambda x, f: build_tree(x, roots, budget, width, preselect=f), f=f)
+    trees = {"chunked": None, "kernel": jax.default_backend()}  # `_build_tree`'s kernel_backend
+
+    def build(x: jax.Array, backend: str | None):
+        return tree_module._build_tree(x, roots, budget=budget, width=width, top_k_chunk=TOP_K_CHUNK,
+                                       rank_max=tree_module.RANK_TOP_K_MAX, kernel_backend=backend)
+
+    plain = build(inputs[0], None)
+    for variant, backend in trees.items():
+        step = functools.partial(build, backend=backend)
         tree = jax.jit(step)(inputs[0])
         if not all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree_util.tree_leaves(tree),
                                                                jax.tree_util.tree_leaves(plain))):
-            raise AssertionError(f"the tree at preselect {f}, budget {budget} differs from the chunked one")
-        variant = ("kernel" if f == KERNEL_PRESELECT else "chunked" if f == 0 else f"preselect {f}" if f > 0
-                   else f"radix, prechunk {-f}")
+            raise AssertionError(f"the tree with the {variant} top-k, budget {budget} differs from the chunked one")
         out.append({"what": "tree", "budget": budget, "k": k, "variant": variant, **time_variant(step, inputs)})
         log(out[-1])
     return out
@@ -113,21 +102,10 @@ def bench_budget(inputs: tuple[jax.Array, ...], budget: int, fanouts: list[int],
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budgets", nargs="+", type=int, default=[16, 64, 256, 512])
-    ap.add_argument("--fanouts", nargs="+", type=int, default=[4, 8, 16])
-    ap.add_argument("--tree-fanouts", nargs="*", type=int, default=[],
-                    help="fan-outs to time whole trees at besides 0 and the default")
-    ap.add_argument("--radix-bits", nargs="*", type=int, default=[4],
-                    help="tree.radix_top_k's key bits per pass (each is timed)")
-    ap.add_argument("--radix-prechunks", nargs="*", type=int, default=[1, 2],
-                    help="tree.radix_top_k's preselection chunk, 1 = none (each is timed, and the tree at each)")
-    ap.add_argument("--radix-broadcast", action="store_true",
-                    help="also time radix_top_k counting by a broadcast compare instead of a variadic reduce")
-    ap.add_argument("--kernel", action="store_true",
-                    help="also time the Triton kernels (pallas_kernels/top_k.py) and the tree through them")
     ap.add_argument("--kernel-chunks", nargs="+", type=int, default=[32],
-                    help="the kernels' largest chunk (each is timed, with --kernel)")
+                    help="the kernels' largest chunk (each is timed)")
     ap.add_argument("--kernel-warps", nargs="+", type=int, default=[8],
-                    help="warps of the kernels' select programs (each is timed, with --kernel)")
+                    help="warps of the kernels' select programs (each is timed)")
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--depth", type=int, default=15)
     ap.add_argument("--batch", type=int, default=1)
@@ -139,10 +117,8 @@ def main() -> None:
     inputs = log_probs(args.calls, args.batch, args.depth, args.vocab, args.sharpness)
     rows = []
     for budget in args.budgets:
-        kernel_settings = ([(c, w) for c in args.kernel_chunks for w in args.kernel_warps]
-                           if args.kernel else [])
-        rows += bench_budget(inputs, budget, args.fanouts, args.tree_fanouts, args.radix_bits,
-                             args.radix_prechunks, args.radix_broadcast, kernel_settings)
+        kernel_settings = [(c, w) for c in args.kernel_chunks for w in args.kernel_warps]
+        rows += bench_budget(inputs, budget, kernel_settings)
         write_json(args.out, {"env": env, "args": vars(args), "rows": rows})
     print(f"\n{env['device']}, jax {env['jax']}, [{args.batch} x {args.depth}, {args.vocab}] log-probs, "
           f"{args.calls} calls per program")

@@ -220,16 +220,8 @@ def bench_shape(shape: Shape, dtype, *, interpret: bool, iters: int, reps: int,
         "xla": functools.partial(xla_masked_attention, mask=mask),
         "cudnn": functools.partial(cudnn_masked_attention, mask=mask),
         "reference": tree_attention_reference,
-        # The default tiling as one launch (no tail launch): at W 272, the default before the seventh session.
-        "one_launch": functools.partial(tree_attention_pallas, interpret=interpret, **{"tail_split": 0, **kernel_args}),
         # As the model dispatches it: the Hopper (Mosaic GPU) kernel where it applies.
         "hopper": functools.partial(tree_attention, impl="interpret" if interpret else "pallas"),
-        # The Hopper kernel with a warpgroup of padding rows computing anyway, and that with the
-        # two compute warpgroups not taking turns either (the kernel before the fourteenth session).
-        "hopper_busy": _hopper_variant(shape, real_rows=0),
-        "hopper_serial": _hopper_variant(shape, real_rows=0, pingpong=False),
-        # The Hopper kernel with its split-K partials merged in jnp (XLA), not by `split_merge.py`.
-        "hopper_xla_merge": _hopper_variant(shape, merge_kernel=False),
     }
     for name, fields in (hopper_scheds or {}).items():
         fns[f"hopper_{name}"] = _hopper_variant(shape, **fields)
@@ -278,8 +270,7 @@ def markdown_table(rows: list[dict]) -> str:
             ("speedup_vs_cudnn", "x vs cudnn"),
             ("err_pallas", "pallas rel err"), ("split_k", "split_k"), ("tail_split", "tail split"),
             ("pallas_kernel_us", "pallas kernel us"), ("xla_kernel_us", "xla kernel us"),
-            ("kernel_speedup_vs_xla", "x vs xla (kernels)"), ("one_launch_ms", "one-launch ms"),
-            ("one_launch_kernel_us", "one-launch kernel us"), ("one_launch_speedup_vs_xla", "one-launch x vs xla"),
+            ("kernel_speedup_vs_xla", "x vs xla (kernels)"),
             ("hopper_ms", "hopper ms"), ("hopper_kernel_us", "hopper kernel us"),
             ("hopper_speedup_vs_xla", "hopper x vs xla"), ("err_hopper", "hopper rel err"),
             ("pallas_unrolled_ms", "pallas unrolled ms"),
@@ -428,15 +419,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="override the widths W")
     parser.add_argument("--cudnn", action="store_true",
                         help="also time cuDNN's fused attention with the same mask (GPU only)")
-    parser.add_argument("--one-launch", action="store_true",
-                        help="also time the default tiling without its tail launch (tail_split=0)")
     parser.add_argument("--hopper", action="store_true",
                         help="also time the kernels as the model dispatches them (the Hopper kernel on "
                              "sm_90 where it applies; pallas_kernels.tree_attention.hopper_applies)")
-    parser.add_argument("--hopper-variants", action="store_true",
-                        help="with --hopper: also time the Hopper kernel with padding warpgroups computing "
-                             "(hopper_busy), without turns as well (hopper_serial), and with its split-K "
-                             "merge in XLA instead of the merge kernel (hopper_xla_merge)")
     parser.add_argument("--tiling", action="append", default=[], metavar="W:Q,K,WARPS,STAGES,SPLIT[,TAIL]",
                         help="also time this explicit tiling at width W (block_q, block_k, num_warps, "
                              "num_stages, split_k, tail_split); repeatable")
@@ -479,13 +464,10 @@ def main(argv: list[str] | None = None) -> None:
             shape = Shape(1, ctx, width, q_heads, kv_heads, head_dim)
             impls = ("pallas", "xla", "cudnn", "reference") if args.cudnn else ("pallas", "xla", "reference")
             tilings = [t for w, t in parse_tilings(args.tiling) if w == width]
-            # The variants run the Mosaic GPU kernel itself, which has no interpret mode.
-            variants = args.hopper_variants and not args.interpret
-            hoppers = ("hopper", "hopper_busy", "hopper_serial", "hopper_xla_merge") if variants else ("hopper",)
+            # The schedules run the Mosaic GPU kernel itself, which has no interpret mode.
             scheds = parse_hopper_scheds(args.hopper_sched) if args.hopper and not args.interpret else {}
-            hoppers += tuple(f"hopper_{name}" for name in scheds)
-            candidates = ((("one_launch",) if args.one_launch else ()) + (hoppers if args.hopper else ())
-                          + tuple(f"tiling{i}" for i in range(len(tilings))))
+            hoppers = ("hopper",) + tuple(f"hopper_{name}" for name in scheds)
+            candidates = (hoppers if args.hopper else ()) + tuple(f"tiling{i}" for i in range(len(tilings)))
             impls = ("pallas",) + candidates + impls[1:]
             row = bench_shape(shape, dtype, interpret=args.interpret, iters=args.iters,
                               reps=args.reps, profile_dir=args.profile, impls=impls, unrolled=args.unrolled,
