@@ -62,7 +62,7 @@ class AttentionParams:
 @jax.tree_util.register_dataclass
 @dataclass
 class MLPParams:
-    """gate and up as checkpoints store them, or fused into gate_up (`fuse_projections`)."""
+    """gate and up as checkpoints store them, or fused into gate_up (the decoding layout)."""
     gate: Any = None  # [embed, mlp]
     up: Any = None  # [embed, mlp]
     down: Any = None  # [mlp, embed]

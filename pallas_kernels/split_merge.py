@@ -22,7 +22,7 @@ per kv head (16 dependent steps each) the long pole.
 In the DDTree(256) round at Qwen3-8B's shape it took 11.45 ms against 11.79 with XLA's merge
 (H200, BENCHMARKS.md); its sizes (`_PARTIAL_ROWS`, warps) are reasoned, not swept.
 
-`split_merge_reference` is the same contract in jnp: the merge it replaces.
+`tree_attention_hopper.split_merge_reference` is the same contract in jnp: the merge it replaces.
 """
 
 from __future__ import annotations
@@ -239,11 +239,3 @@ def split_merge(out: jax.Array, lse: jax.Array, sched: Schedule, *, width: int, 
         name="split_merge",
     )(out6, lse5)
     return merged.reshape(batch, width, kv_heads * group, head_dim)
-
-
-def split_merge_reference(out: jax.Array, lse: jax.Array, sched: Schedule, *, width: int,
-                          group: int) -> jax.Array:
-    """`split_merge` in jnp: the Hopper module's unrolled merge, then the move to tokens."""
-    from pallas_kernels.tree_attention_hopper import merge, tokens_of
-
-    return tokens_of(merge(out, lse, sched), width, group)

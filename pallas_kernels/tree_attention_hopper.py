@@ -642,6 +642,13 @@ def tokens_of(out_rows: jax.Array, width: int, group: int) -> jax.Array:
     return jnp.transpose(o5, (0, 2, 1, 3, 4)).reshape(batch, width, kv_heads * group, head_dim)
 
 
+def split_merge_reference(out: jax.Array, lse: jax.Array, sched: Schedule, *, width: int,
+                          group: int) -> jax.Array:
+    """`split_merge.split_merge` in jnp (its reference): the unrolled merge, then the move to
+    tokens."""
+    return tokens_of(merge(out, lse, sched), width, group)
+
+
 def attend_rows(q_rows: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Array,
                 visible: jax.Array | None, *, width: int, group: int, scale: float, sched: Schedule
                 ) -> jax.Array:
@@ -658,7 +665,7 @@ def attend_rows(q_rows: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.
     out, lse = hopper_partials(q_rows, k, v, prefix_lens, bias, width=width, scale=scale, sched=sched)
     if split_merge.applies(group, out.shape[-1], ROWS_PER_BLOCK):
         return split_merge.split_merge(out, lse, sched, width=width, group=group)
-    return tokens_of(merge(out, lse, sched), width, group)
+    return split_merge_reference(out, lse, sched, width=width, group=group)
 
 
 def tree_attention_hopper(q: jax.Array, k: jax.Array, v: jax.Array, prefix_lens: jax.Array,

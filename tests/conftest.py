@@ -15,11 +15,11 @@ jax.config.update("jax_num_cpu_devices", 4)
 import pytest  # noqa: E402
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def smollm2_hf():
     """transformers' own load of the packaged SmolLM2 GGUF (float32): the PyTorch reference.
 
-    Session-scoped: several test files compare against it and loading takes ~20 s on 2 cores.
+    Loaded once for the suite: several test files compare against it and loading takes ~20 s on 2 cores.
     """
     import torch
     from transformers import AutoModelForCausalLM

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.split_merge import applies, split_merge, split_merge_reference, tokens_per_program
+from pallas_kernels.split_merge import applies, split_merge, tokens_per_program
+from pallas_kernels.tree_attention_hopper import split_merge_reference
 
 hopper = importlib.import_module("pallas_kernels.tree_attention_hopper")
 merge_module = importlib.import_module("pallas_kernels.split_merge")
