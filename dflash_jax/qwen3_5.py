@@ -12,8 +12,10 @@ Weights of one kind are stacked ([n_attn, ...], [n_gdn, ...], and the per-layer 
 [num_layers, ...]); `forward` runs a `lax.scan` over the periods of the layer pattern (every
 4th layer is attention in Qwen3.5 / 3.6: a period of 4, 16 periods at 64 layers), each period a
 Python loop over its few layers. The traced program holds one period instead of the whole
-stack, so compile time does not grow with depth; an aperiodic `layer_types` is one period of
-all layers (the plain loop). transformers' `models/qwen3_5/modeling_qwen3_5.py` is the
+stack, so compile time does not grow with depth: a 64-layer (48 GDN + 16 attention) narrow
+hybrid compiled in 5 s as 16 periods of 4 against 50-60 s as one loop of 64 layers (CPU, jax
+0.10.2, one-token step and 128-token prefill alike). An aperiodic `layer_types` is one period
+of all layers, i.e. that plain loop. transformers' `models/qwen3_5/modeling_qwen3_5.py` is the
 numerical reference (tests/test_qwen3_5.py).
 
 Imports only the stable low modules (params, config, rope, gdn, sampling).
