@@ -166,7 +166,7 @@ def test_prefill_and_20_steps_match_transformers_ragged_batch(tiny):
 
 def test_chunked_prefill_equals_token_by_token(tiny):
     """70 tokens at once (gdn.chunked, two chunks of 64) against 70 one-token steps (gdn.recurrent):
-    logits, taps and every cached state."""
+    logits, taps and every cached state; and against the same prefill in two pieces."""
     _, cfg, params = tiny
     rng = np.random.default_rng(2)
     n = 70
@@ -187,6 +187,12 @@ def test_chunked_prefill_equals_token_by_token(tiny):
         np.testing.assert_allclose(getattr(whole.cache, name), getattr(cache, name), rtol=1e-4, atol=1e-4,
                                    err_msg=name)
     assert whole.cache.lengths.tolist() == cache.lengths.tolist() == [n, n]
+
+    # A prefill in two pieces (30, then 40 tokens from the cached states) equals the whole.
+    first = q35.forward_jit(params, cfg, tokens[:, :30], positions[:, :30], q35.HybridCache.create(cfg, 2, 80))
+    second = q35.forward_jit(params, cfg, tokens[:, 30:], positions[:, 30:], first.cache)
+    np.testing.assert_allclose(whole.logits[:, 30:], second.logits, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(whole.cache.state, second.cache.state, rtol=1e-4, atol=1e-4)
 
 
 def test_taps_are_transformers_hidden_states(tiny):
@@ -332,3 +338,30 @@ def test_init_params_follow_the_declarations():
     out = q35.forward_jit(params, cfg, jnp.ones((1, 3), jnp.int32), jnp.arange(3)[None],
                           q35.HybridCache.create(cfg, 1, 4))
     assert out.logits.shape == (1, 3, cfg.vocab_size) and bool(jnp.isfinite(out.logits).all())
+
+
+def test_qwen36_27b_shape_declares_every_weight():
+    """At Qwen3.6-27B's shape (64 layers, 3 GDN : 1 attention) our declarations hold exactly the
+    weights transformers builds, group by group (counted on torch's meta device: no memory)."""
+    d = dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+             num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+             linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+             full_attention_interval=4, tie_word_embeddings=False,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                              "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+    cfg = q35.qwen35_config_from_dict({"model_type": "qwen3_5", "text_config": d}, "qwen3.6-27b config")
+    assert (len(cfg.attn_layers), len(cfg.gdn_layers), cfg.period, cfg.rotary_dim) == (16, 48, 4, 64)
+    assert cfg.rope.theta == 1e7
+    with torch.device("meta"):
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**d))
+    hf = {"attn": 0, "gdn": 0, "rest": 0}
+    for name, p in model.named_parameters():
+        hf["attn" if ".self_attn." in name else "gdn" if ".linear_attn." in name else "rest"] += p.numel()
+    specs = q35.model_specs(cfg)
+
+    def count(tree: Any) -> int:
+        return sum(int(np.prod(s.shape)) for s in jax.tree.leaves(tree, is_leaf=is_spec))
+
+    assert count(specs.attn) == hf["attn"]
+    assert count(specs.gdn) == hf["gdn"]
+    assert count(specs) - count(specs.attn) - count(specs.gdn) == hf["rest"]
