@@ -30,7 +30,6 @@ from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dflash_jax import gdn
 from dflash_jax.config import ConfigError, RopeConfig, rope_from_hf
@@ -441,9 +440,8 @@ def attention_mixer(p: AttnMixer, cfg: Qwen35Config, h: jax.Array, cos: jax.Arra
     scores = jnp.where(seen[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_buf.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v_buf, preferred_element_type=jnp.float32)
-    out = out.reshape(batch, width, cfg.num_heads, hd).astype(h.dtype)
-    out = (out.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(h.dtype)
-    return _dot("bthd,hde->bte", out, p.o), k_buf, v_buf
+    out = out.reshape(batch, width, cfg.num_heads, hd) * jax.nn.sigmoid(gate.astype(jnp.float32))
+    return _dot("bthd,hde->bte", out.astype(h.dtype), p.o), k_buf, v_buf
 
 
 def gdn_mixer(p: GDNMixer, cfg: Qwen35Config, h: jax.Array, conv_state: jax.Array, state: jax.Array,
@@ -494,6 +492,11 @@ def _by_period(tree: Any, periods: int) -> Any:
     return jax.tree.map(lambda a: a.reshape((periods, a.shape[0] // periods) + a.shape[1:]), tree)
 
 
+def _layer(tree: Any, index: int) -> Any:
+    """One layer's weights from a stack (a static index)."""
+    return jax.tree.map(lambda a: a[index], tree)
+
+
 def forward(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, positions: jax.Array,
             cache: HybridCache, lengths: jax.Array | None = None, *, tap_layers: tuple[int, ...] = (),
             logit_rows: jax.Array | None = None, compute_logits: bool = True) -> Qwen35Output:
@@ -535,18 +538,17 @@ def forward(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, position
         x, k_all, v_all, conv_all, state_all, taps, i = carry
         common, attn, gdn_p = xs
         for j, kind in enumerate(pattern):
-            one = functools.partial(lambda a, j: a[j], j=j)
-            lp = jax.tree.map(one, common)
+            lp = _layer(common, j)
             h = zero_centred_rms_norm(x, lp.input_norm, cfg.rms_norm_eps)
             if kind == FULL:
                 idx = i * per_attn + slot[j]
-                mix = jax.tree.map(functools.partial(lambda a, s: a[s], s=slot[j]), attn)
+                mix = _layer(attn, slot[j])
                 out, k_l, v_l = attention_mixer(mix, cfg, h, cos, sin, k_all[idx], v_all[idx], starts)
                 k_all = jax.lax.dynamic_update_index_in_dim(k_all, k_l, idx, 0)
                 v_all = jax.lax.dynamic_update_index_in_dim(v_all, v_l, idx, 0)
             else:
                 idx = i * per_gdn + slot[j]
-                mix = jax.tree.map(functools.partial(lambda a, s: a[s], s=slot[j]), gdn_p)
+                mix = _layer(gdn_p, slot[j])
                 out, c_l, s_l = gdn_mixer(mix, cfg, h, conv_all[idx], state_all[idx], lengths)
                 conv_all = jax.lax.dynamic_update_index_in_dim(conv_all, c_l, idx, 0)
                 state_all = jax.lax.dynamic_update_index_in_dim(state_all, s_l, idx, 0)
