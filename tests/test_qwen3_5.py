@@ -327,8 +327,10 @@ def test_config_file_and_errors(tmp_path):
 
 
 def test_init_params_follow_the_declarations():
+    """Random bfloat16 weights as declared; the forward keeps the cache's dtypes (the recurrent
+    state float32, the rest the activations') through the scan's carry."""
     cfg = q35.qwen35_config_from_dict(text_config())
-    params = q35.init_params(cfg, jax.random.key(0))
+    params = q35.init_params(cfg, jax.random.key(0), jnp.bfloat16)
     specs = q35.model_specs(cfg)
     check_against_specs(params, specs)
     assert params.attn.q.shape == (2, 32, 4, 2, 16) and params.gdn.qkv.shape == (6, 32, 2, 28)
@@ -336,8 +338,11 @@ def test_init_params_follow_the_declarations():
     assert (q35.LAYERS, EMBED, q35.GDN_K_HEADS, None) in axes
     assert (q35.LAYERS, q35.GDN_V_HEADS, None, EMBED) in axes
     out = q35.forward_jit(params, cfg, jnp.ones((1, 3), jnp.int32), jnp.arange(3)[None],
-                          q35.HybridCache.create(cfg, 1, 4))
+                          q35.HybridCache.create(cfg, 1, 4, jnp.bfloat16))
     assert out.logits.shape == (1, 3, cfg.vocab_size) and bool(jnp.isfinite(out.logits).all())
+    assert (out.cache.k.dtype, out.cache.conv.dtype, out.cache.state.dtype) == (jnp.bfloat16, jnp.bfloat16,
+                                                                               jnp.float32)
+    assert out.cache.lengths.tolist() == [3]
 
 
 def test_qwen36_27b_shape_declares_every_weight():
