@@ -503,7 +503,8 @@ def forward(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, position
     """Runs T new tokens per sequence through the hybrid and commits them: prefill and AR steps.
 
     tokens, positions: [B, T] int32 (positions only rotate the attention layers' q/k).
-    The new K/V go to slots cache.lengths[b] .. + T - 1; GDN layers run from the cached conv and
+    The new K/V go to slots cache.lengths[b] .. + T - 1 (callers keep cache.lengths + T <= max_len:
+    the write would clamp silently); GDN layers run from the cached conv and
     recurrent states (T = 1: the recurrent step; T > 1: the chunked form, chunk gdn.CHUNK).
     lengths: optional [B] int, valid new tokens per sequence (right-padded prompts; 0 leaves a
         sequence's state as it was); default T for all.
