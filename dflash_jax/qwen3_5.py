@@ -1,0 +1,633 @@
+"""The Qwen3.5 / Qwen3.6 hybrid target (`model_type` qwen3_5): config, weights, cache, forward, AR decoding.
+
+The decoder mixes two token mixers, following the config's `layer_types`:
+- "linear_attention": a Gated DeltaNet (GDN) layer: in_proj to q/k/v (through a causal depthwise
+  conv and SiLU), z (output gate), b and a (write strength and decay); the gated delta rule of
+  `dflash_jax.gdn`; a gated RMSNorm with z; out_proj.
+- "full_attention": GQA attention whose q_proj also gives a per-head output gate, zero-centred
+  q/k RMS norms, RoPE on the first `rotary_dim` dims of each head, sigmoid(gate) on the output.
+Every decoder norm is zero-centred (x * (1 + w)), except the GDN's gated norm (x * w).
+
+Weights of one kind are stacked ([n_attn, ...], [n_gdn, ...], and the per-layer norms and MLP
+[num_layers, ...]); `forward` runs a `lax.scan` over the periods of the layer pattern (every
+4th layer is attention in Qwen3.5 / 3.6: a period of 4, 16 periods at 64 layers), each period a
+Python loop over its few layers. The traced program holds one period instead of the whole
+stack, so compile time does not grow with depth: a 64-layer (48 GDN + 16 attention) narrow
+hybrid compiled in 5 s as 16 periods of 4 against 50-60 s as one loop of 64 layers (CPU, jax
+0.10.2, one-token step and 128-token prefill alike). An aperiodic `layer_types` is one period
+of all layers, i.e. that plain loop. transformers' `models/qwen3_5/modeling_qwen3_5.py` is the
+numerical reference (tests/test_qwen3_5.py).
+
+Imports only the stable low modules (params, config, rope, gdn, sampling).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax import gdn
+from dflash_jax.config import ConfigError, RopeConfig, rope_from_hf
+from dflash_jax.params import EMBED, HEAD_DIM, KV_HEADS, MLP, Q_HEADS, VOCAB, Spec, init_from_specs
+from dflash_jax.rope import rope_tables
+from dflash_jax.sampling import SamplingParams, sample
+
+# Logical axes of the hybrid's own tensors, for the sharding rules: tensor parallelism splits
+# GDN key heads and value heads (and with them the conv channels, which are key-head-major, and
+# the recurrent states) over tp. LAYERS is the stacking axis, never sharded.
+GDN_K_HEADS, GDN_V_HEADS, GDN_CONV, LAYERS = "gdn_k_heads", "gdn_v_heads", "gdn_conv", "layers"
+
+FULL, LINEAR = "full_attention", "linear_attention"
+PAD = -1  # output slots after a sequence has finished (as dflash_jax.generate)
+
+
+# ----------------------------------------------------------------------------- config
+
+@dataclasses.dataclass(frozen=True)
+class Qwen35Config:
+    """A Qwen3.5 / Qwen3.6 dense hybrid target; hashable, a static argument of jitted functions."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    layer_types: tuple[str, ...]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int  # RoPE covers dims [0, rotary_dim) of each head (partial_rotary_factor)
+    gdn_key_heads: int
+    gdn_value_heads: int
+    gdn_key_dim: int
+    gdn_value_dim: int
+    conv_kernel: int = 4
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig(theta=1e7)
+    max_position_embeddings: int = 262144
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
+                     "gdn_key_heads", "gdn_value_heads", "gdn_key_dim", "gdn_value_dim", "conv_kernel"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.layer_types:
+            raise ConfigError("layer_types must name at least one layer")
+        bad = sorted({t for t in self.layer_types if t not in (FULL, LINEAR)})
+        if bad:
+            raise ConfigError(f"layer_types has unknown entries {bad}; expected {FULL!r} or {LINEAR!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                              f"num_key_value_heads ({self.num_kv_heads})")
+        if self.gdn_value_heads % self.gdn_key_heads:
+            raise ConfigError(f"linear_num_value_heads ({self.gdn_value_heads}) must be a multiple of "
+                              f"linear_num_key_heads ({self.gdn_key_heads})")
+        if not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ConfigError(f"rotary_dim {self.rotary_dim} (head_dim x partial_rotary_factor) must be even "
+                              f"and in (0, head_dim={self.head_dim}]")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def attn_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
+
+    @property
+    def gdn_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
+
+    @property
+    def gdn_group(self) -> int:
+        """Value heads per key head."""
+        return self.gdn_value_heads // self.gdn_key_heads
+
+    @property
+    def conv_head_channels(self) -> int:
+        """Conv channels per key head: its q (dk), its k (dk), its group's v (group x dv)."""
+        return 2 * self.gdn_key_dim + self.gdn_group * self.gdn_value_dim
+
+    @property
+    def conv_channels(self) -> int:
+        return self.gdn_key_heads * self.conv_head_channels
+
+    @property
+    def period(self) -> int:
+        """The shortest p dividing num_layers with layer_types[i] == layer_types[i % p] for all i."""
+        n = self.num_layers
+        for p in range(1, n + 1):
+            if n % p == 0 and all(self.layer_types[i] == self.layer_types[i % p] for i in range(n)):
+                return p
+        return n
+
+
+def _field(cfg: Mapping[str, Any], key: str, source: str, prefix: str) -> Any:
+    if key not in cfg or cfg[key] is None:
+        raise ConfigError(f"{source}: required field '{prefix}{key}' is missing")
+    return cfg[key]
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def qwen35_config_from_dict(cfg: Mapping[str, Any], source: str = "config.json") -> Qwen35Config:
+    """A Qwen35Config from a parsed HF config: the text model (`qwen3_5_text`) or the
+    vision-language wrapper (`qwen3_5`, whose `text_config` holds the decoder; its vision tower is
+    not part of the target). `source` names the file in errors."""
+    model_type = _field(cfg, "model_type", source, "")
+    if "moe" in str(model_type):
+        raise ConfigError(f"{source}: model_type {model_type!r} (mixture of experts, e.g. Qwen3.5-35B-A3B) is "
+                          "not supported yet; only the dense qwen3_5 models are")
+    if model_type not in ("qwen3_5", "qwen3_5_text"):
+        raise ConfigError(f"{source}: model_type {model_type!r} is not a Qwen3.5 / Qwen3.6 model "
+                          "(expected 'qwen3_5' or 'qwen3_5_text')")
+    text, prefix = cfg, ""
+    if "text_config" in cfg:
+        text, prefix = cfg["text_config"] or {}, "text_config."
+        if not isinstance(text, Mapping):
+            raise ConfigError(f"{source}: field 'text_config' must be an object, got {type(text).__name__}")
+    for moe_field in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        if text.get(moe_field):
+            raise ConfigError(f"{source}: field '{prefix}{moe_field}' describes a mixture-of-experts model, "
+                              "which is not supported yet")
+    if text.get("attn_output_gate") is False:
+        raise ConfigError(f"{source}: field '{prefix}attn_output_gate' is false; Qwen3.5 attention always "
+                          "gates its output and no other variant is implemented")
+    num_layers = int(_field(text, "num_hidden_layers", source, prefix))
+    layer_types = text.get("layer_types")
+    if layer_types is None:
+        interval = int(text.get("full_attention_interval", 4))
+        if interval < 1:
+            raise ConfigError(f"{source}: field '{prefix}full_attention_interval' must be >= 1, got {interval}")
+        layer_types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers)]
+    layer_types = tuple(str(t) for t in layer_types)
+    if len(layer_types) != num_layers:
+        raise ConfigError(f"{source}: field '{prefix}layer_types' has {len(layer_types)} entries but "
+                          f"num_hidden_layers is {num_layers}")
+    bad = sorted({t for t in layer_types if t not in (FULL, LINEAR)})
+    if bad:
+        raise ConfigError(f"{source}: field '{prefix}layer_types' has unknown entries {bad}; "
+                          f"expected {FULL!r} or {LINEAR!r}")
+    hidden = int(_field(text, "hidden_size", source, prefix))
+    heads = int(_field(text, "num_attention_heads", source, prefix))
+    head_dim = int(text.get("head_dim") or hidden // heads)
+    rope_params = text.get("rope_parameters") or {}
+    factor = rope_params.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+    rope = rope_from_hf(text, source)
+    eos = text.get("eos_token_id", cfg.get("eos_token_id"))
+    fields = dict(
+        vocab_size=int(_field(text, "vocab_size", source, prefix)),
+        hidden_size=hidden,
+        intermediate_size=int(_field(text, "intermediate_size", source, prefix)),
+        layer_types=layer_types,
+        num_heads=heads,
+        num_kv_heads=int(text.get("num_key_value_heads") or heads),
+        head_dim=head_dim,
+        rotary_dim=int(head_dim * float(factor)),
+        gdn_key_heads=int(_field(text, "linear_num_key_heads", source, prefix)),
+        gdn_value_heads=int(_field(text, "linear_num_value_heads", source, prefix)),
+        gdn_key_dim=int(_field(text, "linear_key_head_dim", source, prefix)),
+        gdn_value_dim=int(_field(text, "linear_value_head_dim", source, prefix)),
+        conv_kernel=int(text.get("linear_conv_kernel_dim", 4)),
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        rope=rope,
+        max_position_embeddings=int(text.get("max_position_embeddings", 262144)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        bos_token_id=text.get("bos_token_id", cfg.get("bos_token_id")),
+        eos_token_ids=_eos_ids(eos),
+    )
+    try:
+        return Qwen35Config(**fields)
+    except ConfigError as e:
+        where = f" (in '{prefix[:-1]}')" if prefix else ""
+        raise ConfigError(f"{source}{where}: {e}") from None
+
+
+def load_qwen35_config(path: str | Path) -> Qwen35Config:
+    """Reads `config.json` (or the directory holding it)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    return qwen35_config_from_dict(raw, str(path))
+
+
+# ----------------------------------------------------------------------------- parameters
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerCommon:
+    """What every decoder layer has, stacked over all layers [num_layers, ...]."""
+
+    input_norm: Any  # [L, embed], zero-centred
+    post_norm: Any  # [L, embed], zero-centred (before the MLP)
+    gate_up: Any  # [L, embed, 2, mlp]: gate, then up
+    down: Any  # [L, mlp, embed]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class AttnMixer:
+    """The gated full attention, stacked over the attention layers [n_attn, ...]."""
+
+    q: Any  # [A, embed, q_heads, 2, head_dim]: per head its query, then its output gate (HF q_proj)
+    k: Any  # [A, embed, kv_heads, head_dim]
+    v: Any  # [A, embed, kv_heads, head_dim]
+    q_norm: Any  # [A, head_dim], zero-centred
+    k_norm: Any  # [A, head_dim], zero-centred
+    o: Any  # [A, q_heads, head_dim, embed]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class GDNMixer:
+    """The Gated DeltaNet, stacked over the GDN layers [n_gdn, ...].
+
+    The conv input channels are key-head-major: key head h owns [q_h (dk), k_h (dk), v of its value
+    heads h*group .. h*group+group-1 (group x dv)], so splitting key heads over tp splits q, k, v,
+    the conv and its state together, and value heads follow their key head.
+    """
+
+    qkv: Any  # [G, embed, gdn_k_heads, 2 dk + group dv]
+    conv: Any  # [G, kernel, gdn_k_heads, 2 dk + group dv]; conv[kernel - 1] weighs the current token
+    zba: Any  # [G, embed, gdn_v_heads, dv + 2]: per value head z (dv), then b, then a
+    a_log: Any  # [G, gdn_v_heads] (the checkpoint's A_log)
+    dt_bias: Any  # [G, gdn_v_heads]
+    norm: Any  # [G, dv], the gated norm's weight (x * w, not zero-centred)
+    out: Any  # [G, gdn_v_heads, dv, embed]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Qwen35Params:
+    embed: Any  # [vocab, embed]
+    layers: LayerCommon
+    attn: AttnMixer
+    gdn: GDNMixer
+    final_norm: Any  # [embed], zero-centred
+    lm_head: Any = None  # [embed, vocab]; None when tied to `embed`
+
+
+def model_specs(cfg: Qwen35Config) -> Qwen35Params:
+    """Every weight's shape and logical axes, in the layout `forward`'s einsums use."""
+    e, m, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    n, na, ng = cfg.num_layers, len(cfg.attn_layers), len(cfg.gdn_layers)
+    qh, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    hk, hv, dv, kc = cfg.gdn_key_heads, cfg.gdn_value_heads, cfg.gdn_value_dim, cfg.conv_head_channels
+    return Qwen35Params(
+        embed=Spec((v, e), (VOCAB, EMBED), fan_in=1),
+        layers=LayerCommon(
+            input_norm=Spec((n, e), (LAYERS, EMBED), init="zeros"),
+            post_norm=Spec((n, e), (LAYERS, EMBED), init="zeros"),
+            gate_up=Spec((n, e, 2, m), (LAYERS, EMBED, None, MLP), fan_in=e),
+            down=Spec((n, m, e), (LAYERS, MLP, EMBED), fan_in=m)),
+        attn=AttnMixer(
+            q=Spec((na, e, qh, 2, hd), (LAYERS, EMBED, Q_HEADS, None, HEAD_DIM), fan_in=e),
+            k=Spec((na, e, kvh, hd), (LAYERS, EMBED, KV_HEADS, HEAD_DIM), fan_in=e),
+            v=Spec((na, e, kvh, hd), (LAYERS, EMBED, KV_HEADS, HEAD_DIM), fan_in=e),
+            q_norm=Spec((na, hd), (LAYERS, HEAD_DIM), init="zeros"),
+            k_norm=Spec((na, hd), (LAYERS, HEAD_DIM), init="zeros"),
+            o=Spec((na, qh, hd, e), (LAYERS, Q_HEADS, HEAD_DIM, EMBED), fan_in=qh * hd)),
+        gdn=GDNMixer(
+            qkv=Spec((ng, e, hk, kc), (LAYERS, EMBED, GDN_K_HEADS, None), fan_in=e),
+            conv=Spec((ng, cfg.conv_kernel, hk, kc), (LAYERS, None, GDN_K_HEADS, None), fan_in=cfg.conv_kernel),
+            zba=Spec((ng, e, hv, dv + 2), (LAYERS, EMBED, GDN_V_HEADS, None), fan_in=e),
+            a_log=Spec((ng, hv), (LAYERS, GDN_V_HEADS), fan_in=1),
+            dt_bias=Spec((ng, hv), (LAYERS, GDN_V_HEADS), init="ones"),
+            norm=Spec((ng, dv), (LAYERS, None), init="ones"),
+            out=Spec((ng, hv, dv, e), (LAYERS, GDN_V_HEADS, None, EMBED), fan_in=hv * dv)),
+        final_norm=Spec((e,), (EMBED,), init="zeros"),
+        lm_head=None if cfg.tie_word_embeddings else Spec((e, v), (EMBED, VOCAB), fan_in=e),
+    )
+
+
+def init_params(cfg: Qwen35Config, key: jax.Array, dtype: Any = jnp.float32) -> Qwen35Params:
+    """Random weights (tests and benchmarks; real weights come from a converter)."""
+    return init_from_specs(model_specs(cfg), key, dtype)
+
+
+# ----------------------------------------------------------------------------- cache
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class HybridCache:
+    """Per-sequence decoding state of the hybrid; every sequence has its own length.
+
+    k, v:    [n_attn, batch, max_len, kv_heads, head_dim]  the attention layers' K/V (activation dtype)
+    conv:    [n_gdn, batch, kernel - 1, conv_channels]     the last kernel - 1 conv inputs, oldest
+             first (activation dtype); channels key-head-major (axis GDN_CONV)
+    state:   [n_gdn, batch, gdn_v_heads, dk, dv] float32   the GDN recurrent states
+    lengths: [batch] int32                                 tokens committed (K/V slots in use)
+    """
+
+    k: Any
+    v: Any
+    conv: Any
+    state: Any
+    lengths: Any
+
+    @classmethod
+    def create(cls, cfg: Qwen35Config, batch: int, max_len: int, dtype: Any = jnp.float32) -> "HybridCache":
+        na, ng = len(cfg.attn_layers), len(cfg.gdn_layers)
+        kv = (na, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        return cls(k=jnp.zeros(kv, dtype), v=jnp.zeros(kv, dtype),
+                   conv=jnp.zeros((ng, batch, cfg.conv_kernel - 1, cfg.conv_channels), dtype),
+                   state=jnp.zeros((ng, batch, cfg.gdn_value_heads, cfg.gdn_key_dim, cfg.gdn_value_dim),
+                                   jnp.float32),
+                   lengths=jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+def _dot(eq: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """einsum with float32 accumulation, result in the activation dtype."""
+    return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def zero_centred_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """x / rms(x) * (1 + w) over the last axis, in float32; returns x's dtype."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """The GDN output norm: w * (x / rms(x)) * silu(gate) over the last axis; returns x's dtype.
+
+    The weight multiplies the normed x after its cast back to x's dtype, as transformers'
+    `Qwen3_5RMSNormGated` does (it matters only below float32).
+    """
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    y = (weight * xf.astype(x.dtype)).astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))
+    return y.astype(x.dtype)
+
+
+def _partial_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotates (HF "rotate half") the first cos.shape[-1] dims of each head; the rest pass through.
+
+    x: [B, T, H, head_dim]; cos, sin: [B, T, rotary_dim] float32.
+    """
+    rd = cos.shape[-1]
+    rot = x[..., :rd].astype(jnp.float32)
+    half = rd // 2
+    turned = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+    rot = rot * cos[:, :, None] + turned * sin[:, :, None]
+    return jnp.concatenate([rot.astype(x.dtype), x[..., rd:]], axis=-1)
+
+
+def _write_rows(buffer: jax.Array, rows: jax.Array, starts: jax.Array) -> jax.Array:
+    """buffer [B, max_len, ...] with rows [B, W, ...] at slots starts[b] .. starts[b] + W - 1.
+
+    Callers keep starts + W <= max_len (dynamic_update_slice would clamp the start silently).
+    """
+    def one(buf: jax.Array, row: jax.Array, start: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_update_slice_in_dim(buf, row.astype(buf.dtype), start, axis=0)
+
+    return jax.vmap(one)(buffer, rows, starts)
+
+
+def mlp(lp: LayerCommon, h: jax.Array) -> jax.Array:
+    """SwiGLU: h [B, T, embed] with one layer's gate_up [embed, 2, mlp] and down [mlp, embed]."""
+    gu = _dot("bte,ecm->btcm", h, lp.gate_up)
+    return _dot("btm,me->bte", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], lp.down)
+
+
+def attention_mixer(p: AttnMixer, cfg: Qwen35Config, h: jax.Array, cos: jax.Array, sin: jax.Array,
+                    k_buf: jax.Array, v_buf: jax.Array, starts: jax.Array
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One gated attention layer (weights of one layer, no stacking axis).
+
+    h: [B, T, embed] (normed); k_buf, v_buf: [B, max_len, kv_heads, head_dim]; the T new K/V go
+    to slots starts[b] .. starts[b] + T - 1 and query t sees every slot <= starts[b] + t.
+    Returns (out [B, T, embed], k_buf, v_buf).
+    """
+    batch, width, _ = h.shape
+    kvh, hd = cfg.num_kv_heads, cfg.head_dim
+    qg = _dot("bte,ehcd->bthcd", h, p.q)
+    q, gate = qg[:, :, :, 0], qg[:, :, :, 1]
+    k = _dot("bte,ehd->bthd", h, p.k)
+    v = _dot("bte,ehd->bthd", h, p.v)
+    q = _partial_rope(zero_centred_rms_norm(q, p.q_norm, cfg.rms_norm_eps), cos, sin)
+    k = _partial_rope(zero_centred_rms_norm(k, p.k_norm, cfg.rms_norm_eps), cos, sin)
+    k_buf, v_buf = _write_rows(k_buf, k, starts), _write_rows(v_buf, v, starts)
+    # q head h reads kv head h // group (transformers' repeat_kv).
+    qr = q.reshape(batch, width, kvh, cfg.num_heads // kvh, hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qr, k_buf, preferred_element_type=jnp.float32) * hd ** -0.5
+    slots = jnp.arange(k_buf.shape[1])
+    seen = slots[None, None, :] <= (starts[:, None] + jnp.arange(width)[None, :])[:, :, None]  # [B, T, S]
+    scores = jnp.where(seen[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_buf.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_buf, preferred_element_type=jnp.float32)
+    out = out.reshape(batch, width, cfg.num_heads, hd) * jax.nn.sigmoid(gate.astype(jnp.float32))
+    return _dot("bthd,hde->bte", out.astype(h.dtype), p.o), k_buf, v_buf
+
+
+def gdn_mixer(p: GDNMixer, cfg: Qwen35Config, h: jax.Array, conv_state: jax.Array, state: jax.Array,
+              lengths: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One Gated DeltaNet layer (weights of one layer, no stacking axis).
+
+    h: [B, T, embed] (normed); conv_state: [B, kernel - 1, C]; state: [B, Hv, dk, dv] float32;
+    lengths: optional [B], valid tokens per sequence (right padding): the states stop at each
+    sequence's last valid token. T = 1 runs the recurrent step, longer T the chunked form.
+    Returns (out [B, T, embed], conv_state, state).
+    """
+    batch, width, _ = h.shape
+    hk, hv, dk, dv = cfg.gdn_key_heads, cfg.gdn_value_heads, cfg.gdn_key_dim, cfg.gdn_value_dim
+    mixed = _dot("bte,ehc->bthc", h, p.qkv).reshape(batch, width, cfg.conv_channels)
+    y, conv_state = gdn.causal_conv(mixed, conv_state, p.conv.reshape(cfg.conv_kernel, cfg.conv_channels),
+                                    None, lengths)
+    y = y.reshape(batch, width, hk, cfg.conv_head_channels)
+    q, k = y[..., :dk], y[..., dk:2 * dk]
+    v = y[..., 2 * dk:].reshape(batch, width, hv, dv)
+    zba = _dot("bte,ehc->bthc", h, p.zba)
+    z, b, a = zba[..., :dv], zba[..., dv], zba[..., dv + 1]
+    g, beta = gdn.gates(a, b, p.a_log, p.dt_bias)
+    rule = gdn.recurrent if width == 1 else gdn.chunked
+    out, state = rule(q, k, v, g, beta, state, lengths)
+    out = gated_rms_norm(out.astype(h.dtype), z, p.norm, cfg.rms_norm_eps)
+    return _dot("bthd,hde->bte", out, p.out), conv_state, state
+
+
+def logits_from_hidden(params: Qwen35Params, hidden: jax.Array) -> jax.Array:
+    """[..., embed] final-normed -> float32 logits [..., vocab]."""
+    if params.lm_head is None:
+        return jnp.einsum("...e,ve->...v", hidden, params.embed, preferred_element_type=jnp.float32)
+    return jnp.einsum("...e,ev->...v", hidden, params.lm_head, preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------- forward
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Qwen35Output:
+    logits: Any  # [batch, rows, vocab] float32 (rows = T, or R of logit_rows), or None
+    taps: Any  # [batch, T, len(tap_layers) * embed], or None
+    cache: HybridCache  # new K/V and GDN states; lengths advanced by the valid new tokens
+
+
+def _by_period(tree: Any, periods: int) -> Any:
+    """Leading [n, ...] -> [periods, n // periods, ...] (a free reshape)."""
+    return jax.tree.map(lambda a: a.reshape((periods, a.shape[0] // periods) + a.shape[1:]), tree)
+
+
+def _layer(tree: Any, index: int) -> Any:
+    """One layer's weights from a stack (a static index)."""
+    return jax.tree.map(lambda a: a[index], tree)
+
+
+def forward(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, positions: jax.Array,
+            cache: HybridCache, lengths: jax.Array | None = None, *, tap_layers: tuple[int, ...] = (),
+            logit_rows: jax.Array | None = None, compute_logits: bool = True) -> Qwen35Output:
+    """Runs T new tokens per sequence through the hybrid and commits them: prefill and AR steps.
+
+    tokens, positions: [B, T] int32 (positions only rotate the attention layers' q/k).
+    The new K/V go to slots cache.lengths[b] .. + T - 1 (callers keep cache.lengths + T <= max_len:
+    the write would clamp silently); GDN layers run from the cached conv and
+    recurrent states (T = 1: the recurrent step; T > 1: the chunked form, chunk gdn.CHUNK).
+    lengths: optional [B] int, valid new tokens per sequence (right-padded prompts; 0 leaves a
+        sequence's state as it was); default T for all.
+    tap_layers: decoder layer ids whose outputs are returned (HF `hidden_states[id + 1]`; for the
+        last layer that is the final-normed output, as the dense target's taps).
+    logit_rows: optional [B, R] row indices; logits only for those rows.
+    Returns logits, taps and the cache with lengths += the valid new tokens. Rows past a
+    sequence's valid tokens give unspecified logits and taps.
+    """
+    batch, width = tokens.shape
+    if positions.shape != (batch, width):
+        raise ValueError(f"forward: positions must be [batch, T] = {(batch, width)}, got {positions.shape}")
+    if cache.lengths.shape != (batch,):
+        raise ValueError(f"forward: cache holds {cache.lengths.shape[0]} sequences, tokens {batch}")
+    if lengths is not None and lengths.shape != (batch,):
+        raise ValueError(f"forward: lengths must be [batch] = ({batch},), got {lengths.shape}")
+    bad = [t for t in tap_layers if not 0 <= t < cfg.num_layers]
+    if bad:
+        raise ValueError(f"forward: tap_layers {bad} out of range for a {cfg.num_layers}-layer target")
+    x = params.embed[tokens]
+    cos, sin = rope_tables(positions, cfg.rope, cfg.rotary_dim)
+    starts = cache.lengths
+    period = cfg.period
+    periods = cfg.num_layers // period
+    pattern = cfg.layer_types[:period]
+    slot = [sum(1 for t in pattern[:j] if t == kind) for j, kind in enumerate(pattern)]  # index within its kind
+    per_attn, per_gdn = pattern.count(FULL), pattern.count(LINEAR)
+    xs = (_by_period(params.layers, periods), _by_period(params.attn, periods), _by_period(params.gdn, periods))
+    taps = jnp.zeros((len(tap_layers),) + x.shape, x.dtype)
+
+    def body(carry: tuple, xs: tuple) -> tuple[tuple, None]:
+        x, k_all, v_all, conv_all, state_all, taps, i = carry
+        common, attn, gdn_p = xs
+        for j, kind in enumerate(pattern):
+            lp = _layer(common, j)
+            h = zero_centred_rms_norm(x, lp.input_norm, cfg.rms_norm_eps)
+            if kind == FULL:
+                idx = i * per_attn + slot[j]
+                mix = _layer(attn, slot[j])
+                out, k_l, v_l = attention_mixer(mix, cfg, h, cos, sin, k_all[idx], v_all[idx], starts)
+                k_all = jax.lax.dynamic_update_index_in_dim(k_all, k_l, idx, 0)
+                v_all = jax.lax.dynamic_update_index_in_dim(v_all, v_l, idx, 0)
+            else:
+                idx = i * per_gdn + slot[j]
+                mix = _layer(gdn_p, slot[j])
+                out, c_l, s_l = gdn_mixer(mix, cfg, h, conv_all[idx], state_all[idx], lengths)
+                conv_all = jax.lax.dynamic_update_index_in_dim(conv_all, c_l, idx, 0)
+                state_all = jax.lax.dynamic_update_index_in_dim(state_all, s_l, idx, 0)
+            x = x + out
+            x = x + mlp(lp, zero_centred_rms_norm(x, lp.post_norm, cfg.rms_norm_eps))
+            for n, layer in enumerate(tap_layers):
+                if layer % period == j:
+                    taps = taps.at[n].set(jnp.where(i == layer // period, x, taps[n]))
+        return (x, k_all, v_all, conv_all, state_all, taps, i + 1), None
+
+    carry = (x, cache.k, cache.v, cache.conv, cache.state, taps, jnp.int32(0))
+    (x, k_all, v_all, conv_all, state_all, taps, _), _ = jax.lax.scan(body, carry, xs)
+    hidden = zero_centred_rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    tap_out = None
+    if tap_layers:
+        # HF's hidden_states[-1] is the final-normed output; the last layer's tap keeps that meaning.
+        tap_out = jnp.concatenate([hidden if t == cfg.num_layers - 1 else taps[n] for n, t in enumerate(tap_layers)],
+                                  axis=-1)
+    logits = None
+    if compute_logits:
+        rows = hidden if logit_rows is None else jax.vmap(lambda hb, rb: hb[rb])(hidden, logit_rows)
+        logits = logits_from_hidden(params, rows)
+    added = jnp.full((batch,), width, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
+    new_cache = HybridCache(k=k_all, v=v_all, conv=conv_all, state=state_all, lengths=starts + added)
+    return Qwen35Output(logits=logits, taps=tap_out, cache=new_cache)
+
+
+forward_jit = jax.jit(forward, static_argnames=("cfg", "tap_layers", "compute_logits"), donate_argnames=("cache",))
+
+
+# ----------------------------------------------------------------------------- AR decoding
+
+def _is_stop(tokens: jax.Array, stop_tokens: tuple[int, ...]) -> jax.Array:
+    if not stop_tokens:
+        return jnp.zeros(tokens.shape, bool)
+    return jnp.isin(tokens, jnp.asarray(stop_tokens, tokens.dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "max_len", "sampling", "stop_tokens"))
+def generate(params: Qwen35Params, cfg: Qwen35Config, prompts: jax.Array, prompt_lens: jax.Array,
+             key: jax.Array, *, max_new_tokens: int, max_len: int, sampling: SamplingParams = SamplingParams(),
+             stop_tokens: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array]:
+    """Autoregressive generation on device (a prefill, then a `lax.while_loop` of one-token steps).
+
+    prompts: [B, P] int32, right-padded; prompt_lens: [B] int32 (>= 1 each). Each sequence stops
+    after a stop token (kept) or max_new_tokens tokens; a finished sequence's cache no longer moves.
+    Returns (tokens [B, max_new_tokens] int32, PAD after each end; num_tokens [B] int32).
+    """
+    batch, width = prompts.shape
+    if max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
+    if width + max_new_tokens > max_len:
+        raise ValueError(f"generate: max_len {max_len} is too small: prompts of width {width} + "
+                         f"max_new_tokens {max_new_tokens} need {width + max_new_tokens}")
+    cache = HybridCache.create(cfg, batch, max_len, params.embed.dtype)
+    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
+    lens = prompt_lens.astype(jnp.int32)
+    pre = forward(params, cfg, prompts, positions, cache, lens, logit_rows=(lens - 1)[:, None])
+    key, sub = jax.random.split(key)
+    first = sample(sub, pre.logits[:, 0], sampling)
+    out = jnp.full((batch, max_new_tokens), PAD, jnp.int32).at[:, 0].set(first)
+    count = jnp.ones((batch,), jnp.int32)
+    done = _is_stop(first, stop_tokens) | (max_new_tokens <= 1)
+
+    def cond(carry: tuple) -> jax.Array:
+        return ~jnp.all(carry[4])
+
+    def body(carry: tuple) -> tuple:
+        cache, last, out, count, done, key = carry
+        live = (~done).astype(jnp.int32)
+        step = forward(params, cfg, last[:, None], cache.lengths[:, None], cache, live)
+        key, sub = jax.random.split(key)
+        nxt = sample(sub, step.logits[:, 0], sampling)
+        write = jnp.where(done, max_new_tokens, count)  # out of range -> dropped
+        out = out.at[jnp.arange(batch), write].set(nxt, mode="drop")
+        count = count + live
+        done = done | _is_stop(nxt, stop_tokens) | (count >= max_new_tokens)
+        return step.cache, jnp.where(done, last, nxt), out, count, done, key
+
+    _, _, out, count, _, _ = jax.lax.while_loop(cond, body, (pre.cache, first, out, count, done, key))
+    return out, count
