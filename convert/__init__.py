@@ -15,7 +15,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from convert.checkpoint import is_checkpoint, load_checkpoint, load_checkpoint_tokenizer, save_checkpoint
+from convert.checkpoint import check_destination, is_checkpoint, load_checkpoint, load_checkpoint_tokenizer, save_checkpoint
 from convert.gguf_file import gguf_tokenizer, load_gguf, smollm2_gguf_path
 from convert.hf_safetensors import load_hf
 from convert.layout import ConversionError
@@ -87,7 +87,8 @@ def convert_command(src: str | Path, dst: str | Path, *, dtype: Any = "float32",
     """`dflash-jax convert SRC DST`: loads anything `load_model` accepts, saves an orbax checkpoint.
 
     dtype: "float32" / "bfloat16" (or a dtype; None keeps a checkpoint's dtype). Returns the
-    checkpoint directory.
+    checkpoint directory. The destination is checked before anything is loaded.
     """
+    check_destination(dst, overwrite)
     cfg, params, tok = load_model(src, dtype=None if dtype is None else jnp.dtype(dtype), tokenizer=tokenizer)
     return save_checkpoint(dst, cfg, params, tok, overwrite=overwrite)

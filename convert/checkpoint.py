@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +23,16 @@ import orbax.checkpoint as ocp
 
 from convert.layout import ConversionError, ShardingsArg, sharding_lookup
 from dflash_jax.config import ModelConfig, RopeConfig
+from dflash_jax.files import bounded, check_writable
 from dflash_jax.model import ModelParams, is_fused, model_specs
 from dflash_jax.params import is_spec, path_str
 
 MARKER = "dflash_jax_model.json"
 FORMAT = "dflash-jax/model-params"
 VERSION = 1
+# Longest wait for orbax to finish writing the params: it fails fast on a bad destination, but
+# some of its failures leave it waiting forever.
+SAVE_TIMEOUT_S = float(os.environ.get("DFLASH_JAX_SAVE_TIMEOUT_S", 600))
 
 
 def is_checkpoint(path: str | Path) -> bool:
@@ -61,6 +67,23 @@ def _dtype_name(params: ModelParams) -> str:
     return dtypes.pop()
 
 
+def check_destination(path: str | Path, overwrite: bool = False) -> Path:
+    """Refuses a checkpoint destination before any work: a file, a non-empty directory (unless
+    `overwrite` and it is our checkpoint), or a place that cannot be written. -> absolute path."""
+    path = Path(path).absolute()  # orbax wants absolute paths
+    if path.exists() and not path.is_dir():
+        raise ConversionError(f"{path}: destination exists and is not a directory")
+    if path.exists() and any(path.iterdir()):
+        if not overwrite:
+            raise ConversionError(f"{path}: destination exists and is not empty (pass --overwrite to replace "
+                                  f"a dflash-jax checkpoint)")
+        if not is_checkpoint(path):
+            # Refuse to delete a directory we did not write.
+            raise ConversionError(f"{path}: destination is not a dflash-jax checkpoint; not overwriting it")
+    check_writable(path.parent, "destination")
+    return path
+
+
 def save_checkpoint(path: str | Path, cfg: ModelConfig, params: ModelParams, tokenizer: Any = None,
                     *, overwrite: bool = False) -> Path:
     """Writes params (orbax), config (JSON) and optionally the tokenizer to directory `path`."""
@@ -69,23 +92,37 @@ def save_checkpoint(path: str | Path, cfg: ModelConfig, params: ModelParams, tok
         raise ConversionError(f"{path}: these params are in the decoding layout (model.fuse_projections: "
                               f"layers.N.attn.qkv, layers.N.mlp.gate_up); a checkpoint stores the separate "
                               f"q/k/v and gate/up weights, so save the params as they were loaded")
-    path = Path(path).absolute()  # orbax wants absolute paths
-    if path.exists() and any(path.iterdir()):
-        if not overwrite:
-            raise ConversionError(f"{path}: destination exists and is not empty")
-        if not is_checkpoint(path):
-            # Refuse to delete a directory we did not write.
-            raise ConversionError(f"{path}: destination is not a dflash-jax checkpoint; not overwriting it")
-        shutil.rmtree(path)
-    path.mkdir(parents=True, exist_ok=True)
+    path = check_destination(path, overwrite)
     dtype = _dtype_name(params)
-    with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(path / "params", params)
-        ckpt.wait_until_finished()
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(path / "tokenizer"))
-    meta = {"format": FORMAT, "version": VERSION, "dtype": dtype, "config": config_to_dict(cfg)}
-    (path / MARKER).write_text(json.dumps(meta, indent=2) + "\n")
+    # Everything is written into a temporary sibling that is renamed into place at the end: a
+    # full disk or a crash leaves the old destination (or none), never a partial checkpoint
+    # that blocks the retry; the partial sibling is removed on the way out.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent))
+    try:
+        ckpt = ocp.StandardCheckpointer()
+        try:
+            ckpt.save(tmp / "params", params)
+            bounded(ckpt.wait_until_finished, SAVE_TIMEOUT_S, f"saving {path / 'params'}")
+        finally:
+            try:
+                bounded(ckpt.close, 10, f"closing the writer of {path / 'params'}")
+            except TimeoutError:
+                pass  # its threads wait on the failure being raised; the CLI exits without them
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp / "tokenizer"))
+        meta = {"format": FORMAT, "version": VERSION, "dtype": dtype, "config": config_to_dict(cfg)}
+        (tmp / MARKER).write_text(json.dumps(meta, indent=2) + "\n")
+        if path.exists():
+            # An empty directory, or (overwrite) our own checkpoint: moved aside, then removed.
+            old = path.with_name(f".{path.name}.{os.getpid()}.old")
+            path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return path
 
 
