@@ -15,7 +15,9 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from convert.checkpoint import check_destination, is_checkpoint, load_checkpoint, load_checkpoint_tokenizer, save_checkpoint
+from convert import validate
+from convert.checkpoint import (check_destination, is_checkpoint, load_checkpoint, load_checkpoint_tokenizer,
+                                save_checkpoint)
 from convert.gguf_file import gguf_tokenizer, load_gguf, smollm2_gguf_path
 from convert.hf_safetensors import load_hf
 from convert.layout import ConversionError
@@ -55,7 +57,8 @@ def _hf_tokenizer(path: Path) -> Any:
 
 
 def load_model(path_or_name: str | Path, dtype: Any = jnp.float32, *, shardings: Any = None,
-               tokenizer: bool = True, mesh: Any = None) -> tuple[Any, Any, Any]:
+               tokenizer: bool = True, mesh: Any = None, check_weights: bool | None = None
+               ) -> tuple[Any, Any, Any]:
     """-> (ModelConfig, ModelParams, tokenizer or None).
 
     dtype: floating dtype of the params (for an orbax checkpoint, None keeps the saved dtype).
@@ -63,6 +66,9 @@ def load_model(path_or_name: str | Path, dtype: Any = jnp.float32, *, shardings:
     tokenizer: False skips building the tokenizer (it takes seconds for a GGUF file).
     mesh: a ("dp", "tp") mesh (`dflash_jax.sharding.make_mesh`); when given without `shardings`,
         each tensor goes straight to its tensor-parallel shards (`dflash_jax.sharding.placement`).
+    check_weights: refuse NaN or inf in any tensor (`convert.validate.check_finite`; None: the
+        CLI's choice, on unless --no-weight-check). The tokenizer's ids are always checked
+        against the vocabulary.
     """
     if mesh is not None and shardings is None:
         from dflash_jax.sharding import placement
@@ -79,6 +85,9 @@ def load_model(path_or_name: str | Path, dtype: Any = jnp.float32, *, shardings:
     else:
         cfg, params = load_hf(path, dtype=dtype, shardings=shardings)
         tok = _hf_tokenizer(path) if tokenizer else None
+    if validate.CHECK_WEIGHTS_DEFAULT if check_weights is None else check_weights:
+        validate.check_finite(params, str(path))
+    validate.check_tokenizer(tok, cfg.vocab_size, str(path))
     return cfg, params, tok
 
 

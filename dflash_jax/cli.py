@@ -116,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     for p in sub.choices.values():
         p.add_argument("--debug", action="store_true",
                        help="show the traceback of an error instead of its one-line message")
+        p.add_argument("--no-weight-check", action="store_true",
+                       help="skip the check that every loaded weight is finite (one pass over the weights)")
     return parser
 
 
@@ -539,10 +541,17 @@ EXPECTED_ERRORS = (ValueError, OSError)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_:
+        if exit_.code == 2:  # a usage error, already printed on one line
+            return 2
+        raise
     command = {"generate": cmd_generate, "convert": cmd_convert, "make-data": cmd_make_data,
                "train": cmd_train, "bench": cmd_bench}[args.command]
     try:
+        from convert import validate
+        validate.CHECK_WEIGHTS_DEFAULT = not args.no_weight_check
         return command(args)
     except EXPECTED_ERRORS as err:
         if args.debug:
