@@ -6,9 +6,10 @@ import json
 import math
 import os
 import sys
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from dflash_jax.files import stuck_threads
+from dflash_jax.files import atomic_write_text, check_writable, stuck_threads
 
 
 # ----------------------------------------------------------------------------- argument types
@@ -369,8 +370,6 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _make_token_file(args: argparse.Namespace, cfg, params, tokenizer, out) -> None:
-    from pathlib import Path
-
     from dflash_jax.train_data import default_sources, make_token_data
 
     if tokenizer is None:
@@ -400,6 +399,7 @@ def cmd_make_data(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     _check_data_gen_args(args)
+    check_writable(Path(args.out).absolute().parent, "--out")  # before the target answers every prompt
     cfg, params, tokenizer = _load_target(args.target, jnp.dtype(args.dtype or _default_dtype()), "--target")
     _make_token_file(args, cfg, params, tokenizer, args.out)
     return 0
@@ -414,7 +414,6 @@ def _train_dp(given: int | None, saved: dict[str, Any] | None) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     import dataclasses
-    from pathlib import Path
 
     import jax.numpy as jnp
 
@@ -493,8 +492,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     import jax.numpy as jnp
 
     from dflash_jax import evaluate as ev
@@ -505,6 +502,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError(f"--method {' '.join(spec_methods)} needs --draft DIR (a DFlash drafter directory)")
     dtype = jnp.dtype(args.dtype or _default_dtype())
     prompts = ev.load_bench_prompts(args.prompts, limit=args.limit, math_suffix=args.math_suffix)
+    out = check_writable(args.out, "--out") if args.out else None  # before minutes of decoding
     cfg, params, tokenizer = _load_target(args.model, dtype)
     dcfg = dparams = None
     block_size = args.block_size or 16
@@ -512,17 +510,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
         dcfg, dparams = _load_drafter_for(args.draft, cfg, dtype)
         block_size = args.block_size or dcfg.block_size
     specs = ev.method_specs(spec_methods, args.budget, block_size)
+    where = {"prompts_file": str(args.prompts), "model": str(args.model), "draft": args.draft}
+
+    def write(report: dict[str, Any]) -> None:
+        # Each method's results are on disk as soon as it finishes: a later failure loses only
+        # the method it happened in.
+        if out is not None:
+            atomic_write_text(out / "report.json", json.dumps({**report, **where}, indent=2) + "\n")
+
     report = ev.run_bench(params, cfg, tokenizer, prompts, specs, dparams=dparams, dcfg=dcfg,
                           max_new_tokens=args.max_new_tokens, batch_size=args.batch,
                           sampling=SamplingParams(args.temperature), seed=args.seed,
-                          progress=not args.no_progress)
-    report.update(prompts_file=str(args.prompts), model=str(args.model), draft=args.draft)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+                          progress=not args.no_progress, on_result=write)
+    report.update(where)
+    print(json.dumps(report))  # before the plots: a plotting failure cannot lose the numbers
+    if out is not None:
         ev.plot_report(report, out)
-    print(json.dumps(report))
     return 0
 
 
