@@ -435,9 +435,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume:
         if not run_file.is_file():
             raise FileNotFoundError(f"{out}: nothing to resume ({tr.RUN_FILE} is missing)")
-        saved = json.loads(run_file.read_text())
-        tc = tr.TrainConfig(**{**saved["train_config"], **given})
-        dcfg = draft_config_from_dict(saved["drafter_config"], source=str(run_file))
+        if not tr.finished_steps(out / "checkpoints"):
+            raise ValueError(f"{out / 'checkpoints'}: no finished checkpoint to resume from (a run killed before "
+                             f"its first save leaves none); start the run again without --resume")
+        try:
+            saved = json.loads(run_file.read_text())
+            tc = tr.TrainConfig(**{**saved["train_config"], **given})
+            drafter_config = saved["drafter_config"]
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{run_file}: not a readable run record ({type(err).__name__}: {err})") from None
+        dcfg = draft_config_from_dict(drafter_config, source=str(run_file))
         args.data = args.data or saved.get("data")
         val = saved.get("validation") or {"fraction": 0.0, "eval_every": None, "val_batches": 32, "keep_best": False}
     else:
@@ -453,6 +460,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     dp = _train_dp(args.dp, saved)
     tr.check_data_parallel(dp, tc.batch_size)  # before the target is loaded
     _check_data_gen_args(args)
+    check_writable(out, "--out")  # before the target is loaded
     # Frozen target: loaded in float32 (master copy), cast to compute dtype inside `train`.
     cfg, params, tokenizer = load_model(args.target, dtype=jnp.float32)
     data_path = Path(args.data) if args.data else out / "train_tokens.npz"
