@@ -160,7 +160,7 @@ def rope_from_hf(cfg: Mapping[str, Any], source: str = "config") -> RopeConfig:
                                   cfg.get("max_position_embeddings", 8192)))
     if rope_type in ("llama3", "yarn", "linear") and "factor" not in params:
         raise ConfigError(f"{source}: rope_type {rope_type!r} needs field 'factor'")
-    return RopeConfig(
+    fields = dict(
         theta=theta,
         rope_type=rope_type,
         factor=float_field(params, "factor", source, 1.0),
@@ -175,6 +175,10 @@ def rope_from_hf(cfg: Mapping[str, Any], source: str = "config") -> RopeConfig:
         mscale_all_dim=params.get("mscale_all_dim"),
         truncate=bool(params.get("truncate", True)),
     )
+    try:
+        return RopeConfig(**fields)
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err}") from None
 
 
 def _eos_ids(value: Any, source: str) -> tuple[int, ...]:
@@ -195,28 +199,28 @@ def model_config_from_dict(cfg: Mapping[str, Any], source: str = "config.json") 
     hidden = int_field(cfg, "hidden_size", source)
     heads = int_field(cfg, "num_attention_heads", source)
     bos = cfg.get("bos_token_id")
-    if bos is not None:
-        bos = int_field(cfg, "bos_token_id", source, minimum=0)
+    max_positions = int_field(cfg, "max_position_embeddings", source, 32768)  # before RoPE, which reads it
+    fields = dict(
+        model_type=model_type,
+        vocab_size=int_field(cfg, "vocab_size", source),
+        hidden_size=hidden,
+        intermediate_size=int_field(cfg, "intermediate_size", source),
+        num_layers=int_field(cfg, "num_hidden_layers", source),
+        num_heads=heads,
+        num_kv_heads=int_field(cfg, "num_key_value_heads", source, heads),
+        head_dim=int_field(cfg, "head_dim", source, hidden // heads),
+        rms_norm_eps=float_field(cfg, "rms_norm_eps", source, 1e-6),
+        rope=rope_from_hf(cfg, source),
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=bool_field(cfg, "tie_word_embeddings", source, False),
+        qk_norm=model_type == "qwen3",
+        attention_bias=bool_field(cfg, "attention_bias", source, False),
+        mlp_bias=bool_field(cfg, "mlp_bias", source, False),
+        bos_token_id=None if bos is None else int_field(cfg, "bos_token_id", source, minimum=0),
+        eos_token_ids=_eos_ids(cfg.get("eos_token_id"), source),
+    )
     try:
-        return ModelConfig(
-            model_type=model_type,
-            vocab_size=int_field(cfg, "vocab_size", source),
-            hidden_size=hidden,
-            intermediate_size=int_field(cfg, "intermediate_size", source),
-            num_layers=int_field(cfg, "num_hidden_layers", source),
-            num_heads=heads,
-            num_kv_heads=int_field(cfg, "num_key_value_heads", source, heads),
-            head_dim=int_field(cfg, "head_dim", source, hidden // heads),
-            rms_norm_eps=float_field(cfg, "rms_norm_eps", source, 1e-6),
-            rope=rope_from_hf(cfg, source),
-            max_position_embeddings=int_field(cfg, "max_position_embeddings", source, 32768),
-            tie_word_embeddings=bool_field(cfg, "tie_word_embeddings", source, False),
-            qk_norm=model_type == "qwen3",
-            attention_bias=bool_field(cfg, "attention_bias", source, False),
-            mlp_bias=bool_field(cfg, "mlp_bias", source, False),
-            bos_token_id=bos,
-            eos_token_ids=_eos_ids(cfg.get("eos_token_id"), source),
-        )
+        return ModelConfig(**fields)
     except ConfigError as err:
         raise ConfigError(f"{source}: {err}") from None
 

@@ -141,6 +141,7 @@ def draft_config_from_dict(cfg: Mapping[str, Any], source: str = "config.json") 
     if hidden_act != "silu":
         raise ConfigError(f"{source}: hidden_act {hidden_act!r} not supported (expected 'silu')")
     num_layers = int_field(cfg, "num_hidden_layers", source)
+    max_positions = int_field(cfg, "max_position_embeddings", source, 32768)  # before RoPE, which reads it
     num_target_layers = int_field(cfg, "num_target_layers", source)
     heads = int_field(cfg, "num_attention_heads", source)
     if merged.get("target_layer_ids") is not None:
@@ -177,7 +178,7 @@ def draft_config_from_dict(cfg: Mapping[str, Any], source: str = "config.json") 
         block_size=int_field(merged, "block_size", source, 16),
         rms_norm_eps=float_field(cfg, "rms_norm_eps", source, 1e-6),
         rope=rope_from_hf(cfg, source),
-        max_position_embeddings=int_field(cfg, "max_position_embeddings", source, 32768),
+        max_position_embeddings=max_positions,
         attention_bias=bool_field(cfg, "attention_bias", source, False),
         layer_types=tuple(layer_types),
         sliding_window=window,
