@@ -723,19 +723,21 @@ def _restore_latest(ckpt_dir: Path, options: Any, state: TrainState, best: dict[
     if keep_best:
         items["best"] = ocp.args.StandardRestore(_abstract(best))
     damaged: list[tuple[int, str]] = []
-    with ocp.CheckpointManager(ckpt_dir, options=options) as mngr:
-        for step in reversed(steps):
-            try:
+    for step in reversed(steps):
+        try:
+            # A manager for each attempt: one whose restore failed fails every later one too.
+            with ocp.CheckpointManager(ckpt_dir, options=options) as mngr:
                 restored = mngr.restore(step, args=ocp.args.Composite(**items))
-                if int(restored["state"].step) != step:
-                    raise ValueError(f"it holds step {int(restored['state'].step)}")
-            except Exception as err:  # orbax and tensorstore raise many types for a damaged checkpoint
-                damaged.append((step, " ".join(str(err).split())[:200]))
-                continue
-            break
-        else:
-            raise ValueError(f"{ckpt_dir}: no checkpoint restores (" +
-                             "; ".join(f"step {s}: {e}" for s, e in damaged) + ")")
+            if int(restored["state"].step) != step:
+                raise ValueError(f"it holds step {int(restored['state'].step)}")
+        except Exception as err:  # orbax and tensorstore raise many types for a damaged checkpoint
+            why = " ".join(str(err).split()).split(" See full TensorStore details")[0]
+            damaged.append((step, why[:160]))
+            continue
+        break
+    else:
+        raise ValueError(f"{ckpt_dir}: no checkpoint restores (" +
+                         "; ".join(f"step {s}: {e}" for s, e in damaged) + ")")
     for bad, why in damaged:
         aside = ckpt_dir / f"{bad}.damaged"
         shutil.rmtree(aside, ignore_errors=True)
