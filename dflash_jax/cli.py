@@ -461,6 +461,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     tr.check_data_parallel(dp, tc.batch_size)  # before the target is loaded
     _check_data_gen_args(args)
     check_writable(out, "--out")  # before the target is loaded
+    if (out / "checkpoints").exists():
+        check_writable(out / "checkpoints", "--out's checkpoints")
     # Frozen target: loaded in float32 (master copy), cast to compute dtype inside `train`.
     cfg, params, tokenizer = load_model(args.target, dtype=jnp.float32)
     data_path = Path(args.data) if args.data else out / "train_tokens.npz"

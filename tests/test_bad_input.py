@@ -335,8 +335,8 @@ def test_a_process_prints_one_line_and_debug_the_traceback(tiny, tmp_path):
 def read_only_mount(tmp_path):
     """A directory on a read-only file system, where orbax's own writers fail (and, unchecked,
     leave the process waiting forever): a read-only tmpfs as root, permission bits otherwise."""
-    d = tmp_path / "ro"
-    d.mkdir()
+    d = tmp_path / "run" / "checkpoints"
+    d.mkdir(parents=True)
     if os.geteuid() != 0:
         d.chmod(0o500)
         yield d
@@ -367,3 +367,9 @@ def test_orbax_failing_to_write_is_an_error_not_a_hang(tiny, read_only_mount, tm
     lines = [l for l in proc.stderr.splitlines() if l.startswith("dflash-jax")]
     assert len(lines) == 1 and str(read_only_mount) in lines[0], proc.stderr
     assert not (tmp_path / "dst").exists()
+
+
+def test_train_with_read_only_checkpoints_is_refused_before_loading(read_only_mount, capsys, monkeypatch):
+    refuse_loading(monkeypatch)
+    assert main(["train", "--out", str(read_only_mount.parent)]) == 2
+    one_error(capsys, str(read_only_mount), "cannot write there")
