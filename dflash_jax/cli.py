@@ -145,7 +145,7 @@ def _load_drafter_for(path: str, cfg: Any, dtype: Any, shardings: Any = None) ->
     """(dcfg, dparams) of a drafter, checked against the target's config, in the decoding layout
     (`drafter.fuse_draft_projections`, block-qkv: where the Hopper kernel runs, the block pass
     takes one qkv product and the qkv epilogue kernel a layer; on an H200 the draft's kernels
-    took 0.944 against 0.972 ms a DDTree(256) round, BENCHMARKS.md, twenty-eighth session)."""
+    took 0.944 against 0.972 ms a DDTree(256) round, BENCHMARKS.md)."""
     from convert.dflash_drafter import load_drafter
     from dflash_jax.drafter import fuse_draft_projections, validate_pair
 

@@ -398,7 +398,7 @@ def fuse_draft_projections(dparams: DraftParams, dcfg: DraftConfig, consume: boo
     block in `draft`) and its queries from the block alone, so k and v are fused and q is not:
     each set then takes one GEMM for both. (A `qkv` weight as the target's made the context
     pass slice k and v out of it, a 16 MB copy a layer every round at the Qwen3-8B shape:
-    BENCHMARKS.md, seventeenth session.)
+    BENCHMARKS.md.)
     block_qkv: the block-qkv layout instead: q, k and v also as one `qkv` weight (the target's
     layout) for the block pass, and every layer's `kv` stacked into one `context_kv` for the
     context pass (`append_context`: one product for all layers' context rows); q and the

@@ -128,7 +128,7 @@ def is_stop(tokens: jax.Array, stop_tokens: tuple[int, ...]) -> jax.Array:
 # before it issues the next, so each step starts with the GPU waiting on the host. Speculative
 # decoding compiles its loop so too (`speculative.DDTREE_COMPILER_OPTIONS`). AR decoding at ctx 4K
 # (Qwen3-8B shape, 127 tokens, in turns): 4.803 against 4.844 ms a token with XLA's default
-# command types, faster in each of 7 turns, the same tokens (BENCHMARKS.md, thirty-first session).
+# command types, faster in each of 7 turns, the same tokens (BENCHMARKS.md).
 COMMAND_BUFFERS_ALL = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
                        "xla_gpu_graph_min_graph_size": 1}
 COMMAND_BUFFERS_OFF = {"xla_gpu_enable_command_buffer": ""}
