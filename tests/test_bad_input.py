@@ -6,6 +6,7 @@ names the file, field, tensor or argument at fault, and that files written befor
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -165,9 +166,8 @@ def test_the_drafters_positions_are_checked_too():
     from dflash_jax.train import drafter_config_for
 
     cfg = ModelConfig("qwen3", 24, 32, 64, 4, 4, 2, 8, max_position_embeddings=512)
-    dcfg = drafter_config_for(cfg, num_layers=1, block_size=4, mask_token_id=23)
-    import dataclasses
-    dcfg = dataclasses.replace(dcfg, max_position_embeddings=32)
+    dcfg = dataclasses.replace(drafter_config_for(cfg, num_layers=1, block_size=4, mask_token_id=23),
+                               max_position_embeddings=32)
     check_prompts(np.array([10]), 32, 16, 64, slack=4, cfg=cfg)
     with pytest.raises(ValueError, match=r"drafter's max_position_embeddings 32.*at most 18"):
         check_prompts(np.array([10]), 32, 20, 64, slack=4, cfg=cfg, dcfg=dcfg)
