@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from convert.layout import ConversionError
+from dflash_jax.params import path_str
 
 # The CLI's --no-weight-check sets this for every load_model call of its command.
 CHECK_WEIGHTS_DEFAULT = True
@@ -28,8 +29,7 @@ def _all_finite(leaves: list[jax.Array]) -> jax.Array:
 
 def check_finite(params: Any, source: str) -> None:
     """Raises ConversionError naming `source` and the first tensors holding NaN or inf."""
-    flat = [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
-            if x is not None]
+    flat = [(path_str(p), x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0] if x is not None]
     if not flat:
         return
     ok = np.asarray(_all_finite([x for _, x in flat]))

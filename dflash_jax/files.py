@@ -31,7 +31,8 @@ def check_writable(directory: str | Path, what: str) -> Path:
             os.close(fd)
             os.unlink(probe)
     except OSError as err:
-        raise OSError(err.errno, f"{what} {directory}: cannot write there ({err.strerror or err})") from None
+        # The message alone (no "[Errno N]" prefix): the CLI prints it as the error's one line.
+        raise OSError(f"{what} {directory}: cannot write there ({err.strerror or err})") from None
     return directory
 
 

@@ -80,13 +80,19 @@ def check_prompts(prompt_lens: np.ndarray, prompt_width: int, max_new_tokens: in
     # A sequence's last token sits at position prompt + max_new_tokens - 1; the draft block of its
     # last round reaches up to `slack` positions further.
     last = longest + max_new_tokens + slack - 1
+    tokens = f"{longest} token{'s' if longest != 1 else ''}"
     for name, c in (("target", cfg), ("drafter", dcfg)):
-        if c is not None and last >= c.max_position_embeddings:
+        if c is None:
+            continue
+        room = c.max_position_embeddings - longest - slack  # the most new tokens that fit
+        if room < 1:
+            raise ValueError(f"a prompt of {tokens} is too long for the {name}'s max_position_embeddings "
+                             f"{c.max_position_embeddings} (it leaves no room for new tokens); shorten the prompt")
+        if last >= c.max_position_embeddings:
             raise ValueError(
-                f"a prompt of {longest} tokens + max_new_tokens (--max-new-tokens) {max_new_tokens} reaches "
+                f"a prompt of {tokens} + max_new_tokens (--max-new-tokens) {max_new_tokens} reaches "
                 f"position {last}, beyond the {name}'s max_position_embeddings {c.max_position_embeddings}: "
-                f"shorten the prompt or lower --max-new-tokens to at most "
-                f"{max(c.max_position_embeddings - longest - slack, 0)}")
+                f"shorten the prompt or lower --max-new-tokens to at most {room}")
     if cfg is not None:
         need, have = kv_cache_bytes(cfg, lens.size, max_len, itemsize), memory_available()
         if need > have:
