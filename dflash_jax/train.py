@@ -561,6 +561,26 @@ class ValidationSet:
     keys: list[jax.Array]  # the anchor key of each batch
 
 
+def check_sizes(cfg: ModelConfig, dcfg: dr.DraftConfig, tc: TrainConfig) -> None:
+    """Refuses rows longer than the target's positions, and a step whose largest activations
+    alone exceed the device's memory (an absurd --batch or --seq-len otherwise fails deep in XLA)."""
+    from dflash_jax.generate import memory_available
+
+    if tc.seq_len > cfg.max_position_embeddings:
+        raise ValueError(f"seq_len (--seq-len) {tc.seq_len} exceeds the target's max_position_embeddings "
+                         f"{cfg.max_position_embeddings}")
+    item = jnp.dtype(tc.compute_dtype).itemsize
+    # The target's hidden states over every row, and the drafter's logits over every block row:
+    # a lower bound of what a step holds at once.
+    need = (tc.batch_size * tc.seq_len * cfg.hidden_size * (len(dcfg.target_layer_ids) + 2) * item
+            + tc.batch_size * tc.num_blocks * dcfg.block_size * cfg.vocab_size * 4)
+    have = memory_available()
+    if need > have:
+        raise ValueError(f"batch_size (--batch) {tc.batch_size} x seq_len (--seq-len) {tc.seq_len} x num_blocks "
+                         f"(--blocks) {tc.num_blocks} needs at least {need / 1e9:.1f} GB of activations a step, "
+                         f"more than the device's {have / 1e9:.1f} GB")
+
+
 def check_validation(val_fraction: float, eval_every: int | None, val_batches: int, keep_best: bool) -> None:
     """Raises one ValueError naming the flag for validation settings that cannot work.
 
@@ -792,6 +812,7 @@ def train(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: Seq
 
     out_dir = Path(out_dir).absolute()
     ckpt_dir, log_path, run_path = out_dir / "checkpoints", out_dir / LOG_FILE, out_dir / RUN_FILE
+    check_sizes(cfg, dcfg, tc)
     if data.seq_len != tc.seq_len:
         raise ValueError(f"training rows have seq_len {data.seq_len}, TrainConfig.seq_len is {tc.seq_len}")
     mesh = data_parallel_mesh(dp, tc.batch_size)  # before anything is written

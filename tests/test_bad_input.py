@@ -376,3 +376,16 @@ def test_train_with_read_only_checkpoints_is_refused_before_loading(read_only_mo
     refuse_loading(monkeypatch)
     assert main(["train", "--out", str(read_only_mount.parent)]) == 2
     one_error(capsys, str(read_only_mount), "cannot write there")
+
+
+def test_absurd_training_sizes_are_refused_with_their_memory(tiny, tmp_path, capsys):
+    from dflash_jax.train_data import TokenData
+
+    data = TokenData.from_lists([[1, 2, 3]] * 4, [[4, 5, 6, 7]] * 4, [0.0] * 4, [0] * 4, {})
+    tokens = data.save(tmp_path / "tokens.npz")
+    common = ["train", "--target", str(tiny), "--data", str(tokens), "--mask-token-id", "23", "--no-progress",
+              "--seq-len", "32", "--block-size", "4", "--layers", "1"]
+    assert main([*common, "--out", str(tmp_path / "a"), "--seq-len", "4096"]) == 2
+    one_error(capsys, "seq_len (--seq-len) 4096 exceeds the target's max_position_embeddings 512")
+    assert main([*common, "--out", str(tmp_path / "b"), "--batch", "1000000000000"]) == 2
+    one_error(capsys, "batch_size (--batch) 1000000000000", "GB of activations a step, more than the device's")
