@@ -958,7 +958,15 @@ def train(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: Seq
     if export and (end == tc.steps or timed_out):
         from convert.dflash_drafter import export_drafter
 
-        export_dir = export_drafter(dcfg, cast_floating(kept_params, jnp.dtype(export_dtype)), out_dir / "drafter")
+        # Written beside, then renamed into place: a crash leaves the previous export or the new one.
+        export_dir = out_dir / "drafter"
+        partial = export_drafter(dcfg, cast_floating(kept_params, jnp.dtype(export_dtype)),
+                                 out_dir / f".drafter.{os.getpid()}.partial")
+        old = out_dir / f".drafter.{os.getpid()}.old"
+        if export_dir.exists():
+            export_dir.rename(old)
+        partial.rename(export_dir)
+        shutil.rmtree(old, ignore_errors=True)
     summary = {**_summary(history, end, tc, export_dir, keep_best, kept_step, validation), "dp": dp}
     atomic_write_text(run_path, json.dumps({**record, "result": summary}, indent=2) + "\n")
     return TrainResult(state=state, out_dir=out_dir, export_dir=export_dir, history=history, best_step=kept_step,
