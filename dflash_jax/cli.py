@@ -562,9 +562,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
     command = {"generate": cmd_generate, "convert": cmd_convert, "make-data": cmd_make_data,
                "train": cmd_train, "bench": cmd_bench}[args.command]
+    from convert import validate
+
+    validate.CHECK_WEIGHTS_DEFAULT = not args.no_weight_check
     try:
-        from convert import validate
-        validate.CHECK_WEIGHTS_DEFAULT = not args.no_weight_check
         return command(args)
     except EXPECTED_ERRORS as err:
         if args.debug:
@@ -578,6 +579,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stderr.flush()
             os._exit(2)
         return 2
+    finally:
+        validate.CHECK_WEIGHTS_DEFAULT = True  # for whatever loads in this process later
 
 
 if __name__ == "__main__":
