@@ -786,7 +786,8 @@ def train(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: Seq
     out_dir/plots/        loss.png, accuracy_by_position.png
     out_dir/drafter/      config.json + model.safetensors (z-lab layout), when training finished
     out_dir/train_run.json  the configs, checked on --resume, and the run's "result"
-    `resume` continues from the latest checkpoint with the same data order and anchors, so the
+    `resume` continues from the newest checkpoint that restores (a damaged one is moved aside
+    with a warning; none finished is an error) with the same data order and anchors, so the
     result equals an uninterrupted run. `stop_at` ends the run early at that step (as an
     interruption would), saving a checkpoint. Ctrl-C also saves before exiting.
     `time_limit` (seconds of this call) ends the run at the first step past it, saves, and still
