@@ -28,9 +28,11 @@ TRAIN_ARGS = ["--steps", str(STEPS), "--batch", "4", "--seq-len", "32", "--block
               "--layers", "2", "--mask-token-id", str(MASK), "--lr", "1e-2", "--seed", "3", "--val-fraction", "0",
               "--compute-dtype", "float32", "--save-every", str(SAVE_EVERY), "--log-every", "1", "--no-progress"]
 # Runs the CLI in a process that SIGKILLs itself when train_step is called for the KILL_AT-th time
-# (after KILL_AT - 1 finished steps): no handler, no flush, no cleanup.
+# (after KILL_AT - 1 finished steps): no handler, no flush, no cleanup. Each step first waits
+# 0.1 s, time for an asynchronous save to finish unless it was issued right before the kill (a
+# step of the tiny drafter takes milliseconds, a save longer), so that two checkpoints are finished.
 KILLER = """
-import os, signal, sys
+import os, signal, sys, time
 from dflash_jax import train
 from dflash_jax.cli import main
 kill_at, calls, step = int(os.environ["KILL_AT"]), [0], train.train_step
@@ -38,6 +40,7 @@ def dying_step(*args, **kwargs):
     calls[0] += 1
     if calls[0] == kill_at:
         os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.1)
     return step(*args, **kwargs)
 train.train_step = dying_step
 sys.argv = ["dflash-jax"] + sys.argv[1:]
@@ -95,7 +98,7 @@ def test_resume_after_a_kill_equals_an_uninterrupted_run(setup):
 
     out = root / "killed"
     done = tr.finished_steps(out / "checkpoints")
-    assert done and max(done) <= kill_at - 1 and not (out / "drafter").exists(), (kill_at, done)
+    assert len(done) >= 2 and max(done) <= kill_at - 1 and not (out / "drafter").exists(), (kill_at, done)
     # The newest checkpoint damaged (an array file cut short), and the log's last line cut short.
     latest = out / "checkpoints" / str(max(done))
     arrays = sorted((p for p in latest.rglob("*") if p.is_file() and p.stat().st_size > 64
@@ -109,7 +112,7 @@ def test_resume_after_a_kill_equals_an_uninterrupted_run(setup):
     rc, err = finish(cli(*common, "--out", str(out), "--resume", "--log-every", "1", "--save-every", str(SAVE_EVERY),
                          "--no-progress"))
     assert rc == 0, err
-    previous = max(s for s in done if s < max(done)) if len(done) > 1 else None
+    previous = max(s for s in done if s < max(done))
     assert f"checkpoint {latest} is damaged" in err and f"resuming from checkpoint {previous}" in err, err
     assert "dropping a partial last line" in err and tr.LOG_FILE in err, err
 
