@@ -2,7 +2,8 @@
 
 Layout of a checkpoint directory:
     dflash_jax_model.json   marker + format version + ModelConfig + saved dtype (written LAST,
-                            so a directory whose save was interrupted is never taken for a checkpoint)
+                            so a directory whose save was interrupted is never taken for a checkpoint;
+                            `save_checkpoint` also writes into a temporary sibling renamed into place)
     params/                 orbax StandardCheckpointer tree of ModelParams
     tokenizer/              optional, `tokenizer.save_pretrained` output
 """
@@ -33,6 +34,7 @@ VERSION = 1
 # Longest wait for orbax to finish writing the params: it fails fast on a bad destination, but
 # some of its failures leave it waiting forever.
 SAVE_TIMEOUT_S = float(os.environ.get("DFLASH_JAX_SAVE_TIMEOUT_S", 600))
+CLOSE_TIMEOUT_S = 10.0  # closing the writer after a save: nothing is left to write
 
 
 def is_checkpoint(path: str | Path) -> bool:
@@ -105,7 +107,7 @@ def save_checkpoint(path: str | Path, cfg: ModelConfig, params: ModelParams, tok
             bounded(ckpt.wait_until_finished, SAVE_TIMEOUT_S, f"saving {path / 'params'}")
         finally:
             try:
-                bounded(ckpt.close, 10, f"closing the writer of {path / 'params'}")
+                bounded(ckpt.close, CLOSE_TIMEOUT_S, f"closing the writer of {path / 'params'}")
             except TimeoutError:
                 pass  # its threads wait on the failure being raised; the CLI exits without them
         if tokenizer is not None:
