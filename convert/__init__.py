@@ -15,7 +15,9 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from convert.checkpoint import is_checkpoint, load_checkpoint, load_checkpoint_tokenizer, save_checkpoint
+from convert import validate
+from convert.checkpoint import (check_destination, is_checkpoint, load_checkpoint, load_checkpoint_tokenizer,
+                                save_checkpoint)
 from convert.gguf_file import gguf_tokenizer, load_gguf, open_gguf, smollm2_gguf_path
 from convert.hf_safetensors import load_hf
 from convert.layout import ConversionError
@@ -55,7 +57,7 @@ def _hf_tokenizer(path: Path) -> Any:
 
 
 def load_model(path_or_name: str | Path, dtype: Any = jnp.float32, *, mesh: Any = None,
-               tokenizer: bool = True) -> tuple[Any, Any, Any]:
+               tokenizer: bool = True, check_weights: bool | None = None) -> tuple[Any, Any, Any]:
     """-> (ModelConfig, ModelParams in the decoding layout, tokenizer or None).
 
     Each checkpoint tensor is written straight into its slices of the decoding layout
@@ -64,6 +66,9 @@ def load_model(path_or_name: str | Path, dtype: Any = jnp.float32, *, mesh: Any 
     dtype: floating dtype of the params (for an orbax checkpoint, None keeps the saved dtype).
     mesh: None (the default device) or a ("dp", "tp") mesh (`dflash_jax.sharding.make_mesh`).
     tokenizer: False skips building the tokenizer (it takes seconds for a GGUF file).
+    check_weights: refuse NaN or inf in any tensor (`convert.validate.check_finite`; None: the
+        CLI's choice, on unless --no-weight-check). The tokenizer's ids are always checked
+        against the vocabulary.
     """
     kind, path = resolve_source(path_or_name)
     if dtype is None and kind != "checkpoint":
@@ -78,6 +83,9 @@ def load_model(path_or_name: str | Path, dtype: Any = jnp.float32, *, mesh: Any 
     else:
         cfg, params = load_hf(path, dtype=dtype, mesh=mesh)
         tok = _hf_tokenizer(path) if tokenizer else None
+    if validate.CHECK_WEIGHTS_DEFAULT if check_weights is None else check_weights:
+        validate.check_finite(params, str(path))
+    validate.check_tokenizer(tok, cfg.vocab_size, str(path))
     return cfg, params, tok
 
 
@@ -86,7 +94,8 @@ def convert_command(src: str | Path, dst: str | Path, *, dtype: Any = "float32",
     """`dflash-jax convert SRC DST`: loads anything `load_model` accepts, saves an orbax checkpoint.
 
     dtype: "float32" / "bfloat16" (or a dtype; None keeps a checkpoint's dtype). Returns the
-    checkpoint directory.
+    checkpoint directory. The destination is checked before anything is loaded.
     """
+    check_destination(dst, overwrite)
     cfg, params, tok = load_model(src, dtype=None if dtype is None else jnp.dtype(dtype), tokenizer=tokenizer)
     return save_checkpoint(dst, cfg, params, tok, overwrite=overwrite)

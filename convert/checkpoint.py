@@ -2,7 +2,8 @@
 
 Layout of a checkpoint directory:
     dflash_jax_model.json   marker + format version + ModelConfig + saved dtype (written LAST,
-                            so a directory whose save was interrupted is never taken for a checkpoint)
+                            so a directory whose save was interrupted is never taken for a checkpoint;
+                            `save_checkpoint` also writes into a temporary sibling renamed into place)
     params/                 orbax StandardCheckpointer tree of ModelParams, as checkpoints store
                             them (`model.checkpoint_specs`: q, k, v, gate, up apart), whatever
                             layout they are loaded into
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +27,17 @@ import orbax.checkpoint as ocp
 from convert.hf_safetensors import target_layout
 from convert.layout import ConversionError
 from dflash_jax.config import ModelConfig, RopeConfig
+from dflash_jax.files import bounded, check_writable
 from dflash_jax.model import ModelParams, param_layout
 from dflash_jax.params import Builder, extract, is_spec, layout_of, path_str
 
 MARKER = "dflash_jax_model.json"
 FORMAT = "dflash-jax/model-params"
 VERSION = 1
+# Longest wait for orbax to finish writing the params: it fails fast on a bad destination, but
+# some of its failures leave it waiting forever.
+SAVE_TIMEOUT_S = float(os.environ.get("DFLASH_JAX_SAVE_TIMEOUT_S", 600))
+CLOSE_TIMEOUT_S = 10.0  # closing the writer after a save: nothing is left to write
 
 
 def is_checkpoint(path: str | Path) -> bool:
@@ -64,6 +72,23 @@ def _dtype_name(params: ModelParams) -> str:
     return dtypes.pop()
 
 
+def check_destination(path: str | Path, overwrite: bool = False) -> Path:
+    """Refuses a checkpoint destination before any work: a file, a non-empty directory (unless
+    `overwrite` and it is our checkpoint), or a place that cannot be written. -> absolute path."""
+    path = Path(path).absolute()  # orbax wants absolute paths
+    if path.exists() and not path.is_dir():
+        raise ConversionError(f"{path}: destination exists and is not a directory")
+    if path.exists() and any(path.iterdir()):
+        if not overwrite:
+            raise ConversionError(f"{path}: destination exists and is not empty (pass --overwrite to replace "
+                                  f"a dflash-jax checkpoint)")
+        if not is_checkpoint(path):
+            # Refuse to delete a directory we did not write.
+            raise ConversionError(f"{path}: destination is not a dflash-jax checkpoint; not overwriting it")
+    check_writable(path.parent, "destination")
+    return path
+
+
 def save_checkpoint(path: str | Path, cfg: ModelConfig, params: ModelParams, tokenizer: Any = None,
                     *, overwrite: bool = False) -> Path:
     """Writes params (orbax), config (JSON) and optionally the tokenizer to directory `path`.
@@ -74,25 +99,40 @@ def save_checkpoint(path: str | Path, cfg: ModelConfig, params: ModelParams, tok
     layout = layout_of(params, [param_layout(cfg), param_layout(cfg, 2 * cfg.num_kv_heads)])
     if layout is None:
         raise ConversionError(f"{path}: the params hold none of the target's decoding layouts for this config")
-    path = Path(path).absolute()  # orbax wants absolute paths
-    if path.exists() and any(path.iterdir()):
-        if not overwrite:
-            raise ConversionError(f"{path}: destination exists and is not empty")
-        if not is_checkpoint(path):
-            # Refuse to delete a directory we did not write.
-            raise ConversionError(f"{path}: destination is not a dflash-jax checkpoint; not overwriting it")
-        shutil.rmtree(path)
-    path.mkdir(parents=True, exist_ok=True)
+    path = check_destination(path, overwrite)
     dtype = _dtype_name(params)
     sources = extract(layout, params)
     treedef = jax.tree.structure(layout.sources, is_leaf=is_spec)
-    with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(path / "params", jax.tree_util.tree_unflatten(treedef, list(sources.values())))
-        ckpt.wait_until_finished()
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(path / "tokenizer"))
-    meta = {"format": FORMAT, "version": VERSION, "dtype": dtype, "config": config_to_dict(cfg)}
-    (path / MARKER).write_text(json.dumps(meta, indent=2) + "\n")
+    stored = jax.tree_util.tree_unflatten(treedef, list(sources.values()))
+    # Everything is written into a temporary sibling that is renamed into place at the end: a
+    # full disk or a crash leaves the old destination (or none), never a partial checkpoint
+    # that blocks the retry; the partial sibling is removed on the way out.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent))
+    try:
+        ckpt = ocp.StandardCheckpointer()
+        try:
+            ckpt.save(tmp / "params", stored)
+            bounded(ckpt.wait_until_finished, SAVE_TIMEOUT_S, f"saving {path / 'params'}")
+        finally:
+            try:
+                bounded(ckpt.close, CLOSE_TIMEOUT_S, f"closing the writer of {path / 'params'}")
+            except TimeoutError:
+                pass  # its threads wait on the failure being raised; the CLI exits without them
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp / "tokenizer"))
+        meta = {"format": FORMAT, "version": VERSION, "dtype": dtype, "config": config_to_dict(cfg)}
+        (tmp / MARKER).write_text(json.dumps(meta, indent=2) + "\n")
+        if path.exists():
+            # An empty directory, or (overwrite) our own checkpoint: moved aside, then removed.
+            old = path.with_name(f".{path.name}.{os.getpid()}.old")
+            path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return path
 
 

@@ -3,9 +3,64 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from dflash_jax.files import atomic_write_text, check_writable, stuck_threads
+
+
+# ----------------------------------------------------------------------------- argument types
+# Numbers are checked as they are parsed, so a bad one is refused before any model is loaded:
+# a NaN temperature, a zero block size or a negative learning rate otherwise pass through to
+# a ZeroDivisionError or to garbage output.
+
+def _int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    parse.__name__ = f"int >= {low}"
+    return parse
+
+
+def _float_in(low: float, high: float = math.inf, low_open: bool = False, high_open: bool = False
+              ) -> Callable[[str], float]:
+    """A finite float in [low, high] (either end open when asked)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        too_low = value <= low if low_open else value < low
+        too_high = value >= high if high_open else value > high
+        if not math.isfinite(value) or too_low or too_high:
+            left, right = "(" if low_open else "[", ")" if high_open or high == math.inf else "]"
+            raise argparse.ArgumentTypeError(f"must be a finite number in {left}{low:g}, {high:g}{right}, got {text}")
+        return value
+    parse.__name__ = "number"
+    return parse
+
+
+POSITIVE = _int_at_least(1)
+NON_NEGATIVE = _int_at_least(0)
+BLOCK_SIZE = _int_at_least(2)  # a block is the root and at least one drafted token
+TEMPERATURE = _float_in(0.0)
+POSITIVE_FLOAT = _float_in(0.0, low_open=True)
+FRACTION = _float_in(0.0, 1.0)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line, exit code 2 (argparse's own prints the usage block first)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 # transformers serves only tokenizers here; without torch it would warn, on every command, that
 # its PyTorch models are unavailable.
@@ -27,23 +82,23 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                         "program) and print the median ms per stage")
     p.add_argument("--compare-ar", action="store_true",
                    help="also decode with plain AR: print the speedup and whether the tokens agree")
-    p.add_argument("--block-size", type=int, default=None, help="drafter block size (default: drafter's)")
-    p.add_argument("--budget", type=int, default=64, help="DDTree node budget")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--rounds-per-check", type=int, default=1,
+    p.add_argument("--block-size", type=BLOCK_SIZE, default=None, help="drafter block size (default: drafter's)")
+    p.add_argument("--budget", type=POSITIVE, default=64, help="DDTree node budget")
+    p.add_argument("--max-new-tokens", type=POSITIVE, default=128)
+    p.add_argument("--rounds-per-check", type=POSITIVE, default=1,
                    help="dflash/ddtree: rounds between two reads of whether every sequence is done")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=TEMPERATURE, default=0.0)
+    p.add_argument("--top-k", type=NON_NEGATIVE, default=0)
+    p.add_argument("--top-p", type=_float_in(0.0, 1.0, low_open=True), default=1.0)
+    p.add_argument("--seed", type=NON_NEGATIVE, default=0)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="weight dtype (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--no-chat", action="store_true", help="do not wrap prompts in the chat template")
     p.add_argument("--json", action="store_true", help="print a JSON record instead of text")
     p.add_argument("--quiet", action="store_true",
                    help="no progress on stderr (it is shown only when stderr is a terminal)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (must divide the q heads)")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel devices (the batch is split over them)")
+    p.add_argument("--tp", type=POSITIVE, default=1, help="tensor-parallel devices (must divide the q heads)")
+    p.add_argument("--dp", type=POSITIVE, default=1, help="data-parallel devices (the batch is split over them)")
 
 
 def _add_convert(sub: argparse._SubParsersAction) -> None:
@@ -53,16 +108,23 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace DST if it is a dflash-jax checkpoint (never another directory)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dflash-jax", description=__doc__)
+    parser = _Parser(prog="dflash-jax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_convert(sub)
     _add_make_data(sub)
     _add_train(sub)
     _add_bench(sub)
+    for p in sub.choices.values():
+        p.add_argument("--debug", action="store_true",
+                       help="show the traceback of an error instead of its one-line message")
+        p.add_argument("--no-weight-check", action="store_true",
+                       help="skip the check that every loaded weight is finite (one pass over the weights)")
     return parser
 
 
@@ -230,7 +292,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     from convert import convert_command
-    convert_command(args.src, args.dst, dtype=jnp.dtype(args.dtype))
+    convert_command(args.src, args.dst, dtype=jnp.dtype(args.dtype), overwrite=args.overwrite)
     print(f"wrote {args.dst}")
     return 0
 
@@ -247,17 +309,17 @@ def _add_data_gen_args(p: argparse.ArgumentParser) -> None:
                    help="training prompt files (default: gsm8k train + alpaca_eval under --data-dir); "
                         "evaluation sets (spec_bench, test splits) are refused")
     p.add_argument("--data-dir", default=_DATA_DIR, help="the shared prompt sets (default: %(default)s)")
-    p.add_argument("--limit", type=int, default=None, help="prompts read per file (default: all)")
-    p.add_argument("--gen-tokens", type=int, default=256, help="max new tokens per response")
-    p.add_argument("--max-prompt-tokens", type=int, default=256, help="skip longer templated prompts")
-    p.add_argument("--gen-batch", type=int, default=32, help="prompts decoded together")
-    p.add_argument("--sample-fraction", type=float, default=0.5,
+    p.add_argument("--limit", type=POSITIVE, default=None, help="prompts read per file (default: all)")
+    p.add_argument("--gen-tokens", type=POSITIVE, default=256, help="max new tokens per response")
+    p.add_argument("--max-prompt-tokens", type=POSITIVE, default=256, help="skip longer templated prompts")
+    p.add_argument("--gen-batch", type=POSITIVE, default=32, help="prompts decoded together")
+    p.add_argument("--sample-fraction", type=FRACTION, default=0.5,
                    help="fraction of batches sampled at --gen-temperature (the rest greedy)")
-    p.add_argument("--gen-temperature", type=float, default=1.0)
+    p.add_argument("--gen-temperature", type=TEMPERATURE, default=1.0)
     p.add_argument("--math-suffix", choices=("auto", "always", "never"), default="auto",
                    help="append evaluation's step-by-step / \\boxed{} instruction to math prompts (auto: "
                         "gsm8k-style rows), so responses match what `bench` prompts get (default: %(default)s)")
-    p.add_argument("--samples-per-prompt", type=int, default=1,
+    p.add_argument("--samples-per-prompt", type=POSITIVE, default=1,
                    help="responses per prompt: the first follows --sample-fraction, the others are sampled "
                         "at --gen-temperature, each with its own seed (default: %(default)s)")
 
@@ -269,7 +331,7 @@ def _add_make_data(sub: argparse._SubParsersAction) -> None:
                                    "tokens to OUT (.npz).")
     p.add_argument("--target", default="smollm2", help="target model (as `generate --model`)")
     p.add_argument("--out", required=True, help="token file to write (.npz)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=NON_NEGATIVE, default=0)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
     _add_data_gen_args(p)
 
@@ -286,25 +348,25 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true", help="continue the run in OUT from its last checkpoint")
     # Training settings default to None: a fresh run fills in TrainConfig's defaults, --resume the
     # saved run's values (a flag given explicitly must agree with them).
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--batch", type=int, default=None, help="sequences per step")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per training row (prompt + response)")
-    p.add_argument("--blocks", type=int, default=None, help="anchors (blocks) per sequence")
-    p.add_argument("--gamma", type=float, default=None, help="loss decay (default 7 for block size 16)")
-    p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--warmup", type=float, default=None, help="warm-up fraction of the steps")
-    p.add_argument("--weight-decay", type=float, default=None)
-    p.add_argument("--grad-clip", type=float, default=None)
+    p.add_argument("--steps", type=POSITIVE, default=None)
+    p.add_argument("--batch", type=POSITIVE, default=None, help="sequences per step")
+    p.add_argument("--seq-len", type=_int_at_least(2), default=None, help="tokens per training row (prompt + response)")
+    p.add_argument("--blocks", type=POSITIVE, default=None, help="anchors (blocks) per sequence")
+    p.add_argument("--gamma", type=POSITIVE_FLOAT, default=None, help="loss decay (default 7 for block size 16)")
+    p.add_argument("--lr", type=POSITIVE_FLOAT, default=None)
+    p.add_argument("--warmup", type=_float_in(0.0, 1.0, high_open=True), default=None, help="warm-up fraction of the steps")
+    p.add_argument("--weight-decay", type=_float_in(0.0), default=None)
+    p.add_argument("--grad-clip", type=POSITIVE_FLOAT, default=None)
     p.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default=None,
                    help="(default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--remat", action="store_true", default=None, help="recompute layers in the backward pass")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=NON_NEGATIVE, default=None)
     p.add_argument("--labels", choices=("response", "target", "target-soft"), default=None,
                    help="what block row k learns: the response's token (default, the recipe) or the "
                         "target's own greedy token after the same prefix (what greedy decoding accepts; "
                         "differs from the response where it was sampled at T=1), or target-soft: the "
                         "target's whole next-token distribution there, loss KL(target || drafter)")
-    p.add_argument("--dp", type=int, default=None,
+    p.add_argument("--dp", type=POSITIVE, default=None,
                    help="data-parallel devices: each step's --batch sequences are split over them, the "
                         "drafter and optimizer state replicated (--batch must divide by it; default 1, "
                         "with --resume the run's; a resumed run may change it)")
@@ -312,20 +374,20 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--init", default=None, metavar="DRAFTER",
                    help="start from this trained drafter (directory or shipped name) instead of random "
                         "weights: its shape, taps and mask token; the optimizer and schedule start afresh")
-    p.add_argument("--block-size", type=int, default=None, help="(default 16)")
-    p.add_argument("--layers", type=int, default=None, help="drafter layers, one target tap per layer (default 3)")
-    p.add_argument("--mask-token-id", type=int, default=None, help="(default: a special token chat never uses)")
-    p.add_argument("--time-limit", type=float, default=None,
+    p.add_argument("--block-size", type=BLOCK_SIZE, default=None, help="(default 16)")
+    p.add_argument("--layers", type=POSITIVE, default=None, help="drafter layers, one target tap per layer (default 3)")
+    p.add_argument("--mask-token-id", type=NON_NEGATIVE, default=None, help="(default: a special token chat never uses)")
+    p.add_argument("--time-limit", type=POSITIVE_FLOAT, default=None,
                    help="seconds; stop (save, export) at the first step past it; --resume finishes later")
-    p.add_argument("--save-every", type=int, default=500)
-    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--save-every", type=POSITIVE, default=500)
+    p.add_argument("--log-every", type=POSITIVE, default=10)
     # Validation (fresh runs; --resume reads them from the run, a flag given must agree).
-    p.add_argument("--val-fraction", type=float, default=None,
+    p.add_argument("--val-fraction", type=_float_in(0.0, 1.0, high_open=True), default=None,
                    help="fraction of the prompts held out for validation, all samples of a prompt on one "
                         "side, chosen by --seed (default 0.02; 0 = no validation)")
-    p.add_argument("--eval-every", type=int, default=None,
+    p.add_argument("--eval-every", type=POSITIVE, default=None,
                    help="steps between validations (default: 10 x --log-every); also at the last step")
-    p.add_argument("--val-batches", type=int, default=None,
+    p.add_argument("--val-batches", type=POSITIVE, default=None,
                    help="most validation batches (of --batch rows) evaluated each time (default 32)")
     p.add_argument("--keep-best", action="store_true", default=None,
                    help="export the parameters of the validation with the best tau estimate, not the last")
@@ -346,22 +408,20 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="methods to run (AR always runs as the baseline)")
     p.add_argument("--prompts", required=True, help="JSONL prompt file")
     p.add_argument("--draft", help="DFlash drafter directory")
-    p.add_argument("--budget", type=int, nargs="+", default=[64], help="DDTree budgets")
-    p.add_argument("--block-size", type=int, default=None, help="(default: the drafter's)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--limit", type=int, default=None, help="first N prompts")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--budget", type=POSITIVE, nargs="+", default=[64], help="DDTree budgets")
+    p.add_argument("--block-size", type=BLOCK_SIZE, default=None, help="(default: the drafter's)")
+    p.add_argument("--max-new-tokens", type=POSITIVE, default=256)
+    p.add_argument("--limit", type=POSITIVE, default=None, help="first N prompts")
+    p.add_argument("--batch", type=POSITIVE, default=1)
+    p.add_argument("--temperature", type=TEMPERATURE, default=0.0)
     p.add_argument("--math-suffix", choices=("auto", "always", "never"), default="auto")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=NON_NEGATIVE, default=0)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
     p.add_argument("--out", default=None, help="directory for report.json and plots")
     p.add_argument("--no-progress", action="store_true")
 
 
 def _make_token_file(args: argparse.Namespace, cfg, params, tokenizer, out) -> None:
-    from pathlib import Path
-
     from dflash_jax.train_data import default_sources, make_token_data
 
     if tokenizer is None:
@@ -391,6 +451,7 @@ def cmd_make_data(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     _check_data_gen_args(args)
+    check_writable(Path(args.out).absolute().parent, "--out")  # before the target answers every prompt
     cfg, params, tokenizer = _load_target(args.target, jnp.dtype(args.dtype or _default_dtype()), "--target")
     _make_token_file(args, cfg, params, tokenizer, args.out)
     return 0
@@ -405,7 +466,6 @@ def _train_dp(given: int | None, saved: dict[str, Any] | None) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     import dataclasses
-    from pathlib import Path
 
     import jax.numpy as jnp
 
@@ -427,9 +487,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume:
         if not run_file.is_file():
             raise FileNotFoundError(f"{out}: nothing to resume ({tr.RUN_FILE} is missing)")
-        saved = json.loads(run_file.read_text())
-        tc = tr.TrainConfig(**{**saved["train_config"], **given})
-        dcfg = draft_config_from_dict(saved["drafter_config"], source=str(run_file))
+        if not tr.finished_steps(out / "checkpoints"):
+            raise ValueError(f"{out / 'checkpoints'}: no finished checkpoint to resume from (a run killed before "
+                             f"its first save leaves none); start the run again without --resume")
+        try:
+            saved = json.loads(run_file.read_text())
+            tc = tr.TrainConfig(**{**saved["train_config"], **given})
+            drafter_config = saved["drafter_config"]
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{run_file}: not a readable run record ({type(err).__name__}: {err})") from None
+        dcfg = draft_config_from_dict(drafter_config, source=str(run_file))
         args.data = args.data or saved.get("data")
         val = saved.get("validation") or {"fraction": 0.0, "eval_every": None, "val_batches": 32, "keep_best": False}
     else:
@@ -445,6 +512,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     dp = _train_dp(args.dp, saved)
     tr.check_data_parallel(dp, tc.batch_size)  # before the target is loaded
     _check_data_gen_args(args)
+    check_writable(out, "--out")  # before the target is loaded
+    if (out / "checkpoints").exists():
+        check_writable(out / "checkpoints", "--out's checkpoints")
     # Frozen target: loaded in float32 (master copy), cast to compute dtype inside `train`.
     cfg, params, tokenizer = load_model(args.target, dtype=jnp.float32)
     data_path = Path(args.data) if args.data else out / "train_tokens.npz"
@@ -484,8 +554,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     import jax.numpy as jnp
 
     from dflash_jax import evaluate as ev
@@ -496,6 +564,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError(f"--method {' '.join(spec_methods)} needs --draft DIR (a DFlash drafter directory)")
     dtype = jnp.dtype(args.dtype or _default_dtype())
     prompts = ev.load_bench_prompts(args.prompts, limit=args.limit, math_suffix=args.math_suffix)
+    out = check_writable(args.out, "--out") if args.out else None  # before minutes of decoding
     cfg, params, tokenizer = _load_target(args.model, dtype)
     dcfg = dparams = None
     block_size = args.block_size or 16
@@ -503,28 +572,67 @@ def cmd_bench(args: argparse.Namespace) -> int:
         dcfg, dparams = _load_drafter_for(args.draft, cfg, dtype)
         block_size = args.block_size or dcfg.block_size
     specs = ev.method_specs(spec_methods, args.budget, block_size)
+    where = {"prompts_file": str(args.prompts), "model": str(args.model), "draft": args.draft}
+
+    def write(report: dict[str, Any]) -> None:
+        # Each method's results are on disk as soon as it finishes: a later failure loses only
+        # the method it happened in.
+        if out is not None:
+            atomic_write_text(out / "report.json", json.dumps({**report, **where}, indent=2) + "\n")
+
     report = ev.run_bench(params, cfg, tokenizer, prompts, specs, dparams=dparams, dcfg=dcfg,
                           max_new_tokens=args.max_new_tokens, batch_size=args.batch,
                           sampling=SamplingParams(args.temperature), seed=args.seed,
-                          progress=not args.no_progress)
-    report.update(prompts_file=str(args.prompts), model=str(args.model), draft=args.draft)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+                          progress=not args.no_progress, on_result=write)
+    report.update(where)
+    print(json.dumps(report))  # before the plots: a plotting failure cannot lose the numbers
+    if out is not None:
         ev.plot_report(report, out)
-    print(json.dumps(report))
     return 0
 
 
+def _one_line(err: BaseException) -> str:
+    """The error's message on one line (an OSError's own str() already names its file)."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    if isinstance(err, OSError) and err.filename is not None and str(err.filename) not in text:
+        text = f"{err.filename}: {text}"
+    return text
+
+
+# Failures that bad input, a missing or unwritable file or a full disk cause: one line, exit 2.
+# Anything else is a bug and keeps its traceback. (zipfile.BadZipFile and orbax's errors are
+# turned into ValueErrors naming the file where they are raised.)
+EXPECTED_ERRORS = (ValueError, OSError)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
-        return {"generate": cmd_generate, "convert": cmd_convert, "make-data": cmd_make_data,
-                "train": cmd_train, "bench": cmd_bench}[args.command](args)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"dflash-jax {args.command}: error: {err}", file=sys.stderr)
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_:
+        if exit_.code == 2:  # a usage error, already printed on one line
+            return 2
+        raise
+    command = {"generate": cmd_generate, "convert": cmd_convert, "make-data": cmd_make_data,
+               "train": cmd_train, "bench": cmd_bench}[args.command]
+    from convert import validate
+
+    validate.CHECK_WEIGHTS_DEFAULT = not args.no_weight_check
+    try:
+        return command(args)
+    except EXPECTED_ERRORS as err:
+        if args.debug:
+            raise
+        print(f"dflash-jax {args.command}: error: {_one_line(err)}", file=sys.stderr)
+        if argv is None and stuck_threads():
+            # Run as a program: after some failures orbax's writer threads wait forever for a
+            # signal, and the interpreter would wait for them at exit. The error is reported and
+            # nothing is left to write, so leave without them.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(2)
         return 2
+    finally:
+        validate.CHECK_WEIGHTS_DEFAULT = True  # for whatever loads in this process later
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -34,6 +35,15 @@ class RopeConfig:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.theta) and self.theta > 0):
+            raise ConfigError(f"rope_theta must be a finite number > 0, got {self.theta}")
+        if not (math.isfinite(self.factor) and self.factor > 0):
+            raise ConfigError(f"rope factor must be a finite number > 0, got {self.factor}")
+        if self.original_max_position_embeddings < 1:
+            raise ConfigError(f"original_max_position_embeddings must be >= 1, "
+                              f"got {self.original_max_position_embeddings}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +76,10 @@ class ModelConfig:
                      "num_kv_heads", "head_dim"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_position_embeddings < 1:
+            raise ConfigError(f"max_position_embeddings must be >= 1, got {self.max_position_embeddings}")
+        if not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0):
+            raise ConfigError(f"rms_norm_eps must be a finite number > 0, got {self.rms_norm_eps}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -82,12 +96,61 @@ def _require(cfg: Mapping[str, Any], key: str, source: str) -> Any:
     return cfg[key]
 
 
+_MISSING = object()
+
+
+def int_field(cfg: Mapping[str, Any], key: str, source: str, default: Any = _MISSING, minimum: int | None = 1
+              ) -> int:
+    """cfg[key] as an int (required unless `default` is given), naming the file and field when it is
+    missing, not a whole number ("four", 2.5, true) or below `minimum`."""
+    value = cfg.get(key)
+    if value is None:
+        if default is _MISSING:
+            raise ConfigError(f"{source}: required field {key!r} is missing")
+        value = default
+    if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
+        raise ConfigError(f"{source}: field {key!r} must be a whole number, got {value!r}")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{source}: field {key!r} must be >= {minimum}, got {value}")
+    return value
+
+
+def float_field(cfg: Mapping[str, Any], key: str, source: str, default: Any = _MISSING, positive: bool = True
+                ) -> float:
+    """cfg[key] as a finite float (> 0 when `positive`), naming the file and field otherwise."""
+    value = cfg.get(key)
+    if value is None:
+        if default is _MISSING:
+            raise ConfigError(f"{source}: required field {key!r} is missing")
+        value = default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{source}: field {key!r} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or (positive and value <= 0):
+        raise ConfigError(f"{source}: field {key!r} must be a finite number{' > 0' if positive else ''}, "
+                          f"got {value}")
+    return value
+
+
+def bool_field(cfg: Mapping[str, Any], key: str, source: str, default: bool) -> bool:
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ConfigError(f"{source}: field {key!r} must be true or false, got {value!r}")
+    return value
+
+
 def rope_from_hf(cfg: Mapping[str, Any], source: str = "config") -> RopeConfig:
     """Reads RoPE settings from either transformers-5 `rope_parameters` or legacy fields."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], Mapping):
+            raise ConfigError(f"{source}: field {key!r} must be an object, got {cfg[key]!r}")
     params = dict(cfg.get("rope_parameters") or {})
     legacy = cfg.get("rope_scaling") or {}
     params = {**legacy, **params}
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    theta = float_field(params, "rope_theta", source, cfg.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type not in ("default", "llama3", "yarn", "linear"):
         raise ConfigError(f"{source}: rope_type {rope_type!r} is not supported "
@@ -97,28 +160,34 @@ def rope_from_hf(cfg: Mapping[str, Any], source: str = "config") -> RopeConfig:
                                   cfg.get("max_position_embeddings", 8192)))
     if rope_type in ("llama3", "yarn", "linear") and "factor" not in params:
         raise ConfigError(f"{source}: rope_type {rope_type!r} needs field 'factor'")
-    return RopeConfig(
-        theta=float(theta),
+    fields = dict(
+        theta=theta,
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(original),
-        beta_fast=float(params.get("beta_fast") or 32.0),
-        beta_slow=float(params.get("beta_slow") or 1.0),
+        factor=float_field(params, "factor", source, 1.0),
+        low_freq_factor=float_field(params, "low_freq_factor", source, 1.0),
+        high_freq_factor=float_field(params, "high_freq_factor", source, 4.0),
+        original_max_position_embeddings=int_field({"original_max_position_embeddings": original},
+                                                   "original_max_position_embeddings", source),
+        beta_fast=float_field(params, "beta_fast", source, 32.0),
+        beta_slow=float_field(params, "beta_slow", source, 1.0),
         attention_factor=params.get("attention_factor"),
         mscale=params.get("mscale"),
         mscale_all_dim=params.get("mscale_all_dim"),
         truncate=bool(params.get("truncate", True)),
     )
+    try:
+        return RopeConfig(**fields)
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err}") from None
 
 
-def _eos_ids(value: Any) -> tuple[int, ...]:
+def _eos_ids(value: Any, source: str) -> tuple[int, ...]:
     if value is None:
         return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ConfigError(f"{source}: field 'eos_token_id' must be a token id or a list of them, got {value!r}")
+    return tuple(values)
 
 
 def model_config_from_dict(cfg: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
@@ -127,29 +196,31 @@ def model_config_from_dict(cfg: Mapping[str, Any], source: str = "config.json") 
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
             f"{source}: unknown model_type {model_type!r}; expected one of {SUPPORTED_MODEL_TYPES}")
-    hidden = int(_require(cfg, "hidden_size", source))
-    heads = int(_require(cfg, "num_attention_heads", source))
-    head_dim = cfg.get("head_dim") or (hidden // heads)
+    hidden = int_field(cfg, "hidden_size", source)
+    heads = int_field(cfg, "num_attention_heads", source)
+    bos = cfg.get("bos_token_id")
+    max_positions = int_field(cfg, "max_position_embeddings", source, 32768)  # before RoPE, which reads it
+    fields = dict(
+        model_type=model_type,
+        vocab_size=int_field(cfg, "vocab_size", source),
+        hidden_size=hidden,
+        intermediate_size=int_field(cfg, "intermediate_size", source),
+        num_layers=int_field(cfg, "num_hidden_layers", source),
+        num_heads=heads,
+        num_kv_heads=int_field(cfg, "num_key_value_heads", source, heads),
+        head_dim=int_field(cfg, "head_dim", source, hidden // heads),
+        rms_norm_eps=float_field(cfg, "rms_norm_eps", source, 1e-6),
+        rope=rope_from_hf(cfg, source),
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=bool_field(cfg, "tie_word_embeddings", source, False),
+        qk_norm=model_type == "qwen3",
+        attention_bias=bool_field(cfg, "attention_bias", source, False),
+        mlp_bias=bool_field(cfg, "mlp_bias", source, False),
+        bos_token_id=None if bos is None else int_field(cfg, "bos_token_id", source, minimum=0),
+        eos_token_ids=_eos_ids(cfg.get("eos_token_id"), source),
+    )
     try:
-        return ModelConfig(
-            model_type=model_type,
-            vocab_size=int(_require(cfg, "vocab_size", source)),
-            hidden_size=hidden,
-            intermediate_size=int(_require(cfg, "intermediate_size", source)),
-            num_layers=int(_require(cfg, "num_hidden_layers", source)),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope=rope_from_hf(cfg, source),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qk_norm=model_type == "qwen3",
-            attention_bias=bool(cfg.get("attention_bias", False)),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
-        )
+        return ModelConfig(**fields)
     except ConfigError as err:
         raise ConfigError(f"{source}: {err}") from None
 
@@ -161,9 +232,12 @@ def load_json(path: str | Path) -> dict[str, Any]:
     if not path.exists():
         raise ConfigError(f"{path}: config file not found")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ConfigError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def load_model_config(path: str | Path) -> ModelConfig:

@@ -22,8 +22,8 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.config import (ConfigError, ModelConfig, RopeConfig, default_tap_layers, load_json,
-                               rope_from_hf)
+from dflash_jax.config import (ConfigError, ModelConfig, RopeConfig, bool_field, default_tap_layers, float_field,
+                               int_field, load_json, rope_from_hf)
 from dflash_jax.kv_cache import KVCache, write_rows
 from dflash_jax.model import (AttentionParams, LayerParams, MLPParams, ModelParams, attend_fused, attention_specs,
                               can_fuse, embed_tokens, epilogue_schedule, gate_up_spec, kv_product, logits_from_hidden,
@@ -121,12 +121,6 @@ class DraftConfig:
             attention_bias=self.attention_bias)
 
 
-def _field(cfg: Mapping[str, Any], key: str, source: str) -> Any:
-    if cfg.get(key) is None:
-        raise ConfigError(f"{source}: required field {key!r} is missing")
-    return cfg[key]
-
-
 def draft_config_from_dict(cfg: Mapping[str, Any], source: str = "config.json") -> DraftConfig:
     """Builds a DraftConfig from a parsed drafter `config.json`; `source` names the file in errors.
 
@@ -145,45 +139,52 @@ def draft_config_from_dict(cfg: Mapping[str, Any], source: str = "config.json") 
     hidden_act = cfg.get("hidden_act", "silu")
     if hidden_act != "silu":
         raise ConfigError(f"{source}: hidden_act {hidden_act!r} not supported (expected 'silu')")
-    num_layers = int(_field(cfg, "num_hidden_layers", source))
-    num_target_layers = int(_field(cfg, "num_target_layers", source))
-    heads = int(_field(cfg, "num_attention_heads", source))
+    num_layers = int_field(cfg, "num_hidden_layers", source)
+    max_positions = int_field(cfg, "max_position_embeddings", source, 32768)  # before RoPE, which reads it
+    num_target_layers = int_field(cfg, "num_target_layers", source)
+    heads = int_field(cfg, "num_attention_heads", source)
     if merged.get("target_layer_ids") is not None:
-        taps = tuple(int(t) for t in merged["target_layer_ids"])
+        ids = merged["target_layer_ids"]
+        if not isinstance(ids, (list, tuple)):
+            raise ConfigError(f"{source}: field 'target_layer_ids' must be a list of layer ids, got {ids!r}")
+        taps = tuple(int_field({"target_layer_ids": t}, "target_layer_ids", source, minimum=0) for t in ids)
     else:
         # The reference spreads one tap per DRAFT layer when none are given.
         taps = default_tap_layers(num_target_layers, num_layers)
     # Qwen3Config drops the window unless use_sliding_window, and derives layer_types from it.
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+    window = (int_field(cfg, "sliding_window", source) if bool_field(cfg, "use_sliding_window", source, False)
+              and cfg.get("sliding_window") is not None else None)
     layer_types = cfg.get("layer_types")
     if layer_types is None:
-        max_window_layers = int(cfg.get("max_window_layers", 28))
+        max_window_layers = int_field(cfg, "max_window_layers", source, 28, minimum=0)
         layer_types = [SLIDING_ATTENTION if window is not None and i >= max_window_layers
                        else FULL_ATTENTION for i in range(num_layers)]
+    elif not isinstance(layer_types, (list, tuple)):
+        raise ConfigError(f"{source}: field 'layer_types' must be a list, got {layer_types!r}")
     softcap = merged.get("final_logit_softcapping")
     is_causal = cfg.get("is_causal")
     fields = dict(
-        hidden_size=int(_field(cfg, "hidden_size", source)),
-        intermediate_size=int(_field(cfg, "intermediate_size", source)),
+        hidden_size=int_field(cfg, "hidden_size", source),
+        intermediate_size=int_field(cfg, "intermediate_size", source),
         num_layers=num_layers,
         num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or 128),  # Qwen3Config's default, not hidden // heads
-        vocab_size=int(_field(cfg, "vocab_size", source)),
-        mask_token_id=int(_field(merged, "mask_token_id", f"{source} (dflash_config or top level)")),
+        num_kv_heads=int_field(cfg, "num_key_value_heads", source, heads),
+        head_dim=int_field(cfg, "head_dim", source, 128),  # Qwen3Config's default, not hidden // heads
+        vocab_size=int_field(cfg, "vocab_size", source),
+        mask_token_id=int_field(merged, "mask_token_id", f"{source} (dflash_config or top level)", minimum=0),
         target_layer_ids=taps,
         num_target_layers=num_target_layers,
-        block_size=int(merged.get("block_size") or 16),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        block_size=int_field(merged, "block_size", source, 16),
+        rms_norm_eps=float_field(cfg, "rms_norm_eps", source, 1e-6),
         rope=rope_from_hf(cfg, source),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
-        attention_bias=bool(cfg.get("attention_bias", False)),
+        max_position_embeddings=max_positions,
+        attention_bias=bool_field(cfg, "attention_bias", source, False),
         layer_types=tuple(layer_types),
-        sliding_window=None if window is None else int(window),
-        is_causal=None if is_causal is None else bool(is_causal),
-        input_embedding_scale=float(merged.get("input_embedding_scale", 1.0)),
-        output_multiplier=float(merged.get("output_multiplier", 1.0)),
-        final_logit_softcapping=None if softcap is None else float(softcap),
+        sliding_window=window,
+        is_causal=None if is_causal is None else bool_field(cfg, "is_causal", source, False),
+        input_embedding_scale=float_field(merged, "input_embedding_scale", source, 1.0),
+        output_multiplier=float_field(merged, "output_multiplier", source, 1.0),
+        final_logit_softcapping=None if softcap is None else float_field(merged, "final_logit_softcapping", source),
     )
     try:
         return DraftConfig(**fields)

@@ -15,9 +15,10 @@ summed over all rounds of all prompts, divided by the number of rounds.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -66,8 +67,12 @@ def load_bench_prompts(path: str | Path, limit: int | None = None, math_suffix: 
     default_category = path.parent.name or path.stem
     out = []
     for line_no, row in iter_jsonl(path):
-        if isinstance(row.get("turns"), list) and row["turns"]:
-            text, is_math = row["turns"][0], False
+        if "turns" in row:
+            turns = row["turns"]
+            if not (isinstance(turns, list) and turns and isinstance(turns[0], str)):
+                raise ValueError(f"{path}:{line_no}: field 'turns' must be a non-empty list of strings, "
+                                 f"got {json.dumps(turns)[:40]}")
+            text, is_math = turns[0], False
         elif isinstance(row.get("question"), str):
             text, is_math = row["question"], "answer" in row
         else:
@@ -121,17 +126,19 @@ def bench_tokens(params: Any, cfg: Any, token_lists: Sequence[Sequence[int]], ca
                  specs: Sequence[MethodSpec], *, dparams: Any = None, dcfg: Any = None,
                  max_new_tokens: int = 256, batch_size: int = 1, stop_tokens: tuple[int, ...] = (),
                  sampling: SamplingParams = SamplingParams(), seed: int = 0, width_multiple: int = 64,
-                 progress: bool = True, impl: Impl = Impl()) -> dict[str, Any]:
+                 progress: bool = True, impl: Impl = Impl(),
+                 on_result: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Runs every method over the token prompts; returns the JSON-ready report.
 
     Prompts are decoded in their given order, `batch_size` at a time, every batch right-padded
     to the longest prompt rounded up to `width_multiple`: one compiled program per method (on a
     GPU a compile costs more than the padded prefill rows). impl: how every method computes
-    (`impl.Impl`).
+    (`impl.Impl`). `on_result(report)` is called after each method with the report so far
+    (`"complete": False` until the last), so that a caller can write results as they are made.
     """
     from tqdm.auto import tqdm
 
-    from dflash_jax.generate import generate_ar
+    from dflash_jax.generate import check_prompts, generate_ar
     from dflash_jax.pipeline import Compiled, default_max_len, pad_prompts, padded_width
     from dflash_jax.speculative import SpecSettings, speculative_program
 
@@ -139,6 +146,8 @@ def bench_tokens(params: Any, cfg: Any, token_lists: Sequence[Sequence[int]], ca
         raise ValueError("no prompts to benchmark")
     if len(token_lists) != len(categories):
         raise ValueError("token_lists and categories differ in length")
+    if not specs or specs[0].method != "ar":
+        raise ValueError("the methods to benchmark must start with the AR baseline (see method_specs)")
     if any(s.method != "ar" for s in specs) and dparams is None:
         raise ValueError("dflash / ddtree need a drafter (--draft DIR)")
     n = len(token_lists)
@@ -147,11 +156,17 @@ def bench_tokens(params: Any, cfg: Any, token_lists: Sequence[Sequence[int]], ca
     compiled = Compiled()
     per_method: dict[str, dict[str, Any]] = {}
     outputs: dict[str, list[list[int]]] = {}
-    for spec in specs:
-        settings = None
-        if spec.method != "ar":
-            settings = SpecSettings(method=spec.method, block_size=spec.block_size, budget=spec.budget,
-                                    sampling=sampling, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens)
+    all_settings = [None if spec.method == "ar" else
+                    SpecSettings(method=spec.method, block_size=spec.block_size, budget=spec.budget,
+                                 sampling=sampling, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens)
+                    for spec in specs]
+    lens_all = np.array([len(t) for t in token_lists], np.int32)
+    itemsize = int(np.dtype(jax.tree.leaves(params)[0].dtype).itemsize)
+    for settings in all_settings:  # every method's sizes, before the first one runs
+        slack = 1 if settings is None else settings.cache_slack()
+        check_prompts(lens_all, width, max_new_tokens, default_max_len(width, max_new_tokens, slack), slack,
+                      cfg=cfg, dcfg=None if settings is None else dcfg, itemsize=itemsize)
+    for spec, settings in zip(specs, all_settings):
         slack = 1 if settings is None else settings.cache_slack()
         seq_tokens = [0] * n
         seq_seconds = [0.0] * n
@@ -188,19 +203,23 @@ def bench_tokens(params: Any, cfg: Any, token_lists: Sequence[Sequence[int]], ca
             bar.update(len(idx))
         bar.close()
         outputs[spec.name] = outs
-        per_method[spec.name] = _summary(spec, seq_tokens, seq_seconds, seq_committed, seq_rounds, categories)
-    ar = per_method["ar"]
-    for name, rec in per_method.items():
+        rec = per_method[spec.name] = _summary(spec, seq_tokens, seq_seconds, seq_committed, seq_rounds,
+                                               categories)
+        ar = per_method["ar"]  # method_specs puts the baseline first
         rec["speedup_over_ar"] = rec["tokens_per_second"] / ar["tokens_per_second"]
         for cat, c in rec["by_category"].items():
             c["speedup_over_ar"] = c["tokens_per_second"] / ar["by_category"][cat]["tokens_per_second"]
-        if name != "ar" and sampling.greedy:
-            same = [o == a for o, a in zip(outputs[name], outputs["ar"])]
+        if spec.name != "ar" and sampling.greedy:
+            same = [o == a for o, a in zip(outputs[spec.name], outputs["ar"])]
             rec["matches_ar"] = sum(same) / len(same)
-    return {"methods": per_method, "num_prompts": n, "max_new_tokens": max_new_tokens,
-            "batch_size": batch_size, "temperature": sampling.temperature,
-            "compile_seconds": compiled.compile_seconds, "device": str(jax.devices()[0].device_kind),
-            "backend": jax.default_backend(), "jax_version": jax.__version__}
+        report = {"methods": per_method, "num_prompts": n, "max_new_tokens": max_new_tokens,
+                  "batch_size": batch_size, "temperature": sampling.temperature,
+                  "compile_seconds": compiled.compile_seconds, "device": str(jax.devices()[0].device_kind),
+                  "backend": jax.default_backend(), "jax_version": jax.__version__,
+                  "complete": len(per_method) == len(specs)}
+        if on_result is not None:
+            on_result(report)
+    return report
 
 
 def _summary(spec: MethodSpec, tokens: list[int], seconds: list[float], committed: list[int],

@@ -37,9 +37,37 @@ class Generation:
     rounds: Any = None
 
 
+def _bytes(n: float) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} bytes"
+
+
+def memory_available() -> int:
+    """Bytes the first device can hold: the accelerator's limit, or the host's RAM on CPU."""
+    import os
+
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def kv_cache_bytes(cfg: ModelConfig, batch: int, max_len: int, itemsize: int) -> int:
+    """Bytes of the target's K and V caches for `batch` sequences of `max_len` slots."""
+    return 2 * cfg.num_layers * batch * max_len * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
 def check_prompts(prompt_lens: np.ndarray, prompt_width: int, max_new_tokens: int, max_len: int,
-                  slack: int = 1) -> None:
-    """Host-side checks that every sequence fits the cache; raises naming the argument."""
+                  slack: int = 1, cfg: ModelConfig | None = None, dcfg: Any = None, itemsize: int = 4) -> None:
+    """Host-side checks that every sequence fits the cache; raises naming the argument.
+
+    With `cfg` (and the drafter's `dcfg`), also that the last position stays below each model's
+    max_position_embeddings (past it RoPE runs on positions the model never saw and the output is
+    silently wrong), and that the KV cache fits the device's memory (an absurd --max-new-tokens
+    otherwise fails deep inside XLA with a multi-terabyte allocation).
+    """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     lens = np.asarray(prompt_lens)
@@ -49,10 +77,32 @@ def check_prompts(prompt_lens: np.ndarray, prompt_width: int, max_new_tokens: in
         raise ValueError(f"every prompt needs at least one token; prompt_lens = {lens.tolist()}")
     if (lens > prompt_width).any():
         raise ValueError(f"prompt_lens {lens.tolist()} exceed the prompt array width {prompt_width}")
-    need = int(lens.max()) + max_new_tokens + slack
+    longest = int(lens.max())
+    # A sequence's last token sits at position prompt + max_new_tokens - 1; the draft block of its
+    # last round reaches up to `slack` positions further.
+    last = longest + max_new_tokens + slack - 1
+    tokens = f"{longest} token{'s' if longest != 1 else ''}"
+    for name, c in (("target", cfg), ("drafter", dcfg)):
+        if c is None:
+            continue
+        room = c.max_position_embeddings - longest - slack  # the most new tokens that fit
+        if room < 1:
+            raise ValueError(f"a prompt of {tokens} is too long for the {name}'s max_position_embeddings "
+                             f"{c.max_position_embeddings} (it leaves no room for new tokens); shorten the prompt")
+        if last >= c.max_position_embeddings:
+            raise ValueError(
+                f"a prompt of {tokens} + max_new_tokens (--max-new-tokens) {max_new_tokens} reaches "
+                f"position {last}, beyond the {name}'s max_position_embeddings {c.max_position_embeddings}: "
+                f"shorten the prompt or lower --max-new-tokens to at most {room}")
+    if cfg is not None:
+        need, have = kv_cache_bytes(cfg, lens.size, max_len, itemsize), memory_available()
+        if need > have:
+            raise ValueError(f"max_new_tokens (--max-new-tokens) {max_new_tokens} for {lens.size} sequence(s) "
+                             f"needs a KV cache of {_bytes(need)}, more than the device's {_bytes(have)}")
+    need = longest + max_new_tokens + slack
     if max(need, prompt_width) > max_len:
         raise ValueError(
-            f"prompt of {int(lens.max())} tokens + max_new_tokens {max_new_tokens} (+{slack} scratch slots) "
+            f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} (+{slack} scratch slots) "
             f"needs a cache of {max(need, prompt_width)}, but max_len is {max_len}")
 
 

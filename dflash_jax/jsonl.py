@@ -7,15 +7,28 @@ from typing import Any, Iterator
 
 
 def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Yields (line number, row) for every non-blank line of a JSONL file."""
+    """Yields (line number, row) for every non-blank line of a JSONL file; every row must be an object."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: prompt file not found")
-    with path.open() as f:
-        for line_no, line in enumerate(f, 1):
+    with path.open(encoding="utf-8", errors="strict") as f:
+        for line_no, line in _lines(f, path):
             if not line.strip():
                 continue
             try:
-                yield line_no, json.loads(line)
+                row = json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{line_no}: not valid JSON ({err})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{line_no}: expected a JSON object per line, got {type(row).__name__} "
+                                 f"{line.strip()[:40]}")
+            yield line_no, row
+
+
+def _lines(f: Any, path: Path) -> Iterator[tuple[int, str]]:
+    line_no = 0
+    try:
+        for line_no, line in enumerate(f, 1):
+            yield line_no, line
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}:{line_no + 1}: not UTF-8 text ({err.reason})") from None

@@ -147,6 +147,11 @@ def _is_array_tree(x: Any) -> bool:
     return bool(leaves) and all(isinstance(l, (jax.Array, np.ndarray)) for l in leaves)
 
 
+def _itemsize(params: Any) -> int:
+    """Bytes per element of the params (and so of the KV cache built from them)."""
+    return int(max((np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)), default=4))
+
+
 def default_max_len(prompt_width: int, max_new_tokens: int, slack: int) -> int:
     """Cache slots for prompts of this width: rounded up to 64 so nearby sizes share a program."""
     need = prompt_width + max_new_tokens + slack
@@ -157,7 +162,7 @@ def run_ar(params: Any, cfg: ModelConfig, prompts: np.ndarray, lens: np.ndarray,
            sampling: SamplingParams, stop_tokens: tuple[int, ...], seed: int = 0, max_len: int | None = None,
            impl: Impl = Impl(), stage: Callable[[str], None] | None = None) -> TimedGeneration:
     max_len = max_len or default_max_len(prompts.shape[1], max_new_tokens, 1)
-    check_prompts(lens, prompts.shape[1], max_new_tokens, max_len)
+    check_prompts(lens, prompts.shape[1], max_new_tokens, max_len, cfg=cfg, itemsize=_itemsize(params))
     return timed_call(generate_ar, params, cfg, jnp.asarray(prompts), jnp.asarray(lens), jax.random.key(seed),
                       max_new_tokens=max_new_tokens, max_len=max_len, sampling=sampling,
                       stop_tokens=stop_tokens, impl=impl, stage=stage)
@@ -170,7 +175,8 @@ def run_speculative(params: Any, cfg: ModelConfig, dparams: Any, dcfg: Any, prom
 
     slack = settings.cache_slack()
     max_len = max_len or default_max_len(prompts.shape[1], settings.max_new_tokens, slack)
-    check_prompts(lens, prompts.shape[1], settings.max_new_tokens, max_len, slack=slack)
+    check_prompts(lens, prompts.shape[1], settings.max_new_tokens, max_len, slack=slack, cfg=cfg, dcfg=dcfg,
+                  itemsize=_itemsize(params))
     return timed_call(speculative_program(settings), params, cfg, dparams, dcfg, jnp.asarray(prompts),
                       jnp.asarray(lens), jax.random.key(seed), settings=settings, max_len=max_len, impl=impl,
                       stage=stage)

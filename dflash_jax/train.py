@@ -38,6 +38,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -51,6 +53,7 @@ import optax
 from dflash_jax import drafter as dr
 from dflash_jax import sharding as sh
 from dflash_jax.config import ModelConfig, default_tap_layers
+from dflash_jax.files import atomic_write_text, bounded, check_writable
 from dflash_jax.kv_cache import KVCache
 from dflash_jax.model import ModelParams, forward, rms_norm
 from dflash_jax.params import cast_floating
@@ -558,6 +561,26 @@ class ValidationSet:
     keys: list[jax.Array]  # the anchor key of each batch
 
 
+def check_sizes(cfg: ModelConfig, dcfg: dr.DraftConfig, tc: TrainConfig) -> None:
+    """Refuses rows longer than the target's positions, and a step whose largest activations
+    alone exceed the device's memory (an absurd --batch or --seq-len otherwise fails deep in XLA)."""
+    from dflash_jax.generate import memory_available
+
+    if tc.seq_len > cfg.max_position_embeddings:
+        raise ValueError(f"seq_len (--seq-len) {tc.seq_len} exceeds the target's max_position_embeddings "
+                         f"{cfg.max_position_embeddings}")
+    item = jnp.dtype(tc.compute_dtype).itemsize
+    # The target's hidden states over every row, and the drafter's logits over every block row:
+    # a lower bound of what a step holds at once.
+    need = (tc.batch_size * tc.seq_len * cfg.hidden_size * (len(dcfg.target_layer_ids) + 2) * item
+            + tc.batch_size * tc.num_blocks * dcfg.block_size * cfg.vocab_size * 4)
+    have = memory_available()
+    if need > have:
+        raise ValueError(f"batch_size (--batch) {tc.batch_size} x seq_len (--seq-len) {tc.seq_len} x num_blocks "
+                         f"(--blocks) {tc.num_blocks} needs at least {need / 1e9:.1f} GB of activations a step, "
+                         f"more than the device's {have / 1e9:.1f} GB")
+
+
 def check_validation(val_fraction: float, eval_every: int | None, val_batches: int, keep_best: bool) -> None:
     """Raises one ValueError naming the flag for validation settings that cannot work.
 
@@ -643,9 +666,27 @@ def _abstract(tree: Any) -> Any:
 
 
 def _read_log(path: Path, upto: int | None = None) -> list[dict[str, Any]]:
+    """The records of log.jsonl up to step `upto`. A last line cut short (the process was killed
+    while writing it) is dropped with a warning; a damaged line before the last is an error."""
     if not path.is_file():
         return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = path.read_text(errors="replace").splitlines()
+    rows = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError("not a record with a step")
+        except ValueError:
+            if i == len(lines) - 1:
+                print(f"train: warning: {path}:{i + 1}: dropping a partial last line ({line[:40]!r}...)",
+                      file=sys.stderr)
+                break
+            raise ValueError(f"{path}:{i + 1}: not a log record ({line[:40]!r}); the log is damaged before its "
+                             f"last line") from None
+        rows.append(row)
     return [r for r in rows if upto is None or r["step"] <= upto]
 
 
@@ -672,6 +713,60 @@ def _check_resume(saved: dict[str, Any], record: dict[str, Any], run_path: Path)
                          f"a resumed run must use the settings it was started with")
 
 
+# Longest wait for orbax to finish a checkpoint (see convert.checkpoint.SAVE_TIMEOUT_S).
+SAVE_TIMEOUT_S = float(os.environ.get("DFLASH_JAX_SAVE_TIMEOUT_S", 600))
+
+
+def finished_steps(ckpt_dir: Path) -> list[int]:
+    """Steps of the finished checkpoints in `ckpt_dir`, oldest first (an unfinished save is a
+    *.orbax-checkpoint-tmp* directory and does not count)."""
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted(int(p.name) for p in ckpt_dir.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def _restore_latest(ckpt_dir: Path, options: Any, state: TrainState, best: dict[str, Any], keep_best: bool
+                    ) -> tuple[TrainState, dict[str, Any], int]:
+    """-> (state, best, step) of the newest checkpoint that restores.
+
+    One that fails to restore (a truncated array, a missing file) is moved aside to
+    `<step>.damaged` with a warning naming it and the one used instead, so that the run's next
+    saves do not collide with it. None restoring, or none finished, is an error.
+    """
+    import orbax.checkpoint as ocp
+
+    steps = finished_steps(ckpt_dir)
+    if not steps:
+        raise ValueError(f"{ckpt_dir}: no finished checkpoint to resume from (a run killed before its first "
+                         f"save leaves none); start the run again without --resume")
+    items = {"state": ocp.args.StandardRestore(_abstract(state))}
+    if keep_best:
+        items["best"] = ocp.args.StandardRestore(_abstract(best))
+    damaged: list[tuple[int, str]] = []
+    for step in reversed(steps):
+        try:
+            # A manager for each attempt: one whose restore failed fails every later one too.
+            with ocp.CheckpointManager(ckpt_dir, options=options) as mngr:
+                restored = mngr.restore(step, args=ocp.args.Composite(**items))
+            if int(restored["state"].step) != step:
+                raise ValueError(f"it holds step {int(restored['state'].step)}")
+        except Exception as err:  # orbax and tensorstore raise many types for a damaged checkpoint
+            why = " ".join(str(err).split()).split(" See full TensorStore details")[0]
+            damaged.append((step, why[:160]))
+            continue
+        break
+    else:
+        raise ValueError(f"{ckpt_dir}: no checkpoint restores (" +
+                         "; ".join(f"step {s}: {e}" for s, e in damaged) + ")")
+    for bad, why in damaged:
+        aside = ckpt_dir / f"{bad}.damaged"
+        shutil.rmtree(aside, ignore_errors=True)
+        (ckpt_dir / str(bad)).rename(aside)
+        print(f"train: warning: checkpoint {ckpt_dir / str(bad)} is damaged ({why}); moved to {aside.name}, "
+              f"resuming from checkpoint {step} instead", file=sys.stderr)
+    return restored["state"], (restored["best"] if keep_best else best), step
+
+
 def _tau32(tau: float) -> float:
     """A tau as the float32 a checkpoint stores, so that keep-best compares the same after a resume."""
     return float(np.float32(tau))
@@ -691,7 +786,8 @@ def train(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: Seq
     out_dir/plots/        loss.png, accuracy_by_position.png
     out_dir/drafter/      config.json + model.safetensors (z-lab layout), when training finished
     out_dir/train_run.json  the configs, checked on --resume, and the run's "result"
-    `resume` continues from the latest checkpoint with the same data order and anchors, so the
+    `resume` continues from the newest checkpoint that restores (a damaged one is moved aside
+    with a warning; none finished is an error) with the same data order and anchors, so the
     result equals an uninterrupted run. `stop_at` ends the run early at that step (as an
     interruption would), saving a checkpoint. Ctrl-C also saves before exiting.
     `time_limit` (seconds of this call) ends the run at the first step past it, saves, and still
@@ -717,6 +813,7 @@ def train(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: Seq
 
     out_dir = Path(out_dir).absolute()
     ckpt_dir, log_path, run_path = out_dir / "checkpoints", out_dir / LOG_FILE, out_dir / RUN_FILE
+    check_sizes(cfg, dcfg, tc)
     if data.seq_len != tc.seq_len:
         raise ValueError(f"training rows have seq_len {data.seq_len}, TrainConfig.seq_len is {tc.seq_len}")
     mesh = data_parallel_mesh(dp, tc.batch_size)  # before anything is written
@@ -735,6 +832,9 @@ def train(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: Seq
         "rows_evaluated": int(len(vset.rows)), "train_rows": int(len(train_rows))}
     # "dp" sits beside the checked parts, not in them: a resume may change it.
     record = _run_record(tc, dcfg, {"validation": validation, "dp": dp, **(extra_record or {})})
+    check_writable(out_dir, "out_dir (--out)")  # orbax, failing to write, would leave the run hanging
+    if ckpt_dir.exists():
+        check_writable(ckpt_dir, "checkpoint directory")
     if resume:
         if not run_path.is_file():
             raise FileNotFoundError(f"{out_dir}: nothing to resume ({RUN_FILE} is missing)")
@@ -743,8 +843,7 @@ def train(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: Seq
         if ckpt_dir.exists() and any(ckpt_dir.iterdir()):
             raise ValueError(f"{out_dir}: holds checkpoints of an earlier run; pass resume=True "
                              f"(--resume) or use a fresh directory")
-        out_dir.mkdir(parents=True, exist_ok=True)
-        run_path.write_text(json.dumps(record, indent=2) + "\n")
+        atomic_write_text(run_path, json.dumps(record, indent=2) + "\n")
 
     target = cast_floating(target, jnp.dtype(tc.compute_dtype))
     if mesh is not None:
@@ -757,29 +856,21 @@ def train(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: Seq
     # Placed before a restore: `_abstract` then restores straight into this layout, whatever
     # dp the checkpoint was written with.
     state, best = place_replicated((state, best), mesh)
+    # A killed run leaves its unfinished save as a *.orbax-checkpoint-tmp* directory: removed.
     options = ocp.CheckpointManagerOptions(save_interval_steps=save_every, max_to_keep=keep,
-                                           enable_async_checkpointing=True)
+                                           enable_async_checkpointing=True, cleanup_tmp_directories=True)
     history: list[dict[str, Any]] = []
+    start = 0
+    if resume:
+        state, best, start = _restore_latest(ckpt_dir, options, state, best, keep_best)
     with ocp.CheckpointManager(ckpt_dir, options=options) as mngr:
-        start = 0
-        if resume and mngr.latest_step() is not None:
-            start = mngr.latest_step()
-            items = {"state": ocp.args.StandardRestore(_abstract(state))}
-            if keep_best:
-                items["best"] = ocp.args.StandardRestore(_abstract(best))
-            restored = mngr.restore(start, args=ocp.args.Composite(**items))
-            state = restored["state"]
-            if int(state.step) != start:
-                raise ValueError(f"{ckpt_dir}: checkpoint {start} holds step {int(state.step)}")
-            if keep_best:
-                best = restored["best"]
         # Restored arrays are committed to a device; commit a fresh state too, so that a fresh and
         # a resumed run hit the same compiled train_step.
         state, best = place_replicated((state, best), mesh)
         best_step, best_tau = int(best["step"]), float(best["tau"])
         history = _read_log(log_path, upto=start)
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        log_path.write_text("".join(json.dumps(r) + "\n" for r in history))  # drop steps after the checkpoint
+        # Drop the steps after the checkpoint.
+        atomic_write_text(log_path, "".join(json.dumps(r) + "\n" for r in history))
         end = tc.steps if stop_at is None else min(stop_at, tc.steps)
         last_eval: tuple[int, float, Any] | None = None  # (step, tau, params) of this call's last evaluation
 
@@ -844,13 +935,13 @@ def train(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: Seq
                 step = end
         except KeyboardInterrupt:
             save(int(state.step), force=True)
-            mngr.wait_until_finished()
+            bounded(mngr.wait_until_finished, SAVE_TIMEOUT_S, f"saving a checkpoint in {ckpt_dir}")
             bar.close()
             raise
         bar.close()
         if mngr.latest_step() != end:
             save(end, force=True)
-        mngr.wait_until_finished()
+        bounded(mngr.wait_until_finished, SAVE_TIMEOUT_S, f"saving a checkpoint in {ckpt_dir}")
 
     # keep_best: the best scheduled evaluation, or this call's last one if it ended early and did better.
     kept_step, kept_params = None, state.params
@@ -868,9 +959,17 @@ def train(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: Seq
     if export and (end == tc.steps or timed_out):
         from convert.dflash_drafter import export_drafter
 
-        export_dir = export_drafter(dcfg, cast_floating(kept_params, jnp.dtype(export_dtype)), out_dir / "drafter")
+        # Written beside, then renamed into place: a crash leaves the previous export or the new one.
+        export_dir = out_dir / "drafter"
+        partial = export_drafter(dcfg, cast_floating(kept_params, jnp.dtype(export_dtype)),
+                                 out_dir / f".drafter.{os.getpid()}.partial")
+        old = out_dir / f".drafter.{os.getpid()}.old"
+        if export_dir.exists():
+            export_dir.rename(old)
+        partial.rename(export_dir)
+        shutil.rmtree(old, ignore_errors=True)
     summary = {**_summary(history, end, tc, export_dir, keep_best, kept_step, validation), "dp": dp}
-    run_path.write_text(json.dumps({**record, "result": summary}, indent=2) + "\n")
+    atomic_write_text(run_path, json.dumps({**record, "result": summary}, indent=2) + "\n")
     return TrainResult(state=state, out_dir=out_dir, export_dir=export_dir, history=history, best_step=kept_step,
                        summary=summary)
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+import zipfile
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -181,15 +182,40 @@ class TokenData:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"{path}: token file not found (make it with `dflash-jax make-data`)")
-        with np.load(path, allow_pickle=False) as z:
-            meta = json.loads(str(z["meta"]))
-            if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-                raise ValueError(f"{path}: format {meta.get('format')!r} version {meta.get('version')!r} "
-                                 f"is not {FORMAT!r} version {VERSION}")
-            # Files written before samples_per_prompt have no prompt_id: one prompt per row.
-            prompt_id = z["prompt_id"] if "prompt_id" in z.files else None
-            return cls(z["prompt_tokens"], z["prompt_offsets"], z["response_tokens"], z["response_offsets"],
-                       z["temperature"], z["source"], meta, prompt_id)
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                meta = json.loads(str(z["meta"]))
+                if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+                    raise ValueError(f"{path}: format {meta.get('format')!r} version {meta.get('version')!r} "
+                                     f"is not {FORMAT!r} version {VERSION}")
+                # Files written before samples_per_prompt have no prompt_id: one prompt per row.
+                prompt_id = z["prompt_id"] if "prompt_id" in z.files else None
+                data = cls(z["prompt_tokens"], z["prompt_offsets"], z["response_tokens"], z["response_offsets"],
+                           z["temperature"], z["source"], meta, prompt_id)
+        except ValueError as err:
+            if str(path) in str(err):
+                raise
+            raise ValueError(f"{path}: not a readable token file ({err}); remake it with `dflash-jax make-data`"
+                             ) from None
+        except (zipfile.BadZipFile, EOFError, KeyError, OSError) as err:
+            # A truncated or overwritten .npz: zipfile, numpy and the key lookups each fail their own way.
+            raise ValueError(f"{path}: not a readable token file ({type(err).__name__}: {err}); remake it "
+                             f"with `dflash-jax make-data`") from None
+        data.check(str(path))
+        return data
+
+    def check(self, source: str) -> None:
+        """Offsets that cut the flat arrays into rows, one temperature and source per row."""
+        n = len(self)
+        for name, offsets, tokens in (("prompt", self.prompt_offsets, self.prompt_tokens),
+                                      ("response", self.response_offsets, self.response_tokens)):
+            if (offsets.ndim != 1 or n < 0 or offsets[0] != 0 or offsets[-1] != len(tokens)
+                    or (np.diff(offsets) < 0).any()):
+                raise ValueError(f"{source}: {name}_offsets do not cut {name}_tokens ({len(tokens)} tokens) "
+                                 f"into rows; remake it with `dflash-jax make-data`")
+        if len(self.response_offsets) != n + 1 or self.temperature.shape != (n,) or self.source.shape != (n,):
+            raise ValueError(f"{source}: its arrays disagree on the number of rows ({n}); remake it with "
+                             f"`dflash-jax make-data`")
 
 
 # ----------------------------------------------------------------------------- generation
@@ -221,7 +247,7 @@ def generate_responses(params: Any, cfg: Any, prompts: Sequence[Sequence[int]], 
     same responses as N = 1); copies 1..N-1 are all sampled at `temperature`, batch b of copy c
     with its own key (key b of copy 0 folded with c), so no two copies share a random stream.
     """
-    from dflash_jax.generate import generate_ar
+    from dflash_jax.generate import check_prompts, generate_ar
     from dflash_jax.pipeline import default_max_len, pad_prompts, padded_width
 
     if not prompts:
@@ -239,6 +265,10 @@ def generate_responses(params: Any, cfg: Any, prompts: Sequence[Sequence[int]], 
     # a compile costs far more than the padded prefill rows).
     width = padded_width(prompts, 32)
     max_len = default_max_len(width, max_new_tokens, 1)
+    # A batch of the longest prompt is the largest case: positions and cache memory.
+    check_prompts(np.full(batch_size, max(len(p) for p in prompts), np.int32), width, max_new_tokens, max_len,
+                  cfg=cfg,
+                  itemsize=int(np.dtype(jax.tree.leaves(params)[0].dtype).itemsize))
     bar = _progress(n * samples_per_prompt, "generate", progress)
     for copy in range(samples_per_prompt):
         for b, idx in enumerate(batches):

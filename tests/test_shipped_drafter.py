@@ -39,14 +39,53 @@ def test_artifact_is_small_and_matches_the_target(smollm2_and_drafter):
     assert dcfg.block_size == 16
 
 
+def reference_to_ours(name: str, w: np.ndarray, dcfg) -> tuple[str, np.ndarray]:
+    """A PyTorch-layout tensor of `DFlashDraftModel` -> (our parameter path, the array in our
+    layout). Written from the two layouts' definitions, not from our converter's table."""
+    e, h, kv, d = dcfg.hidden_size, dcfg.num_heads, dcfg.num_kv_heads, dcfg.head_dim
+    top = {"fc.weight": ("fc", lambda w: w.T), "hidden_norm.weight": ("hidden_norm", lambda w: w),
+           "norm.weight": ("final_norm", lambda w: w)}
+    if name in top:
+        path, f = top[name]
+        return path, f(w)
+    _, i, *rest = name.split(".")
+    part = ".".join(rest)
+    per_layer = {
+        "input_layernorm.weight": ("attn_norm", lambda w: w),
+        "post_attention_layernorm.weight": ("mlp_norm", lambda w: w),
+        "self_attn.q_proj.weight": ("attn.q", lambda w: w.T.reshape(e, h, d)),  # [h*d, e] -> [e, h, d]
+        "self_attn.k_proj.weight": ("attn.k", lambda w: w.T.reshape(e, kv, d)),
+        "self_attn.v_proj.weight": ("attn.v", lambda w: w.T.reshape(e, kv, d)),
+        "self_attn.o_proj.weight": ("attn.o", lambda w: w.T.reshape(h, d, e)),  # [e, h*d] -> [h, d, e]
+        "self_attn.q_norm.weight": ("attn.q_norm", lambda w: w),
+        "self_attn.k_norm.weight": ("attn.k_norm", lambda w: w),
+        "mlp.gate_proj.weight": ("mlp.gate", lambda w: w.T),  # [f, e] -> [e, f]
+        "mlp.up_proj.weight": ("mlp.up", lambda w: w.T),
+        "mlp.down_proj.weight": ("mlp.down", lambda w: w.T),  # [e, f] -> [f, e]
+    }
+    path, f = per_layer[part]
+    return f"layers.{i}.{path}", f(w)
+
+
 def test_dflash_reference_loads_the_same_weights(smollm2_and_drafter):
+    """Every tensor dflash 0.1.0 loads equals, element for element, the one our loader put at
+    its place: a transposed, swapped or misplaced tensor fails here."""
+    from dflash_jax.params import path_str
+
     dflash_model = pytest.importorskip("dflash.model")
+    *_, dcfg, _ = smollm2_and_drafter
     _, dparams = load_drafter("smollm2", jnp.float32, training=True)  # one array per checkpoint tensor
     model = dflash_model.DFlashDraftModel.from_pretrained(shipped_drafter_path("smollm2")).float()
-    theirs = sorted(float(np.abs(t.detach().numpy()).sum()) for t in model.state_dict().values())
-    ours = sorted(float(np.abs(np.asarray(a)).sum()) for a in jax.tree.leaves(dparams))
-    assert len(theirs) == len(ours)
-    np.testing.assert_allclose(theirs, ours, rtol=1e-6)
+    ours = {path_str(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(dparams)[0]}
+    theirs = {k: v.detach().numpy() for k, v in model.state_dict().items() if not k.endswith("inv_freq")}
+    seen = set()
+    for name, w in theirs.items():
+        path, expected = reference_to_ours(name, w, dcfg)
+        assert path in ours, (name, path, sorted(ours))
+        assert ours[path].shape == expected.shape, (name, ours[path].shape, expected.shape)
+        np.testing.assert_array_equal(ours[path], expected, err_msg=f"{name} -> {path}")
+        seen.add(path)
+    assert seen == set(ours), sorted(set(ours) - seen)
 
 
 def test_speculative_with_the_shipped_drafter_is_lossless_and_accepts(smollm2_and_drafter):

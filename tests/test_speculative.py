@@ -143,34 +143,38 @@ def chi2_pvalue(stat: float, dof: int) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
-def exact_three_token_probs(cfg, params, prompt, sp: SamplingParams) -> np.ndarray:
-    """AR probability of every first-3-token sequence [V, V, V] under the sampling filters."""
+def exact_token_probs(cfg, params, prompt, sp: SamplingParams, n: int = 3) -> np.ndarray:
+    """AR probability of every first-n-token sequence, [V] * n, under the sampling filters."""
     v = cfg.vocab_size
-    t1, t2 = np.meshgrid(np.arange(v), np.arange(v), indexing="ij")
-    seqs = np.concatenate([np.tile(prompt, (v * v, 1)), t1.reshape(-1, 1), t2.reshape(-1, 1)], 1)
-    n = seqs.shape[1]
-    out = forward(params, cfg, jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(n), seqs.shape),
-                  KVCache.create(cfg.num_layers, v * v, n, cfg.num_kv_heads, cfg.head_dim))
-    probs = np.asarray(sampling_probs(out.logits[:, -3:], sp), np.float64)  # [V*V, 3, V]
-    p1 = probs[0, 0]
-    p2 = probs[::v, 1]  # rows with t2 = 0 share the prefix prompt + t1
-    p3 = probs[:, 2].reshape(v, v, v)
-    return p1[:, None, None] * p2[:, :, None] * p3
+    prefixes = np.stack(np.meshgrid(*[np.arange(v)] * (n - 1), indexing="ij"), -1).reshape(-1, n - 1)
+    seqs = np.concatenate([np.tile(prompt, (len(prefixes), 1)), prefixes], 1)
+    width = seqs.shape[1]
+    out = forward(params, cfg, jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(width), seqs.shape),
+                  KVCache.create(cfg.num_layers, len(seqs), width, cfg.num_kv_heads, cfg.head_dim))
+    # probs[t1, .., t_{n-1}, j] is the distribution of token j + 1 after the prompt and t1..tj.
+    probs = np.asarray(sampling_probs(out.logits[:, -n:], sp), np.float64).reshape((v,) * (n - 1) + (n, v))
+    joint = probs[(0,) * (n - 1) + (0,)]
+    for j in range(1, n):
+        joint = joint[..., None] * probs[(slice(None),) * j + (0,) * (n - 1 - j) + (j,)]
+    return joint
 
 
-def sample_three(pair, s: SpecSettings, prompt, n: int, seed: int = 0) -> np.ndarray:
+def sample_tokens(pair, s: SpecSettings, prompt, n: int, count: int, seed: int = 0) -> np.ndarray:
+    """[count, n]: the first n tokens of `count` independent generations of the prompt."""
     cfg, params, dcfg, dparams = pair
-    arr = np.tile(np.asarray(prompt, np.int32), (n, 1))
-    lens = np.full((n,), len(prompt), np.int32)
+    arr = np.tile(np.asarray(prompt, np.int32), (count, 1))
+    lens = np.full((count,), len(prompt), np.int32)
     g = generate_speculative(params, cfg, dparams, dcfg, jnp.asarray(arr), jnp.asarray(lens),
                              jax.random.key(seed), settings=s, max_len=64)
-    return np.asarray(g.tokens[:, :3])
+    assert (np.asarray(g.num_tokens) == n).all()
+    return np.asarray(g.tokens[:, :n])
 
 
 def chi2_against(expected_p: np.ndarray, draws: np.ndarray) -> float:
-    v = expected_p.shape[0]
-    idx = draws[:, 0] * v * v + draws[:, 1] * v + draws[:, 2]
-    counts = np.bincount(idx, minlength=v ** 3).astype(np.float64)
+    """p-value of the draws [count, n] against the joint distribution [V] * n (cells expecting
+    fewer than 5 draws pooled into one)."""
+    idx = np.ravel_multi_index(tuple(draws.T), expected_p.shape)
+    counts = np.bincount(idx, minlength=expected_p.size).astype(np.float64)
     expected = expected_p.reshape(-1) * len(draws)
     assert counts[expected == 0].sum() == 0, "a sequence the target can't produce was sampled"
     big = expected >= 5
@@ -189,11 +193,30 @@ SAMPLERS = [SamplingParams(1.0), SamplingParams(1.0, top_k=4), SamplingParams(1.
 @pytest.mark.parametrize("sp", SAMPLERS, ids=["t1", "topk4", "topp0.8"])
 @pytest.mark.parametrize("method", ["dflash", "ddtree"])
 def test_sampled_tokens_follow_the_target_distribution(pair, sp, method):
+    """The first three tokens: the prefill's and the first round's (block 4 / 16)."""
     cfg, params, _, _ = pair
     s = SpecSettings(method=method, block_size=4 if method == "dflash" else 16, budget=8, sampling=sp,
                      max_new_tokens=3)
-    p = exact_three_token_probs(cfg, params, PROMPT, sp)
-    assert chi2_against(p, sample_three(pair, s, PROMPT, N)) > 1e-3
+    p = exact_token_probs(cfg, params, PROMPT, sp)
+    assert chi2_against(p, sample_tokens(pair, s, PROMPT, 3, N)) > 1e-3
+
+
+# Block size 2: a round commits at most 2 tokens, so the 4th token always comes from a later round
+# (drafted from the context the first round committed, verified against the cache it wrote).
+LATER_N = 8000
+
+
+def later_round_settings(method: str, sp: SamplingParams) -> SpecSettings:
+    return SpecSettings(method=method, block_size=2, budget=4, sampling=sp, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("sp", SAMPLERS[:2], ids=["t1", "topk4"])
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_tokens_after_the_first_round_follow_the_target_distribution(pair, sp, method):
+    cfg, params, _, _ = pair
+    p = exact_token_probs(cfg, params, PROMPT, sp, n=4)
+    draws = sample_tokens(pair, later_round_settings(method, sp), PROMPT, 4, LATER_N, seed=1)
+    assert chi2_against(p, draws) > 1e-3
 
 
 def test_chi2_detects_a_wrong_acceptance_rule(pair, monkeypatch):
@@ -209,8 +232,32 @@ def test_chi2_detects_a_wrong_acceptance_rule(pair, monkeypatch):
     cfg, params, _, _ = pair
     sp = SamplingParams(1.0)
     s = SpecSettings(method="dflash", block_size=4, sampling=sp, max_new_tokens=3)
-    p = exact_three_token_probs(cfg, params, PROMPT, sp)
-    assert chi2_against(p, sample_three(pair, s, PROMPT, N)) < 1e-3
+    p = exact_token_probs(cfg, params, PROMPT, sp)
+    assert chi2_against(p, sample_tokens(pair, s, PROMPT, 3, N)) < 1e-3
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
+def test_chi2_detects_a_ddtree_sampler_that_reuses_its_noise(pair, monkeypatch):
+    """DDTree's target samples at the tree's nodes drawn with one Gumbel noise shared by every
+    node (a reused key): each node's token alone is still an exact target sample, but a child's
+    token depends on its parent's. The test of tokens after the first round must reject it."""
+    from dflash_jax.sampling import sample
+
+    def shared_noise(key, logits, sp):
+        if logits.ndim == 2:  # the prefill's token: unchanged
+            return sample(key, logits, sp)
+        probs = sampling_probs(logits, sp)
+        noise = jax.random.gumbel(key, (logits.shape[0], 1, logits.shape[-1]))
+        return jnp.argmax(jnp.where(probs > 0, jnp.log(probs), -jnp.inf) + noise, -1).astype(jnp.int32)
+
+    monkeypatch.setattr(speculative, "sample", shared_noise)
+    jax.clear_caches()
+    cfg, params, _, _ = pair
+    sp = SamplingParams(1.0)
+    p = exact_token_probs(cfg, params, PROMPT, sp, n=4)
+    draws = sample_tokens(pair, later_round_settings("ddtree", sp), PROMPT, 4, LATER_N, seed=1)
+    assert chi2_against(p, draws) < 1e-3
     monkeypatch.undo()
     jax.clear_caches()
 
