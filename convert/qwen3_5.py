@@ -10,10 +10,10 @@ and `lm_head.weight` at the top in both. The vision tower (`model.visual.*`, or 
 older exports) and the multi-token-prediction head (`mtp.*`) are not part of the target: they are
 skipped and counted in one line on stderr.
 
-The mapping is a table (`ROWS`): each HF tensor, its stored shape, and the slices of the stacked
-decoding tensors (`dflash_jax.qwen3_5.model_specs`) it fills. `checkpoint_layout` turns the table
-into a `ParamLayout`, so a `Builder` writes each tensor straight into its slices as it streams
-in. The decoding tensors stack layers ([num_layers, ...], [n_attn, ...], [n_gdn, ...]), so one
+The mapping is a table (`LAYER_ROWS` and three top-level rows): each HF tensor, its stored
+shape, and the slices of the stacked decoding tensors (`dflash_jax.qwen3_5.model_specs`) it
+fills. `checkpoint_layout` turns the table into a `ParamLayout`, so a `Builder` writes each
+tensor straight into its slices as it streams in. The decoding tensors stack layers ([num_layers, ...], [n_attn, ...], [n_gdn, ...]), so one
 is complete only when its last layer has arrived: the host holds up to one copy of the model in
 the target dtype before the tensors are placed on device.
 """
@@ -34,22 +34,23 @@ from convert.hf_safetensors import checkpoint_files, open_safetensors
 from convert.layout import ConversionError
 from dflash_jax.config import ConfigError
 from dflash_jax.params import Builder, ParamLayout, Part, SlotIndex, Spec, is_spec, path_str
-from dflash_jax.qwen3_5 import FULL, LINEAR, Qwen35Config, Qwen35Params, load_qwen35_config, model_specs, \
-    qwen35_config_from_dict
+from dflash_jax.qwen3_5 import (FULL, LINEAR, Qwen35Config, Qwen35Params, load_qwen35_config, model_specs,
+                                qwen35_config_from_dict)
 
 # The text decoder's prefixes, the vision-language wrapper's first (it also starts with "model.").
 TEXT_PREFIXES = ("model.language_model.", "model.")
 # Stored-name prefixes of the weights that are not part of the target, and how the summary names them.
 SKIPPED = (("model.visual.", "model.visual.*"), ("visual.", "visual.*"), ("mtp.", "mtp.*"))
 LM_HEAD = "lm_head.weight"
+EVERY_LAYER = "every layer"  # a `Row.kind`: the tensor is in every decoder layer (norms, MLP)
 
 
 @dataclasses.dataclass(frozen=True)
 class Row:
     """One HF tensor of the text decoder and where it goes.
 
-    name: its name after the text prefix ("{i}" = the layer), or `LM_HEAD`.
-    kind: the layer kind it belongs to (FULL / LINEAR), "layer" for every layer, None at the top.
+    name: its name after the text prefix (layer rows: after `layers.{i}.`), or `LM_HEAD`.
+    kind: the layer kind it belongs to (FULL / LINEAR), EVERY_LAYER, or None (not in a layer).
     stored: its shape in the checkpoint, from the config.
     targets: (decoding path, slot in that tensor after the stacking index) per piece.
     pieces: the stored array -> one array per target, element order already ours (the
@@ -96,7 +97,7 @@ def _layer_rows() -> list[Row]:
     def e(c: Qwen35Config) -> int:
         return c.hidden_size
 
-    L = "layer"
+    L = EVERY_LAYER
     qkv_slots = tuple(("gdn.qkv", (lambda c, n=n: (None, None, _key_major(c)[n]))) for n in range(3))
     conv_slots = tuple(("gdn.conv", (lambda c, n=n: (None, None, _key_major(c)[n]))) for n in range(3))
     return [
@@ -137,11 +138,9 @@ def _layer_rows() -> list[Row]:
     ]
 
 
-TOP_ROWS = (
-    Row("embed_tokens.weight", None, lambda c: (c.vocab_size, c.hidden_size), (("embed", _whole),), _same),
-    Row("norm.weight", None, lambda c: (c.hidden_size,), (("final_norm", _whole),), _same),
-    Row(LM_HEAD, None, lambda c: (c.vocab_size, c.hidden_size), (("lm_head", _whole),), _transposed),
-)
+EMBED_ROW = Row("embed_tokens.weight", None, lambda c: (c.vocab_size, c.hidden_size), (("embed", _whole),), _same)
+NORM_ROW = Row("norm.weight", None, lambda c: (c.hidden_size,), (("final_norm", _whole),), _same)
+LM_HEAD_ROW = Row(LM_HEAD, None, lambda c: (c.vocab_size, c.hidden_size), (("lm_head", _whole),), _transposed)
 LAYER_ROWS = tuple(_layer_rows())
 _LAYER_NAME = re.compile(r"layers\.(\d+)\.(.+)")
 
@@ -149,19 +148,17 @@ _LAYER_NAME = re.compile(r"layers\.(\d+)\.(.+)")
 def expected_tensors(cfg: Qwen35Config) -> dict[str, tuple[Row, int | None]]:
     """Every tensor this config needs, by its name after the text prefix (`lm_head.weight` as
     stored), in checkpoint order -> (its row, its index in its decoding stack; None at the top)."""
-    out: dict[str, tuple[Row, int | None]] = {}
-    for row in TOP_ROWS[:2]:
-        out[row.name] = (row, None)
+    out: dict[str, tuple[Row, int | None]] = {EMBED_ROW.name: (EMBED_ROW, None), NORM_ROW.name: (NORM_ROW, None)}
     stack_index = {FULL: {l: n for n, l in enumerate(cfg.attn_layers)},
                    LINEAR: {l: n for n, l in enumerate(cfg.gdn_layers)}}
     for i, kind in enumerate(cfg.layer_types):
         for row in LAYER_ROWS:
-            if row.kind == "layer":
+            if row.kind == EVERY_LAYER:
                 out[f"layers.{i}.{row.name}"] = (row, i)
             elif row.kind == kind:
                 out[f"layers.{i}.{row.name}"] = (row, stack_index[kind][i])
     if not cfg.tie_word_embeddings:
-        out[LM_HEAD] = (TOP_ROWS[2], None)
+        out[LM_HEAD] = (LM_HEAD_ROW, None)
     return out
 
 
@@ -223,7 +220,7 @@ def _why_unexpected(name: str, cfg: Qwen35Config) -> str:
     if layer >= cfg.num_layers:
         return f"layer {layer} is past the config's num_hidden_layers ({cfg.num_layers})"
     for row in LAYER_ROWS:
-        if row.name == rest and row.kind not in ("layer", cfg.layer_types[layer]):
+        if row.name == rest and row.kind not in (EVERY_LAYER, cfg.layer_types[layer]):
             return f"layer {layer} is {cfg.layer_types[layer]!r} in the config's layer_types"
     return "not a Qwen3.5 decoder-layer tensor"
 

@@ -30,7 +30,7 @@ L, F = "linear_attention", "full_attention"
 VOCAB = 97
 TEXT = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-            linear_value_head_dim=6, linear_conv_kernel_dim=4, rms_norm_eps=1e-6, eos_token_id=5,
+            linear_value_head_dim=6, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                              "mrope_section": [1, 1, 0], "mrope_interleaved": True})
 VISION = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32,
@@ -260,13 +260,14 @@ def test_cli_generate_runs_ar_on_the_hybrid(saved, capsys):
     ids = _tokenizer()("hi")["input_ids"]
     assert ids == [1]
     with torch.no_grad():
-        ref = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=5,
-                             pad_token_id=0)[0, len(ids):].tolist()
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=0)
+    ref = ref[0, len(ids):].tolist()
+    assert len(ref) == 8  # no eos in this config: all 8 tokens are compared
     code = cli.main(["generate", "--model", str(path), "--max-new-tokens", "8", "--json", "--quiet", "hi"])
     out = capsys.readouterr()
     assert code == 0, out.err
     record = json.loads(out.out)
-    assert record["method"] == "ar" and record["tokens"] == len(ref)
+    assert record["method"] == "ar" and record["tokens"] == 8
     assert record["texts"] == [_tokenizer().decode(ref, skip_special_tokens=True)]
 
 
