@@ -113,11 +113,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     mesh = sh.make_mesh(args.dp, args.tp) if args.dp * args.tp > 1 else None
     spec = args.method != "ar"
     compare = args.compare_ar and spec
-    progress = _Stages(1 + spec + 2 * (1 + compare) + bool(args.stage_times), args.quiet)
-    if spec and _is_hybrid(args.model):
+    hybrid = _is_hybrid(args.model)
+    if spec and hybrid:
         raise ValueError(f"--model {args.model} is a Qwen3.5 / Qwen3.6 hybrid: speculative decoding (--method "
                          f"{args.method}) is not supported yet for it, only --method ar; speculative "
                          "decoding needs the hybrid's verify and state rollback, which are not built yet")
+    progress = _Stages(1 + spec + 2 * (1 + compare) + bool(args.stage_times), args.quiet)
     progress.begin(f"loading {args.model}")
     cfg, params, tokenizer = _load_target(args.model, dtype, mesh=mesh)
     token_lists = pipeline.encode_prompts(tokenizer, args.prompts, chat=not args.no_chat)
@@ -126,7 +127,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     stop = pipeline.stop_tokens_for(tokenizer, cfg)
     stages = None
     with sh.use_mesh(mesh):  # traced and compiled sharded over the mesh (no-op without one)
-        if args.method == "ar" and _is_hybrid(args.model):
+        if args.method == "ar" and hybrid:
             run = _run_hybrid_ar(params, cfg, prompts, lens, max_new_tokens=args.max_new_tokens, sampling=sampling,
                                  stop_tokens=stop, seed=args.seed, stage=progress.of("ar"))
         elif args.method == "ar":

@@ -168,6 +168,20 @@ def test_bfloat16_load(saved):
     np.testing.assert_array_equal(np.asarray(params.gdn.a_log[0], np.float32), ref.bfloat16().float().numpy())
 
 
+def test_index_file_path_and_tied_lm_head_copy(saved, tmp_path):
+    """The index file names the checkpoint as well as its directory; a tied checkpoint that also
+    stores lm_head.weight (some exporters write the copy) loads, the embedding being the weight."""
+    path, _ = saved["interval4"]
+    _, by_dir = load_qwen35(path)
+    _, by_index = load_qwen35(path / "model.safetensors.index.json")
+    for a, b in zip(jax.tree.leaves(by_dir), jax.tree.leaves(by_index)):
+        np.testing.assert_array_equal(a, b)
+    tied = _copy(saved, "aperiodic", tmp_path)
+    _edit(tied / "model.safetensors", lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"]}))
+    cfg, params = load_qwen35(tied)
+    assert cfg.tie_word_embeddings and params.lm_head is None
+
+
 # ----------------------------------------------------------------------------- bad checkpoints
 
 def _copy(saved, name: str, tmp_path: Path) -> Path:
