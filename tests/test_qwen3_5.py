@@ -1,13 +1,12 @@
 """The Qwen3.5 / Qwen3.6 hybrid target (dflash_jax.qwen3_5) against transformers' Qwen3_5ForCausalLM.
 
-Tiny random configs, CPU, float32. transformers' random weights are copied into our layout by a
-small mapping written here (the checkpoint converter is separate); logits are compared for the
+Tiny random configs, CPU, float32. transformers' random weights are saved with `save_pretrained`
+and loaded through the checkpoint converter (convert/qwen3_5.py); logits are compared for the
 prefill and 20 cached decode steps, our chunked form against our recurrent form through the whole
 model, and greedy AR tokens against transformers' `generate`.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any
 
@@ -18,6 +17,7 @@ import pytest
 import torch
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
+from convert.qwen3_5 import load_qwen35
 from dflash_jax import qwen3_5 as q35
 from dflash_jax.config import ConfigError
 from dflash_jax.params import EMBED, check_against_specs, is_spec
@@ -60,60 +60,15 @@ def our_config(model: Qwen3_5ForCausalLM) -> q35.Qwen35Config:
     return q35.qwen35_config_from_dict(json.loads(model.config.to_json_string()), "tiny config")
 
 
-def params_from_hf(model: Qwen3_5ForCausalLM, cfg: q35.Qwen35Config) -> q35.Qwen35Params:
-    """transformers' weights in our layout (the inverse of nothing in the library: written here)."""
-    sd = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}
-    e, qh, kvh, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    hk, hv, dk, dv = cfg.gdn_key_heads, cfg.gdn_value_heads, cfg.gdn_key_dim, cfg.gdn_value_dim
-    group = hv // hk
-
-    def by_key_head(cols: np.ndarray) -> np.ndarray:
-        """[..., q | k | v] channels (HF's in_proj_qkv order) -> [..., Hk, q_h | k_h | v of h's group]."""
-        lead = cols.shape[:-1]
-        q = cols[..., :hk * dk].reshape(lead + (hk, dk))
-        k = cols[..., hk * dk:2 * hk * dk].reshape(lead + (hk, dk))
-        v = cols[..., 2 * hk * dk:].reshape(lead + (hk, group * dv))
-        return np.concatenate([q, k, v], axis=-1)
-
-    common, attn, gdn_ = [], [], []
-    for i, kind in enumerate(cfg.layer_types):
-        p = f"model.layers.{i}."
-        common.append(dict(
-            input_norm=sd[p + "input_layernorm.weight"], post_norm=sd[p + "post_attention_layernorm.weight"],
-            gate_up=np.stack([sd[p + "mlp.gate_proj.weight"].T, sd[p + "mlp.up_proj.weight"].T], axis=1),
-            down=sd[p + "mlp.down_proj.weight"].T))
-        if kind == F:
-            a = p + "self_attn."
-            attn.append(dict(
-                q=sd[a + "q_proj.weight"].T.reshape(e, qh, 2, hd),
-                k=sd[a + "k_proj.weight"].T.reshape(e, kvh, hd), v=sd[a + "v_proj.weight"].T.reshape(e, kvh, hd),
-                q_norm=sd[a + "q_norm.weight"], k_norm=sd[a + "k_norm.weight"],
-                o=sd[a + "o_proj.weight"].T.reshape(qh, hd, e)))
-        else:
-            g = p + "linear_attn."
-            zba = np.concatenate([sd[g + "in_proj_z.weight"].T.reshape(e, hv, dv),
-                                  sd[g + "in_proj_b.weight"].T[:, :, None], sd[g + "in_proj_a.weight"].T[:, :, None]],
-                                 axis=-1)
-            gdn_.append(dict(
-                qkv=by_key_head(sd[g + "in_proj_qkv.weight"].T), conv=by_key_head(sd[g + "conv1d.weight"][:, 0].T),
-                zba=zba, a_log=sd[g + "A_log"], dt_bias=sd[g + "dt_bias"], norm=sd[g + "norm.weight"],
-                out=sd[g + "out_proj.weight"].T.reshape(hv, dv, e)))
-
-    def stack(rows: list[dict], cls: type) -> Any:
-        return cls(**{f.name: jnp.asarray(np.stack([r[f.name] for r in rows])) for f in dataclasses.fields(cls)})
-
-    return q35.Qwen35Params(
-        embed=jnp.asarray(sd["model.embed_tokens.weight"]), layers=stack(common, q35.LayerCommon),
-        attn=stack(attn, q35.AttnMixer), gdn=stack(gdn_, q35.GDNMixer), final_norm=jnp.asarray(sd["model.norm.weight"]),
-        lm_head=None if cfg.tie_word_embeddings else jnp.asarray(sd["lm_head.weight"].T))
-
-
-
 @pytest.fixture(scope="module", params=sorted(PATTERNS))
-def tiny(request):
+def tiny(request, tmp_path_factory):
+    """transformers' model, saved with save_pretrained and loaded through our converter."""
     model = tiny_hf(request.param)
-    cfg = our_config(model)
-    return model, cfg, params_from_hf(model, cfg)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    cfg, params = load_qwen35(path)
+    assert cfg == our_config(model)
+    return model, cfg, params
 
 
 def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
