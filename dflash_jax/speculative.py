@@ -438,7 +438,10 @@ def generate_speculative(target: ModelParams | Qwen35Params, cfg: ModelConfig | 
                          settings: SpecSettings, max_len: int, impl: Impl = Impl()) -> Generation:
     """DFlash or DDTree generation for right-padded prompts [batch, P], all on device (one jit).
 
-    settings: what is decoded; impl: how (`impl.Impl`; static, like settings).
+    target, cfg: a dense target (ModelParams, ModelConfig) or a Qwen3.5 / Qwen3.6 hybrid
+    (Qwen35Params, Qwen35Config), whose GDN states are rolled back to each round's accepted
+    path exactly (`qwen3_5.commit`). settings: what is decoded; impl: how (`impl.Impl`; static,
+    like settings; a hybrid's attention is its own XLA form whatever `impl.attention` says).
     """
     return speculative_program(settings)(target, cfg, dparams, dcfg, prompts, prompt_lens, key,
                                          settings=settings, max_len=max_len, impl=impl)

@@ -256,8 +256,55 @@ def test_greedy_speculative_equals_greedy_ar_random_drafter(setting, batch):
         accepted.append(np.asarray(g.accepted))
         return g.tokens, g.num_tokens
 
-    assert run_batches(fn, prompt_set(12), batch) == ar_tokens(name, 12)
+    assert run_batches(fn, prompt_set(20), batch) == ar_tokens(name, 20)
     assert np.concatenate(accepted).max() >= 2  # drafted tokens really were accepted
+
+
+def test_lossless_check_catches_a_state_that_keeps_rejected_drafts(monkeypatch):
+    """A commit whose GDN state runs over the whole verified block (rejected drafts included, as
+    a cache crop that trims only the conv state would leave it) must fail the greedy check."""
+    from dflash_jax import gdn
+
+    real = gdn.commit_state
+
+    def whole_block(state0, kept, path_mask, last):
+        width = path_mask.shape[1]
+        return real(state0, kept, jnp.ones_like(path_mask), jnp.full_like(last, width - 1))
+
+    monkeypatch.setattr(gdn, "commit_state", whole_block)
+    jax.clear_caches()  # generate_speculative's program was traced with the exact commit
+    name = "interval4"
+    cfg, params = target(name)
+    s = SETTINGS["dflash4"]
+    dcfg, dparams = drafter_for(cfg, s.block_size)
+
+    def fn(a, l):
+        g = generate_speculative(params, cfg, dparams, dcfg, a, l, jax.random.key(0), settings=s,
+                                 max_len=a.shape[1] + NEW + s.cache_slack())
+        return g.tokens, g.num_tokens
+
+    # The same run as test_greedy_speculative_equals_greedy_ar_random_drafter[dflash4-3], which matches.
+    assert run_batches(fn, prompt_set(20), 3) != ar_tokens(name, 20)
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
+def test_stage_times_run_hybrid_rounds():
+    """Stage by stage (`stage_times.time_stages`, each stage its own program), a hybrid target's
+    rounds give the fused generation's tokens and acceptance, and every stage is timed."""
+    from dflash_jax.stage_times import STAGES, time_stages
+
+    cfg, params = target("interval4")
+    s = SpecSettings(method="ddtree", block_size=8, budget=8, max_new_tokens=16)
+    dcfg, dparams = drafter_for(cfg, s.block_size)
+    arr, lens = (jnp.asarray(x) for x in pad_prompts(prompt_set(3), multiple=32))
+    fused = generate_speculative(params, cfg, dparams, dcfg, arr, lens, jax.random.key(3), settings=s, max_len=64)
+    staged = time_stages(params, cfg, dparams, dcfg, arr, lens, jax.random.key(3), settings=s, max_len=64,
+                         rounds=32, warmup=1)
+    assert bool(staged.state.done.all())
+    np.testing.assert_array_equal(np.asarray(staged.state.out), np.asarray(fused.tokens))
+    np.testing.assert_array_equal(np.asarray(staged.state.accepted), np.asarray(fused.accepted))
+    assert set(staged.ms) == set(STAGES) and all(v > 0 for v in staged.ms.values())
 
 
 # ----------------------------------------------------------------------------- lossless, oracle drafter
@@ -341,3 +388,71 @@ def test_greedy_speculative_equals_greedy_ar_oracle_drafter(method, batch):
 
     assert run_batches(fn, prompts, batch) == ar
     assert set(seen) == set(range(1, bs + 1)), sorted(set(seen))  # every m in 0..bs-1
+
+
+# ----------------------------------------------------------------------------- sampling
+
+CHI_PROMPT = [1, 5, 2, 6, 0]
+CHI_N = 4000
+
+
+def exact_three_token_probs(cfg: q35.Qwen35Config, params: q35.Qwen35Params, prompt: list[int],
+                            sp: SamplingParams) -> np.ndarray:
+    """[V, V, V]: AR's probability of each first three tokens under the sampling filters, from
+    one forward over every prompt + t1 + t2."""
+    v = cfg.vocab_size
+    pairs = np.stack(np.meshgrid(np.arange(v), np.arange(v), indexing="ij"), -1).reshape(-1, 2)  # t1-major
+    seqs = np.concatenate([np.tile(prompt, (len(pairs), 1)), pairs], 1)
+    n = seqs.shape[1]
+    out = q35.forward(params, cfg, jnp.asarray(seqs, jnp.int32), jnp.broadcast_to(jnp.arange(n), seqs.shape),
+                      q35.HybridCache.create(cfg, len(seqs), n))
+    probs = np.asarray(sampling_probs(out.logits[:, -3:], sp), np.float64)  # [V*V, 3, V]
+    first = probs[0, 0]  # after the prompt
+    second = probs[::v, 1]  # [V (t1), V]: rows with t2 = 0
+    third = probs[:, 2].reshape(v, v, v)
+    return first[:, None, None] * second[:, :, None] * third
+
+
+def sampled_three(cfg, params, s: SpecSettings, n: int) -> np.ndarray:
+    dcfg, dparams = drafter_for(cfg, s.block_size)
+    arr = jnp.asarray(np.tile(np.asarray(CHI_PROMPT, np.int32), (n, 1)))
+    lens = jnp.full((n,), len(CHI_PROMPT), jnp.int32)
+    g = generate_speculative(params, cfg, dparams, dcfg, arr, lens, jax.random.key(1), settings=s,
+                             max_len=len(CHI_PROMPT) + s.max_new_tokens + s.cache_slack())
+    return np.asarray(g.tokens[:, :3])
+
+
+CHI_SETTINGS = {
+    "dflash-t1": SpecSettings(method="dflash", block_size=4, sampling=SamplingParams(1.0), max_new_tokens=3),
+    "ddtree-topk4": SpecSettings(method="ddtree", block_size=8, budget=8, sampling=SamplingParams(1.0, top_k=4),
+                                 max_new_tokens=3),
+}
+
+
+@pytest.mark.parametrize("setting", sorted(CHI_SETTINGS))
+def test_sampled_tokens_follow_the_target_distribution(setting):
+    from tests.test_speculative import chi2_against
+
+    cfg, params = target("interval4")
+    s = CHI_SETTINGS[setting]
+    p = exact_three_token_probs(cfg, params, CHI_PROMPT, s.sampling)
+    assert chi2_against(p, sampled_three(cfg, params, s, CHI_N)) > 1e-3
+
+
+def test_chi2_detects_a_wrong_acceptance_rule(monkeypatch):
+    """The ratio test against the target's own probabilities (q := p) keeps every drafted token,
+    so the output follows the drafter: the same test must reject it."""
+    from dflash_jax.accept import chain_rejection
+    from tests.test_speculative import chi2_against
+
+    def keep_all(key, chain_tokens, target_probs, draft_probs, limit):
+        return chain_rejection(key, chain_tokens, target_probs, target_probs[:, :-1], limit)
+
+    monkeypatch.setattr(speculative, "chain_rejection", keep_all)
+    jax.clear_caches()  # generate_speculative's program was traced with the right rule
+    cfg, params = target("interval4")
+    s = CHI_SETTINGS["dflash-t1"]
+    p = exact_three_token_probs(cfg, params, CHI_PROMPT, s.sampling)
+    assert chi2_against(p, sampled_three(cfg, params, s, CHI_N)) < 1e-3
+    monkeypatch.undo()
+    jax.clear_caches()
