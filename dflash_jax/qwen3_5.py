@@ -1,4 +1,5 @@
-"""The Qwen3.5 / Qwen3.6 hybrid target (`model_type` qwen3_5): config, weights, cache, forward, AR decoding.
+"""The Qwen3.5 / Qwen3.6 hybrid target (`model_type` qwen3_5): config, weights, cache, forward, AR decoding,
+and the verify / commit of speculative rounds.
 
 The decoder mixes two token mixers, following the config's `layer_types`:
 - "linear_attention": a Gated DeltaNet (GDN) layer: in_proj to q/k/v (through a causal depthwise
@@ -17,6 +18,11 @@ hybrid compiled in 5 s as 16 periods of 4 against 50-60 s as one loop of 64 laye
 0.10.2, one-token step and 128-token prefill alike). An aperiodic `layer_types` is one period
 of all layers, i.e. that plain loop. transformers' `models/qwen3_5/modeling_qwen3_5.py` is the
 numerical reference (tests/test_qwen3_5.py).
+
+Speculative decoding verifies a draft tree (a chain for DFlash) with `verify`, which commits
+nothing, and keeps the accepted path with `commit`: each GDN layer's recurrent state after the
+path comes in closed form from the verify's own U, K and G (`gdn.commit_state`), so there are
+neither per-node states nor a second target pass (tests/test_qwen3_5_speculative.py).
 
 Imports only the stable low modules (params, config, rope, gdn, sampling).
 """
