@@ -1,4 +1,5 @@
-"""The Qwen3.5 / Qwen3.6 hybrid target (`model_type` qwen3_5): config, weights, cache, forward, AR decoding.
+"""The Qwen3.5 / Qwen3.6 hybrid target (`model_type` qwen3_5): config, weights, cache, forward, AR decoding,
+and the verify / commit of speculative rounds.
 
 The decoder mixes two token mixers, following the config's `layer_types`:
 - "linear_attention": a Gated DeltaNet (GDN) layer: in_proj to q/k/v (through a causal depthwise
@@ -17,6 +18,11 @@ hybrid compiled in 5 s as 16 periods of 4 against 50-60 s as one loop of 64 laye
 0.10.2, one-token step and 128-token prefill alike). An aperiodic `layer_types` is one period
 of all layers, i.e. that plain loop. transformers' `models/qwen3_5/modeling_qwen3_5.py` is the
 numerical reference (tests/test_qwen3_5.py).
+
+Speculative decoding verifies a draft tree (a chain for DFlash) with `verify`, which commits
+nothing, and keeps the accepted path with `commit`: each GDN layer's recurrent state after the
+path comes in closed form from the verify's own U, K and G (`gdn.commit_state`), so there are
+neither per-node states nor a second target pass (tests/test_qwen3_5_speculative.py).
 
 Imports only the stable low modules (params, config, rope, gdn, sampling).
 """
@@ -415,12 +421,13 @@ def mlp(lp: LayerCommon, h: jax.Array) -> jax.Array:
 
 
 def attention_mixer(p: AttnMixer, cfg: Qwen35Config, h: jax.Array, cos: jax.Array, sin: jax.Array,
-                    k_buf: jax.Array, v_buf: jax.Array, starts: jax.Array
+                    k_buf: jax.Array, v_buf: jax.Array, starts: jax.Array, visible: jax.Array | None = None
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One gated attention layer (weights of one layer, no stacking axis).
 
     h: [B, T, embed] (normed); k_buf, v_buf: [B, max_len, kv_heads, head_dim]; the T new K/V go
-    to slots starts[b] .. starts[b] + T - 1 and query t sees every slot <= starts[b] + t.
+    to slots starts[b] .. starts[b] + T - 1. Query t sees every slot < starts[b] and new slot
+    starts[b] + s where visible[b, t, s] ([B, T, T] bool; None: s <= t, causal).
     Returns (out [B, T, embed], k_buf, v_buf).
     """
     batch, width, _ = h.shape
@@ -436,12 +443,48 @@ def attention_mixer(p: AttnMixer, cfg: Qwen35Config, h: jax.Array, cos: jax.Arra
     qr = q.reshape(batch, width, kvh, cfg.num_heads // kvh, hd)
     scores = jnp.einsum("btkgd,bskd->bkgts", qr, k_buf, preferred_element_type=jnp.float32) * hd ** -0.5
     slots = jnp.arange(k_buf.shape[1])
-    seen = slots[None, None, :] <= (starts[:, None] + jnp.arange(width)[None, :])[:, :, None]  # [B, T, S]
+    if visible is None:
+        seen = slots[None, None, :] <= (starts[:, None] + jnp.arange(width)[None, :])[:, :, None]  # [B, T, S]
+    else:
+        rel = jnp.broadcast_to(slots[None, None, :] - starts[:, None, None], (batch, width, slots.shape[0]))
+        in_tree = jnp.take_along_axis(visible, jnp.clip(rel, 0, width - 1), axis=2)
+        seen = (rel < 0) | ((rel < width) & in_tree)
     scores = jnp.where(seen[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_buf.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v_buf, preferred_element_type=jnp.float32)
     out = out.reshape(batch, width, cfg.num_heads, hd) * jax.nn.sigmoid(gate.astype(jnp.float32))
     return _dot("bthd,hde->bte", out.astype(h.dtype), p.o), k_buf, v_buf
+
+
+def _gdn_inputs(p: GDNMixer, cfg: Qwen35Config, h: jax.Array
+                ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """A GDN layer's projections of h [B, T, embed]: (conv inputs [B, T, C], z [B, T, Hv, dv],
+    g and beta [B, T, Hv] float32)."""
+    batch, width, _ = h.shape
+    dv = cfg.gdn_value_dim
+    mixed = _dot("bte,ehc->bthc", h, p.qkv).reshape(batch, width, cfg.conv_channels)
+    zba = _dot("bte,ehc->bthc", h, p.zba)
+    z, b, a = zba[..., :dv], zba[..., dv], zba[..., dv + 1]
+    g, beta = gdn.gates(a, b, p.a_log, p.dt_bias)
+    return mixed, z, g, beta
+
+
+def _gdn_qkv(cfg: Qwen35Config, y: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Conv outputs [B, T, C] (key-head-major) -> q, k [B, T, Hk, dk] and v [B, T, Hv, dv]."""
+    batch, width, _ = y.shape
+    dk = cfg.gdn_key_dim
+    y = y.reshape(batch, width, cfg.gdn_key_heads, cfg.conv_head_channels)
+    return y[..., :dk], y[..., dk:2 * dk], y[..., 2 * dk:].reshape(batch, width, cfg.gdn_value_heads, -1)
+
+
+def _gdn_output(p: GDNMixer, cfg: Qwen35Config, h: jax.Array, out: jax.Array, z: jax.Array) -> jax.Array:
+    """The rule's output [B, T, Hv, dv] through the gated norm and out_proj -> [B, T, embed]."""
+    out = gated_rms_norm(out.astype(h.dtype), z, p.norm, cfg.rms_norm_eps)
+    return _dot("bthd,hde->bte", out, p.out)
+
+
+def _conv_weight(p: GDNMixer, cfg: Qwen35Config) -> jax.Array:
+    return p.conv.reshape(cfg.conv_kernel, cfg.conv_channels)
 
 
 def gdn_mixer(p: GDNMixer, cfg: Qwen35Config, h: jax.Array, conv_state: jax.Array, state: jax.Array,
@@ -453,21 +496,29 @@ def gdn_mixer(p: GDNMixer, cfg: Qwen35Config, h: jax.Array, conv_state: jax.Arra
     sequence's last valid token. T = 1 runs the recurrent step, longer T the chunked form.
     Returns (out [B, T, embed], conv_state, state).
     """
-    batch, width, _ = h.shape
-    hk, hv, dk, dv = cfg.gdn_key_heads, cfg.gdn_value_heads, cfg.gdn_key_dim, cfg.gdn_value_dim
-    mixed = _dot("bte,ehc->bthc", h, p.qkv).reshape(batch, width, cfg.conv_channels)
-    y, conv_state = gdn.causal_conv(mixed, conv_state, p.conv.reshape(cfg.conv_kernel, cfg.conv_channels),
-                                    None, lengths)
-    y = y.reshape(batch, width, hk, cfg.conv_head_channels)
-    q, k = y[..., :dk], y[..., dk:2 * dk]
-    v = y[..., 2 * dk:].reshape(batch, width, hv, dv)
-    zba = _dot("bte,ehc->bthc", h, p.zba)
-    z, b, a = zba[..., :dv], zba[..., dv], zba[..., dv + 1]
-    g, beta = gdn.gates(a, b, p.a_log, p.dt_bias)
-    rule = gdn.recurrent if width == 1 else gdn.chunked
+    mixed, z, g, beta = _gdn_inputs(p, cfg, h)
+    y, conv_state = gdn.causal_conv(mixed, conv_state, _conv_weight(p, cfg), None, lengths)
+    q, k, v = _gdn_qkv(cfg, y)
+    rule = gdn.recurrent if h.shape[1] == 1 else gdn.chunked
     out, state = rule(q, k, v, g, beta, state, lengths)
-    out = gated_rms_norm(out.astype(h.dtype), z, p.norm, cfg.rms_norm_eps)
-    return _dot("bthd,hde->bte", out, p.out), conv_state, state
+    return _gdn_output(p, cfg, h, out, z), conv_state, state
+
+
+def gdn_tree_mixer(p: GDNMixer, cfg: Qwen35Config, h: jax.Array, conv_state: jax.Array, state: jax.Array,
+                   visible: jax.Array, parents: jax.Array) -> tuple[jax.Array, gdn.VerifyKept, jax.Array]:
+    """One GDN layer over the W nodes of a draft tree, from the committed states, committing nothing.
+
+    h: [B, W, embed] (normed); conv_state, state as `gdn_mixer`; visible [B, W, W] and parents
+    [B, W] as `dflash_jax.tree.Tree`. Every node gets the output of the layer along its own
+    root..node path (`gdn.tree_conv`, `gdn.tree_verify`).
+    Returns (out [B, W, embed], what `gdn.commit_state` needs, the conv inputs [B, W, C] that
+    `gdn.commit_conv_state` needs).
+    """
+    mixed, z, g, beta = _gdn_inputs(p, cfg, h)
+    y = gdn.tree_conv(mixed, conv_state, parents, _conv_weight(p, cfg))
+    q, k, v = _gdn_qkv(cfg, y)
+    out, kept = gdn.tree_verify(q, k, v, g, beta, state, visible)
+    return _gdn_output(p, cfg, h, out, z), kept, mixed
 
 
 def logits_from_hidden(params: Qwen35Params, hidden: jax.Array) -> jax.Array:
@@ -497,6 +548,84 @@ def _layer(tree: Any, index: int) -> Any:
     return jax.tree.map(lambda a: a[index], tree)
 
 
+def _check_step(fn: str, cfg: Qwen35Config, tokens: jax.Array, positions: jax.Array, cache: HybridCache,
+                tap_layers: tuple[int, ...]) -> None:
+    batch, width = tokens.shape
+    if positions.shape != (batch, width):
+        raise ValueError(f"{fn}: positions must be [batch, T] = {(batch, width)}, got {positions.shape}")
+    if cache.lengths.shape != (batch,):
+        raise ValueError(f"{fn}: cache holds {cache.lengths.shape[0]} sequences, tokens {batch}")
+    bad = [t for t in tap_layers if not 0 <= t < cfg.num_layers]
+    if bad:
+        raise ValueError(f"{fn}: tap_layers {bad} out of range for a {cfg.num_layers}-layer target")
+
+
+def _run_layers(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, positions: jax.Array,
+                cache: HybridCache, lengths: jax.Array | None, tap_layers: tuple[int, ...],
+                tree: tuple[jax.Array, jax.Array] | None) -> tuple:
+    """The decoder stack, shared by `forward` (tree None: GDN states advance) and `verify`
+    (tree = (visible, parents): GDN layers run `gdn_tree_mixer` and keep their states).
+
+    Returns (final-normed hidden [B, T, embed], taps or None, k, v, conv, state, per-GDN-layer
+    outputs of `gdn_tree_mixer` stacked [n_gdn, ...] (kept, conv inputs), or None for forward).
+    """
+    x = params.embed[tokens]
+    cos, sin = rope_tables(positions, cfg.rope, cfg.rotary_dim)
+    starts = cache.lengths
+    visible = None if tree is None else tree[0]
+    period = cfg.period
+    periods = cfg.num_layers // period
+    pattern = cfg.layer_types[:period]
+    slot = [sum(1 for t in pattern[:j] if t == kind) for j, kind in enumerate(pattern)]  # index within its kind
+    per_attn, per_gdn = pattern.count(FULL), pattern.count(LINEAR)
+    xs = (_by_period(params.layers, periods), _by_period(params.attn, periods), _by_period(params.gdn, periods))
+    taps = jnp.zeros((len(tap_layers),) + x.shape, x.dtype)
+
+    def body(carry: tuple, xs: tuple) -> tuple[tuple, Any]:
+        x, k_all, v_all, conv_all, state_all, taps, i = carry
+        common, attn, gdn_p = xs
+        verified = []
+        for j, kind in enumerate(pattern):
+            lp = _layer(common, j)
+            h = zero_centred_rms_norm(x, lp.input_norm, cfg.rms_norm_eps)
+            if kind == FULL:
+                idx = i * per_attn + slot[j]
+                mix = _layer(attn, slot[j])
+                out, k_l, v_l = attention_mixer(mix, cfg, h, cos, sin, k_all[idx], v_all[idx], starts, visible)
+                k_all = jax.lax.dynamic_update_index_in_dim(k_all, k_l, idx, 0)
+                v_all = jax.lax.dynamic_update_index_in_dim(v_all, v_l, idx, 0)
+            elif tree is None:
+                idx = i * per_gdn + slot[j]
+                mix = _layer(gdn_p, slot[j])
+                out, c_l, s_l = gdn_mixer(mix, cfg, h, conv_all[idx], state_all[idx], lengths)
+                conv_all = jax.lax.dynamic_update_index_in_dim(conv_all, c_l, idx, 0)
+                state_all = jax.lax.dynamic_update_index_in_dim(state_all, s_l, idx, 0)
+            else:
+                idx = i * per_gdn + slot[j]
+                out, kept, conv_in = gdn_tree_mixer(_layer(gdn_p, slot[j]), cfg, h, conv_all[idx], state_all[idx],
+                                                    *tree)
+                verified.append((kept, conv_in))
+            x = x + out
+            x = x + mlp(lp, zero_centred_rms_norm(x, lp.post_norm, cfg.rms_norm_eps))
+            for n, layer in enumerate(tap_layers):
+                if layer % period == j:
+                    taps = taps.at[n].set(jnp.where(i == layer // period, x, taps[n]))
+        ys = jax.tree.map(lambda *a: jnp.stack(a), *verified) if verified else None
+        return (x, k_all, v_all, conv_all, state_all, taps, i + 1), ys
+
+    carry = (x, cache.k, cache.v, cache.conv, cache.state, taps, jnp.int32(0))
+    (x, k_all, v_all, conv_all, state_all, taps, _), ys = jax.lax.scan(body, carry, xs)
+    # [periods, per_gdn, ...] -> [n_gdn, ...]: GDN layer i * per_gdn + j, as the cache orders them.
+    ys = None if ys is None else jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), ys)
+    hidden = zero_centred_rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    tap_out = None
+    if tap_layers:
+        # HF's hidden_states[-1] is the final-normed output; the last layer's tap keeps that meaning.
+        tap_out = jnp.concatenate([hidden if t == cfg.num_layers - 1 else taps[n] for n, t in enumerate(tap_layers)],
+                                  axis=-1)
+    return hidden, tap_out, k_all, v_all, conv_all, state_all, ys
+
+
 def forward(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, positions: jax.Array,
             cache: HybridCache, lengths: jax.Array | None = None, *, tap_layers: tuple[int, ...] = (),
             logit_rows: jax.Array | None = None, compute_logits: bool = True) -> Qwen35Output:
@@ -514,67 +643,111 @@ def forward(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, position
     Returns logits, taps and the cache with lengths += the valid new tokens. Rows past a
     sequence's valid tokens give unspecified logits and taps.
     """
+    _check_step("forward", cfg, tokens, positions, cache, tap_layers)
     batch, width = tokens.shape
-    if positions.shape != (batch, width):
-        raise ValueError(f"forward: positions must be [batch, T] = {(batch, width)}, got {positions.shape}")
-    if cache.lengths.shape != (batch,):
-        raise ValueError(f"forward: cache holds {cache.lengths.shape[0]} sequences, tokens {batch}")
     if lengths is not None and lengths.shape != (batch,):
         raise ValueError(f"forward: lengths must be [batch] = ({batch},), got {lengths.shape}")
-    bad = [t for t in tap_layers if not 0 <= t < cfg.num_layers]
-    if bad:
-        raise ValueError(f"forward: tap_layers {bad} out of range for a {cfg.num_layers}-layer target")
-    x = params.embed[tokens]
-    cos, sin = rope_tables(positions, cfg.rope, cfg.rotary_dim)
-    starts = cache.lengths
-    period = cfg.period
-    periods = cfg.num_layers // period
-    pattern = cfg.layer_types[:period]
-    slot = [sum(1 for t in pattern[:j] if t == kind) for j, kind in enumerate(pattern)]  # index within its kind
-    per_attn, per_gdn = pattern.count(FULL), pattern.count(LINEAR)
-    xs = (_by_period(params.layers, periods), _by_period(params.attn, periods), _by_period(params.gdn, periods))
-    taps = jnp.zeros((len(tap_layers),) + x.shape, x.dtype)
-
-    def body(carry: tuple, xs: tuple) -> tuple[tuple, None]:
-        x, k_all, v_all, conv_all, state_all, taps, i = carry
-        common, attn, gdn_p = xs
-        for j, kind in enumerate(pattern):
-            lp = _layer(common, j)
-            h = zero_centred_rms_norm(x, lp.input_norm, cfg.rms_norm_eps)
-            if kind == FULL:
-                idx = i * per_attn + slot[j]
-                mix = _layer(attn, slot[j])
-                out, k_l, v_l = attention_mixer(mix, cfg, h, cos, sin, k_all[idx], v_all[idx], starts)
-                k_all = jax.lax.dynamic_update_index_in_dim(k_all, k_l, idx, 0)
-                v_all = jax.lax.dynamic_update_index_in_dim(v_all, v_l, idx, 0)
-            else:
-                idx = i * per_gdn + slot[j]
-                mix = _layer(gdn_p, slot[j])
-                out, c_l, s_l = gdn_mixer(mix, cfg, h, conv_all[idx], state_all[idx], lengths)
-                conv_all = jax.lax.dynamic_update_index_in_dim(conv_all, c_l, idx, 0)
-                state_all = jax.lax.dynamic_update_index_in_dim(state_all, s_l, idx, 0)
-            x = x + out
-            x = x + mlp(lp, zero_centred_rms_norm(x, lp.post_norm, cfg.rms_norm_eps))
-            for n, layer in enumerate(tap_layers):
-                if layer % period == j:
-                    taps = taps.at[n].set(jnp.where(i == layer // period, x, taps[n]))
-        return (x, k_all, v_all, conv_all, state_all, taps, i + 1), None
-
-    carry = (x, cache.k, cache.v, cache.conv, cache.state, taps, jnp.int32(0))
-    (x, k_all, v_all, conv_all, state_all, taps, _), _ = jax.lax.scan(body, carry, xs)
-    hidden = zero_centred_rms_norm(x, params.final_norm, cfg.rms_norm_eps)
-    tap_out = None
-    if tap_layers:
-        # HF's hidden_states[-1] is the final-normed output; the last layer's tap keeps that meaning.
-        tap_out = jnp.concatenate([hidden if t == cfg.num_layers - 1 else taps[n] for n, t in enumerate(tap_layers)],
-                                  axis=-1)
+    hidden, tap_out, k_all, v_all, conv_all, state_all, _ = _run_layers(params, cfg, tokens, positions, cache,
+                                                                        lengths, tap_layers, None)
     logits = None
     if compute_logits:
         rows = hidden if logit_rows is None else jax.vmap(lambda hb, rb: hb[rb])(hidden, logit_rows)
         logits = logits_from_hidden(params, rows)
     added = jnp.full((batch,), width, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
-    new_cache = HybridCache(k=k_all, v=v_all, conv=conv_all, state=state_all, lengths=starts + added)
+    new_cache = HybridCache(k=k_all, v=v_all, conv=conv_all, state=state_all, lengths=cache.lengths + added)
     return Qwen35Output(logits=logits, taps=tap_out, cache=new_cache)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Qwen35Verified:
+    """A verified tree, not yet committed (`verify` -> `commit`).
+
+    cache:   the committed cache with the W tree nodes' attention K/V written at slots L..L+W-1
+             (L = cache.lengths, unchanged); conv and recurrent states as committed
+    kept:    gdn.VerifyKept stacked over the GDN layers: k [n_gdn, B, Hv, W, dk],
+             u [n_gdn, B, Hv, W, dv], decay [n_gdn, B, Hv, W] (float32); None without GDN layers
+    conv_in: [n_gdn, B, W, conv_channels], the nodes' conv inputs; None without GDN layers
+    parents: [B, W] int32, the tree's parent slots (-1 at the root and padding)
+    """
+
+    cache: HybridCache
+    kept: Any
+    conv_in: Any
+    parents: Any
+
+
+def verify(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, positions: jax.Array,
+           visible: jax.Array, parents: jax.Array, cache: HybridCache, *, tap_layers: tuple[int, ...] = ()
+           ) -> tuple[jax.Array, jax.Array | None, Qwen35Verified]:
+    """One target pass over the W nodes of a draft tree (a chain for DFlash) from the committed
+    cache, committing nothing.
+
+    tokens, positions: [B, W] int32, node tokens and positions (L + depth); visible [B, W, W] bool
+    and parents [B, W] int as `dflash_jax.tree.Tree` (node 0 the root, parents before children,
+    every row sees itself). Attention layers write the nodes' K/V at slots L..L+W-1 and attend to
+    the committed slots < L plus the visible nodes (callers keep L + W <= max_len); GDN layers
+    run the conv over each node's own path and the rule from the committed state (`gdn_tree_mixer`),
+    so every node's logits are those of a plain forward over its root..node path.
+    Returns (logits [B, W, vocab] float32, taps [B, W, len(tap_layers) * embed] or None,
+    what `commit` needs).
+    """
+    _check_step("verify", cfg, tokens, positions, cache, tap_layers)
+    batch, width = tokens.shape
+    if visible.shape != (batch, width, width) or visible.dtype != jnp.bool_:
+        raise ValueError(f"verify: visible must be bool [batch, W, W] = {(batch, width, width)}, "
+                         f"got {visible.dtype} {visible.shape}")
+    if parents.shape != (batch, width):
+        raise ValueError(f"verify: parents must be [batch, W] = {(batch, width)}, got {parents.shape}")
+    hidden, tap_out, k_all, v_all, _, _, ys = _run_layers(params, cfg, tokens, positions, cache, None, tap_layers,
+                                                          (visible, parents))
+    kept, conv_in = (None, None) if ys is None else ys  # None: no GDN layers
+    written = dataclasses.replace(cache, k=k_all, v=v_all)
+    return (logits_from_hidden(params, hidden), tap_out,
+            Qwen35Verified(cache=written, kept=kept, conv_in=conv_in, parents=parents.astype(jnp.int32)))
+
+
+def _compact_rows(buffer: jax.Array, slots: jax.Array, starts: jax.Array) -> jax.Array:
+    """buffer [B, max_len, ...]: rows at slots [B, n] copied to starts[b] .. starts[b] + n - 1."""
+    rows = jnp.take_along_axis(buffer, slots.reshape(slots.shape + (1,) * (buffer.ndim - 2)), axis=1)
+    return _write_rows(buffer, rows, starts)
+
+
+def commit(verified: Qwen35Verified, path: jax.Array, accepted: jax.Array) -> HybridCache:
+    """The cache after the accepted root..last path of a verified tree, per sequence, exactly.
+
+    path: [B, P] int, the accepted nodes' slots by depth (path[:, 0] = 0, the root), padded with
+    repeats of the last accepted node (`dflash_jax.accept`); accepted: [B] int, nodes accepted
+    (the root included: m + 1), or 0 to leave a sequence as it was committed.
+    Attention K/V of the path move to slots L..L+P-1 (the first `accepted` of them count); each GDN
+    layer's recurrent state becomes `gdn.commit_state` (closed form from the verify's U, K and G)
+    and its conv state `gdn.commit_conv_state`: neither per-node states nor a second pass.
+    lengths += accepted. Callers keep L + P <= max_len.
+    """
+    cache = verified.cache
+    batch, width = verified.parents.shape
+    if path.ndim != 2 or path.shape[0] != batch:
+        raise ValueError(f"commit: path must be [batch={batch}, P], got {path.shape}")
+    if accepted.shape != (batch,):
+        raise ValueError(f"commit: accepted must be [batch] = ({batch},), got {accepted.shape}")
+    path = path.astype(jnp.int32)
+    accepted = accepted.astype(jnp.int32)
+    starts = cache.lengths
+    slots = starts[:, None] + path
+    k = jax.vmap(_compact_rows, in_axes=(0, None, None))(cache.k, slots, starts)
+    v = jax.vmap(_compact_rows, in_axes=(0, None, None))(cache.v, slots, starts)
+    if verified.kept is None:  # no GDN layers
+        return HybridCache(k=k, v=v, conv=cache.conv, state=cache.state, lengths=starts + accepted)
+    last = jnp.take_along_axis(path, jnp.maximum(accepted - 1, 0)[:, None], axis=1)[:, 0]
+    taken = jnp.arange(path.shape[1])[None, :] < jnp.maximum(accepted, 1)[:, None]
+    on_path = jnp.any((path[:, :, None] == jnp.arange(width)[None, None, :]) & taken[:, :, None], axis=1)  # [B, W]
+    state = jax.vmap(gdn.commit_state, in_axes=(0, 0, None, None))(cache.state, verified.kept, on_path, last)
+    conv = jax.vmap(gdn.commit_conv_state, in_axes=(0, 0, None, None))(cache.conv, verified.conv_in,
+                                                                       verified.parents, last)
+    moved = (accepted > 0)[None, :, None, None]
+    state = jnp.where(moved[..., None], state.astype(cache.state.dtype), cache.state)
+    conv = jnp.where(moved, conv, cache.conv)
+    return HybridCache(k=k, v=v, conv=conv, state=state, lengths=starts + accepted)
 
 
 forward_jit = jax.jit(forward, static_argnames=("cfg", "tap_layers", "compute_logits"), donate_argnames=("cache",))

@@ -10,24 +10,31 @@ The generation is a `lax.while_loop` of rounds (`Impl.rounds_per_check` of them 
 looks at `done`); every sequence of the batch has its own length, tree, accepted count and stop
 state. `SpecSettings` says what is decoded, `impl.Impl` how (the attention's implementation);
 every other kernel runs where it applies.
+
+The target is a dense model (`config.ModelConfig`, dflash_jax.model) or a Qwen3.5 / Qwen3.6
+hybrid (`qwen3_5.Qwen35Config`); `target_family` picks, from the config's type, the three things
+that differ between them (prefill, verify, commit). The drafter reads only the target's `embed`
+and `lm_head`, which both parameter types hold in the same layout.
 """
 from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import drafter as dr
+from dflash_jax import qwen3_5
 from dflash_jax.accept import chain_rejection, follow_target
 from dflash_jax.config import ModelConfig
 from dflash_jax.generate import COMMAND_BUFFERS_ALL, COMMAND_BUFFERS_OFF, PAD, Generation, is_stop, prefill
 from dflash_jax.impl import Impl
 from dflash_jax.kv_cache import KVCache, gather_rows, write_rows
 from dflash_jax.model import ModelParams, forward
+from dflash_jax.qwen3_5 import HybridCache, Qwen35Config, Qwen35Params, Qwen35Verified
 from dflash_jax.sampling import SamplingParams, sample, sample_from_probs, sampling_probs
 from dflash_jax.sharding import mesh_sizes
 from dflash_jax.tree import Tree, build_tree, chain_tree, tree_width
@@ -89,7 +96,7 @@ class SpecSettings:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SpecState:
-    cache: KVCache  # target cache; lengths = committed tokens (root not included)
+    cache: KVCache | HybridCache  # target cache; lengths = committed tokens (root not included)
     draft_cache: Any  # dr.DraftCache; context for positions < lengths
     root: jax.Array  # [batch] last bonus token, at position cache.lengths
     out: jax.Array  # [batch, max_new_tokens]
@@ -119,10 +126,101 @@ def _block_limit(state: SpecState, s: SpecSettings) -> jax.Array:
     return jnp.clip(remaining, 0, s.block_size - 1)
 
 
+# ----------------------------------------------------------------------------- target families
+
+@dataclasses.dataclass(frozen=True)
+class TargetFamily:
+    """What the round does differently for one family of targets (see `target_family`).
+
+    prefill(target, cfg, prompts [B, P], prompt_lens [B], max_len, tap_layers, impl)
+        -> (logits at each prompt's last token [B, vocab], taps [B, P, taps * embed], a new cache
+        holding the prompts, lengths = prompt_lens)
+    verify(target, cfg, tree, positions [B, W], cache, tap_layers, impl)
+        -> (logits [B, W, vocab], taps [B, W, taps * embed], verified: the tree's K/V written at
+        L..L+W-1, nothing committed)
+    commit(verified, start [B], path [B, bs], m [B], active [B] bool, impl)
+        -> the cache after the accepted path (lengths start + m + 1; unchanged where not active)
+    """
+
+    prefill: Callable[..., tuple[jax.Array, jax.Array, Any]]
+    verify: Callable[..., tuple[jax.Array, jax.Array, Any]]
+    commit: Callable[..., Any]
+
+
+def _dense_prefill(target: ModelParams, cfg: ModelConfig, prompts: jax.Array, prompt_lens: jax.Array,
+                   max_len: int, tap_layers: tuple[int, ...], impl: Impl) -> tuple[jax.Array, jax.Array, KVCache]:
+    batch = prompts.shape[0]
+    dtype = target.embed.dtype
+    cache = KVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, dtype)
+    return prefill(target, cfg, prompts, prompt_lens, cache, tap_layers=tap_layers, attn_impl=impl.attention)
+
+
+def _dense_verify(target: ModelParams, cfg: ModelConfig, tree: Tree, positions: jax.Array, cache: KVCache,
+                  tap_layers: tuple[int, ...], impl: Impl) -> tuple[jax.Array, jax.Array, KVCache]:
+    out = forward(target, cfg, tree.tokens, positions, cache, tree.visible,
+                  tap_layers=tap_layers, attn_impl=impl.attention)
+    return out.logits, out.taps, out.cache
+
+
+def _dense_commit(cache: KVCache, start: jax.Array, path: jax.Array, m: jax.Array, active: jax.Array,
+                  impl: Impl) -> KVCache:
+    bs = path.shape[1]
+    # Accepted nodes' K/V move from their tree slots to contiguous slots L..L+m.
+    slots = start[:, None] + path
+    layers = len(cache.k)
+    if compact_in_one_launch(cache, bs, impl):
+        moved = kv_compact.kv_compact(cache.k + cache.v, slots, start)
+    else:
+        moved = tuple(write_rows(x, gather_rows(x, slots), start) for x in cache.k + cache.v)
+    new_len = start + jnp.where(active, m + 1, 0)
+    return KVCache(k=moved[:layers], v=moved[layers:], lengths=new_len)
+
+
+def _hybrid_prefill(target: Qwen35Params, cfg: Qwen35Config, prompts: jax.Array, prompt_lens: jax.Array,
+                    max_len: int, tap_layers: tuple[int, ...], impl: Impl
+                    ) -> tuple[jax.Array, jax.Array, HybridCache]:
+    del impl  # the hybrid's attention is its own XLA form
+    batch, width = prompts.shape
+    cache = HybridCache.create(cfg, batch, max_len, target.embed.dtype)
+    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
+    lens = prompt_lens.astype(jnp.int32)
+    out = qwen3_5.forward(target, cfg, prompts, positions, cache, lens, tap_layers=tap_layers,
+                          logit_rows=(lens - 1)[:, None])
+    return out.logits[:, 0], out.taps, out.cache
+
+
+def _hybrid_verify(target: Qwen35Params, cfg: Qwen35Config, tree: Tree, positions: jax.Array,
+                   cache: HybridCache, tap_layers: tuple[int, ...], impl: Impl
+                   ) -> tuple[jax.Array, jax.Array, Qwen35Verified]:
+    del impl
+    return qwen3_5.verify(target, cfg, tree.tokens, positions, tree.visible, tree.parents, cache,
+                          tap_layers=tap_layers)
+
+
+def _hybrid_commit(verified: Qwen35Verified, start: jax.Array, path: jax.Array, m: jax.Array,
+                   active: jax.Array, impl: Impl) -> HybridCache:
+    del start, impl  # the verified cache holds the committed lengths
+    return qwen3_5.commit(verified, path, jnp.where(active, m + 1, 0))
+
+
+DENSE = TargetFamily(prefill=_dense_prefill, verify=_dense_verify, commit=_dense_commit)
+HYBRID = TargetFamily(prefill=_hybrid_prefill, verify=_hybrid_verify, commit=_hybrid_commit)
+
+
+def target_family(cfg: ModelConfig | Qwen35Config) -> TargetFamily:
+    """The family of a target from its config's type: DENSE (Qwen3, Llama) or HYBRID (Qwen3.5 / 3.6)."""
+    if isinstance(cfg, Qwen35Config):
+        return HYBRID
+    if isinstance(cfg, ModelConfig):
+        return DENSE
+    raise ValueError(f"cfg must be a ModelConfig (dense target) or a Qwen35Config (Qwen3.5 / Qwen3.6 hybrid), "
+                     f"got {type(cfg).__name__}")
+
+
 # ----------------------------------------------------------------------------- stages
 
-def drafter_pass(state: SpecState, target: ModelParams, dparams: Any, dcfg: Any, s: SpecSettings
-                 ) -> tuple[jax.Array, Any]:
+def drafter_pass(state: SpecState, target: ModelParams | Qwen35Params, dparams: Any, dcfg: Any,
+                 s: SpecSettings) -> tuple[jax.Array, Any]:
     """Step 1: one drafter pass over [root, MASK x (bs-1)] -> (logits [batch, bs-1, vocab], the
     drafter's context cache with the block in its scratch slots, for the round to go on with)."""
     batch = state.root.shape[0]
@@ -155,8 +253,8 @@ def propose(state: SpecState, logits: jax.Array, s: SpecSettings) -> tuple[Draft
     return Draft(tree=tree, draft_probs=draft_probs, limit=_block_limit(state, s)), key
 
 
-def draft_stage(state: SpecState, target: ModelParams, dparams: Any, dcfg: Any, s: SpecSettings
-                ) -> tuple[Draft, jax.Array, SpecState]:
+def draft_stage(state: SpecState, target: ModelParams | Qwen35Params, dparams: Any, dcfg: Any,
+                s: SpecSettings) -> tuple[Draft, jax.Array, SpecState]:
     """Steps 1-2: one drafter pass, then the chain (DFlash) or the best-`budget` tree (DDTree).
     Returns (draft, the round's PRNG key, the state with the drafter's cache as the pass left it)."""
     logits, draft_cache = drafter_pass(state, target, dparams, dcfg, s)
@@ -164,14 +262,14 @@ def draft_stage(state: SpecState, target: ModelParams, dparams: Any, dcfg: Any, 
     return draft, key, dataclasses.replace(state, draft_cache=draft_cache)
 
 
-def verify_stage(state: SpecState, draft: Draft, target: ModelParams, cfg: ModelConfig, dcfg: Any,
-                 impl: Impl = Impl()) -> tuple[jax.Array, jax.Array, KVCache]:
-    """Step 3: the target over all tree slots at positions L + depth, K/V to slots L..L+W-1."""
+def verify_stage(state: SpecState, draft: Draft, target: ModelParams | Qwen35Params,
+                 cfg: ModelConfig | Qwen35Config, dcfg: Any, impl: Impl = Impl()
+                 ) -> tuple[jax.Array, jax.Array, KVCache | Qwen35Verified]:
+    """Step 3: the target over all tree slots at positions L + depth, K/V to slots L..L+W-1.
+    Returns (logits [batch, W, vocab], taps [batch, W, taps * embed], what `commit_stage` takes)."""
     tree = draft.tree
     positions = state.cache.lengths[:, None] + tree.depths
-    out = forward(target, cfg, tree.tokens, positions, state.cache, tree.visible,
-                  tap_layers=tuple(dcfg.target_layer_ids), attn_impl=impl.attention)
-    return out.logits, out.taps, out.cache
+    return target_family(cfg).verify(target, cfg, tree, positions, state.cache, tuple(dcfg.target_layer_ids), impl)
 
 
 def accept_stage(key: jax.Array, draft: Draft, logits: jax.Array, s: SpecSettings
@@ -210,21 +308,15 @@ def _context_epilogue(impl: Impl) -> str:
 
 
 def commit_stage(state: SpecState, draft: Draft, path: jax.Array, m: jax.Array, bonus: jax.Array,
-                 taps: jax.Array, cache: KVCache, dparams: Any, dcfg: Any, s: SpecSettings,
-                 key: jax.Array, impl: Impl = Impl()) -> SpecState:
-    """Step 5: compact K/V of the accepted path, extend the drafter context, emit tokens."""
+                 taps: jax.Array, verified: KVCache | Qwen35Verified, cfg: ModelConfig | Qwen35Config,
+                 dparams: Any, dcfg: Any, s: SpecSettings, key: jax.Array, impl: Impl = Impl()) -> SpecState:
+    """Step 5: commit the accepted path in the target's cache, extend the drafter context, emit tokens.
+
+    verified: `verify_stage`'s cache result; a finished sequence (`state.done`) commits nothing."""
     batch, bs = path.shape
     active = ~state.done
     start = state.cache.lengths
-    # Accepted nodes' K/V move from their tree slots to contiguous slots L..L+m.
-    slots = start[:, None] + path
-    layers = len(cache.k)
-    if compact_in_one_launch(cache, bs, impl):
-        moved = kv_compact.kv_compact(cache.k + cache.v, slots, start)
-    else:
-        moved = tuple(write_rows(x, gather_rows(x, slots), start) for x in cache.k + cache.v)
-    new_len = start + jnp.where(active, m + 1, 0)
-    cache = KVCache(k=moved[:layers], v=moved[layers:], lengths=new_len)
+    cache = target_family(cfg).commit(verified, start, path, m, active, impl)
     # The drafter's context grows by the target features of the root and accepted nodes.
     path_taps = gather_rows(taps, path)
     positions = start[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
@@ -252,8 +344,8 @@ def commit_stage(state: SpecState, draft: Draft, path: jax.Array, m: jax.Array, 
                      rounds=state.rounds + active.astype(jnp.int32), key=key)
 
 
-def spec_round(state: SpecState, target: ModelParams, cfg: ModelConfig, dparams: Any, dcfg: Any,
-               s: SpecSettings, impl: Impl = Impl()) -> SpecState:
+def spec_round(state: SpecState, target: ModelParams | Qwen35Params, cfg: ModelConfig | Qwen35Config,
+               dparams: Any, dcfg: Any, s: SpecSettings, impl: Impl = Impl()) -> SpecState:
     """One fused round for the whole batch.
 
     Each stage runs under a named scope ("draft", "tree", "verify", "accept", "commit") so that a
@@ -267,13 +359,13 @@ def spec_round(state: SpecState, target: ModelParams, cfg: ModelConfig, dparams:
         key, k_accept = jax.random.split(key)
         path, m, bonus = accept_stage(k_accept, draft, logits, s)
     with jax.named_scope("commit"):
-        return commit_stage(state, draft, path, m, bonus, taps, cache, dparams, dcfg, s, key, impl)
+        return commit_stage(state, draft, path, m, bonus, taps, cache, cfg, dparams, dcfg, s, key, impl)
 
 
 # ----------------------------------------------------------------------------- generation
 
-def start_state(target: ModelParams, cfg: ModelConfig, dparams: Any, dcfg: Any, prompts: jax.Array,
-                prompt_lens: jax.Array, key: jax.Array, max_len: int, s: SpecSettings,
+def start_state(target: ModelParams | Qwen35Params, cfg: ModelConfig | Qwen35Config, dparams: Any, dcfg: Any,
+                prompts: jax.Array, prompt_lens: jax.Array, key: jax.Array, max_len: int, s: SpecSettings,
                 impl: Impl = Impl()) -> SpecState:
     """Prefill the target, seed the drafter context with the prompt's features, emit token 1."""
     batch, width = prompts.shape
@@ -282,9 +374,8 @@ def start_state(target: ModelParams, cfg: ModelConfig, dparams: Any, dcfg: Any, 
         raise ValueError(f"max_len {max_len} is too small: prompts of width {width} + max_new_tokens "
                          f"{s.max_new_tokens} + {s.cache_slack()} scratch slots need {need}")
     dtype = target.embed.dtype
-    cache = KVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, dtype)
-    logits, taps, cache = prefill(target, cfg, prompts, prompt_lens, cache,
-                                  tap_layers=tuple(dcfg.target_layer_ids), attn_impl=impl.attention)
+    logits, taps, cache = target_family(cfg).prefill(target, cfg, prompts, prompt_lens, max_len,
+                                                     tuple(dcfg.target_layer_ids), impl)
     key, sub = jax.random.split(key)
     first = sample(sub, logits, s.sampling)
     draft_cache = dr.DraftCache.create(dcfg, batch, max_len, dtype)
@@ -299,9 +390,9 @@ def start_state(target: ModelParams, cfg: ModelConfig, dparams: Any, dcfg: Any, 
                      rounds=jnp.zeros((batch,), jnp.int32), key=key)
 
 
-def _generate(target: ModelParams, cfg: ModelConfig, dparams: Any, dcfg: Any, prompts: jax.Array,
-              prompt_lens: jax.Array, key: jax.Array, *, settings: SpecSettings, max_len: int,
-              impl: Impl = Impl()) -> Generation:
+def _generate(target: ModelParams | Qwen35Params, cfg: ModelConfig | Qwen35Config, dparams: Any, dcfg: Any,
+              prompts: jax.Array, prompt_lens: jax.Array, key: jax.Array, *, settings: SpecSettings,
+              max_len: int, impl: Impl = Impl()) -> Generation:
     state = start_state(target, cfg, dparams, dcfg, prompts, prompt_lens, key, max_len, settings, impl)
 
     def rounds(st: SpecState) -> SpecState:
@@ -342,12 +433,15 @@ def speculative_program(settings: SpecSettings) -> Any:
     return _generate_ddtree if settings.method == "ddtree" else _generate_dflash
 
 
-def generate_speculative(target: ModelParams, cfg: ModelConfig, dparams: Any, dcfg: Any,
-                         prompts: jax.Array, prompt_lens: jax.Array, key: jax.Array, *,
+def generate_speculative(target: ModelParams | Qwen35Params, cfg: ModelConfig | Qwen35Config, dparams: Any,
+                         dcfg: Any, prompts: jax.Array, prompt_lens: jax.Array, key: jax.Array, *,
                          settings: SpecSettings, max_len: int, impl: Impl = Impl()) -> Generation:
     """DFlash or DDTree generation for right-padded prompts [batch, P], all on device (one jit).
 
-    settings: what is decoded; impl: how (`impl.Impl`; static, like settings).
+    target, cfg: a dense target (ModelParams, ModelConfig) or a Qwen3.5 / Qwen3.6 hybrid
+    (Qwen35Params, Qwen35Config), whose GDN states are rolled back to each round's accepted
+    path exactly (`qwen3_5.commit`). settings: what is decoded; impl: how (`impl.Impl`; static,
+    like settings; a hybrid's attention is its own XLA form whatever `impl.attention` says).
     """
     return speculative_program(settings)(target, cfg, dparams, dcfg, prompts, prompt_lens, key,
                                          settings=settings, max_len=max_len, impl=impl)

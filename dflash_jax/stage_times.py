@@ -75,7 +75,7 @@ def time_stages(target: ModelParams, cfg: ModelConfig, dparams: Any, dcfg: Any, 
         return accept_stage(k_accept, draft, logits, s), key
     f_accept = jax.jit(accept)
     f_commit = jax.jit(lambda st, draft, acc, taps, cache, d, key:
-                       commit_stage(st, draft, *acc, taps, cache, d, dcfg, s, key, impl))
+                       commit_stage(st, draft, *acc, taps, cache, cfg, d, dcfg, s, key, impl))
     samples: dict[str, list[float]] = {name: [] for name in STAGES}
     for i in range(warmup + rounds):
         if bool(jax.device_get(state.done).all()):
