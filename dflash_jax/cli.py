@@ -176,10 +176,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     spec = args.method != "ar"
     compare = args.compare_ar and spec
     hybrid = _is_hybrid(args.model)
-    if spec and hybrid:
-        raise ValueError(f"--model {args.model} is a Qwen3.5 / Qwen3.6 hybrid: speculative decoding (--method "
-                         f"{args.method}) is not supported yet for it, only --method ar; speculative "
-                         "decoding needs the hybrid's verify and state rollback, which are not built yet")
     progress = _Stages(1 + spec + 2 * (1 + compare) + bool(args.stage_times), args.quiet)
     progress.begin(f"loading {args.model}")
     cfg, params, tokenizer = _load_target(args.model, dtype, mesh=mesh)
@@ -188,14 +184,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompts, lens = pipeline.pad_prompts(token_lists)
     stop = pipeline.stop_tokens_for(tokenizer, cfg)
     stages = None
+    # A hybrid decodes AR with its own loop (`qwen3_5.generate`); its speculative rounds share
+    # `pipeline.run_speculative` with dense targets (`speculative.target_family` picks by the config).
+    run_ar = _run_hybrid_ar if hybrid else pipeline.run_ar
     with sh.use_mesh(mesh):  # traced and compiled sharded over the mesh (no-op without one)
-        if args.method == "ar" and hybrid:
-            run = _run_hybrid_ar(params, cfg, prompts, lens, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                 stop_tokens=stop, seed=args.seed, stage=progress.of("ar"))
-        elif args.method == "ar":
-            run = pipeline.run_ar(params, cfg, prompts, lens, max_new_tokens=args.max_new_tokens,
-                                  sampling=sampling, stop_tokens=stop, seed=args.seed,
-                                  stage=progress.of("ar"))
+        if args.method == "ar":
+            run = run_ar(params, cfg, prompts, lens, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                         stop_tokens=stop, seed=args.seed, stage=progress.of("ar"))
         else:
             from dflash_jax.impl import Impl
             from dflash_jax.speculative import SpecSettings
@@ -219,8 +214,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                                                       settings.cache_slack()))
         ar = None
         if compare:
-            ar = pipeline.run_ar(params, cfg, prompts, lens, max_new_tokens=args.max_new_tokens,
-                                 sampling=sampling, stop_tokens=stop, seed=args.seed, stage=progress.of("ar"))
+            ar = run_ar(params, cfg, prompts, lens, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                        stop_tokens=stop, seed=args.seed, stage=progress.of("ar"))
     progress.close()
     texts = [tokenizer.decode(t, skip_special_tokens=True) for t in run.token_lists()[:len(args.prompts)]]
     record = {"method": args.method, "texts": texts, "tokens": run.total_tokens,

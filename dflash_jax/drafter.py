@@ -29,6 +29,7 @@ from dflash_jax.model import (AttentionParams, LayerParams, MLPParams, ModelPara
                               can_fuse, embed_tokens, epilogue_schedule, gate_up_spec, kv_product, logits_from_hidden,
                               mlp, mlp_specs, output_projection, project_kv, project_qkv, qkv_spec, rms_norm)
 from dflash_jax.params import EMBED, HEAD_DIM, KV_HEADS, ParamLayout, Part, Spec, init_layout, slot
+from dflash_jax.qwen3_5 import Qwen35Config
 from dflash_jax.rope import apply_rope, rope_tables
 from dflash_jax.sharding import attention as sharded_attention
 from dflash_jax.sharding import check_model, mesh_sizes, specs_shardings
@@ -254,8 +255,9 @@ def rope_to_hf(rope: RopeConfig) -> dict[str, Any]:
     return out
 
 
-def validate_pair(dcfg: DraftConfig, target_cfg: ModelConfig) -> None:
-    """Raises ValueError (naming the values) when a drafter cannot serve this target."""
+def validate_pair(dcfg: DraftConfig, target_cfg: ModelConfig | Qwen35Config) -> None:
+    """Raises ValueError (naming the values) when a drafter cannot serve this target, dense or
+    hybrid (the fields read here mean the same in both configs; a tap may be any layer's output)."""
     if dcfg.hidden_size != target_cfg.hidden_size:
         raise ValueError(f"drafter hidden_size {dcfg.hidden_size} != target hidden_size "
                          f"{target_cfg.hidden_size}: the drafter consumes the target's embeddings")

@@ -8,6 +8,7 @@ equal transformers' on the same ids; bad checkpoints must fail naming the tensor
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -21,9 +22,11 @@ from transformers import (PreTrainedTokenizerFast, Qwen3_5Config, Qwen3_5ForCaus
                           Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig)
 
 from convert import ConversionError, convert_command, load_model
+from convert.dflash_drafter import export_drafter
 from convert.qwen3_5 import load_qwen35
 from dflash_jax import cli
 from dflash_jax import qwen3_5 as q35
+from dflash_jax.drafter import DraftConfig, init_draft_params
 from dflash_jax.sharding import make_mesh
 
 L, F = "linear_attention", "full_attention"
@@ -285,11 +288,63 @@ def test_cli_generate_runs_ar_on_the_hybrid(saved, capsys):
     assert record["texts"] == [_tokenizer().decode(ref, skip_special_tokens=True)]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--method", "dflash", "--draft", "drafter-dir"], "speculative decoding (--method dflash) is not supported yet"),
-    (["--tp", "2"], "not supported yet for qwen3_5"),
-])
-def test_cli_generate_refuses_what_the_hybrid_cannot_do_yet(saved, capsys, argv, message):
+@pytest.mark.parametrize("argv", [["--tp", "2"], ["--method", "dflash", "--draft", "drafter-dir", "--dp", "2"]])
+def test_cli_generate_refuses_a_mesh_on_the_hybrid(saved, capsys, argv):
     path, _ = saved["aperiodic"]
     code = cli.main(["generate", "--model", str(path), "--quiet", *argv, "hi"])
-    assert code == 2 and message in capsys.readouterr().err
+    assert code == 2 and "not supported yet for qwen3_5" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def hybrid_drafter(saved, tmp_path_factory) -> Path:
+    """A random DFlash drafter for the "interval4" hybrid, saved in z-lab's layout; it taps a GDN
+    layer and the attention layer that ends the first period."""
+    path, _ = saved["interval4"]
+    n = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    dcfg = DraftConfig(hidden_size=TEXT["hidden_size"], intermediate_size=48, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=8, vocab_size=VOCAB, mask_token_id=VOCAB - 1,
+                       target_layer_ids=(1, 3), num_target_layers=n, block_size=4,
+                       layer_types=("sliding_attention", "full_attention"), sliding_window=6)
+    dparams = init_draft_params(dcfg, jax.random.key(7), training=True)
+    return export_drafter(dcfg, dparams, tmp_path_factory.mktemp("drafter") / "interval4")
+
+
+def _hf_greedy(model: torch.nn.Module, text: str, new: int) -> str:
+    """transformers' greedy continuation of `text`, decoded: what lossless decoding must print."""
+    ids = _tokenizer()(text)["input_ids"]
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, pad_token_id=0)
+    ref = ref[0, len(ids):].tolist()
+    assert len(ref) == new  # no eos in this config: every token is compared
+    return _tokenizer().decode(ref, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("method, extra", [("dflash", ["--stage-times"]), ("ddtree", ["--budget", "8"])])
+def test_cli_generate_speculative_on_the_hybrid_matches_ar(saved, hybrid_drafter, capsys, method, extra):
+    path, model = saved["interval4"]
+    prompts = ["hi w3 w7", "w5"]
+    code = cli.main(["generate", "--model", str(path), "--method", method, "--draft", str(hybrid_drafter),
+                     "--compare-ar", "--max-new-tokens", "12", "--quiet", *extra, *prompts])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    answers = re.findall(r"^>>> (.*)\n(.*)\n", out.out, re.M)
+    assert answers == [(p, _hf_greedy(model, p, 12)) for p in prompts], out.out
+    spec = re.search(rf"^{method}: (\d+) tokens in .* tau ([\d.]+) tokens per round", out.out, re.M)
+    ar = re.search(r"^ar: +(\d+) tokens in ", out.out, re.M)
+    assert spec and ar, out.out
+    assert spec.group(1) == ar.group(1) == "24"
+    assert 1.0 <= float(spec.group(2)) <= 4.0  # at least the bonus token, at most the block
+    assert re.search(rf"^{method} is [\d.]+x as fast as ar; the same tokens as ar \(lossless\)$", out.out, re.M)
+    if "--stage-times" in extra:
+        assert re.search(r"^stages: median ms over [1-9]\d* rounds", out.out, re.M), out.out
+
+
+def test_cli_generate_names_a_drafter_tap_past_the_hybrid(saved, hybrid_drafter, capsys, tmp_path):
+    path, _ = saved["interval4"]
+    bad = tmp_path / "drafter"
+    shutil.copytree(hybrid_drafter, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["dflash_config"]["target_layer_ids"] = [1, 8]
+    (bad / "config.json").write_text(json.dumps(config))
+    code = cli.main(["generate", "--model", str(path), "--method", "dflash", "--draft", str(bad), "--quiet", "hi"])
+    assert code == 2 and "target_layer_ids [1, 8] include [8], outside the target's 8 layers" in capsys.readouterr().err
