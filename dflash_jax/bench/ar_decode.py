@@ -18,8 +18,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.bench.common import (SHAPES, copy_bandwidth, dump_hlo, environment, log, time_fn,
-                                     write_json)
+from dflash_jax.bench.common import (SHAPES, copy_bandwidth, dense_shape, dump_hlo, environment, log,
+                                     time_fn, write_json)
 from dflash_jax.bench.profile import profile_program, scale_profile
 from dflash_jax.kv_cache import KVCache
 from dflash_jax.model import forward, init_params
@@ -67,7 +67,7 @@ GEMM_OPTIONS = {"default": None, "cublas": {"xla_gpu_enable_triton_gemm": False}
 def bench_model(name: str, contexts: list[int], steps: int, impls: list[str], bandwidth: float,
                 on_row=lambda rows: None, profile: bool = False, hlo_dir: str | None = None,
                 gemms: tuple[str, ...] = ("default",)) -> list[dict]:
-    cfg = SHAPES[name]
+    cfg = dense_shape(name, "ar_decode")
     params = jax.block_until_ready(init_params(cfg, jax.random.key(0), jnp.bfloat16))
     log(f"{name}: weights drawn")
     wbytes = param_bytes(params)
