@@ -7,7 +7,9 @@ Prompt files (JSONL, see ../shared/data/README.md):
 Prompts are wrapped in the target's chat template. Every method decodes the same prompts
 with the same settings; tokens/s excludes compilation (each program is compiled ahead of
 time, once per prompt-width bucket). With greedy decoding the speculative outputs are also
-checked against AR's, token for token (`matches_ar`).
+checked against AR's, token for token (`matches_ar`). Dense targets (Qwen3, Llama) and
+Qwen3.5 / Qwen3.6 hybrids run alike: `ar_program` and `speculative.target_family` pick the
+decoder by the config.
 
 tau = tokens committed per target verification round (accepted drafted tokens + the bonus),
 summed over all rounds of all prompts, divided by the number of rounds.

@@ -23,7 +23,8 @@ Loss: cross-entropy on block rows k = 1..bs-1 against the response tokens at p+k
 by exp(-(k-1)/gamma) (gamma 7 for bs 16), rows past the end of the response masked. The
 target's embedding and LM head are frozen (they are not in the trained pytree: only
 `DraftParams` is). Master weights are float32; the loss casts them to `compute_dtype`
-(bfloat16 on GPU). Target taps are computed on the fly, see `train_data`'s docstring.
+(bfloat16 on GPU). Target taps are computed on the fly, see `train_data`'s docstring, by a
+dense target (Qwen3, Llama) or a Qwen3.5 / Qwen3.6 hybrid alike (`target_taps`).
 
 Data parallelism (`train(..., dp=N)`, `dflash-jax train --dp N`): one SPMD program over a
 ("dp", "tp") = (N, 1) mesh. Each step's global batch of `batch_size` rows is split over "dp"
