@@ -209,7 +209,8 @@ def test_bench_runs_ar_dflash_ddtree_on_a_hybrid(hybrid, tmp_path, capsys):
 
 def test_make_data_and_train_on_a_hybrid(hybrid, tmp_path, capsys):
     """make-data answers with the hybrid's own AR decoding; train runs steps against the hybrid's
-    taps, logs finite losses, checkpoints and exports a drafter that loads for this target."""
+    taps, logs finite losses, checkpoints and exports a drafter that loads for this target; with
+    --dp 2 it gives the same losses and weights."""
     path, _, prompts = hybrid
     data = tmp_path / "tokens.npz"
     code = cli.main(["make-data", "--target", str(path), "--prompts", str(prompts), "--out", str(data),
@@ -219,20 +220,29 @@ def test_make_data_and_train_on_a_hybrid(hybrid, tmp_path, capsys):
     tokens = TokenData.load(data)
     assert len(tokens) == 3 and len(tokens.response_tokens) == 3 * 24
 
-    run = tmp_path / "run"
-    code = cli.main(["train", "--target", str(path), "--out", str(run), "--data", str(data), "--steps", "6",
-                     "--batch", "2", "--seq-len", "32", "--blocks", "2", "--block-size", "4", "--layers", "2",
-                     "--mask-token-id", str(VOCAB - 1), "--lr", "3e-3", "--warmup", "0.0", "--log-every", "1",
-                     "--save-every", "3", "--val-fraction", "0", "--compute-dtype", "float32", "--no-progress"])
-    out = capsys.readouterr()
-    assert code == 0, out.err
-    log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in log if "loss" in r]
+    def train(run, *extra: str) -> list[float]:
+        code = cli.main(["train", "--target", str(path), "--out", str(run), "--data", str(data), "--steps", "6",
+                         "--batch", "2", "--seq-len", "32", "--blocks", "2", "--block-size", "4", "--layers", "2",
+                         "--mask-token-id", str(VOCAB - 1), "--lr", "3e-3", "--warmup", "0.0", "--log-every", "1",
+                         "--save-every", "3", "--val-fraction", "0", "--compute-dtype", "float32", "--no-progress",
+                         *extra])
+        out = capsys.readouterr()
+        assert code == 0, out.err
+        log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+        return [r["loss"] for r in log if "loss" in r]
+
+    losses = train(tmp_path / "run")
     assert len(losses) == 6 and all(np.isfinite(losses))
     assert min(losses[3:]) < losses[0]  # six steps at a high rate on 3 sequences: it learns something
-    dcfg, _ = load_drafter(run / "drafter")
+    assert (tmp_path / "run" / "checkpoints").is_dir()
+    dcfg, dparams = load_drafter(tmp_path / "run" / "drafter")
     assert dcfg.num_target_layers == 8 and dcfg.block_size == 4
     validate_pair(dcfg, load_qwen35_config(path))
+    # The batch split over 2 (fake CPU) devices: the same run, the hybrid's taps computed per shard.
+    np.testing.assert_allclose(train(tmp_path / "run_dp2", "--dp", "2"), losses, rtol=1e-4)
+    _, dp2 = load_drafter(tmp_path / "run_dp2" / "drafter")
+    for x, y in zip(jax.tree.leaves(dp2), jax.tree.leaves(dparams)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-3, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- ar_decode on a hybrid
