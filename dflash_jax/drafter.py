@@ -201,7 +201,11 @@ def load_draft_config(path: str | Path) -> DraftConfig:
 
 
 def draft_config_to_dict(dcfg: DraftConfig, dtype: str = "float32") -> dict[str, Any]:
-    """The z-lab `config.json` for `dcfg` (loadable by `DFlashDraftModel.from_pretrained`)."""
+    """The z-lab `config.json` for `dcfg`, in both schemas z-lab's drafters use: block_size,
+    mask_token_id and target_layer_ids at the top level and again in `dflash_config` (dflash
+    0.1.0's PyTorch model reads `dflash_config` first, its MLX loader and DDTree-style loaders
+    read some at the top level). Loadable by `DFlashDraftModel.from_pretrained` and by
+    `draft_config_from_dict`."""
     extras: dict[str, Any] = {"block_size": dcfg.block_size, "mask_token_id": dcfg.mask_token_id,
                               "target_layer_ids": list(dcfg.target_layer_ids)}
     if dcfg.input_embedding_scale != 1.0:
@@ -230,6 +234,9 @@ def draft_config_to_dict(dcfg: DraftConfig, dtype: str = "float32") -> dict[str,
         "use_sliding_window": dcfg.sliding_window is not None,
         "sliding_window": dcfg.sliding_window,
         "num_target_layers": dcfg.num_target_layers,
+        "block_size": dcfg.block_size,
+        "mask_token_id": dcfg.mask_token_id,
+        "target_layer_ids": list(dcfg.target_layer_ids),
         "dflash_config": extras,
         "dtype": dtype,
     }

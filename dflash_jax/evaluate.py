@@ -7,7 +7,9 @@ Prompt files (JSONL, see ../shared/data/README.md):
 Prompts are wrapped in the target's chat template. Every method decodes the same prompts
 with the same settings; tokens/s excludes compilation (each program is compiled ahead of
 time, once per prompt-width bucket). With greedy decoding the speculative outputs are also
-checked against AR's, token for token (`matches_ar`).
+checked against AR's, token for token (`matches_ar`). Dense targets (Qwen3, Llama) and
+Qwen3.5 / Qwen3.6 hybrids run alike: `ar_program` and `speculative.target_family` pick the
+decoder by the config.
 
 tau = tokens committed per target verification round (accepted drafted tokens + the bonus),
 summed over all rounds of all prompts, divided by the number of rounds.
@@ -15,6 +17,7 @@ summed over all rounds of all prompts, divided by the number of rounds.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -122,6 +125,33 @@ def method_specs(methods: Sequence[str], budgets: Sequence[int], block_size: int
     return list(dict.fromkeys(out))  # de-duplicated, in order
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "max_len", "sampling", "stop_tokens"))
+def _hybrid_generate(params: Any, cfg: Any, prompts: jax.Array, prompt_lens: jax.Array, key: jax.Array, *,
+                     max_new_tokens: int, max_len: int, sampling: SamplingParams = SamplingParams(),
+                     stop_tokens: tuple[int, ...] = ()) -> Any:
+    """`qwen3_5.generate` returning a `generate.Generation`, as `generate.generate_ar` does."""
+    from dflash_jax import qwen3_5
+    from dflash_jax.generate import Generation
+
+    return Generation(*qwen3_5.generate(params, cfg, prompts, prompt_lens, key, max_new_tokens=max_new_tokens,
+                                        max_len=max_len, sampling=sampling, stop_tokens=stop_tokens))
+
+
+def ar_program(cfg: Any, impl: Impl = Impl()) -> tuple[Callable[..., Any], dict[str, Any]]:
+    """The jitted AR decoder of a target and its extra keyword arguments: `generate.generate_ar`
+    (with `impl`) for a dense target, `qwen3_5.generate` for a Qwen3.5 / Qwen3.6 hybrid (one
+    implementation), as `speculative.target_family` picks by the config. Both take (params, cfg,
+    prompts [B, P], prompt_lens [B], key, *, max_new_tokens, max_len, sampling, stop_tokens) and
+    return a `generate.Generation`. Kept apart (not one jitted wrapper) so the dense decoder keeps
+    its own compiler options."""
+    from dflash_jax.generate import generate_ar
+    from dflash_jax.speculative import HYBRID, target_family
+
+    if target_family(cfg) is HYBRID:
+        return _hybrid_generate, {}
+    return generate_ar, {"impl": impl}
+
+
 def bench_tokens(params: Any, cfg: Any, token_lists: Sequence[Sequence[int]], categories: Sequence[str],
                  specs: Sequence[MethodSpec], *, dparams: Any = None, dcfg: Any = None,
                  max_new_tokens: int = 256, batch_size: int = 1, stop_tokens: tuple[int, ...] = (),
@@ -138,7 +168,7 @@ def bench_tokens(params: Any, cfg: Any, token_lists: Sequence[Sequence[int]], ca
     """
     from tqdm.auto import tqdm
 
-    from dflash_jax.generate import check_prompts, generate_ar
+    from dflash_jax.generate import check_prompts
     from dflash_jax.pipeline import Compiled, default_max_len, pad_prompts, padded_width
     from dflash_jax.speculative import SpecSettings, speculative_program
 
@@ -154,6 +184,7 @@ def bench_tokens(params: Any, cfg: Any, token_lists: Sequence[Sequence[int]], ca
     batches = [list(range(i, min(i + batch_size, n))) for i in range(0, n, batch_size)]
     width = padded_width(token_lists, width_multiple)
     compiled = Compiled()
+    ar_fn, ar_extra = ar_program(cfg, impl)
     per_method: dict[str, dict[str, Any]] = {}
     outputs: dict[str, list[list[int]]] = {}
     all_settings = [None if spec.method == "ar" else
@@ -182,10 +213,10 @@ def bench_tokens(params: Any, cfg: Any, token_lists: Sequence[Sequence[int]], ca
             key = jax.random.key(seed + b)
             if settings is None:
                 gen, secs = compiled.run(
-                    ("ar", arr.shape, max_len), generate_ar,
+                    ("ar", arr.shape, max_len), ar_fn,
                     (params, cfg, jnp.asarray(arr), jnp.asarray(lens), key),
                     dict(max_new_tokens=max_new_tokens, max_len=max_len, sampling=sampling,
-                         stop_tokens=tuple(stop_tokens), impl=impl))
+                         stop_tokens=tuple(stop_tokens), **ar_extra))
             else:
                 gen, secs = compiled.run(
                     (spec, arr.shape, max_len), speculative_program(settings),

@@ -23,7 +23,8 @@ Loss: cross-entropy on block rows k = 1..bs-1 against the response tokens at p+k
 by exp(-(k-1)/gamma) (gamma 7 for bs 16), rows past the end of the response masked. The
 target's embedding and LM head are frozen (they are not in the trained pytree: only
 `DraftParams` is). Master weights are float32; the loss casts them to `compute_dtype`
-(bfloat16 on GPU). Target taps are computed on the fly, see `train_data`'s docstring.
+(bfloat16 on GPU). Target taps are computed on the fly, see `train_data`'s docstring, by a
+dense target (Qwen3, Llama) or a Qwen3.5 / Qwen3.6 hybrid alike (`target_taps`).
 
 Data parallelism (`train(..., dp=N)`, `dflash-jax train --dp N`): one SPMD program over a
 ("dp", "tp") = (N, 1) mesh. Each step's global batch of `batch_size` rows is split over "dp"
@@ -57,7 +58,14 @@ from dflash_jax.files import atomic_write_text, bounded, check_writable
 from dflash_jax.kv_cache import KVCache
 from dflash_jax.model import ModelParams, forward, rms_norm
 from dflash_jax.params import cast_floating
+from dflash_jax.qwen3_5 import HybridCache, Qwen35Config, Qwen35Params
+from dflash_jax.qwen3_5 import forward as qwen35_forward
 from dflash_jax.rope import rope_tables
+from dflash_jax.speculative import HYBRID, target_family
+
+# A frozen target is dense (Qwen3, Llama) or a Qwen3.5 / Qwen3.6 hybrid; only `target_taps` tells them apart.
+TargetConfig = ModelConfig | Qwen35Config
+TargetParams = ModelParams | Qwen35Params
 from dflash_jax.train_data import SequenceSet, batch_indices, split_by_prompt
 
 # Token texts tried, in order, for the drafter's MASK token (the target's embedding of it is used).
@@ -135,7 +143,7 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
         optax.adamw(learning_rate_schedule(tc), b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay))
 
 
-def drafter_config_for(target: ModelConfig, *, num_layers: int = 3, block_size: int = 16,
+def drafter_config_for(target: TargetConfig, *, num_layers: int = 3, block_size: int = 16,
                        mask_token_id: int, target_layer_ids: tuple[int, ...] | None = None,
                        **overrides: Any) -> dr.DraftConfig:
     """A drafter shaped like the target's layers (hidden, heads, head_dim, MLP, RoPE).
@@ -156,7 +164,7 @@ def drafter_config_for(target: ModelConfig, *, num_layers: int = 3, block_size: 
     return dcfg
 
 
-def drafter_from_init(path: str | Path, target: ModelConfig, *, num_layers: int | None = None,
+def drafter_from_init(path: str | Path, target: TargetConfig, *, num_layers: int | None = None,
                       block_size: int | None = None, mask_token_id: int | None = None
                       ) -> tuple[dr.DraftConfig, dr.DraftParams]:
     """A trained drafter to start a run from (`train --init`): its config and float32 weights.
@@ -204,21 +212,29 @@ def choose_mask_token(tokenizer: Any, vocab_size: int) -> int:
 
 # ----------------------------------------------------------------------------- the packed pass
 
-def target_taps(target: ModelParams, cfg: ModelConfig, tokens: jax.Array, tap_layers: tuple[int, ...],
-                attn_impl: str = "auto", *, labels: str = "response") -> tuple[jax.Array, jax.Array | None]:
+def target_taps(target: TargetParams, cfg: TargetConfig, tokens: jax.Array, tap_layers: tuple[int, ...],
+                attn_impl: str = "auto", *, labels: str = "response"
+                ) -> tuple[jax.Array, jax.Array | None]:
     """The target's tap features of every position, and what `labels` needs from the target.
 
     tokens [batch, T] -> (taps [batch, T, taps*embed], source), where source is None for
     "response"; for "target", greedy [batch, T] int32, greedy[t] the target's argmax after
     positions <= t; for "target-soft", the logits [batch, T, vocab] behind that argmax. One
-    causal target forward; the LM head runs only for target labels. Constant for the drafter
-    (stop_gradient).
+    causal target forward, dense or hybrid (`speculative.target_family` picks by the config;
+    the hybrid's forward has one attention implementation, so `attn_impl` is for dense targets);
+    the LM head runs only for target labels. Constant for the drafter (stop_gradient).
     """
     batch, seq = tokens.shape
-    cache = KVCache.create(cfg.num_layers, batch, seq, cfg.num_kv_heads, cfg.head_dim, target.embed.dtype)
     positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
-    out = forward(target, cfg, tokens, positions, cache, None, tap_layers=tuple(tap_layers),
-                  compute_logits=labels != "response", attn_impl=attn_impl)
+    compute_logits = labels != "response"
+    if target_family(cfg) is HYBRID:
+        cache = HybridCache.create(cfg, batch, seq, target.embed.dtype)
+        out = qwen35_forward(target, cfg, tokens, positions, cache, tap_layers=tuple(tap_layers),
+                             compute_logits=compute_logits)
+    else:
+        cache = KVCache.create(cfg.num_layers, batch, seq, cfg.num_kv_heads, cfg.head_dim, target.embed.dtype)
+        out = forward(target, cfg, tokens, positions, cache, None, tap_layers=tuple(tap_layers),
+                      compute_logits=compute_logits, attn_impl=attn_impl)
     source = None
     if labels == "target":
         source = jnp.argmax(out.logits, -1).astype(jnp.int32)
@@ -315,7 +331,7 @@ def block_tokens(tokens: jax.Array, anchors: jax.Array, dcfg: dr.DraftConfig) ->
                                                        dcfg.mask_token_id, tokens.dtype)], -1)
 
 
-def packed_forward(dparams: dr.DraftParams, dcfg: dr.DraftConfig, target: ModelParams, taps: jax.Array,
+def packed_forward(dparams: dr.DraftParams, dcfg: dr.DraftConfig, target: TargetParams, taps: jax.Array,
                    tokens: jax.Array, anchors: jax.Array, *, remat: bool = False) -> jax.Array:
     """The drafter over all blocks of every sequence in one pass -> final-normed hidden [B, N, bs, embed].
 
@@ -389,7 +405,7 @@ def position_weights(block_size: int, gamma: float) -> jax.Array:
     return jnp.exp(-jnp.arange(block_size - 1, dtype=jnp.float32) / gamma)
 
 
-def block_scores(dparams: dr.DraftParams, target: ModelParams, taps: jax.Array, batch: dict[str, jax.Array],
+def block_scores(dparams: dr.DraftParams, target: TargetParams, taps: jax.Array, batch: dict[str, jax.Array],
                  key: jax.Array, *, dcfg: dr.DraftConfig, tc: TrainConfig,
                  source: jax.Array | None = None) -> dict[str, jax.Array]:
     """Per block row: cross-entropy, loss weight, mask and correctness, per block: valid and chain run.
@@ -421,7 +437,7 @@ def block_scores(dparams: dr.DraftParams, target: ModelParams, taps: jax.Array, 
             "valid": valid, "run": jnp.sum(jnp.cumprod(correct, axis=-1), axis=-1)}
 
 
-def loss_fn(dparams: dr.DraftParams, target: ModelParams, taps: jax.Array, batch: dict[str, jax.Array],
+def loss_fn(dparams: dr.DraftParams, target: TargetParams, taps: jax.Array, batch: dict[str, jax.Array],
             key: jax.Array, *, dcfg: dr.DraftConfig, tc: TrainConfig,
             source: jax.Array | None = None) -> tuple[jax.Array, dict[str, Any]]:
     """Weighted block cross-entropy (or KL) and metrics. dparams are float32 masters, cast here."""
@@ -460,7 +476,7 @@ def init_state(dparams: dr.DraftParams, tc: TrainConfig) -> TrainState:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "tc"))
-def train_step(state: TrainState, target: ModelParams, batch: dict[str, jax.Array], *, cfg: ModelConfig,
+def train_step(state: TrainState, target: TargetParams, batch: dict[str, jax.Array], *, cfg: TargetConfig,
                dcfg: dr.DraftConfig, tc: TrainConfig) -> tuple[TrainState, dict[str, Any]]:
     """One optimiser step: target taps (on the fly) -> packed drafter pass -> loss -> AdamW.
 
@@ -537,8 +553,8 @@ _EVAL_STREAM = 0x5EEDEA1
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "tc"))
-def eval_step(params: dr.DraftParams, target: ModelParams, batch: dict[str, jax.Array], key: jax.Array, *,
-              cfg: ModelConfig, dcfg: dr.DraftConfig, tc: TrainConfig) -> dict[str, jax.Array]:
+def eval_step(params: dr.DraftParams, target: TargetParams, batch: dict[str, jax.Array], key: jax.Array, *,
+              cfg: TargetConfig, dcfg: dr.DraftConfig, tc: TrainConfig) -> dict[str, jax.Array]:
     """Sums over one validation batch, no gradient: the numerators and denominators of `evaluate`.
 
     The same blocks, loss and chain-acceptance rules as `loss_fn`; the anchors come from `key`.
@@ -561,7 +577,7 @@ class ValidationSet:
     keys: list[jax.Array]  # the anchor key of each batch
 
 
-def check_sizes(cfg: ModelConfig, dcfg: dr.DraftConfig, tc: TrainConfig) -> None:
+def check_sizes(cfg: TargetConfig, dcfg: dr.DraftConfig, tc: TrainConfig) -> None:
     """Refuses rows longer than the target's positions, and a step whose largest activations
     alone exceed the device's memory (an absurd --batch or --seq-len otherwise fails deep in XLA)."""
     from dflash_jax.generate import memory_available
@@ -621,7 +637,7 @@ def validation_set(data: SequenceSet, val_rows: np.ndarray, tc: TrainConfig, max
     return ValidationSet(rows=rows, batches=batches, keys=keys)
 
 
-def evaluate(params: dr.DraftParams, target: ModelParams, vset: ValidationSet, *, cfg: ModelConfig,
+def evaluate(params: dr.DraftParams, target: TargetParams, vset: ValidationSet, *, cfg: TargetConfig,
              dcfg: dr.DraftConfig, tc: TrainConfig) -> dict[str, Any]:
     """val_loss, val_acc_by_pos and val_tau_estimate over every block of the validation set.
 
@@ -772,7 +788,7 @@ def _tau32(tau: float) -> float:
     return float(np.float32(tau))
 
 
-def train(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: SequenceSet, tc: TrainConfig,
+def train(target: TargetParams, cfg: TargetConfig, dcfg: dr.DraftConfig, data: SequenceSet, tc: TrainConfig,
           out_dir: str | Path, *, init_params: dr.DraftParams | None = None, resume: bool = False,
           save_every: int = 500, keep: int = 3, log_every: int = 10, stop_at: int | None = None,
           time_limit: float | None = None, export: bool = True, export_dtype: str = "float32",
@@ -998,7 +1014,7 @@ def _summary(history: list[dict[str, Any]], end: int, tc: TrainConfig, export_di
     return out
 
 
-def time_step_parts(target: ModelParams, cfg: ModelConfig, dcfg: dr.DraftConfig, data: SequenceSet,
+def time_step_parts(target: TargetParams, cfg: TargetConfig, dcfg: dr.DraftConfig, data: SequenceSet,
                     tc: TrainConfig, dparams: dr.DraftParams | None = None, repeats: int = 10,
                     dp: int = 1) -> dict[str, float]:
     """Median seconds of the taps forward alone and of a whole train_step (compile excluded).

@@ -6,7 +6,7 @@ target's own generations (not the datasets' reference answers):
   1. prompts come from local JSONL files (gsm8k train `question`, alpaca_eval `instruction`);
      evaluation sets (spec_bench, any `test` split) are refused;
   2. each prompt is wrapped in the target's chat template (`pipeline.encode_prompts`);
-  3. the target answers with our own batched, jitted decoding (`generate.generate_ar`), a mix
+  3. the target answers with our own batched, jitted decoding (`evaluate.ar_program`: dense or hybrid), a mix
      of greedy and temperature-1 batches; with `samples_per_prompt` N > 1 every prompt is
      answered N times: copy 0 as above, copies 1..N-1 sampled (a greedy copy would repeat
      copy 0's argmax path token for token);
@@ -247,7 +247,8 @@ def generate_responses(params: Any, cfg: Any, prompts: Sequence[Sequence[int]], 
     same responses as N = 1); copies 1..N-1 are all sampled at `temperature`, batch b of copy c
     with its own key (key b of copy 0 folded with c), so no two copies share a random stream.
     """
-    from dflash_jax.generate import check_prompts, generate_ar
+    from dflash_jax.evaluate import ar_program
+    from dflash_jax.generate import check_prompts
     from dflash_jax.pipeline import default_max_len, pad_prompts, padded_width
 
     if not prompts:
@@ -269,6 +270,7 @@ def generate_responses(params: Any, cfg: Any, prompts: Sequence[Sequence[int]], 
     check_prompts(np.full(batch_size, max(len(p) for p in prompts), np.int32), width, max_new_tokens, max_len,
                   cfg=cfg,
                   itemsize=int(np.dtype(jax.tree.leaves(params)[0].dtype).itemsize))
+    generate, extra = ar_program(cfg)  # dense or hybrid target
     bar = _progress(n * samples_per_prompt, "generate", progress)
     for copy in range(samples_per_prompt):
         for b, idx in enumerate(batches):
@@ -281,9 +283,9 @@ def generate_responses(params: Any, cfg: Any, prompts: Sequence[Sequence[int]], 
             else:
                 sampled, key = True, jax.random.fold_in(key, copy)
             sp = SamplingParams(temperature=temperature) if sampled else SamplingParams()
-            gen = generate_ar(params, cfg, jnp.asarray(arr), jnp.asarray(lens), key,
-                              max_new_tokens=max_new_tokens, max_len=max_len, sampling=sp,
-                              stop_tokens=tuple(stop_tokens))
+            gen = generate(params, cfg, jnp.asarray(arr), jnp.asarray(lens), key,
+                           max_new_tokens=max_new_tokens, max_len=max_len, sampling=sp,
+                           stop_tokens=tuple(stop_tokens), **extra)
             toks, num = np.asarray(gen.tokens), np.asarray(gen.num_tokens)
             for row, i in enumerate(idx):
                 responses[copy * n + i] = toks[row, :num[row]].tolist()

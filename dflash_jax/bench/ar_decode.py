@@ -6,6 +6,13 @@ Weights are random bf16 of each model's shape. Each timed call runs `steps` deco
 (one `lax.fori_loop`, compile excluded) from a cache already holding `ctx` tokens; the
 ms/token is the median call time / steps. The roofline is (weight bytes [+ KV bytes read])
 over the device copy bandwidth measured in the same run.
+
+A Qwen3.5 / Qwen3.6 hybrid shape (qwen3.6-27b, tiny-hybrid) decodes with `qwen3_5.forward` (one
+implementation: --impls does not apply and its rows say "hybrid"); its cache bytes per token are
+the attention layers' K/V read plus each Gated-DeltaNet layer's float32 recurrent state, read and
+written back every step.
+
+    python -m dflash_jax.bench.ar_decode --models tiny-hybrid --contexts 64 --steps 4 --copy-gb 0.01
 """
 from __future__ import annotations
 
@@ -18,12 +25,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.bench.common import (SHAPES, copy_bandwidth, dump_hlo, environment, log, time_fn,
-                                     write_json)
+from dflash_jax.bench.common import SHAPES, copy_bandwidth, dump_hlo, environment, log, time_fn, write_json
+from dflash_jax import qwen3_5
 from dflash_jax.bench.profile import profile_program, scale_profile
 from dflash_jax.kv_cache import KVCache
 from dflash_jax.model import forward, init_params
 from dflash_jax.params import param_bytes
+from dflash_jax.qwen3_5 import HybridCache, Qwen35Config
 
 
 def layer_buffers(key: jax.Array, shape: tuple[int, ...], n: int, dtype) -> tuple[tuple, tuple]:
@@ -46,12 +54,37 @@ def random_cache(cfg, batch: int, max_len: int, ctx: int, dtype) -> KVCache:
     return KVCache(k=k, v=v, lengths=jnp.full((batch,), ctx, jnp.int32))
 
 
+def random_hybrid_cache(cfg: Qwen35Config, batch: int, max_len: int, ctx: int, dtype) -> HybridCache:
+    """A hybrid's cache, `ctx` tokens committed: random K/V in the attention layers, zero conv and
+    recurrent states (a step reads and writes them whole whatever their values)."""
+    n_attn = len(cfg.attn_layers)
+    k, v = layer_buffers(jax.random.key(1), (batch, max_len, cfg.num_kv_heads, cfg.head_dim), n_attn, dtype)
+    empty = HybridCache.create(cfg, batch, 1, dtype)
+    return HybridCache(k=jnp.stack(k), v=jnp.stack(v), conv=empty.conv, state=empty.state,
+                       lengths=jnp.full((batch,), ctx, jnp.int32))
+
+
+def cache_bytes_per_token(cfg, ctx: int, steps: int) -> int:
+    """Cache bytes one bf16 decode step moves, averaged over `steps` steps from `ctx` tokens: the
+    K/V read, and for a hybrid also each GDN layer's float32 state read and written."""
+    if isinstance(cfg, Qwen35Config):
+        kv = 2 * len(cfg.attn_layers) * (ctx + steps // 2) * cfg.num_kv_heads * cfg.head_dim * 2
+        state = len(cfg.gdn_layers) * cfg.gdn_value_heads * cfg.gdn_key_dim * cfg.gdn_value_dim * 4
+        return kv + 2 * state
+    return 2 * cfg.num_layers * (ctx + steps // 2) * cfg.num_kv_heads * cfg.head_dim * 2
+
+
 def make_decoder(cfg, steps: int, attn_impl: str):
+    hybrid = isinstance(cfg, Qwen35Config)
+
     @functools.partial(jax.jit, donate_argnums=(1,))
     def run(params, cache, token):
         def body(_, carry):
             cache, tok = carry
-            out = forward(params, cfg, tok[:, None], cache.lengths[:, None], cache, None, attn_impl=attn_impl)
+            if hybrid:
+                out = qwen3_5.forward(params, cfg, tok[:, None], cache.lengths[:, None], cache)
+            else:
+                out = forward(params, cfg, tok[:, None], cache.lengths[:, None], cache, None, attn_impl=attn_impl)
             nxt = jnp.argmax(out.logits[:, 0], -1).astype(jnp.int32)
             return dataclasses.replace(out.cache, lengths=cache.lengths + 1), nxt
         cache, tok = jax.lax.fori_loop(0, steps, body, (cache, token))
@@ -68,19 +101,21 @@ def bench_model(name: str, contexts: list[int], steps: int, impls: list[str], ba
                 on_row=lambda rows: None, profile: bool = False, hlo_dir: str | None = None,
                 gemms: tuple[str, ...] = ("default",)) -> list[dict]:
     cfg = SHAPES[name]
-    params = jax.block_until_ready(init_params(cfg, jax.random.key(0), jnp.bfloat16))
+    hybrid = isinstance(cfg, Qwen35Config)
+    init = qwen3_5.init_params if hybrid else init_params
+    params = jax.block_until_ready(init(cfg, jax.random.key(0), jnp.bfloat16))
     log(f"{name}: weights drawn")
     wbytes = param_bytes(params)
     rows = []
     # One max_len for every context: the context is a runtime length, so one compile per impl.
     max_len = max(contexts) + steps + 64
-    variants = [(impl, gemm) for impl in impls for gemm in gemms]
+    variants = [(impl, gemm) for impl in (["hybrid"] if hybrid else impls) for gemm in gemms]
     runs: dict[tuple[str, str], Any] = {}
     compile_s: dict[tuple[str, str], float] = {}
     for ctx in contexts:
-        kv_bytes = 2 * cfg.num_layers * (ctx + steps // 2) * cfg.num_kv_heads * cfg.head_dim * 2
+        kv_bytes = cache_bytes_per_token(cfg, ctx, steps)
         for impl, gemm in variants:
-            cache = random_cache(cfg, 1, max_len, ctx, jnp.bfloat16)
+            cache = (random_hybrid_cache if hybrid else random_cache)(cfg, 1, max_len, ctx, jnp.bfloat16)
             tok = jnp.zeros((1,), jnp.int32) + 7
             if (impl, gemm) not in runs:  # compile once, ahead of time, for every context
                 t0 = time.perf_counter()

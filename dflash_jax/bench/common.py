@@ -13,9 +13,12 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import ModelConfig, RopeConfig
+from dflash_jax.qwen3_5 import FULL, LINEAR, Qwen35Config
 
-# Real models' shapes; the benchmarks use random weights of these shapes.
-SHAPES: dict[str, ModelConfig] = {
+# Real models' shapes; the benchmarks use random weights of these shapes. Dense targets are
+# ModelConfigs, Qwen3.5 / Qwen3.6 hybrids Qwen35Configs (`dense_shape` refuses those for the
+# tools that time dense targets only).
+SHAPES: dict[str, ModelConfig | Qwen35Config] = {
     "qwen3-8b": ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                             num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, qk_norm=True,
                             rope=RopeConfig(theta=1000000.0), max_position_embeddings=40960),
@@ -29,7 +32,33 @@ SHAPES: dict[str, ModelConfig] = {
     "tiny": ModelConfig(model_type="qwen3", vocab_size=512, hidden_size=128, intermediate_size=256,
                         num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True,
                         rope=RopeConfig(theta=10000.0), max_position_embeddings=8192),
+    # Qwen3.6-27B: 16 x (3 Gated-DeltaNet layers, 1 gated-attention layer); RoPE on 25% of head_dim 256.
+    "qwen3.6-27b": Qwen35Config(vocab_size=248320, hidden_size=5120, intermediate_size=17408,
+                                layer_types=(LINEAR, LINEAR, LINEAR, FULL) * 16, num_heads=24, num_kv_heads=4,
+                                head_dim=256, rotary_dim=64, gdn_key_heads=16, gdn_value_heads=48, gdn_key_dim=128,
+                                gdn_value_dim=128, rope=RopeConfig(theta=10000000.0), max_position_embeddings=262144),
+    # The hybrid's smoke-test shape: two periods, key heads < value heads as in the real models.
+    "tiny-hybrid": Qwen35Config(vocab_size=512, hidden_size=128, intermediate_size=256,
+                                layer_types=(LINEAR, LINEAR, LINEAR, FULL) * 2, num_heads=4, num_kv_heads=2,
+                                head_dim=32, rotary_dim=8, gdn_key_heads=2, gdn_value_heads=4, gdn_key_dim=16,
+                                gdn_value_dim=16, rope=RopeConfig(theta=10000.0), max_position_embeddings=8192),
 }
+
+# SHAPES of dense targets (the tools that build dense models take only these as choices).
+DENSE_SHAPES = sorted(name for name, cfg in SHAPES.items() if isinstance(cfg, ModelConfig))
+
+
+def dense_shape(name: str, tool: str) -> ModelConfig:
+    """SHAPES[name] for a tool that times dense targets only; a hybrid or unknown name is refused
+    naming the shape and the tool."""
+    if name not in SHAPES:
+        raise ValueError(f"{tool}: unknown model shape {name!r}; known: {sorted(SHAPES)}")
+    cfg = SHAPES[name]
+    if not isinstance(cfg, ModelConfig):
+        raise ValueError(f"{tool}: model shape {name!r} is a Qwen3.5 / Qwen3.6 hybrid; {tool} times dense "
+                         f"targets only (dense shapes: {DENSE_SHAPES}); time a hybrid with `dflash-jax bench` "
+                         f"or `generate --stage-times` on a saved checkpoint")
+    return cfg
 
 
 _T0 = time.perf_counter()

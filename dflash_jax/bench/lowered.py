@@ -44,13 +44,13 @@ def lower_programs(model: str, ctx: int, new: int, budget: int, dtype: Any = jnp
     generations for one prompt of `ctx` tokens and `new` new tokens, with abstract weights of
     the `model` shape (`bench.common.SHAPES`) and a 5-layer drafter (`spec_round.drafter_config`)."""
     from dflash_jax import drafter as dr
-    from dflash_jax.bench.common import SHAPES
+    from dflash_jax.bench.common import dense_shape
     from dflash_jax.bench.spec_round import drafter_config
     from dflash_jax.generate import generate_ar
     from dflash_jax.model import init_params
     from dflash_jax.speculative import SpecSettings, speculative_program
 
-    cfg = SHAPES[model]
+    cfg = dense_shape(model, "lowered")
     dcfg = drafter_config(cfg)
     target = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), dtype))
     dparams = jax.eval_shape(lambda: dr.init_draft_params(dcfg, jax.random.key(1), dtype))

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from dflash_jax import drafter as dr
 from dflash_jax.bench.ar_decode import layer_buffers, make_decoder, random_cache
 from dflash_jax.bench.clocks import ClockSampler
-from dflash_jax.bench.common import SHAPES, dump_hlo, environment, log, time_fn, write_json
+from dflash_jax.bench.common import SHAPES, dense_shape, dump_hlo, environment, log, time_fn, write_json
 from dflash_jax.bench.profile import profile_program, scale_profile
 from dflash_jax.config import default_tap_layers
 from dflash_jax.impl import ATTENTION_IMPLS, Impl
@@ -55,7 +55,7 @@ def decoding_pair(model: str, dtype=jnp.bfloat16) -> tuple[Any, dr.DraftConfig, 
     """(cfg, dcfg, drafter params, target params) with random weights in the decoding layout (the
     target fused, the drafter block-qkv), as `spec_round`'s defaults time them: the `SHAPES[model]`
     target and a 5-layer drafter."""
-    cfg = SHAPES[model]
+    cfg = dense_shape(model, "spec_round")
     dcfg = drafter_config(cfg)
     dparams = dr.init_draft_params(dcfg, jax.random.key(1), dtype)
     target = jax.block_until_ready(init_params(cfg, jax.random.key(0), dtype))
@@ -325,7 +325,7 @@ def main() -> None:
     args = ap.parse_args()
     env = environment()
     print(env, flush=True)
-    cfg = SHAPES[args.model]
+    cfg = dense_shape(args.model, "spec_round")
     dtype = jnp.dtype(args.dtype)
     if args.draft:  # a real drafter's shape and weights (the target stays random: timing only)
         from convert.dflash_drafter import load_drafter  # imports gguf; only this option needs it

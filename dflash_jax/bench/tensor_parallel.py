@@ -47,7 +47,7 @@ from dflash_jax import drafter as dr
 from dflash_jax import sharding as sh
 from dflash_jax.bench.ar_decode import make_decoder, random_cache
 from dflash_jax.bench.collectives import ALL_REDUCE, ALL_REDUCE_MAX_BYTES, ROW_GROUPS, add_collective_arena
-from dflash_jax.bench.common import SHAPES, environment, time_fn, write_json
+from dflash_jax.bench.common import SHAPES, dense_shape, environment, time_fn, write_json
 from dflash_jax.config import ModelConfig, RopeConfig
 from dflash_jax.stage_times import STAGES
 from dflash_jax.model import forward, init_params
@@ -205,7 +205,7 @@ def bench_round(target, dparams, cfg, dcfg, mesh, budget: int, ctx: int, max_len
 
 def memory_report(model: str, tp: int, ctx: int, budget: int, tiny: bool) -> dict:
     """Target + 5-layer drafter + ctx-token caches through one DDTree round; peak per device."""
-    cfg = TINY if tiny else SHAPES[model]
+    cfg = TINY if tiny else dense_shape(model, "tensor_parallel")
     dcfg = drafter_config(cfg, 2 if tiny else 5)
     mesh = sh.make_mesh(1, tp)
     with sh.use_mesh(mesh):
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     models = ["tiny"] if args.tiny else args.models
     for name in models:
-        cfg = TINY if args.tiny else SHAPES[name]
+        cfg = TINY if args.tiny else dense_shape(name, "tensor_parallel")
         dcfg = drafter_config(cfg, 2 if args.tiny else 5)
         max_len = args.ctx + 1024
         for tp in args.tps:
