@@ -60,10 +60,10 @@ def load_reference(source: str, dtype: str = "float32") -> Any:
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     if kind == "gguf":
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch_dtype)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch_dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(path if path.is_dir() else path.parent),
-                                                     torch_dtype=torch_dtype)
+                                                     dtype=torch_dtype)
     return model.eval()
 
 
