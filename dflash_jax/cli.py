@@ -631,7 +631,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
                                    "state errors, logits agreement, greedy continuations and a verdict "
                                    "(agree / near-tie / real disagreement). Needs `pip install 'dflash-jax[compare]'`.")
     p.add_argument("--model", default="smollm2", help="'smollm2', a .gguf file or an HF directory")
-    p.add_argument("--draft", help="not supported yet: drafter comparison")
+    p.add_argument("--draft", help="also compare this DFlash drafter (directory, or 'smollm2') with dflash 0.1.0's")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", default=None, help="prompt text (chat template applied)")
     src.add_argument("--prompts", default=None, help="JSONL file; each row's 'prompt', 'question' or 'text'")
@@ -646,8 +646,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from dflash_jax import compare as cmp
     from dflash_jax import pipeline
 
-    if args.draft:
-        raise ValueError("--draft: drafter comparison is not supported yet; compare the target alone")
     texts = [args.prompt or "Give me three tips for a good night's sleep."]
     if args.prompts:
         from dflash_jax.jsonl import iter_jsonl
@@ -658,14 +656,24 @@ def cmd_compare(args: argparse.Namespace) -> int:
             if not isinstance(text, str) or not text:
                 raise ValueError(f"{args.prompts}:{line_no}: no 'prompt', 'question' or 'text' string")
             texts.append(text)
-    cmp.require_reference("torch", "transformers")  # before minutes of loading
+    cmp.require_reference("torch", "transformers", *(("dflash",) if args.draft else ()))  # before loading
     out = check_writable(args.out, "--out") if args.out else None
     cfg, params, tokenizer = _load_target(args.model, jnp.dtype(args.dtype))
     reference = cmp.load_reference(args.model, args.dtype)
+    drafter = None
+    if args.draft:
+        dcfg, dparams = _load_drafter_for(args.draft, cfg, jnp.dtype(args.dtype))
+        drafter = cmp.load_reference_drafter(args.draft, args.dtype)
     reports = []
     for text, ids in zip(texts, pipeline.encode_prompts(tokenizer, texts)):
         report = cmp.compare_target(params, cfg, reference, ids, tokens=args.tokens, dtype=args.dtype)
         report["prompt"] = text
+        if drafter is not None:
+            report["drafter"] = cmp.compare_drafter(params, cfg, dparams, dcfg, reference, drafter, ids,
+                                                    dtype=args.dtype)
+            if report["drafter"]["first_bad_depth"] is not None and report["first_bad_layer"] is None:
+                report["verdict"] = (f"real disagreement: the drafter's depth {report['drafter']['first_bad_depth']} "
+                                     f"logits leave tolerance; the target: {report['verdict']}")
         reports.append(report)
         print(f">>> {text}\n{cmp.format_table(report)}\n")
     if out is not None:

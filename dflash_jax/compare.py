@@ -209,6 +209,64 @@ def classify_parting(part: int, top_o: list[int], gap_o: float, top_r: list[int]
             f"{gap_r:.3g} (reference), more than rounding (logits error {logit_err:.3g}) explains")
 
 
+def load_reference_drafter(path: str, dtype: str = "float32") -> Any:
+    """dflash 0.1.0's DFlashDraftModel for a drafter directory (or a shipped drafter's name)."""
+    require_reference("torch", "transformers", "dflash")
+    import torch
+    from dflash.model import DFlashDraftModel
+
+    from convert.dflash_drafter import SHIPPED_DRAFTERS, shipped_drafter_path
+
+    directory = shipped_drafter_path(path) if path in SHIPPED_DRAFTERS else Path(path)
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    return DFlashDraftModel.from_pretrained(str(directory), dtype=torch_dtype).eval()
+
+
+def _context_taps(hidden: np.ndarray, layer_ids: Sequence[int]) -> np.ndarray:
+    """Per-layer outputs [layers, T, embed] -> the drafter's context features [T, taps * embed]."""
+    return np.concatenate([hidden[i] for i in layer_ids], -1)
+
+
+def compare_drafter(params: Any, cfg: ModelConfig, dparams: Any, dcfg: Any, reference_target: Any,
+                    reference_drafter: Any, ids: Sequence[int], *, dtype: str = "float32") -> dict[str, Any]:
+    """One drafter pass on both sides: context = our target's tap features of ids[:-1] (the same
+    array fed to both), root = ids[-1] at position len(ids) - 1.
+
+    -> {"depths": [{depth, max_abs, rel, cosine, top1_agree}], "first_bad_depth": int or None}; a
+    depth is bad when its logits' relative error passes TOLERANCE[dtype].
+    """
+    import torch
+    from dflash import model as dm
+
+    from dflash_jax.drafter import DraftCache, append_context, draft, draft_logits, make_block
+
+    if len(ids) < 2:
+        raise ValueError("compare: the drafter needs a prompt of at least 2 tokens (context and root)")
+    n = len(ids) - 1
+    taps = _context_taps(our_forward(params, cfg, ids[:-1])[0], dcfg.target_layer_ids).astype(np.float32)
+    bs = dcfg.block_size
+    cache = DraftCache.create(dcfg, batch=1, max_len=n + bs, dtype=params.embed.dtype)
+    cache = append_context(dparams, dcfg, cache, jnp.asarray(taps[None], params.embed.dtype),
+                           jnp.arange(n, dtype=jnp.int32)[None], jnp.asarray([n], jnp.int32))
+    block = make_block(dcfg, jnp.asarray([ids[-1]], jnp.int32))
+    hidden = draft(dparams, dcfg, params, cache, block, jnp.asarray([n], jnp.int32))
+    ours = np.asarray(draft_logits(dparams, dcfg, params, hidden).astype(jnp.float32))[0]
+
+    rd = reference_drafter
+    with torch.no_grad():
+        scale = float(dm._draft_value(rd.config, "input_embedding_scale", 1.0))
+        noise = dm._raw_input_embeddings(reference_target, torch.tensor(np.asarray(block)), scale)
+        ref_hidden = rd(target_hidden=torch.tensor(taps[None]).to(noise.dtype), noise_embedding=noise,
+                        position_ids=torch.arange(n + bs)[None], past_key_values=dm._make_cache(rd.config),
+                        use_cache=True)
+        ref = rd.compute_logits(ref_hidden[:, 1:], dm._output_head(reference_target))[0].float().numpy()
+    tol = TOLERANCE[dtype]
+    depths = [{"depth": d + 1, **_errors(ours[d], ref[d]), "top1_agree": bool(ours[d].argmax() == ref[d].argmax())}
+              for d in range(bs - 1)]
+    first_bad = next((row["depth"] for row in depths if row["rel"] > tol), None)
+    return {"depths": depths, "first_bad_depth": first_bad}
+
+
 def format_table(report: dict[str, Any]) -> str:
     """The report as a terminal table: one row per layer, then logits, greedy and the verdict."""
     lines = [f"{'layer':>5}  {'max |d|':>10}  {'rel err':>10}  {'cosine':>10}"]
@@ -221,6 +279,13 @@ def format_table(report: dict[str, Any]) -> str:
     g = report["greedy"]
     where = "no difference" if g["first_difference"] is None else f"first difference at token {g['first_difference']}"
     lines.append(f"greedy {g['tokens']} tokens: {where}")
+    if "drafter" in report:
+        dr = report["drafter"]
+        lines.append(f"{'depth':>5}  {'max |d|':>10}  {'rel err':>10}  {'cosine':>10}  top-1 (drafter logits)")
+        for row in dr["depths"]:
+            mark = "  <- first past tolerance" if row["depth"] == dr["first_bad_depth"] else ""
+            lines.append(f"{row['depth']:>5}  {row['max_abs']:>10.3e}  {row['rel']:>10.3e}  {row['cosine']:>10.7f}  "
+                         f"{'same' if row['top1_agree'] else 'DIFFERS'}{mark}")
     lines.append(f"verdict: {report['verdict']}")
     return "\n".join(lines)
 

@@ -89,3 +89,24 @@ def test_missing_package_is_one_clear_error(monkeypatch, capsys, tmp_path):
     assert cli.main(["compare", "--model", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "dflash==0.1.0" in err and "needs torch" in err
+
+
+def test_drafter_depths_agree_and_a_defect_shows(tmp_path):
+    """dflash 0.1.0's drafter on the same context features: per-depth logits agree in float32; a
+    perturbed drafter layer on our side moves every depth past tolerance."""
+    pytest.importorskip("dflash.model")
+    from tests import spec_models
+
+    target, drafter = spec_models.target_model(), spec_models.drafter_model(block_size=4)
+    cfg, params, dcfg, dparams = spec_models.convert_pair(target, drafter, tmp_path)
+    ids = [3, 7, 1, 9, 12, 5, 8, 2, 11]
+    report = cmp.compare_drafter(params, cfg, dparams, dcfg, target, drafter, ids)
+    assert [r["depth"] for r in report["depths"]] == [1, 2, 3]
+    assert report["first_bad_depth"] is None
+    assert all(r["rel"] < 1e-5 and r["top1_agree"] for r in report["depths"])
+    layers = list(dparams.layers)
+    layers[0] = dataclasses.replace(layers[0], mlp=dataclasses.replace(layers[0].mlp,
+                                                                      down=layers[0].mlp.down * 1.1))
+    bad = dataclasses.replace(dparams, layers=type(dparams.layers)(layers))
+    report = cmp.compare_drafter(params, cfg, bad, dcfg, target, drafter, ids)
+    assert report["first_bad_depth"] == 1
