@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import pipeline
-from dflash_jax.generate import generate_ar
+from dflash_jax.generate import Generation, generate_ar
 from dflash_jax.jsonl import iter_jsonl
 from dflash_jax.sampling import SamplingParams
 
@@ -130,23 +130,31 @@ def decode_file(params: Any, cfg: Any, tokenizer: Any, input_path: str | Path, o
         settings = SpecSettings(method=method, block_size=dcfg.block_size, budget=budget if method == "ddtree" else 0,
                                 sampling=sampling, max_new_tokens=max_new_tokens, stop_tokens=stop)
         program = speculative_program(settings)
+    else:
+        # A Qwen3.5 / Qwen3.6 hybrid decodes AR with its own loop; its speculative rounds share
+        # `speculative_program` with dense targets.
+        from dflash_jax import qwen3_5 as q35
+
+        ar_program = q35.generate if isinstance(cfg, q35.Qwen35Config) else generate_ar
     compiled = pipeline.Compiled()
     bar = _progress(len(todo), progress)
     totals = {"decoded": 0, "skipped": len(rows) - len(todo), "tokens": 0, "seconds": 0.0}
     committed = rounds_total = 0
     key = jax.random.key(seed)
     with Path(output_path).open("a", encoding="utf-8") as out:
-        for n, (width, idx) in enumerate(buckets(token_lists, batch)):
+        for width, idx in buckets(token_lists, batch):
             lists = [token_lists[i] for i in idx]
             lists += [lists[-1]] * (batch - len(lists))  # one shape per bucket
             prompts, lens = pipeline.pad_prompts(lists, width=width)
-            sub = jax.random.fold_in(key, n)
+            sub = jax.random.fold_in(key, todo[idx[0]].line)  # the same key for this batch on a rerun
             if settings is None:
                 max_len = pipeline.default_max_len(width, max_new_tokens, 1)
-                result, secs = compiled.run(width, generate_ar, (params, cfg, jnp.asarray(prompts), jnp.asarray(lens),
-                                                                  sub),
+                result, secs = compiled.run(width, ar_program, (params, cfg, jnp.asarray(prompts), jnp.asarray(lens),
+                                                                 sub),
                                             dict(max_new_tokens=max_new_tokens, max_len=max_len,
                                                  sampling=sampling, stop_tokens=stop))
+                if isinstance(result, tuple):  # a hybrid's AR gives (tokens, num_tokens)
+                    result = Generation(*result)
             else:
                 max_len = pipeline.default_max_len(width, max_new_tokens, settings.cache_slack())
                 result, secs = compiled.run(width, program, (params, cfg, dparams, dcfg, jnp.asarray(prompts),

@@ -23,8 +23,11 @@ class CharTokenizer:
     """One token per character (ids 1..VOCAB-2; the last id is the drafter's mask token)."""
     chat_template = None
 
+    def __init__(self, vocab: int = spec_models.VOCAB):
+        self.vocab = vocab
+
     def __call__(self, text):
-        return {"input_ids": [1 + ord(c) % (spec_models.VOCAB - 2) for c in text]}
+        return {"input_ids": [1 + ord(c) % (self.vocab - 2) for c in text]}
 
     def decode(self, ids, skip_special_tokens=True):
         return " ".join(str(i) for i in ids)
@@ -72,6 +75,26 @@ def test_batched_equals_batch_one(pair, tmp_path, method):
         _, ar = _decode(pair, tmp_path, "ar", "ar", batch=3)
         assert {r["id"]: r["text"] for r in ar} == {r["id"]: r["text"] for r in rows}
         assert all(r["tau"] >= 1 and r["rounds"] >= 1 for r in rows)
+
+
+def test_hybrid_ar_batched_equals_batch_one(tmp_path):
+    """A Qwen3.5-style hybrid target decodes AR through its own loop, batched as a dense one."""
+    from convert import load_qwen35
+    from tests.test_qwen3_5 import tiny_hf
+
+    model = tiny_hf("interval4")
+    model.save_pretrained(tmp_path / "hybrid")
+    cfg, params = load_qwen35(tmp_path / "hybrid")
+    _write_input(tmp_path / "in.jsonl", PROMPTS[:5])
+    texts = {}
+    for batch in (1, 3):
+        out = tmp_path / f"h{batch}.jsonl"
+        decode.decode_file(params, cfg, CharTokenizer(cfg.vocab_size), tmp_path / "in.jsonl", out, batch=batch,
+                           max_new_tokens=10, progress=False)
+        rows = [json.loads(l) for l in out.read_text().splitlines()]
+        texts[batch] = {r["id"]: r["text"] for r in rows}
+        assert len(rows) == 5 and all(r["num_tokens"] == len(r["text"].split()) > 0 for r in rows)
+    assert texts[1] == texts[3]
 
 
 class Killed(Exception):
