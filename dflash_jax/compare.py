@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

@@ -10,13 +10,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dflash_jax import pipeline
 from dflash_jax.generate import Generation, generate_ar
