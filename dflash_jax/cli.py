@@ -1,4 +1,5 @@
-"""Command line: `dflash-jax generate | convert | make-data | train | bench` (and `--help` on each)."""
+"""Command line: `dflash-jax generate | convert | make-data | train | bench | compare | decode`
+(and `--help` on each)."""
 from __future__ import annotations
 
 import argparse
@@ -120,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_make_data(sub)
     _add_train(sub)
     _add_bench(sub)
+    _add_compare(sub)
+    _add_decode(sub)
     for p in sub.choices.values():
         p.add_argument("--debug", action="store_true",
                        help="show the traceback of an error instead of its one-line message")
@@ -622,6 +625,107 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_compare(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compare", help="our target against the PyTorch reference, layer by layer",
+                       description="Run our target and transformers' on the same token ids: per-layer hidden "
+                                   "state errors, logits agreement, greedy continuations and a verdict "
+                                   "(agree / near-tie / real disagreement). Needs `pip install 'dflash-jax[compare]'`.")
+    p.add_argument("--model", default="smollm2", help="'smollm2', a .gguf file or an HF directory")
+    p.add_argument("--draft", help="also compare this DFlash drafter (directory, or 'smollm2') with dflash 0.1.0's")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", default=None, help="prompt text (chat template applied)")
+    src.add_argument("--prompts", default=None, help="JSONL file; each row's 'prompt', 'question' or 'text'")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--tokens", type=POSITIVE, default=32, help="greedy continuation length")
+    p.add_argument("--out", default=None, help="directory for compare.json and compare_layers.png")
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    import jax.numpy as jnp
+
+    from dflash_jax import compare as cmp
+    from dflash_jax import pipeline
+
+    texts = [args.prompt or "Give me three tips for a good night's sleep."]
+    if args.prompts:
+        from dflash_jax.jsonl import iter_jsonl
+
+        texts = []
+        for line_no, row in iter_jsonl(args.prompts):
+            text = row.get("prompt", row.get("question", row.get("text")))
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"{args.prompts}:{line_no}: no 'prompt', 'question' or 'text' string")
+            texts.append(text)
+    cmp.require_reference("torch", "transformers", *(("dflash",) if args.draft else ()))  # before loading
+    out = check_writable(args.out, "--out") if args.out else None
+    cfg, params, tokenizer = _load_target(args.model, jnp.dtype(args.dtype))
+    reference = cmp.load_reference(args.model, args.dtype)
+    drafter = None
+    if args.draft:
+        dcfg, dparams = _load_drafter_for(args.draft, cfg, jnp.dtype(args.dtype))
+        drafter = cmp.load_reference_drafter(args.draft, args.dtype)
+    reports = []
+    for text, ids in zip(texts, pipeline.encode_prompts(tokenizer, texts)):
+        report = cmp.compare_target(params, cfg, reference, ids, tokens=args.tokens, dtype=args.dtype)
+        report["prompt"] = text
+        if drafter is not None:
+            report["drafter"] = cmp.compare_drafter(params, cfg, dparams, dcfg, reference, drafter, ids,
+                                                    dtype=args.dtype)
+            if report["drafter"]["first_bad_depth"] is not None and report["first_bad_layer"] is None:
+                report["verdict"] = (f"real disagreement: the drafter's depth {report['drafter']['first_bad_depth']} "
+                                     f"logits leave tolerance; the target: {report['verdict']}")
+        reports.append(report)
+        print(f">>> {text}\n{cmp.format_table(report)}\n")
+    if out is not None:
+        atomic_write_text(out / "compare.json", json.dumps({"model": str(args.model), "reports": reports},
+                                                           indent=2) + "\n")
+        cmp.plot_layers(reports[0], out / "compare_layers.png")
+    return 0
+
+
+def _add_decode(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("decode", help="decode a JSONL prompt file into a JSONL answer file (batched, resumable)",
+                       description="Decode every prompt of --input ('prompt', 'question' or 'turns'[0]) into "
+                                   "--output: one row per prompt, the input row plus text, num_tokens, tau, rounds "
+                                   "and seconds, appended as each batch finishes. A rerun skips ids already answered.")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--input", required=True, help="JSONL prompt file")
+    p.add_argument("--output", required=True, help="JSONL answer file (appended to; resumed)")
+    p.add_argument("--method", choices=("ar", "dflash", "ddtree"), default="ar")
+    p.add_argument("--draft", help="DFlash drafter directory, or 'smollm2'")
+    p.add_argument("--budget", type=POSITIVE, default=64, help="DDTree node budget")
+    p.add_argument("--batch", type=POSITIVE, required=True, help="prompts per compiled batch")
+    p.add_argument("--max-new-tokens", type=POSITIVE, default=128)
+    p.add_argument("--temperature", type=TEMPERATURE, default=0.0)
+    p.add_argument("--seed", type=NON_NEGATIVE, default=0)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
+    p.add_argument("--no-chat", action="store_true", help="do not wrap prompts in the chat template")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def cmd_decode(args: argparse.Namespace) -> int:
+    import jax.numpy as jnp
+
+    from dflash_jax import decode
+    from dflash_jax.sampling import SamplingParams
+
+    if args.method != "ar" and not args.draft:
+        raise ValueError(f"--method {args.method} needs --draft PATH (a DFlash drafter directory)")
+    decode.read_prompts(args.input)  # a malformed line is refused before any model is loaded
+    check_writable(Path(args.output).absolute().parent, "--output")
+    dtype = jnp.dtype(args.dtype or _default_dtype())
+    cfg, params, tokenizer = _load_target(args.model, dtype)
+    dcfg = dparams = None
+    if args.method != "ar":
+        dcfg, dparams = _load_drafter_for(args.draft, cfg, dtype)
+    summary = decode.decode_file(params, cfg, tokenizer, args.input, args.output, method=args.method,
+                                 dparams=dparams, dcfg=dcfg, budget=args.budget, batch=args.batch,
+                                 max_new_tokens=args.max_new_tokens, sampling=SamplingParams(args.temperature),
+                                 seed=args.seed, chat=not args.no_chat, progress=not args.no_progress)
+    print(json.dumps(summary))
+    return 0
+
+
 def _one_line(err: BaseException) -> str:
     """The error's message on one line (an OSError's own str() already names its file)."""
     text = " ".join(str(err).split()) or type(err).__name__
@@ -644,7 +748,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         raise
     command = {"generate": cmd_generate, "convert": cmd_convert, "make-data": cmd_make_data,
-               "train": cmd_train, "bench": cmd_bench}[args.command]
+               "train": cmd_train, "bench": cmd_bench, "compare": cmd_compare,
+               "decode": cmd_decode}[args.command]
     from convert import validate
 
     validate.CHECK_WEIGHTS_DEFAULT = not args.no_weight_check

@@ -1,0 +1,195 @@
+"""Decoding a JSONL file of prompts into a JSONL file of answers: batched, bucketed, resumable.
+
+Prompts are grouped by padded length (a bucket); each bucket is cut into batches of a fixed size,
+the last one filled up with copies of its last prompt, so every bucket compiles one program.
+Answers are appended and flushed as each batch finishes, so a killed run keeps every finished
+batch, and a rerun skips the ids already in the output.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax import pipeline
+from dflash_jax.generate import Generation, generate_ar
+from dflash_jax.jsonl import iter_jsonl
+from dflash_jax.sampling import SamplingParams
+
+METHODS = ("ar", "dflash", "ddtree")
+BUCKET_MULTIPLE = 32  # prompt widths are rounded up to this: fewer buckets, fewer programs
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptRow:
+    line: int  # 1-based line number in the input file
+    id: Any  # the row's "id", else its line number
+    row: dict[str, Any]
+    text: str
+
+
+def prompt_text(row: dict[str, Any], where: str) -> str:
+    """The prompt of an input row: "prompt", "question", or the first of "turns"."""
+    text = row.get("prompt", row.get("question"))
+    if text is None and isinstance(row.get("turns"), list) and row["turns"]:
+        text = row["turns"][0]
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"{where}: no prompt (expected a non-empty 'prompt', 'question' or 'turns' string)")
+    return text
+
+
+def read_prompts(path: str | Path) -> list[PromptRow]:
+    """Every row of the input, checked before any decoding; a bad line is named by its number."""
+    rows, seen = [], {}
+    for line_no, row in iter_jsonl(path):
+        where = f"{path}:{line_no}"
+        rid = row.get("id", line_no)
+        if not isinstance(rid, (str, int)) or isinstance(rid, bool):
+            raise ValueError(f"{where}: 'id' must be a string or an integer, got {rid!r}")
+        if rid in seen:
+            raise ValueError(f"{where}: id {rid!r} repeats line {seen[rid]}")
+        seen[rid] = line_no
+        rows.append(PromptRow(line_no, rid, row, prompt_text(row, where)))
+    return rows
+
+
+def finished_ids(path: str | Path) -> set[Any]:
+    """Ids already answered in `path`; a torn last line (a run killed mid-write) is cut off first,
+    so the rerun writes that row again whole instead of after a broken line."""
+    path = Path(path)
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    done, good_end, pos = set(), 0, 0
+    for line in data.splitlines(keepends=True):
+        pos += len(line)
+        if not line.strip():
+            good_end = pos
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            if pos < len(data):
+                line_no = data[:pos].count(b"\n")
+                raise ValueError(f"{path}: line {line_no} is not JSON; the output file is "
+                                 f"damaged beyond its last line, fix or move it") from None
+            break
+        if not line.endswith(b"\n"):
+            break  # complete JSON without its newline: written again whole below
+        done.add(row["id"])
+        good_end = pos
+    if good_end < len(data):
+        with path.open("r+b") as f:
+            f.truncate(good_end)
+    return done
+
+
+def buckets(token_lists: Sequence[Sequence[int]], batch: int, multiple: int = BUCKET_MULTIPLE
+            ) -> list[tuple[int, list[int]]]:
+    """-> [(width, indices of at most `batch` prompts)], widths ascending; one program per width."""
+    by_width: dict[int, list[int]] = {}
+    for i, toks in enumerate(token_lists):
+        by_width.setdefault(pipeline.padded_width([toks], multiple), []).append(i)
+    return [(w, idx[s:s + batch]) for w, idx in sorted(by_width.items()) for s in range(0, len(idx), batch)]
+
+
+def decode_file(params: Any, cfg: Any, tokenizer: Any, input_path: str | Path, output_path: str | Path, *,
+                method: str = "ar", dparams: Any = None, dcfg: Any = None, budget: int = 64, batch: int = 8,
+                max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(), seed: int = 0,
+                chat: bool = True, progress: bool = True,
+                on_batch: Callable[[list[dict[str, Any]]], None] | None = None) -> dict[str, Any]:
+    """Decodes every prompt of `input_path` not yet answered in `output_path` (appended to).
+
+    Each output row is the input row plus "text", "num_tokens", "tau" (tokens per round; None
+    for ar), "rounds" and "seconds" (the batch's decode time, compile excluded).
+    -> {"decoded", "skipped", "tokens", "seconds", "compile_seconds", "programs"}.
+    on_batch: called with each batch's rows after they are written.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method != "ar" and (dparams is None or dcfg is None):
+        raise ValueError(f"method {method} needs a drafter (dparams, dcfg)")
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    rows = read_prompts(input_path)  # every line checked before anything is decoded or written
+    done = finished_ids(output_path)
+    todo = [r for r in rows if r.id not in done]
+    stop = pipeline.stop_tokens_for(tokenizer, cfg)
+    token_lists = pipeline.encode_prompts(tokenizer, [r.text for r in todo], chat=chat) if todo else []
+    settings = None
+    if method != "ar":
+        from dflash_jax.speculative import SpecSettings, speculative_program
+
+        settings = SpecSettings(method=method, block_size=dcfg.block_size, budget=budget if method == "ddtree" else 0,
+                                sampling=sampling, max_new_tokens=max_new_tokens, stop_tokens=stop)
+        program = speculative_program(settings)
+    else:
+        # A Qwen3.5 / Qwen3.6 hybrid decodes AR with its own loop; its speculative rounds share
+        # `speculative_program` with dense targets.
+        from dflash_jax import qwen3_5 as q35
+
+        ar_program = q35.generate if isinstance(cfg, q35.Qwen35Config) else generate_ar
+    compiled = pipeline.Compiled()
+    bar = _progress(len(todo), progress)
+    totals = {"decoded": 0, "skipped": len(rows) - len(todo), "tokens": 0, "seconds": 0.0}
+    committed = rounds_total = 0
+    key = jax.random.key(seed)
+    with Path(output_path).open("a", encoding="utf-8") as out:
+        for width, idx in buckets(token_lists, batch):
+            lists = [token_lists[i] for i in idx]
+            lists += [lists[-1]] * (batch - len(lists))  # one shape per bucket
+            prompts, lens = pipeline.pad_prompts(lists, width=width)
+            sub = jax.random.fold_in(key, todo[idx[0]].line)  # the same key for this batch on a rerun
+            if settings is None:
+                max_len = pipeline.default_max_len(width, max_new_tokens, 1)
+                result, secs = compiled.run(width, ar_program, (params, cfg, jnp.asarray(prompts), jnp.asarray(lens),
+                                                                 sub),
+                                            dict(max_new_tokens=max_new_tokens, max_len=max_len,
+                                                 sampling=sampling, stop_tokens=stop))
+                if isinstance(result, tuple):  # a hybrid's AR gives (tokens, num_tokens)
+                    result = Generation(*result)
+            else:
+                max_len = pipeline.default_max_len(width, max_new_tokens, settings.cache_slack())
+                result, secs = compiled.run(width, program, (params, cfg, dparams, dcfg, jnp.asarray(prompts),
+                                                             jnp.asarray(lens), sub),
+                                            dict(settings=settings, max_len=max_len))
+            timed = pipeline.TimedGeneration(result, secs, 0.0)
+            toks = timed.token_lists()
+            acc = timed.acceptance()
+            written = []
+            for j, i in enumerate(idx):
+                r = todo[i]
+                rounds = int(acc["rounds"][j]) if acc else None
+                tau = (sum(acc["accepted_per_round"][j]) / max(rounds, 1)) if acc else None
+                answer = {**r.row, "id": r.id, "text": tokenizer.decode(toks[j], skip_special_tokens=True),
+                          "num_tokens": len(toks[j]), "tau": tau, "rounds": rounds, "seconds": secs}
+                out.write(json.dumps(answer) + "\n")
+                written.append(answer)
+                totals["tokens"] += len(toks[j])
+                if acc:
+                    committed += sum(acc["accepted_per_round"][j])
+                    rounds_total += rounds
+            out.flush()
+            totals["decoded"] += len(idx)
+            totals["seconds"] += secs
+            if on_batch is not None:
+                on_batch(written)
+            bar.update(len(idx))
+            post = {"tok/s": f"{totals['tokens'] / max(totals['seconds'], 1e-9):.1f}"}
+            if rounds_total:
+                post["tau"] = f"{committed / rounds_total:.2f}"
+            bar.set_postfix(post)
+    bar.close()
+    return {**totals, "compile_seconds": compiled.compile_seconds, "programs": len(compiled.programs),
+            "tau": committed / rounds_total if rounds_total else None}
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="prompts", unit="prompt", file=sys.stderr, disable=not enabled)
