@@ -170,3 +170,26 @@ def test_heads_that_do_not_divide_are_errors():
     odd_mlp = tiny_config().__class__(**{**tiny_config().__dict__, "intermediate_size": 50})
     with pytest.raises(sh.ShardingError, match="intermediate_size=50 is not divisible by tp=4"):
         q35.check_tp(odd_mlp, 4)
+
+
+def test_memory_table_of_the_27b_shape_against_hand_counts():
+    """The computed table (shapes x shard shapes) against the sizes counted by hand from the
+    Qwen3.6-27B config, bf16 weights, 32K caches, batch 1."""
+    from dflash_jax.bench import memory
+
+    cfg = q35.QWEN36_27B
+    e, m, v, ctx = 5120, 17408, 248320, 32768
+    replicated = 64 * 2 * e + e + 16 * 2 * 256 + 48 * 128  # norms
+    split = (2 * v * e + 64 * 3 * e * m
+             + 16 * (e * 24 * 2 * 256 + 2 * e * 4 * 256 + 24 * 256 * e)
+             + 48 * (e * 16 * 512 + 4 * 16 * 512 + e * 32 * 130 + 2 * 32 + 32 * 128 * e))
+    dcfg = memory.drafter_config(cfg)
+    for tp in (1, 2):
+        got = memory.memory_table(cfg, dcfg, ctx, tp)
+        assert got["target weights"] == 2 * (split // tp + replicated), tp
+        assert got["KV cache"] == 16 * 2 * ctx * (4 // tp) * 256 * 2
+        assert got["GDN states"] == 48 * (3 * 8192 // tp * 2 + 32 // tp * 128 * 128 * 4)
+        assert got["drafter cache"] == 5 * 2 * ctx * (4 // tp) * 256 * 2
+    assert sum(memory.memory_table(cfg, dcfg, ctx, 2).values()) <= 44e9  # issue 48's goal for two 48 GB cards
+    with pytest.raises(sh.ShardingError, match="gdn key heads .* 16 are not divisible by tp=3"):
+        memory.memory_table(cfg, dcfg, ctx, 3)
