@@ -8,6 +8,7 @@ projection and gather no weight.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -108,15 +109,15 @@ def test_ar_and_prefill_equal_single_device(dp, tp):
     assert got == ar_tokens()
 
 
-@pytest.mark.parametrize("dp,tp", [(1, 2), (2, 2)])
-def test_dflash_on_a_mesh_equals_ar(dp, tp):
+@pytest.mark.parametrize("dp,tp,method", [(1, 2, "dflash"), (2, 2, "dflash"), (1, 2, "ddtree")])
+def test_speculative_on_a_mesh_equals_ar(dp, tp, method):
     cfg, params = target()
     n = cfg.num_layers
     dcfg = dr.DraftConfig(hidden_size=cfg.hidden_size, intermediate_size=48, num_layers=2, num_heads=4,
                           num_kv_heads=2, head_dim=8, vocab_size=VOCAB, mask_token_id=VOCAB - 1,
                           target_layer_ids=(1, n - 2), num_target_layers=n, block_size=4)
     dr.validate_pair(dcfg, cfg)
-    s = SpecSettings(method="dflash", block_size=4, max_new_tokens=NEW)
+    s = SpecSettings(method=method, block_size=4, budget=6, max_new_tokens=NEW)
     mesh = sh.make_mesh(dp, tp)
     sharded = placed(params, cfg, mesh)
     dparams = dr.init_draft_params(dcfg, jax.random.key(5), mesh=mesh)
@@ -167,7 +168,7 @@ def test_heads_that_do_not_divide_are_errors():
         q35.check_tp(cfg, 3)
     with pytest.raises(sh.ShardingError, match="gdn key heads"):
         q35.init_params(cfg, jax.random.key(0), mesh=sh.make_mesh(1, 3))
-    odd_mlp = tiny_config().__class__(**{**tiny_config().__dict__, "intermediate_size": 50})
+    odd_mlp = dataclasses.replace(cfg, intermediate_size=50)
     with pytest.raises(sh.ShardingError, match="intermediate_size=50 is not divisible by tp=4"):
         q35.check_tp(odd_mlp, 4)
 
