@@ -24,7 +24,17 @@ nothing, and keeps the accepted path with `commit`: each GDN layer's recurrent s
 path comes in closed form from the verify's own U, K and G (`gdn.commit_state`), so there are
 neither per-node states nor a second target pass (tests/test_qwen3_5_speculative.py).
 
-Imports only the stable low modules (params, config, rope, gdn, sampling).
+Tensor and data parallelism (`dflash_jax.sharding`'s ("dp", "tp") mesh, `with use_mesh(mesh):`
+around tracing; no-ops without one): GDN key and value heads, the conv channels (key-head-major,
+so each key head's q, k and its value heads' v stay on one device) and the recurrent and conv
+states split over tp, the gated attention by q / kv heads as the dense target (kv heads
+replicated when tp is a multiple of them), the MLP by its intermediate axis; out_proj, o_proj
+and down are row-parallel (one all-reduce each); embedding and LM head vocab-parallel; caches
+by sequence over dp. The attention is plain XLA here, so no shard_map is needed.
+`load_qwen35(mesh=)` and `init_params(mesh=)` place each weight straight on its shards;
+`check_tp` names the numbers that do not divide.
+
+Imports only the stable low modules (params, config, rope, gdn, sampling, sharding).
 """
 from __future__ import annotations
 
@@ -46,7 +56,7 @@ from dflash_jax.params import (EMBED, GDN_CONV, GDN_K_HEADS, GDN_V_HEADS, HEAD_D
 from dflash_jax.rope import rope_tables
 from dflash_jax.sampling import SamplingParams, sample
 from dflash_jax.sharding import (BATCH, ShardingError, check_model, constrain, embed_lookup, mesh_sizes,
-                                 specs_shardings)
+                                 partition_spec, specs_shardings)
 
 
 FULL, LINEAR = "full_attention", "linear_attention"
@@ -409,8 +419,6 @@ def constrain_cache(cache: HybridCache) -> HybridCache:
 
 def cache_shardings(cfg: Qwen35Config, batch: int, max_len: int, mesh: Any) -> HybridCache:
     """NamedShardings of a `HybridCache.create(cfg, batch, max_len)` on `mesh`, leaf for leaf."""
-    from dflash_jax.sharding import partition_spec
-
     shapes = jax.eval_shape(lambda: HybridCache.create(cfg, batch, max_len))
     axes = HybridCache(k=KV_AXES, v=KV_AXES, conv=CONV_AXES, state=STATE_AXES, lengths=(BATCH,))
     return jax.tree.map(lambda s, a: jax.sharding.NamedSharding(mesh, partition_spec(a, s.shape, mesh,
