@@ -80,8 +80,7 @@ def load_model(path_or_name: str | Path, dtype: Any = jnp.float32, *, mesh: Any 
     (`dflash_jax.model.model_specs`), on its tensor-parallel shards under a mesh: one pass, no
     re-layout afterwards.
     dtype: floating dtype of the params (for an orbax checkpoint, None keeps the saved dtype).
-    mesh: None (the default device) or a ("dp", "tp") mesh (`dflash_jax.sharding.make_mesh`);
-        not supported yet for qwen3_5.
+    mesh: None (the default device) or a ("dp", "tp") mesh (`dflash_jax.sharding.make_mesh`).
     tokenizer: False skips building the tokenizer (it takes seconds for a GGUF file).
     check_weights: refuse NaN or inf in any tensor (`convert.validate.check_finite`; None: the
         CLI's choice, on unless --no-weight-check). The tokenizer's ids are always checked

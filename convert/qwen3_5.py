@@ -34,8 +34,9 @@ from convert.hf_safetensors import checkpoint_files, open_safetensors
 from convert.layout import ConversionError
 from dflash_jax.config import ConfigError
 from dflash_jax.params import Builder, ParamLayout, Part, SlotIndex, Spec, is_spec, path_str
-from dflash_jax.qwen3_5 import (FULL, LINEAR, Qwen35Config, Qwen35Params, load_qwen35_config, model_specs,
-                                qwen35_config_from_dict)
+from dflash_jax.qwen3_5 import (FULL, LINEAR, Qwen35Config, Qwen35Params, check_tp, load_qwen35_config,
+                                model_specs, qwen35_config_from_dict)
+from dflash_jax.sharding import mesh_sizes, placement
 
 # The text decoder's prefixes, the vision-language wrapper's first (it also starts with "model.").
 TEXT_PREFIXES = ("model.language_model.", "model.")
@@ -244,19 +245,20 @@ def load_qwen35(path: str | Path, *, config: Any = None, dtype: Any = jnp.float3
     """Loads a Qwen3.5 / Qwen3.6 safetensors checkpoint (text model or vision-language wrapper).
 
     dtype: floating dtype of the params (float32 default; bfloat16 for GPU).
-    mesh: must be None: the hybrid has no tensor-parallel placement yet.
+    mesh: None (the default device) or a ("dp", "tp") mesh (`dflash_jax.sharding.make_mesh`): each
+        decoding tensor then goes straight onto its tensor-parallel shards (`qwen3_5.check_tp`
+        says which tp a config allows, before anything is read).
     log: where the one-line summary of skipped tensors goes (default stderr).
     Raises ConversionError naming the file and tensor for a missing, unexpected, duplicate or
     mis-shaped tensor.
     """
     path = Path(path)
-    if mesh is not None:
-        raise ConversionError(f"{path}: tensor / data parallel loading (onto a device mesh) is not supported "
-                              "yet for qwen3_5")
     files, source = checkpoint_files(path)
     cfg = _config(path, config)
+    if mesh is not None:
+        check_tp(cfg, mesh_sizes(mesh)[1])
     expected = expected_tensors(cfg)
-    builder = Builder(checkpoint_layout(cfg), dtype)
+    builder = Builder(checkpoint_layout(cfg), dtype, None if mesh is None else placement(mesh))
     seen: dict[str, str] = {}  # name after the prefix -> "file: stored name"
     prefixes: list[str] = []
     skipped: collections.Counter[str] = collections.Counter()

@@ -24,6 +24,10 @@ import numpy as np
 
 # Logical axis names used by every model in the library.
 VOCAB, EMBED, Q_HEADS, KV_HEADS, HEAD_DIM, MLP = "vocab", "embed", "q_heads", "kv_heads", "head_dim", "mlp"
+# The Qwen3.5 / 3.6 hybrid's own axes (dflash_jax.qwen3_5): Gated DeltaNet key heads, value heads,
+# conv channels (key-head-major, so a tp split of them follows the key heads), and the stacking
+# axis of per-layer weights, which is never split.
+GDN_K_HEADS, GDN_V_HEADS, GDN_CONV, LAYERS = "gdn_k_heads", "gdn_v_heads", "gdn_conv", "layers"
 
 
 # One axis of a `Part`'s slot: None (the whole axis), an int (one index; the axis goes), or
@@ -350,7 +354,8 @@ class ShardingRules:
         return jax.sharding.PartitionSpec(*out)
 
 
-TENSOR_PARALLEL = ShardingRules(((VOCAB, "tp"), (Q_HEADS, "tp"), (KV_HEADS, "tp"), (MLP, "tp")))
+TENSOR_PARALLEL = ShardingRules(((VOCAB, "tp"), (Q_HEADS, "tp"), (KV_HEADS, "tp"), (MLP, "tp"),
+                                 (GDN_K_HEADS, "tp"), (GDN_V_HEADS, "tp"), (GDN_CONV, "tp")))
 
 
 def param_bytes(params: Any) -> int:

@@ -24,7 +24,17 @@ nothing, and keeps the accepted path with `commit`: each GDN layer's recurrent s
 path comes in closed form from the verify's own U, K and G (`gdn.commit_state`), so there are
 neither per-node states nor a second target pass (tests/test_qwen3_5_speculative.py).
 
-Imports only the stable low modules (params, config, rope, gdn, sampling).
+Tensor and data parallelism (`dflash_jax.sharding`'s ("dp", "tp") mesh, `with use_mesh(mesh):`
+around tracing; no-ops without one): GDN key and value heads, the conv channels (key-head-major,
+so each key head's q, k and its value heads' v stay on one device) and the recurrent and conv
+states split over tp, the gated attention by q / kv heads as the dense target (kv heads
+replicated when tp is a multiple of them), the MLP by its intermediate axis; out_proj, o_proj
+and down are row-parallel (one all-reduce each); embedding and LM head vocab-parallel; caches
+by sequence over dp. The attention is plain XLA here, so no shard_map is needed.
+`load_qwen35(mesh=)` and `init_params(mesh=)` place each weight straight on its shards;
+`check_tp` names the numbers that do not divide.
+
+Imports only the stable low modules (params, config, rope, gdn, sampling, sharding).
 """
 from __future__ import annotations
 
@@ -39,14 +49,15 @@ import jax.numpy as jnp
 
 from dflash_jax import gdn
 from dflash_jax.config import ConfigError, RopeConfig, rope_from_hf
-from dflash_jax.params import EMBED, HEAD_DIM, KV_HEADS, MLP, Q_HEADS, VOCAB, Spec, init_from_specs
+# Tensor parallelism splits GDN key and value heads (and with them the conv channels, which are
+# key-head-major, and the recurrent states) over tp; LAYERS, the stacking axis, is never split.
+from dflash_jax.params import (EMBED, GDN_CONV, GDN_K_HEADS, GDN_V_HEADS, HEAD_DIM, KV_HEADS, LAYERS, MLP, Q_HEADS,
+                               VOCAB, Spec, init_from_specs)
 from dflash_jax.rope import rope_tables
 from dflash_jax.sampling import SamplingParams, sample
+from dflash_jax.sharding import (BATCH, ShardingError, check_model, constrain, embed_lookup, mesh_sizes,
+                                 partition_spec, specs_shardings)
 
-# Logical axes of the hybrid's own tensors, for the sharding rules: tensor parallelism splits
-# GDN key heads and value heads (and with them the conv channels, which are key-head-major, and
-# the recurrent states) over tp. LAYERS is the stacking axis, never sharded.
-GDN_K_HEADS, GDN_V_HEADS, GDN_CONV, LAYERS = "gdn_k_heads", "gdn_v_heads", "gdn_conv", "layers"
 
 FULL, LINEAR = "full_attention", "linear_attention"
 PAD = -1  # output slots after a sequence has finished (as dflash_jax.generate)
@@ -132,6 +143,15 @@ class Qwen35Config:
             if n % p == 0 and all(self.layer_types[i] == self.layer_types[i % p] for i in range(n)):
                 return p
         return n
+
+
+# Qwen3.6-27B's decoder (its config.json's text_config): 64 layers, every 4th gated attention
+# (24 q / 4 kv heads of 256, RoPE on the first 64 dims), GDN 16 key / 32 value heads of 128.
+# Benchmarks and the memory table (`dflash_jax.bench.memory`) use this shape with random weights.
+QWEN36_27B = Qwen35Config(vocab_size=248320, hidden_size=5120, intermediate_size=17408,
+                          layer_types=(LINEAR, LINEAR, LINEAR, FULL) * 16, num_heads=24, num_kv_heads=4, head_dim=256,
+                          rotary_dim=64, gdn_key_heads=16, gdn_value_heads=32, gdn_key_dim=128, gdn_value_dim=128,
+                          conv_kernel=4, rope=RopeConfig(theta=1e7))
 
 
 def _field(cfg: Mapping[str, Any], key: str, source: str, prefix: str) -> Any:
@@ -324,9 +344,29 @@ def model_specs(cfg: Qwen35Config) -> Qwen35Params:
     )
 
 
-def init_params(cfg: Qwen35Config, key: jax.Array, dtype: Any = jnp.float32) -> Qwen35Params:
-    """Random weights (tests and benchmarks; real weights come from a converter)."""
-    return init_from_specs(model_specs(cfg), key, dtype)
+def check_tp(cfg: Qwen35Config, tp: int) -> None:
+    """Raises a ShardingError naming the numbers when `cfg` cannot be split over `tp` devices.
+
+    GDN key heads must divide by tp (a key head's conv channels and its value heads stay on one
+    device); value heads then do too. The gated attention and the MLP follow the dense rules
+    (`sharding.check_model`): q heads and the MLP divide, kv heads divide or are replicated.
+    """
+    if tp == 1:
+        return
+    if cfg.gdn_key_heads % tp:
+        raise ShardingError(f"Qwen35Config: gdn key heads (linear_num_key_heads) {cfg.gdn_key_heads} are not "
+                            f"divisible by tp={tp}")
+    check_model(cfg, tp)
+
+
+def init_params(cfg: Qwen35Config, key: jax.Array, dtype: Any = jnp.float32, *, mesh: Any = None) -> Qwen35Params:
+    """Random weights (tests and benchmarks; real weights come from a converter), drawn straight
+    into their tensor-parallel shards when a ("dp", "tp") `mesh` is given (same values)."""
+    specs = model_specs(cfg)
+    if mesh is None:
+        return init_from_specs(specs, key, dtype)
+    check_tp(cfg, mesh_sizes(mesh)[1])
+    return init_from_specs(specs, key, dtype, shardings=specs_shardings(specs, mesh))
 
 
 # ----------------------------------------------------------------------------- cache
@@ -364,11 +404,44 @@ class HybridCache:
         return self.k.shape[2]
 
 
+# Logical axes of the cache buffers: sequences over dp, heads (and conv channels) over tp.
+KV_AXES = (LAYERS, BATCH, None, KV_HEADS, None)
+CONV_AXES = (LAYERS, BATCH, None, GDN_CONV)
+STATE_AXES = (LAYERS, BATCH, GDN_V_HEADS, None, None)
+
+
+def constrain_cache(cache: HybridCache) -> HybridCache:
+    """Lays the cache out on the active mesh (`KV_AXES`, `CONV_AXES`, `STATE_AXES`); a no-op without one."""
+    return HybridCache(k=constrain(cache.k, KV_AXES), v=constrain(cache.v, KV_AXES),
+                       conv=constrain(cache.conv, CONV_AXES), state=constrain(cache.state, STATE_AXES),
+                       lengths=constrain(cache.lengths, (BATCH,)))
+
+
+def cache_shardings(cfg: Qwen35Config, batch: int, max_len: int, mesh: Any) -> HybridCache:
+    """NamedShardings of a `HybridCache.create(cfg, batch, max_len)` on `mesh`, leaf for leaf."""
+    shapes = jax.eval_shape(lambda: HybridCache.create(cfg, batch, max_len))
+    axes = HybridCache(k=KV_AXES, v=KV_AXES, conv=CONV_AXES, state=STATE_AXES, lengths=(BATCH,))
+    return jax.tree.map(lambda s, a: jax.sharding.NamedSharding(mesh, partition_spec(a, s.shape, mesh,
+                                                                                     what="HybridCache")),
+                        shapes, axes, is_leaf=lambda x: isinstance(x, tuple))
+
+
 # ----------------------------------------------------------------------------- building blocks
 
 def _dot(eq: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """einsum with float32 accumulation, result in the activation dtype."""
     return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _row_parallel_dot(eq: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """A dot whose contracted axis is split over tp (out_proj, o_proj, down) -> [B, T, embed],
+    replicated over tp: XLA all-reduces the result once.
+
+    The result is in the activation dtype from the start, so under tp the all-reduce moves
+    activation-dtype partial sums, not float32 ones (half the bytes in bf16); GPU GEMMs still
+    accumulate in float32, as `dflash_jax.model`'s row-parallel dots.
+    """
+    return constrain(jnp.einsum(eq, x, w, preferred_element_type=x.dtype), (BATCH, None, None))
 
 
 def zero_centred_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -417,7 +490,8 @@ def _write_rows(buffer: jax.Array, rows: jax.Array, starts: jax.Array) -> jax.Ar
 def mlp(lp: LayerCommon, h: jax.Array) -> jax.Array:
     """SwiGLU: h [B, T, embed] with one layer's gate_up [embed, 2, mlp] and down [mlp, embed]."""
     gu = _dot("bte,ecm->btcm", h, lp.gate_up)
-    return _dot("btm,me->bte", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], lp.down)
+    act = constrain(jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], (BATCH, None, MLP))
+    return _row_parallel_dot("btm,me->bte", act, lp.down)
 
 
 def attention_mixer(p: AttnMixer, cfg: Qwen35Config, h: jax.Array, cos: jax.Array, sin: jax.Array,
@@ -436,6 +510,9 @@ def attention_mixer(p: AttnMixer, cfg: Qwen35Config, h: jax.Array, cos: jax.Arra
     q, gate = qg[:, :, :, 0], qg[:, :, :, 1]
     k = _dot("bte,ehd->bthd", h, p.k)
     v = _dot("bte,ehd->bthd", h, p.v)
+    # Tensor parallel: heads split over tp (kv heads replicated when tp is a multiple of them).
+    q, gate = constrain(q, (BATCH, None, Q_HEADS, None)), constrain(gate, (BATCH, None, Q_HEADS, None))
+    k, v = constrain(k, (BATCH, None, KV_HEADS, None)), constrain(v, (BATCH, None, KV_HEADS, None))
     q = _partial_rope(zero_centred_rms_norm(q, p.q_norm, cfg.rms_norm_eps), cos, sin)
     k = _partial_rope(zero_centred_rms_norm(k, p.k_norm, cfg.rms_norm_eps), cos, sin)
     k_buf, v_buf = _write_rows(k_buf, k, starts), _write_rows(v_buf, v, starts)
@@ -453,7 +530,8 @@ def attention_mixer(p: AttnMixer, cfg: Qwen35Config, h: jax.Array, cos: jax.Arra
     probs = jax.nn.softmax(scores, axis=-1).astype(v_buf.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v_buf, preferred_element_type=jnp.float32)
     out = out.reshape(batch, width, cfg.num_heads, hd) * jax.nn.sigmoid(gate.astype(jnp.float32))
-    return _dot("bthd,hde->bte", out.astype(h.dtype), p.o), k_buf, v_buf
+    out = constrain(out.astype(h.dtype), (BATCH, None, Q_HEADS, None))
+    return _row_parallel_dot("bthd,hde->bte", out, p.o), k_buf, v_buf
 
 
 def _gdn_inputs(p: GDNMixer, cfg: Qwen35Config, h: jax.Array
@@ -463,24 +541,26 @@ def _gdn_inputs(p: GDNMixer, cfg: Qwen35Config, h: jax.Array
     batch, width, _ = h.shape
     dv = cfg.gdn_value_dim
     mixed = _dot("bte,ehc->bthc", h, p.qkv).reshape(batch, width, cfg.conv_channels)
-    zba = _dot("bte,ehc->bthc", h, p.zba)
+    zba = constrain(_dot("bte,ehc->bthc", h, p.zba), (BATCH, None, GDN_V_HEADS, None))
     z, b, a = zba[..., :dv], zba[..., dv], zba[..., dv + 1]
     g, beta = gdn.gates(a, b, p.a_log, p.dt_bias)
-    return mixed, z, g, beta
+    return constrain(mixed, (BATCH, None, GDN_CONV)), z, g, beta
 
 
 def _gdn_qkv(cfg: Qwen35Config, y: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Conv outputs [B, T, C] (key-head-major) -> q, k [B, T, Hk, dk] and v [B, T, Hv, dv]."""
     batch, width, _ = y.shape
     dk = cfg.gdn_key_dim
-    y = y.reshape(batch, width, cfg.gdn_key_heads, cfg.conv_head_channels)
-    return y[..., :dk], y[..., dk:2 * dk], y[..., 2 * dk:].reshape(batch, width, cfg.gdn_value_heads, -1)
+    y = constrain(y.reshape(batch, width, cfg.gdn_key_heads, cfg.conv_head_channels),
+                  (BATCH, None, GDN_K_HEADS, None))
+    v = constrain(y[..., 2 * dk:].reshape(batch, width, cfg.gdn_value_heads, -1), (BATCH, None, GDN_V_HEADS, None))
+    return y[..., :dk], y[..., dk:2 * dk], v
 
 
 def _gdn_output(p: GDNMixer, cfg: Qwen35Config, h: jax.Array, out: jax.Array, z: jax.Array) -> jax.Array:
     """The rule's output [B, T, Hv, dv] through the gated norm and out_proj -> [B, T, embed]."""
-    out = gated_rms_norm(out.astype(h.dtype), z, p.norm, cfg.rms_norm_eps)
-    return _dot("bthd,hde->bte", out, p.out)
+    out = constrain(gated_rms_norm(out.astype(h.dtype), z, p.norm, cfg.rms_norm_eps), (BATCH, None, GDN_V_HEADS, None))
+    return _row_parallel_dot("bthd,hde->bte", out, p.out)
 
 
 def _conv_weight(p: GDNMixer, cfg: Qwen35Config) -> jax.Array:
@@ -522,10 +602,12 @@ def gdn_tree_mixer(p: GDNMixer, cfg: Qwen35Config, h: jax.Array, conv_state: jax
 
 
 def logits_from_hidden(params: Qwen35Params, hidden: jax.Array) -> jax.Array:
-    """[..., embed] final-normed -> float32 logits [..., vocab]."""
+    """[..., embed] final-normed -> float32 logits [..., vocab] (split over tp by vocabulary under a mesh)."""
     if params.lm_head is None:
-        return jnp.einsum("...e,ve->...v", hidden, params.embed, preferred_element_type=jnp.float32)
-    return jnp.einsum("...e,ev->...v", hidden, params.lm_head, preferred_element_type=jnp.float32)
+        logits = jnp.einsum("...e,ve->...v", hidden, params.embed, preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("...e,ev->...v", hidden, params.lm_head, preferred_element_type=jnp.float32)
+    return constrain(logits, (BATCH,) * (logits.ndim > 1) + (None,) * max(logits.ndim - 2, 0) + (VOCAB,))
 
 
 # ----------------------------------------------------------------------------- forward
@@ -569,8 +651,9 @@ def _run_layers(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, posi
     Returns (final-normed hidden [B, T, embed], taps or None, k, v, conv, state, per-GDN-layer
     outputs of `gdn_tree_mixer` stacked [n_gdn, ...] (kept, conv inputs), or None for forward).
     """
-    x = params.embed[tokens]
+    x = embed_lookup(params.embed, tokens)  # vocab-parallel under tp
     cos, sin = rope_tables(positions, cfg.rope, cfg.rotary_dim)
+    cache = constrain_cache(cache)
     starts = cache.lengths
     visible = None if tree is None else tree[0]
     period = cfg.period
@@ -655,7 +738,7 @@ def forward(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, position
         logits = logits_from_hidden(params, rows)
     added = jnp.full((batch,), width, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
     new_cache = HybridCache(k=k_all, v=v_all, conv=conv_all, state=state_all, lengths=cache.lengths + added)
-    return Qwen35Output(logits=logits, taps=tap_out, cache=new_cache)
+    return Qwen35Output(logits=logits, taps=tap_out, cache=constrain_cache(new_cache))
 
 
 @jax.tree_util.register_dataclass
@@ -747,7 +830,7 @@ def commit(verified: Qwen35Verified, path: jax.Array, accepted: jax.Array) -> Hy
     moved = (accepted > 0)[None, :, None, None]
     state = jnp.where(moved[..., None], state.astype(cache.state.dtype), cache.state)
     conv = jnp.where(moved, conv, cache.conv)
-    return HybridCache(k=k, v=v, conv=conv, state=state, lengths=starts + accepted)
+    return constrain_cache(HybridCache(k=k, v=v, conv=conv, state=state, lengths=starts + accepted))
 
 
 forward_jit = jax.jit(forward, static_argnames=("cfg", "tap_layers", "compute_logits"), donate_argnames=("cache",))

@@ -254,12 +254,32 @@ def test_both_layouts_at_once_is_a_duplicate(saved, tmp_path):
     assert "duplicate tensor" in _error(path)
 
 
-def test_tensor_parallel_mesh_and_conversion_say_not_supported(saved, tmp_path):
+def test_conversion_says_not_supported(saved, tmp_path):
     path, _ = saved["aperiodic"]
-    with pytest.raises(ConversionError, match="not supported yet for qwen3_5"):
-        load_model(path, mesh=make_mesh(1, 1))
     with pytest.raises(ConversionError, match="qwen3_5 checkpoint is not supported yet"):
         convert_command(path, tmp_path / "out")
+
+
+@pytest.mark.parametrize("name", ["interval4", "aperiodic"])
+def test_loading_onto_a_mesh_places_the_same_params(saved, name):
+    """Each tensor goes straight onto its shards; gathered back, the params are those of a plain load."""
+    path, _ = saved[name]
+    cfg, ref = load_qwen35(path)
+    for dp, tp in ((1, 2), (2, 2)):
+        _, got = load_qwen35(path, mesh=make_mesh(dp, tp))
+        for (where, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(ref)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(where))
+        hk = cfg.gdn_key_heads // tp
+        assert {x.data.shape for x in got.gdn.qkv.addressable_shards} == {
+            (len(cfg.gdn_layers), cfg.hidden_size, hk, cfg.conv_head_channels)}
+        assert {x.data.shape for x in got.attn.q.addressable_shards} == {
+            (len(cfg.attn_layers), cfg.hidden_size, cfg.num_heads // tp, 2, cfg.head_dim)}
+
+
+def test_a_mesh_the_gdn_heads_do_not_divide_is_named(saved):
+    path, _ = saved["aperiodic"]
+    with pytest.raises(ValueError, match="gdn key heads .* 2 are not divisible by tp=4"):
+        load_model(path, mesh=make_mesh(1, 4))
 
 
 def test_moe_checkpoint_says_not_supported(saved, tmp_path):
@@ -288,11 +308,6 @@ def test_cli_generate_runs_ar_on_the_hybrid(saved, capsys):
     assert record["texts"] == [_tokenizer().decode(ref, skip_special_tokens=True)]
 
 
-@pytest.mark.parametrize("argv", [["--tp", "2"], ["--method", "dflash", "--draft", "drafter-dir", "--dp", "2"]])
-def test_cli_generate_refuses_a_mesh_on_the_hybrid(saved, capsys, argv):
-    path, _ = saved["aperiodic"]
-    code = cli.main(["generate", "--model", str(path), "--quiet", *argv, "hi"])
-    assert code == 2 and "not supported yet for qwen3_5" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
@@ -337,6 +352,18 @@ def test_cli_generate_speculative_on_the_hybrid_matches_ar(saved, hybrid_drafter
     assert re.search(rf"^{method} is [\d.]+x as fast as ar; the same tokens as ar \(lossless\)$", out.out, re.M)
     if "--stage-times" in extra:
         assert re.search(r"^stages: median ms over [1-9]\d* rounds", out.out, re.M), out.out
+
+
+@pytest.mark.parametrize("argv", [["--tp", "2"], ["--method", "dflash", "--dp", "2", "--tp", "2"]])
+def test_cli_generate_on_a_mesh_matches_transformers(saved, hybrid_drafter, capsys, argv):
+    path, model = saved["interval4"]
+    prompts = ["hi w3 w7", "w5"]
+    draft = ["--draft", str(hybrid_drafter)] if "dflash" in argv else []
+    code = cli.main(["generate", "--model", str(path), *argv, *draft, "--max-new-tokens", "12", "--quiet", *prompts])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    answers = re.findall(r"^>>> (.*)\n(.*)\n", out.out, re.M)
+    assert answers == [(p, _hf_greedy(model, p, 12)) for p in prompts], out.out
 
 
 def test_cli_generate_names_a_drafter_tap_past_the_hybrid(saved, hybrid_drafter, capsys, tmp_path):
