@@ -146,12 +146,12 @@ class Qwen35Config:
 
 
 # Qwen3.6-27B's decoder (its config.json's text_config): 64 layers, every 4th gated attention
-# (24 q / 4 kv heads of 256, RoPE on the first 64 dims), GDN 16 key / 32 value heads of 128.
+# (24 q / 4 kv heads of 256, RoPE on the first 64 dims), GDN 16 key / 48 value heads of 128.
 # Benchmarks and the memory table (`dflash_jax.bench.memory`) use this shape with random weights.
 QWEN36_27B = Qwen35Config(vocab_size=248320, hidden_size=5120, intermediate_size=17408,
                           layer_types=(LINEAR, LINEAR, LINEAR, FULL) * 16, num_heads=24, num_kv_heads=4, head_dim=256,
-                          rotary_dim=64, gdn_key_heads=16, gdn_value_heads=32, gdn_key_dim=128, gdn_value_dim=128,
-                          conv_kernel=4, rope=RopeConfig(theta=1e7))
+                          rotary_dim=64, gdn_key_heads=16, gdn_value_heads=48, gdn_key_dim=128, gdn_value_dim=128,
+                          conv_kernel=4, rope=RopeConfig(theta=1e7), max_position_embeddings=262144)
 
 
 def _field(cfg: Mapping[str, Any], key: str, source: str, prefix: str) -> Any:

@@ -180,16 +180,18 @@ def test_memory_table_of_the_27b_shape_against_hand_counts():
 
     cfg = q35.QWEN36_27B
     e, m, v, ctx = 5120, 17408, 248320, 32768
+    nv = 48  # GDN value heads of 128, 3 to each of the 16 key heads
+    per_key = 128 + 128 + 3 * 128  # a key head's conv channels: its q, its k, the v of its 3 value heads
     replicated = 64 * 2 * e + e + 16 * 2 * 256 + 48 * 128  # norms
     split = (2 * v * e + 64 * 3 * e * m
              + 16 * (e * 24 * 2 * 256 + 2 * e * 4 * 256 + 24 * 256 * e)
-             + 48 * (e * 16 * 512 + 4 * 16 * 512 + e * 32 * 130 + 2 * 32 + 32 * 128 * e))
+             + 48 * (e * 16 * per_key + 4 * 16 * per_key + e * nv * 130 + 2 * nv + nv * 128 * e))
     dcfg = memory.drafter_config(cfg)
     for tp in (1, 2):
         got = memory.memory_table(cfg, dcfg, ctx, tp)
         assert got["target weights"] == 2 * (split // tp + replicated), tp
         assert got["KV cache"] == 16 * 2 * ctx * (4 // tp) * 256 * 2
-        assert got["GDN states"] == 48 * (3 * 8192 // tp * 2 + 32 // tp * 128 * 128 * 4)
+        assert got["GDN states"] == 48 * (3 * 16 * per_key // tp * 2 + nv // tp * 128 * 128 * 4)
         assert got["drafter cache"] == 5 * 2 * ctx * (4 // tp) * 256 * 2
     assert sum(memory.memory_table(cfg, dcfg, ctx, 2).values()) <= 44e9  # issue 48's goal for two 48 GB cards
     with pytest.raises(sh.ShardingError, match="gdn key heads .* 16 are not divisible by tp=3"):

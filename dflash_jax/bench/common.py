@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import ModelConfig, RopeConfig
-from dflash_jax.qwen3_5 import FULL, LINEAR, Qwen35Config
+from dflash_jax.qwen3_5 import FULL, LINEAR, QWEN36_27B, Qwen35Config
 
 # Real models' shapes; the benchmarks use random weights of these shapes. Dense targets are
 # ModelConfigs, Qwen3.5 / Qwen3.6 hybrids Qwen35Configs (`dense_shape` refuses those for the
@@ -33,10 +33,7 @@ SHAPES: dict[str, ModelConfig | Qwen35Config] = {
                         num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True,
                         rope=RopeConfig(theta=10000.0), max_position_embeddings=8192),
     # Qwen3.6-27B: 16 x (3 Gated-DeltaNet layers, 1 gated-attention layer); RoPE on 25% of head_dim 256.
-    "qwen3.6-27b": Qwen35Config(vocab_size=248320, hidden_size=5120, intermediate_size=17408,
-                                layer_types=(LINEAR, LINEAR, LINEAR, FULL) * 16, num_heads=24, num_kv_heads=4,
-                                head_dim=256, rotary_dim=64, gdn_key_heads=16, gdn_value_heads=48, gdn_key_dim=128,
-                                gdn_value_dim=128, rope=RopeConfig(theta=10000000.0), max_position_embeddings=262144),
+    "qwen3.6-27b": QWEN36_27B,
     # The hybrid's smoke-test shape: two periods, key heads < value heads as in the real models.
     "tiny-hybrid": Qwen35Config(vocab_size=512, hidden_size=128, intermediate_size=256,
                                 layer_types=(LINEAR, LINEAR, LINEAR, FULL) * 2, num_heads=4, num_kv_heads=2,
