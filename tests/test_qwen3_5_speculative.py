@@ -236,8 +236,10 @@ def test_verify_and_commit_bad_arguments():
 SETTINGS = {
     "dflash4": SpecSettings(method="dflash", block_size=4, max_new_tokens=NEW),
     "dflash16": SpecSettings(method="dflash", block_size=16, max_new_tokens=NEW),
+    "ddtree1": SpecSettings(method="ddtree", block_size=8, budget=1, max_new_tokens=NEW),
     "ddtree4": SpecSettings(method="ddtree", block_size=8, budget=4, max_new_tokens=NEW),
     "ddtree16": SpecSettings(method="ddtree", block_size=8, budget=16, max_new_tokens=NEW),
+    "ddtree64": SpecSettings(method="ddtree", block_size=8, budget=64, max_new_tokens=NEW),
 }
 
 
