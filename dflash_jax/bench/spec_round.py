@@ -1,6 +1,7 @@
 """Round latency of DFlash and DDTree (and the AR step beside them) for a Qwen3-8B-shaped target.
 
 python -m dflash_jax.bench.spec_round --ctx 512 4096 --budgets 16 64 256 512 --out spec.json
+python -m dflash_jax.bench.spec_round --model qwen3.6-27b --ctx 4096 --budgets 16 64 256 --prefill 4096 32768
 
 Random bf16 weights: the target has Qwen3-8B's shape, the drafter 5 layers of the same width
 (z-lab's drafters for Qwen3-8B have this shape). Each number is the median wall time per round
@@ -13,6 +14,15 @@ every command type (`--no-profile` times it as decoding compiles it; the two tim
 here, where the loop's trip count is known and nothing is read back). For each
 stage as its own program on real prompts, see `dflash_jax.stage_times` (`dflash-jax generate
 --stage-times`).
+
+A Qwen3.5 / Qwen3.6 hybrid shape (qwen3.6-27b, tiny-hybrid) runs the same rounds: `spec_round`
+dispatches verify and commit (the GDN states rolled back to the accepted path) on the config, so
+the same scopes split them; the state at ctx holds random K/V in the attention layers and random
+conv and recurrent states in the GDN layers, the AR step is `qwen3_5.forward` on one token, and
+the hybrid's attention is its own XLA form (--attn-impl does not change it). `--prefill N...`
+times the target's prefill (the one pass `speculative.start_state` makes) over N random tokens,
+dense or hybrid, and reports tokens/s; a length that does not fit in memory is reported and
+skipped.
 """
 from __future__ import annotations
 
@@ -30,15 +40,18 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax import drafter as dr
-from dflash_jax.bench.ar_decode import layer_buffers, make_decoder, random_cache
+from dflash_jax import qwen3_5
+from dflash_jax.bench.ar_decode import layer_buffers, make_decoder, random_cache, random_hybrid_cache
 from dflash_jax.bench.clocks import ClockSampler
-from dflash_jax.bench.common import SHAPES, dense_shape, dump_hlo, environment, log, time_fn, write_json
+from dflash_jax.bench.common import SHAPES, dump_hlo, environment, log, time_fn, write_json
 from dflash_jax.bench.profile import profile_program, scale_profile
 from dflash_jax.config import default_tap_layers
 from dflash_jax.impl import ATTENTION_IMPLS, Impl
+from dflash_jax.kv_cache import KVCache
 from dflash_jax.model import init_params
+from dflash_jax.qwen3_5 import HybridCache, Qwen35Config
 from dflash_jax.speculative import (COMMAND_BUFFERS_ALL, COMMAND_BUFFERS_OFF, DOT_MERGER_OFF, SpecSettings, SpecState,
-                                   spec_round)
+                                   spec_round, target_family)
 from dflash_jax.stage_times import STAGES  # the round's named scopes
 
 
@@ -51,19 +64,44 @@ def drafter_config(cfg, layers: int = 5, block_size: int = 16) -> dr.DraftConfig
                           rope=cfg.rope, max_position_embeddings=cfg.max_position_embeddings)
 
 
+def target_shape(model: str):
+    """SHAPES[model]: a dense ModelConfig or a hybrid Qwen35Config; an unknown name is refused."""
+    if model not in SHAPES:
+        raise ValueError(f"--model: unknown model shape {model!r}; known: {sorted(SHAPES)}")
+    return SHAPES[model]
+
+
+def init_target(cfg, key: jax.Array, dtype):
+    """Random target weights of cfg's family (`model.init_params` or `qwen3_5.init_params`)."""
+    init = qwen3_5.init_params if isinstance(cfg, Qwen35Config) else init_params
+    return jax.block_until_ready(init(cfg, key, dtype))
+
+
 def decoding_pair(model: str, dtype=jnp.bfloat16) -> tuple[Any, dr.DraftConfig, Any, Any]:
     """(cfg, dcfg, drafter params, target params) with random weights in the decoding layout (the
     target fused, the drafter block-qkv), as `spec_round`'s defaults time them: the `SHAPES[model]`
-    target and a 5-layer drafter."""
-    cfg = dense_shape(model, "spec_round")
+    target (dense or hybrid) and a 5-layer drafter."""
+    cfg = target_shape(model)
     dcfg = drafter_config(cfg)
     dparams = dr.init_draft_params(dcfg, jax.random.key(1), dtype)
-    target = jax.block_until_ready(init_params(cfg, jax.random.key(0), dtype))
-    return cfg, dcfg, dparams, target
+    return cfg, dcfg, dparams, init_target(cfg, jax.random.key(0), dtype)
+
+
+def random_target_cache(cfg, max_len: int, ctx: int, dtype) -> KVCache | HybridCache:
+    """Batch 1, `ctx` tokens committed: random K/V, and for a hybrid random GDN conv and recurrent
+    states too (a round's rollback then works on states of a real state's scale, not zeros)."""
+    if not isinstance(cfg, Qwen35Config):
+        return random_cache(cfg, 1, max_len, ctx, dtype)
+    cache = random_hybrid_cache(cfg, 1, max_len, ctx, dtype)
+    k_conv, k_state = jax.random.split(jax.random.key(6))
+    conv = jax.random.normal(k_conv, cache.conv.shape, cache.conv.dtype)
+    # A recurrent state sums rank-one updates beta v k^T with unit-norm k: entries of v's scale / sqrt(dk).
+    state = jax.random.normal(k_state, cache.state.shape, cache.state.dtype) * cfg.gdn_key_dim ** -0.5
+    return dataclasses.replace(cache, conv=conv, state=state)
 
 
 def make_state(cfg, dcfg, ctx: int, max_len: int, max_new: int, dtype=jnp.bfloat16) -> SpecState:
-    cache = random_cache(cfg, 1, max_len, ctx, dtype)
+    cache = random_target_cache(cfg, max_len, ctx, dtype)
     dk, dv = layer_buffers(jax.random.key(5), (1, max_len, dcfg.num_kv_heads, dcfg.head_dim), dcfg.num_layers, dtype)
     dcache = dr.DraftCache(k=dk, v=dv, lengths=jnp.full((1,), ctx, jnp.int32))
     return SpecState(cache=cache, draft_cache=dcache, root=jnp.full((1,), 11, jnp.int32),
@@ -174,9 +212,12 @@ def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool, rounds: i
                                               timeline=timeline),
                               rounds)
     # Random weights can overflow to inf/NaN; say so, since such values would void the timing's realism.
-    finite = all(bool(jnp.isfinite(x.astype(jnp.float32)).all()) for x in (box["state"].cache.k[-1],
-                                                                            box["state"].cache.v[-1]))
+    cache = box["state"].cache
+    finite = all(bool(jnp.isfinite(x.astype(jnp.float32)).all()) for x in (cache.k[-1], cache.v[-1]))
     extra = {"compile_s": compile_s, "rounds_per_call": rounds, "profile": where, "kv_finite": finite}
+    if isinstance(cache, HybridCache):  # the GDN states the commit rolled back
+        extra["gdn_state_finite"] = bool(jnp.isfinite(cache.state).all() & jnp.isfinite(
+            cache.conv.astype(jnp.float32)).all())
     if clocks:
         extra["clocks"] = sampler.summary
     return t["median_ms"] / rounds, rnd, call_rounds, extra
@@ -221,8 +262,9 @@ def interleaved_medians(timers: list, repeats: int, iters: int = 5) -> None:
 
 
 def bench_ar(target, cfg, ctx: int, max_len: int, profile: bool, table: int = 0) -> dict:
-    """AR decode steps (the W=1 forward) from `ctx` tokens in one on-device loop, as decoding runs."""
-    cache = random_cache(cfg, 1, max_len, ctx, target.embed.dtype)
+    """AR decode steps (the W=1 forward; `qwen3_5.forward` for a hybrid) from `ctx` tokens in one
+    on-device loop, as decoding runs."""
+    cache = random_target_cache(cfg, max_len, ctx, target.embed.dtype)
     tok = jnp.full((1,), 3, jnp.int32)
     t0 = time.perf_counter()
     steps = _ar_decoder(cfg).lower(target, cache, tok).compile()
@@ -238,6 +280,32 @@ def bench_ar(target, cfg, ctx: int, max_len: int, profile: bool, table: int = 0)
     if profile:
         row["profile"] = scale_profile(profile_program(call, steps.as_text(), calls=3, table=table),
                                        ROUNDS_PER_CALL)
+    log(row)
+    return row
+
+
+def bench_prefill(target, cfg, dcfg, tokens: int) -> dict:
+    """The target's prefill of one random prompt of `tokens` tokens, as `speculative.start_state`
+    runs it (`target_family(cfg).prefill`, the drafter's taps included, into a fresh cache of
+    tokens + 64 slots); compile excluded. A length whose program fails (out of memory) gives a row
+    with the error instead of stopping the run."""
+    prompts = jax.random.randint(jax.random.key(3), (1, tokens), 0, cfg.vocab_size - 1, jnp.int32)
+    lens = jnp.full((1,), tokens, jnp.int32)
+    family, taps = target_family(cfg), tuple(dcfg.target_layer_ids)
+    run = jax.jit(lambda t, p, n: family.prefill(t, cfg, p, n, tokens + 64, taps, Impl()))
+    row: dict[str, Any] = {"method": "prefill", "ctx": tokens}
+    try:
+        t0 = time.perf_counter()
+        compiled = run.lower(target, prompts, lens).compile()
+        row["compile_s"] = time.perf_counter() - t0
+        t = time_fn(lambda: compiled(target, prompts, lens), warmup=1, iters=3)
+        logits = compiled(target, prompts, lens)[0]
+    except Exception as err:  # noqa: BLE001 - e.g. RESOURCE_EXHAUSTED at a long prompt; the other lengths go on
+        row["error"] = repr(err)[:400]
+        log(row)
+        return row
+    row.update(prefill_ms=t["median_ms"], tokens_per_s=tokens / (t["median_ms"] * 1e-3),
+               logits_finite=bool(jnp.isfinite(logits).all()))
     log(row)
     return row
 
@@ -321,11 +389,13 @@ def main() -> None:
     ap.add_argument("--clocks", action="store_true",
                     help="sample the SM clock, power and throttle reasons (nvidia-smi, every 50 ms) while each "
                          "DDTree row is timed, and keep their medians in the row (bench/clocks.py)")
+    ap.add_argument("--prefill", nargs="*", type=int, default=[], metavar="N",
+                    help="also time the target's prefill of N random tokens (tokens/s; several: each)")
     ap.add_argument("--out")
     args = ap.parse_args()
     env = environment()
     print(env, flush=True)
-    cfg = dense_shape(args.model, "spec_round")
+    cfg = target_shape(args.model)
     dtype = jnp.dtype(args.dtype)
     if args.draft:  # a real drafter's shape and weights (the target stays random: timing only)
         from convert.dflash_drafter import load_drafter  # imports gguf; only this option needs it
@@ -357,9 +427,10 @@ def main() -> None:
             log({"variant_failed": repr(err)[:400], "xla_options": kw.get("xla_options")})
             return None
 
-    rows = []
+    rows: list[dict] = []
+    prefills: list[dict] = []  # their own table: a prefill is no round
     for layout in ("decoding",):
-        target = jax.block_until_ready(init_params(cfg, jax.random.key(0), dtype))
+        target = init_target(cfg, jax.random.key(0), dtype)
         log("target weights drawn")
         first = len(rows)
         for ctx in args.ctx:
@@ -384,7 +455,9 @@ def main() -> None:
         if timers:  # before the target goes: the kept programs read it
             interleaved_medians(timers, args.interleave)
             timers.clear()
-        write_json(args.out, {"env": env, "rows": rows})
+        for n in args.prefill:
+            prefills.append(bench_prefill(target, cfg, dcfg, n))
+        write_json(args.out, {"env": env, "rows": rows, "prefill": prefills})
         del target
     print(f"\n{env['device']}, jax {env['jax']}, {args.model} target + {dcfg.num_layers}-layer drafter, "
           f"{dtype.name}, batch 1")
@@ -402,6 +475,9 @@ def main() -> None:
               f"{r.get('xla_options') or '-'} | "
               f"{r.get('attn_impl', 'auto')} | {r['round_ms']:.2f} | "
               f"{dev} | " + " | ".join(cells) + f" | {_idle(prof)} |")
+    for r in prefills:
+        print(f"prefill {r['ctx']} tokens: " + (f"{r['prefill_ms']:.2f} ms, {r['tokens_per_s']:.0f} tokens/s"
+                                                if "error" not in r else f"failed: {r['error']}"))
     for r in rows:
         if "round_ms_interleaved" in r:
             print(f"interleaved {r['method']} W {r.get('width', 1)} {r.get('attn_impl', '')} "
