@@ -21,6 +21,10 @@ so that each starts below the GPU's power limit (sustained decoding runs at it).
     python -m dflash_jax.bench.decode_loop --budget 256 --ctx 4096 --new 64 --rounds-per-check 1 4 8
     python -m dflash_jax.bench.decode_loop --new 128 --rounds-per-check 1 --method ddtree dflash \
         --command-buffers decoding off all
+
+A Qwen3.5 / Qwen3.6 hybrid shape (--model qwen3.6-27b, tiny-hybrid) times DFlash and DDTree the
+same way (random hybrid weights); its AR decoding has its own loop (`qwen3_5.generate`) and is
+timed by `ar_decode`, so `--method ar` refuses a hybrid.
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ from dflash_jax.bench.common import SHAPES, environment, log, time_fn, write_jso
 from dflash_jax.bench.spec_round import (COMMAND_BUFFERS, add_xla_options_argument, decoding_options, decoding_pair,
                                          make_state, parse_xla_options, timed_rounds)
 from dflash_jax.generate import generate_ar
+from dflash_jax.qwen3_5 import Qwen35Config
 from dflash_jax.impl import ATTENTION_IMPLS, Impl
 from dflash_jax.speculative import _STATIC, SpecSettings, _generate, speculative_program, start_state
 
@@ -84,6 +89,9 @@ def main() -> None:
     args = ap.parse_args()
     env = environment()
     print(env, flush=True)
+    if "ar" in args.method and isinstance(SHAPES[args.model], Qwen35Config):
+        ap.error(f"--method ar: --model {args.model} is a Qwen3.5 / Qwen3.6 hybrid, whose AR decoding "
+                 f"(qwen3_5.generate) decode_loop does not time; use dflash_jax.bench.ar_decode --models {args.model}")
     cfg, dcfg, dparams, target = decoding_pair(args.model)
     prompts = jax.random.randint(jax.random.key(2), (1, args.ctx), 0, cfg.vocab_size - 1, jnp.int32)
     lens = jnp.full((1,), args.ctx, jnp.int32)
