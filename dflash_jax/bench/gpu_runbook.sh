@@ -38,6 +38,10 @@
 #                 eval-gsm8k and eval-spec-bench run one set each
 #   speed         batch-1 tokens/s of AR, DFlash, DDTree beside the PyTorch reference (needs the
 #                 gguf and dflash wheels on the path)
+#   hybrid        the Qwen3.6-27B hybrid shape (random bf16 weights, 5-layer drafter): AR vs the roofline
+#                 at ctx 1K/8K; AR, DFlash and DDTree(16/64/256) rounds at ctx 4K in one command, split
+#                 by stage (command buffers off); the target's prefill at 4K and 32K tokens.
+#                 HYBRID_STEPS picks among "ar rounds prefill" (default all three, LIMIT seconds each)
 #   collectives   the all-reduce alone, by size and dtype: NCCL with XLA's CUDA graphs as they are, with
 #                 the collectives recorded into them, and with graphs off
 #   tp            tensor parallelism, tp=1 vs tp=2 (on a 2-GPU machine). TP_MODELS picks the shapes
@@ -339,6 +343,31 @@ tp)
     # shellcheck disable=SC2086
     step "tp_$tag" "$limit" python -m dflash_jax.bench.tensor_parallel "$@" --all-reduce ${TP_ALL_REDUCE:-nccl} \
         --out "$out/tp_$tag.json" ;;
+hybrid)
+    if [ "$dry" = 1 ]; then
+        ar=(--models tiny-hybrid --contexts 64 256 --steps 8 --copy-gb 0.05)
+        rounds=(--model tiny-hybrid --ctx 64 --budgets 16 64 --ddtree-ctx 64)
+        pre=(--model tiny-hybrid --prefill 64 256)
+    else
+        ar=(--models qwen3.6-27b --contexts 1024 8192)
+        rounds=(--model qwen3.6-27b --ctx 4096 --budgets 16 64 256 --ddtree-ctx 4096)
+        pre=(--model qwen3.6-27b --prefill 4096 32768)
+    fi
+    for part in ${HYBRID_STEPS:-ar rounds prefill}; do
+        case $part in
+        ar) step hybrid_ar "$limit" python -m dflash_jax.bench.ar_decode "${ar[@]}" --profile \
+                --out "$out/hybrid_ar.json" ;;
+        # The DFlash round against the AR step and DDTree's at the same context, each split by
+        # stage: command buffers off, as rounds-split, so that kernels map to their scopes.
+        rounds) (export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="
+                 step hybrid_rounds "$limit" python -m dflash_jax.bench.spec_round "${rounds[@]}" \
+                     --kernel-table 40 --out "$out/hybrid_rounds.json") ;;
+        # No rounds: the prefill alone (a length that does not fit is reported, not fatal).
+        prefill) step hybrid_prefill "$limit" python -m dflash_jax.bench.spec_round "${pre[@]}" --ctx --budgets \
+                     --no-profile --out "$out/hybrid_prefill.json" ;;
+        *) echo "hybrid: unknown HYBRID_STEPS entry $part (ar, rounds, prefill)" >&2; exit 2 ;;
+        esac
+    done ;;
 collectives)
     # One all-reduce at the tp shapes: NCCL, NCCL on the compute stream, XLA's one-shot kernel
     # 136 rows: half of a budget-256 tree, the chunk one-shot-split all-reduces at the 32B width.
@@ -349,6 +378,6 @@ collectives)
         --out "$out/collectives.json" ;;
 *)
     echo "unknown phase: $phase (ar, decode, rounds, rounds-split, kernel, kernel-tests, lossless, top-k, kernel-sweep," \
-        "drafter, drafter-ab, eval-ab, eval-pick, eval, eval-gsm8k, eval-spec-bench, speed, collectives, tp)" >&2
+        "hybrid, drafter, drafter-ab, eval-ab, eval-pick, eval, eval-gsm8k, eval-spec-bench, speed, collectives, tp)" >&2
     exit 2 ;;
 esac

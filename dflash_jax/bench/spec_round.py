@@ -461,6 +461,16 @@ def main() -> None:
         del target
     print(f"\n{env['device']}, jax {env['jax']}, {args.model} target + {dcfg.num_layers}-layer drafter, "
           f"{dtype.name}, batch 1")
+    print_rounds(rows)
+    for r in prefills:
+        print(f"prefill {r['ctx']} tokens: " + (f"{r['prefill_ms']:.2f} ms, {r['tokens_per_s']:.0f} tokens/s"
+                                                if "error" not in r else f"failed: {r['error']}"))
+
+
+def print_rounds(rows: list[dict]) -> None:
+    """The rounds' table (none: nothing), then interleaved medians and idle gaps where rows have them."""
+    if not rows:
+        return
     print("| method | budget | W | ctx | layout | draft layout | rounds/call | dot merger | command buffers | XLA options "
           "| attention | round ms | device ms | draft | tree | verify | accept | commit | other "
           "| idle ms (by stage that waited) |")
@@ -475,9 +485,6 @@ def main() -> None:
               f"{r.get('xla_options') or '-'} | "
               f"{r.get('attn_impl', 'auto')} | {r['round_ms']:.2f} | "
               f"{dev} | " + " | ".join(cells) + f" | {_idle(prof)} |")
-    for r in prefills:
-        print(f"prefill {r['ctx']} tokens: " + (f"{r['prefill_ms']:.2f} ms, {r['tokens_per_s']:.0f} tokens/s"
-                                                if "error" not in r else f"failed: {r['error']}"))
     for r in rows:
         if "round_ms_interleaved" in r:
             print(f"interleaved {r['method']} W {r.get('width', 1)} {r.get('attn_impl', '')} "
