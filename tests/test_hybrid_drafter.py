@@ -156,18 +156,11 @@ def test_shapes_hold_the_hybrids_and_dense_tools_refuse_them():
     assert (big.hidden_size, big.head_dim, big.rotary_dim, big.gdn_value_heads) == (5120, 256, 64, 48)
     tiny = SHAPES["tiny-hybrid"]
     assert tiny.gdn_key_heads < tiny.gdn_value_heads and tiny.num_layers == 8
-    assert dense_shape("tiny", "spec_round") is SHAPES["tiny"]
-    with pytest.raises(ValueError, match=r"spec_round: model shape 'tiny-hybrid' is a Qwen3.5 / Qwen3.6 hybrid"):
-        dense_shape("tiny-hybrid", "spec_round")
+    assert dense_shape("tiny", "lowered") is SHAPES["tiny"]
+    with pytest.raises(ValueError, match=r"lowered: model shape 'tiny-hybrid' is a Qwen3.5 / Qwen3.6 hybrid"):
+        dense_shape("tiny-hybrid", "lowered")
     with pytest.raises(ValueError, match="unknown model shape 'nope'"):
-        dense_shape("nope", "ar_decode")
-
-
-def test_a_dense_bench_tool_refuses_the_hybrid_shape():
-    from dflash_jax.bench import spec_round
-
-    with pytest.raises(ValueError, match="spec_round times dense targets only"):
-        spec_round.decoding_pair("tiny-hybrid")
+        dense_shape("nope", "tensor_parallel")
 
 
 # ----------------------------------------------------------------------------- tools on a hybrid
