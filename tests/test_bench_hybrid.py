@@ -59,6 +59,7 @@ def test_one_round_commits_what_a_forward_over_the_emitted_tokens_gives(pair, me
     ref = qwen3_5.forward(target, cfg, tokens, positions, state.cache)
     np.testing.assert_array_equal(np.asarray(jnp.argmax(ref.logits[0], -1)), emitted)
     assert int(after.cache.lengths[0]) == CTX + produced == int(ref.cache.lengths[0])
+    assert not np.allclose(after.cache.state, state.cache.state, atol=1e-3)  # the round moved the states
     np.testing.assert_allclose(after.cache.state, ref.cache.state, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(after.cache.conv, ref.cache.conv, rtol=1e-5, atol=1e-5)
     end = CTX + produced

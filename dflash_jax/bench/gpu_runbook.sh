@@ -4,7 +4,7 @@
 #   bash dflash_jax/bench/gpu_runbook.sh PHASE[,PHASE...] [OUT_DIR]   (OUT_DIR defaults to $OUT)
 #
 # Several phases joined by commas run one after another. LIMIT=seconds caps each benchmark step
-# of the ar / decode / rounds / rounds-split / kernel / top-k / tp phases (default 560).
+# of the ar / decode / rounds / rounds-split / hybrid / kernel / top-k / tp phases (default 560).
 #
 # Phases:
 #   ar            AR decode vs the roofline: Qwen3-8B shape and SmolLM2, ctx 1K/8K, with profiles
