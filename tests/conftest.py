@@ -12,7 +12,19 @@ jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_num_cpu_devices", 4)
 
 
+import gc  # noqa: E402
+
 import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops jax's compiled programs after each test module. Modules rarely share a program, and
+    a whole suite's worth of them (the hybrid models' scans among them) outgrows a small CI
+    machine's memory, where XLA then dies in the next compile instead of failing cleanly."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="package")
