@@ -28,6 +28,7 @@ from dflash_jax import cli
 from dflash_jax import qwen3_5 as q35
 from dflash_jax.drafter import DraftConfig, init_draft_params
 from dflash_jax.sharding import make_mesh
+from tests.test_qwen3_5 import perturb_hf_weights
 
 L, F = "linear_attention", "full_attention"
 VOCAB = 97
@@ -43,21 +44,9 @@ WORDS = ["<unk>", "hi"] + [f"w{i}" for i in range(VOCAB - 2)]
 
 
 def _perturb(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """transformers starts norms at 0 or 1 and A_log / dt_bias at fixed values: random ones make a
-    misplaced tensor change the logits."""
+    """`test_qwen3_5.perturb_hf_weights` from `seed`."""
     torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "visual" in name:
-                continue
-            if "norm" in name or "dt_bias" in name:
-                p.add_(0.3 * torch.randn_like(p))
-            elif "A_log" in name:
-                p.copy_(torch.empty_like(p).uniform_(-1.0, 1.5))
-            elif "conv1d" in name:
-                p.copy_(0.5 * torch.randn_like(p))
-            else:
-                p.mul_(3.0)
+    perturb_hf_weights(model)
     return model.eval()
 
 

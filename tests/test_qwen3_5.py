@@ -43,17 +43,26 @@ def tiny_hf(pattern: str, seed: int = 0) -> Qwen3_5ForCausalLM:
     hf_cfg = Qwen3_5TextConfig(**{**TINY, **PATTERNS[pattern]})
     hf_cfg._attn_implementation = "eager"
     model = Qwen3_5ForCausalLM(hf_cfg).eval()
+    perturb_hf_weights(model)
+    return model
+
+
+def perturb_hf_weights(model: torch.nn.Module) -> None:
+    """transformers starts norms at 0 or 1 and A_log / dt_bias at fixed values: random ones (from
+    torch's current seed) make a misplaced tensor change the logits; the rest is scaled up for
+    peakier distributions. A vision tower's weights are left as they are."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name or "dt_bias" in name:  # HF starts these at 0 or 1; random values make them matter
+            if "visual" in name:
+                continue
+            if "norm" in name or "dt_bias" in name:
                 p.add_(0.3 * torch.randn_like(p))
             elif "A_log" in name:
                 p.copy_(torch.empty_like(p).uniform_(-1.0, 1.5))
             elif "conv1d" in name:
                 p.copy_(0.5 * torch.randn_like(p))
             else:
-                p.mul_(3.0)  # peakier distributions
-    return model
+                p.mul_(3.0)
 
 
 def our_config(model: Qwen3_5ForCausalLM) -> q35.Qwen35Config:
