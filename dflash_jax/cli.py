@@ -1,4 +1,4 @@
-"""Command line: `dflash-jax generate | convert | make-data | train | bench | compare | decode`
+"""Command line: `dflash-jax generate | convert | make-prompts | make-data | train | bench | compare | decode`
 (and `--help` on each)."""
 from __future__ import annotations
 
@@ -118,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_convert(sub)
+    _add_make_prompts(sub)
     _add_make_data(sub)
     _add_train(sub)
     _add_bench(sub)
@@ -339,9 +340,10 @@ _DATA_DIR = "../shared/data"
 
 
 def _add_data_gen_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompts", nargs="+", metavar="JSONL", default=None,
-                   help="training prompt files (default: gsm8k train + alpaca_eval under --data-dir); "
-                        "evaluation sets (spec_bench, test splits) are refused")
+    p.add_argument("--prompts", nargs="+", metavar="JSONL[:N]", default=None,
+                   help="training prompt files, FILE:N for the first N rows of one (default: gsm8k train + "
+                        "alpaca_eval under --data-dir); evaluation sets (spec_bench, test splits, held-out "
+                        "code) are refused")
     p.add_argument("--data-dir", default=_DATA_DIR, help="the shared prompt sets (default: %(default)s)")
     p.add_argument("--limit", type=POSITIVE, default=None, help="prompts read per file (default: all)")
     p.add_argument("--gen-tokens", type=POSITIVE, default=256, help="max new tokens per response")
@@ -356,6 +358,18 @@ def _add_data_gen_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples-per-prompt", type=POSITIVE, default=1,
                    help="responses per prompt: the first follows --sample-fraction, the others are sampled "
                         "at --gen-temperature, each with its own seed (default: %(default)s)")
+
+
+def _add_make_prompts(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("make-prompts", help="build the code prompt sets (stdlib tasks, seed topics) offline",
+                       description="Write code prompt files (JSONL) into OUT: code-stdlib = tasks from the "
+                                   "Python standard library's functions (code_stdlib_train.jsonl for training, "
+                                   "code_heldout.jsonl for evaluation, split by module); code-topics = "
+                                   "programming tasks the target writes and solves from seed topics "
+                                   "(code_topics.jsonl). Prints the row counts (also OUT/prompt_sets.json).")
+    p.add_argument("sets", nargs="*", metavar="SET",
+                   help="code-stdlib and/or code-topics (default: both)")
+    p.add_argument("--out", required=True, help="directory for the prompt files")
 
 
 def _add_make_data(sub: argparse._SubParsersAction) -> None:
@@ -433,19 +447,22 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="tau, tokens/s and speedup over AR on a prompt file",
-                       description="Benchmark AR, DFlash and DDTree on a JSONL prompt file (gsm8k test "
-                                   "`question`, spec_bench `turns[0]` by `category`). Prints a JSON report; "
-                                   "with --out also writes report.json and plots.")
+    p = sub.add_parser("bench", help="tau, tokens/s and speedup over AR on prompt files, by category",
+                       description="Benchmark AR, DFlash and DDTree on JSONL prompt files (gsm8k test "
+                                   "`question` as category math, spec_bench `turns[0]` by `category`, "
+                                   "make-prompts' code_heldout.jsonl as code). Prints a JSON report on stdout "
+                                   "and tau by category as a table on stderr; with --out also writes "
+                                   "report.json, tau_by_category.md and plots.")
     p.add_argument("--model", "--target", dest="model", default="smollm2")
     p.add_argument("--method", nargs="+", choices=("ar", "dflash", "ddtree"), default=["dflash"],
                    help="methods to run (AR always runs as the baseline)")
-    p.add_argument("--prompts", required=True, help="JSONL prompt file")
+    p.add_argument("--prompts", required=True, nargs="+", metavar="JSONL[:N]",
+                   help="JSONL prompt files, decoded together; FILE:N takes the first N rows of one")
     p.add_argument("--draft", help="DFlash drafter directory")
     p.add_argument("--budget", type=POSITIVE, nargs="+", default=[64], help="DDTree budgets")
     p.add_argument("--block-size", type=BLOCK_SIZE, default=None, help="(default: the drafter's)")
     p.add_argument("--max-new-tokens", type=POSITIVE, default=256)
-    p.add_argument("--limit", type=POSITIVE, default=None, help="first N prompts")
+    p.add_argument("--limit", type=POSITIVE, default=None, help="first N prompts of each file")
     p.add_argument("--batch", type=POSITIVE, default=1)
     p.add_argument("--temperature", type=TEMPERATURE, default=0.0)
     p.add_argument("--math-suffix", choices=("auto", "always", "never"), default="auto")
@@ -597,7 +614,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if spec_methods and not args.draft:
         raise ValueError(f"--method {' '.join(spec_methods)} needs --draft DIR (a DFlash drafter directory)")
     dtype = jnp.dtype(args.dtype or _default_dtype())
-    prompts = ev.load_bench_prompts(args.prompts, limit=args.limit, math_suffix=args.math_suffix)
+    prompts = ev.load_bench_files(args.prompts, limit=args.limit, math_suffix=args.math_suffix)
     out = check_writable(args.out, "--out") if args.out else None  # before minutes of decoding
     cfg, params, tokenizer = _load_target(args.model, dtype)
     dcfg = dparams = None
@@ -606,7 +623,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         dcfg, dparams = _load_drafter_for(args.draft, cfg, dtype)
         block_size = args.block_size or dcfg.block_size
     specs = ev.method_specs(spec_methods, args.budget, block_size)
-    where = {"prompts_file": str(args.prompts), "model": str(args.model), "draft": args.draft}
+    where = {"prompts_files": [str(p) for p in args.prompts], "model": str(args.model), "draft": args.draft}
 
     def write(report: dict[str, Any]) -> None:
         # Each method's results are on disk as soon as it finishes: a later failure loses only
@@ -620,8 +637,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
                           progress=not args.no_progress, on_result=write)
     report.update(where)
     print(json.dumps(report))  # before the plots: a plotting failure cannot lose the numbers
+    if spec_methods:
+        table = ev.category_table(report)
+        print(table, file=sys.stderr, end="")
+        if out is not None:
+            atomic_write_text(out / "tau_by_category.md", table)
     if out is not None:
         ev.plot_report(report, out)
+    return 0
+
+
+def cmd_make_prompts(args: argparse.Namespace) -> int:
+    from dflash_jax import prompt_sets
+
+    sets = tuple(args.sets) or prompt_sets.SETS
+    prompt_sets.check_sets(sets)  # before --out is made
+    check_writable(args.out, "--out")
+    meta = prompt_sets.build(args.out, sets)
+    print(json.dumps({"out": str(args.out), **meta}))
     return 0
 
 
@@ -747,7 +780,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if exit_.code == 2:  # a usage error, already printed on one line
             return 2
         raise
-    command = {"generate": cmd_generate, "convert": cmd_convert, "make-data": cmd_make_data,
+    command = {"generate": cmd_generate, "convert": cmd_convert, "make-prompts": cmd_make_prompts,
+               "make-data": cmd_make_data,
                "train": cmd_train, "bench": cmd_bench, "compare": cmd_compare,
                "decode": cmd_decode}[args.command]
     from convert import validate

@@ -1,9 +1,12 @@
 """Benchmarks of AR, DFlash and DDTree decoding on prompt files: tau, tokens/s, speedup over AR.
 
-Prompt files (JSONL, see ../shared/data/README.md):
-  gsm8k test   `question`; a math set, so it gets MATH_SUFFIX (the papers' convention);
+Prompt files (JSONL, see ../shared/data/README.md), several at once (`load_bench_files`):
+  gsm8k test   `question`; a math set, so it gets MATH_SUFFIX (the papers' convention) and
+               the category "math";
   spec_bench   `turns[0]` (the first turn), grouped by `category`;
-  otherwise    `instruction` / `prompt` / `question`.
+  otherwise    `instruction` / `prompt` / `question`, grouped by `category` (make-prompts'
+               held-out code set: "code"), else by the file's folder name.
+Every report is broken down by category (`by_category`, `category_table`).
 Prompts are wrapped in the target's chat template. Every method decodes the same prompts
 with the same settings; tokens/s excludes compilation (each program is compiled ahead of
 time, once per prompt-width bucket). With greedy decoding the speculative outputs are also
@@ -28,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.impl import Impl
-from dflash_jax.jsonl import iter_jsonl
+from dflash_jax.jsonl import file_and_limit, iter_jsonl
 from dflash_jax.sampling import SamplingParams
 
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -63,7 +66,8 @@ def load_bench_prompts(path: str | Path, limit: int | None = None, math_suffix: 
     """Prompts of a benchmark JSONL file (first `limit` rows).
 
     math_suffix: "auto" adds MATH_SUFFIX to math sets (rows with `question` + `answer`, as
-    gsm8k), "always" / "never" force it.
+    gsm8k), "always" / "never" force it. Category: the row's `category`, else "math" for a
+    math row, else the file's folder name.
     """
     check_math_suffix(math_suffix)
     path = Path(path)
@@ -85,12 +89,45 @@ def load_bench_prompts(path: str | Path, limit: int | None = None, math_suffix: 
                                  f"instruction or prompt)")
             text, is_math = row[key], False
         text = with_math_suffix(text, is_math, math_suffix)
-        out.append(BenchPrompt(text=text, category=str(row.get("category", default_category))))
+        category = row.get("category", "math" if is_math else default_category)
+        out.append(BenchPrompt(text=text, category=str(category)))
         if limit is not None and len(out) >= limit:
             break
     if not out:
         raise ValueError(f"{path}: no prompts")
     return out
+
+
+def load_bench_files(specs: Sequence[str | Path], limit: int | None = None, math_suffix: str = "auto"
+                     ) -> list[BenchPrompt]:
+    """The prompts of several files, in the order given. A spec is "FILE" or "FILE:N" (its first
+    N rows, `jsonl.file_and_limit`); `limit` caps every file (the smaller cap wins)."""
+    if not specs:
+        raise ValueError("--prompts: no prompt file given")
+    out: list[BenchPrompt] = []
+    for spec in specs:
+        path, cap = file_and_limit(spec)
+        cap = cap if limit is None else limit if cap is None else min(cap, limit)
+        out += load_bench_prompts(path, limit=cap, math_suffix=math_suffix)
+    return out
+
+
+def category_table(report: dict[str, Any]) -> str:
+    """tau of every speculative method by category, a Markdown table: one row per category (in
+    order of first appearance), then "all" (pooled over every round) and "category mean" (each
+    category weighted alike, so that a large set does not drown a small one)."""
+    methods = {name: rec for name, rec in report["methods"].items() if rec["method"] != "ar"}
+    first = next(iter(report["methods"].values()))
+    cats = list(first["by_category"])
+    lines = ["| category | prompts | " + " | ".join(f"{m} tau" for m in methods) + " |",
+             "|---|---:|" + "---:|" * len(methods)]
+    for cat in cats:
+        taus = " | ".join(f"{rec['by_category'][cat]['tau']:.2f}" for rec in methods.values())
+        lines.append(f"| {cat} | {first['by_category'][cat]['prompts']} | {taus} |")
+    lines.append(f"| all | {first['prompts']} | " + " | ".join(f"{r['tau']:.2f}" for r in methods.values()) + " |")
+    lines.append(f"| category mean | {len(cats)} | "
+                 + " | ".join(f"{r['tau_category_mean']:.2f}" for r in methods.values()) + " |")
+    return "\n".join(lines) + "\n"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,6 +307,8 @@ def _summary(spec: MethodSpec, tokens: list[int], seconds: list[float], committe
     out = {"method": spec.method, "block_size": spec.block_size if spec.method != "ar" else None,
            "budget": spec.budget if spec.method == "ddtree" else None, **agg(list(range(len(tokens))))}
     out["by_category"] = {c: agg(ix) for c, ix in groups.items()}
+    if spec.method != "ar":
+        out["tau_category_mean"] = float(np.mean([c["tau"] for c in out["by_category"].values()]))
     return out
 
 

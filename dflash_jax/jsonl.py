@@ -32,3 +32,17 @@ def _lines(f: Any, path: Path) -> Iterator[tuple[int, str]]:
             yield line_no, line
     except UnicodeDecodeError as err:
         raise ValueError(f"{path}:{line_no + 1}: not UTF-8 text ({err.reason})") from None
+
+
+def file_and_limit(spec: str | Path) -> tuple[Path, int | None]:
+    """"FILE:N" -> (FILE, N), the first N rows of FILE; "FILE" -> (FILE, None).
+
+    A path that exists as given is taken whole, even if it ends in ":<digits>".
+    """
+    text = str(spec)
+    head, sep, tail = text.rpartition(":")
+    if not sep or not tail.isdigit() or Path(text).exists():
+        return Path(text), None
+    if int(tail) < 1:
+        raise ValueError(f"{text}: the row limit after ':' must be >= 1")
+    return Path(head), int(tail)

@@ -3,8 +3,9 @@
 The drafter learns to predict what the TARGET would say, so its training responses are the
 target's own generations (not the datasets' reference answers):
 
-  1. prompts come from local JSONL files (gsm8k train `question`, alpaca_eval `instruction`);
-     evaluation sets (spec_bench, any `test` split) are refused;
+  1. prompts come from local JSONL files (gsm8k train `question`, alpaca_eval `instruction`,
+     `make-prompts`' code sets); evaluation sets (spec_bench, any `test` split, the held-out
+     code set) are refused;
   2. each prompt is wrapped in the target's chat template (`pipeline.encode_prompts`);
   3. the target answers with our own batched, jitted decoding (`evaluate.ar_program`: dense or hybrid), a mix
      of greedy and temperature-1 batches; with `samples_per_prompt` N > 1 every prompt is
@@ -45,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.jsonl import iter_jsonl
+from dflash_jax.jsonl import file_and_limit, iter_jsonl
 from dflash_jax.sampling import SamplingParams
 
 FORMAT = "dflash-jax/train-tokens"
@@ -69,11 +70,16 @@ def default_sources(data_dir: str | Path) -> list[Path]:
 def check_training_source(path: str | Path) -> None:
     """Raises EvaluationDataError when `path` names an evaluation set.
 
-    Refused: anything under a spec_bench / mt_bench folder and any file whose name starts
-    with `test` (e.g. gsm8k's test.jsonl). These sets measure the drafter; training on them
-    would inflate every reported acceptance length.
+    Refused: anything under a spec_bench / mt_bench folder, any file whose name starts with
+    `test` (e.g. gsm8k's test.jsonl) and any whose name says held out (`make-prompts`'
+    code_heldout.jsonl). These sets measure the drafter; training on them would inflate every
+    reported acceptance length.
     """
     p = Path(path)
+    if "heldout" in p.name.lower().replace("_", "").replace("-", ""):
+        raise EvaluationDataError(f"{path}: a held-out set (e.g. make-prompts' code_heldout.jsonl) is for "
+                                  f"evaluation; it may not be used for drafter training (use "
+                                  f"code_stdlib_train.jsonl)")
     parts = [s.lower().replace("-", "_") for s in p.resolve().parts]
     for bench in ("spec_bench", "mt_bench"):
         if any(bench in s for s in parts):
@@ -89,10 +95,12 @@ def read_prompts(path: str | Path, limit: int | None = None, field: str | None =
     """Prompt texts from a JSONL training file (field `question`, `instruction` or `prompt`).
 
     Refuses evaluation sets by path (`check_training_source`) and by content: rows with
-    spec_bench's multi-turn `turns` field. `math_suffix` as in evaluation
+    spec_bench's multi-turn `turns` field, and code rows of a held-out stdlib module
+    (`prompt_sets.HELDOUT_MODULES`). `math_suffix` as in evaluation
     (`evaluate.with_math_suffix`): "auto" suffixes math rows (`question` + `answer`, as gsm8k).
     """
     from dflash_jax.evaluate import check_math_suffix, with_math_suffix
+    from dflash_jax.prompt_sets import HELDOUT_MODULES
 
     check_math_suffix(math_suffix)
     check_training_source(path)
@@ -101,6 +109,9 @@ def read_prompts(path: str | Path, limit: int | None = None, field: str | None =
         if "turns" in row:
             raise EvaluationDataError(f"{path}:{line_no}: a row with 'turns' looks like spec_bench, "
                                       f"an evaluation set; refusing to train on it")
+        if row.get("category") == "code" and row.get("module") in HELDOUT_MODULES:
+            raise EvaluationDataError(f"{path}:{line_no}: {row.get('source')} is in the held-out code set "
+                                      f"(module {row['module']}); refusing to train on it")
         key = field or next((k for k in PROMPT_FIELDS if k in row), None)
         if key is None or not isinstance(row.get(key), str):
             raise ValueError(f"{path}:{line_no}: no prompt field (expected one of {PROMPT_FIELDS})")
@@ -303,7 +314,8 @@ def make_token_data(params: Any, cfg: Any, tokenizer: Any, sources: Iterable[str
     """Reads prompts, wraps them in the chat template, lets the target answer -> TokenData.
 
     Prompts longer than `max_prompt_tokens` after templating are skipped (counted in meta).
-    `limit` caps the prompts read per source file. Each prompt is answered `samples_per_prompt`
+    `limit` caps the prompts read per source file; a source "FILE:N" reads at most N of FILE's
+    (`jsonl.file_and_limit`), so one command can weigh the files of a mix. Each prompt is answered `samples_per_prompt`
     times (see `generate_responses`); row c * P + i is copy c of prompt i, and
     `prompt_id[c * P + i] = i`. Math prompts get the suffix that evaluation gives them
     (`math_suffix`, see `evaluate.with_math_suffix`): the drafter then learns the kind of
@@ -312,14 +324,16 @@ def make_token_data(params: Any, cfg: Any, tokenizer: Any, sources: Iterable[str
     from dflash_jax.pipeline import encode_prompts, stop_tokens_for
 
     check_samples(samples_per_prompt, temperature)  # before any model work
-    sources = [Path(s) for s in sources]
-    for s in sources:
-        check_training_source(s)  # refuse before any generation work
+    specs = [str(s) for s in sources]
+    limited = [file_and_limit(s) for s in specs]
+    for path, _ in limited:
+        check_training_source(path)  # refuse before any generation work
     prompts: list[list[int]] = []
     source_of: list[int] = []
     skipped = 0
-    for si, src in enumerate(sources):
-        for ids in encode_prompts(tokenizer, read_prompts(src, limit=limit, math_suffix=math_suffix)):
+    for si, (src, cap) in enumerate(limited):
+        cap = cap if limit is None else limit if cap is None else min(cap, limit)
+        for ids in encode_prompts(tokenizer, read_prompts(src, limit=cap, math_suffix=math_suffix)):
             if len(ids) > max_prompt_tokens:
                 skipped += 1
                 continue
@@ -333,7 +347,7 @@ def make_token_data(params: Any, cfg: Any, tokenizer: Any, sources: Iterable[str
                                           batch_size=batch_size, sample_fraction=sample_fraction,
                                           temperature=temperature, samples_per_prompt=samples_per_prompt,
                                           stop_tokens=stop, seed=seed, progress=progress)
-    meta = {"sources": [str(s) for s in sources], "target": target_name, "max_new_tokens": max_new_tokens,
+    meta = {"sources": specs, "target": target_name, "max_new_tokens": max_new_tokens,
             "max_prompt_tokens": max_prompt_tokens, "skipped_long_prompts": skipped,
             "sample_fraction": sample_fraction, "temperature": temperature,
             "samples_per_prompt": samples_per_prompt, "prompts": len(prompts), "seed": seed,

@@ -1,0 +1,237 @@
+"""Code prompt sets built offline: tasks from the Python standard library, and seed topics.
+
+Two sources, both written as JSONL rows with the fields the loaders read (`instruction`,
+`category` "code", `source`):
+
+* **code-stdlib**: every public pure-Python function (and method of a public class) of the
+  modules in `STDLIB_MODULES` that has a signature, readable source and a docstring becomes
+  "Implement this Python function: <signature + docstring>" (one of `STDLIB_INSTRUCTIONS`,
+  picked by a hash of the function's name). The functions of `HELDOUT_MODULES` form the
+  held-out evaluation set (`code_heldout.jsonl`), the rest the training set
+  (`code_stdlib_train.jsonl`); a training prompt whose signature and docstring also occur in
+  the held-out set is dropped, so no function's text is on both sides. The docstrings are the
+  Python Software Foundation's (PSF License); which functions exist depends on the Python
+  version, so the counts are recorded with it (`meta`).
+* **code-topics**: `TOPICS` x `TOPIC_INSTRUCTIONS`: prompts that ask the target to invent a
+  programming task on a topic and solve it (the target writes the task and its solution when
+  `make-data` lets it answer).
+
+Rows are ordered by a CRC-32 of their `source`, the same on every machine, so that the first N
+rows (`--limit`, `FILE:N`) mix modules and topics instead of taking one module.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import sys
+import warnings
+import zlib
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from dflash_jax.files import atomic_write_text
+
+# Long-standing pure-Python modules (none removed up to Python 3.13); a module that does not
+# import on this interpreter (a build without it) is left out and not listed in `meta`.
+STDLIB_MODULES = (
+    "argparse", "ast", "asyncio.locks", "asyncio.queues", "base64", "bdb", "calendar", "cmd", "code",
+    "codeop", "collections", "concurrent.futures", "configparser", "contextlib", "copy", "csv",
+    "dataclasses", "difflib", "dis", "doctest", "email.message", "email.utils", "enum", "filecmp",
+    "fileinput", "fnmatch", "fractions", "ftplib", "functools", "getopt", "gettext", "glob", "graphlib",
+    "gzip", "heapq", "hmac", "html", "html.parser", "http.client", "http.cookiejar", "http.cookies",
+    "imaplib", "inspect", "ipaddress", "json", "json.decoder", "json.encoder", "linecache", "locale",
+    "logging", "logging.handlers", "lzma", "mailbox", "mimetypes", "netrc", "optparse", "os", "pathlib",
+    "pickletools", "pkgutil", "platform", "plistlib", "poplib", "posixpath", "pprint", "queue", "quopri",
+    "random", "reprlib", "sched", "secrets", "selectors", "shlex", "shutil", "smtplib", "socket",
+    "socketserver", "statistics", "string", "subprocess", "tarfile", "tempfile", "textwrap", "threading",
+    "timeit", "tokenize", "trace", "traceback", "types", "typing", "unittest.case", "urllib.parse",
+    "urllib.request", "uuid", "warnings", "weakref", "xml.dom.minidom", "xml.etree.ElementTree", "zipfile",
+)
+# The held-out code set: whole modules, so that no training prompt shares a module's code.
+# Chosen for self-contained, algorithmic functions, the kind a user asks a model to write.
+HELDOUT_MODULES = ("base64", "calendar", "difflib", "fnmatch", "fractions", "graphlib", "heapq",
+                   "ipaddress", "random", "shlex", "statistics", "textwrap")
+# Docstrings shorter than this say too little to implement from; longer ones than the cap make
+# prompts that `make-data --max-prompt-tokens` would skip anyway.
+MIN_DOC_CHARS = 40
+MAX_DOC_CHARS = 1500
+
+STDLIB_INSTRUCTIONS = (
+    "Implement this Python function:",
+    "Write the body of the following Python function so that it does what its docstring says:",
+    "Complete this Python function. Give the whole function, then explain it briefly:",
+    "Here is a signature with its docstring. Write a correct, readable Python implementation:",
+)
+
+TOPIC_INSTRUCTIONS = (
+    "Write a short programming exercise about {topic} for a Python programmer, then solve it: "
+    "give the code and explain how it works.",
+    "Invent a realistic coding task that involves {topic}. State the task, then write a complete "
+    "solution with comments.",
+    "Create an interview-style coding question on {topic} and answer it with working code and its "
+    "time and space complexity.",
+)
+
+TOPICS = (
+    "binary search", "two-pointer techniques", "sliding windows", "prefix sums", "hash maps",
+    "sets and deduplication", "stacks", "queues and deques", "priority queues", "linked lists",
+    "binary trees", "binary search trees", "tries", "union-find", "graph breadth-first search",
+    "graph depth-first search", "Dijkstra's shortest paths", "topological sorting", "minimum spanning trees",
+    "dynamic programming on sequences", "knapsack problems", "memoization", "recursion and backtracking",
+    "generating permutations and combinations", "bit manipulation", "sorting algorithms",
+    "merge intervals", "matrix traversal", "string parsing", "regular expressions", "palindromes",
+    "anagram grouping", "run-length encoding", "Unicode text handling", "number formatting",
+    "date and time arithmetic", "time zones", "reading and writing CSV files", "JSON serialization",
+    "parsing command-line arguments", "file system walking", "log file analysis", "configuration files",
+    "error handling with exceptions", "context managers", "iterators and generators", "decorators",
+    "closures", "classes and inheritance", "dataclasses", "abstract base classes", "operator overloading",
+    "type hints", "unit testing", "mocking in tests", "property-based testing", "logging",
+    "threads and locks", "producer-consumer queues", "asyncio coroutines", "process pools", "rate limiting",
+    "caching with LRU eviction", "retry with exponential backoff", "HTTP requests", "REST API design",
+    "URL parsing", "web scraping an HTML page", "SQL joins", "SQL aggregation queries", "database transactions",
+    "an in-memory key-value store", "a tokenizer for arithmetic expressions", "an expression evaluator",
+    "a tiny virtual machine", "a text-based game", "matrix multiplication", "numerical integration",
+    "random sampling", "statistics of a data set", "prime numbers", "greatest common divisors",
+    "big integer arithmetic", "fractions and exact arithmetic", "geometry with points and polygons",
+    "image pixels as arrays", "vectorized operations with NumPy", "data frames with pandas",
+    "plotting a chart", "shell scripting with Bash", "JavaScript promises", "DOM manipulation in JavaScript",
+    "pointers and memory in C", "ownership and borrowing in Rust", "generics in Java", "Go goroutines and channels",
+    "a command-line to-do list", "a bank account simulation", "an inventory system", "a URL shortener",
+)
+
+
+def _order(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows in the order of their source's CRC-32 (a hash that no interpreter seeds)."""
+    return sorted(rows, key=lambda r: (zlib.crc32(r["source"].encode()), r["source"]))
+
+
+# ----------------------------------------------------------------------------- stdlib tasks
+
+def _members(module: Any) -> Iterator[tuple[str, Callable[..., Any]]]:
+    """(qualified name, function) for the public functions defined in `module`, and the public
+    methods (plain, static or class) of its public classes, sorted by name."""
+    for name, obj in sorted(vars(module).items()):
+        if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
+            continue
+        if inspect.isfunction(obj):
+            yield name, obj
+        elif inspect.isclass(obj):
+            for attr, member in sorted(vars(obj).items()):
+                if isinstance(member, (staticmethod, classmethod)):
+                    member = member.__func__
+                if not attr.startswith("_") and inspect.isfunction(member):
+                    yield f"{name}.{attr}", member
+
+
+def _task_text(func: Callable[..., Any], name: str) -> str | None:
+    """`def name(signature):` + its docstring, as a code block; None when the function does not
+    qualify (no docstring of MIN_DOC_CHARS..MAX_DOC_CHARS, no signature or source, or a signature
+    whose defaults print object addresses, which differ from run to run)."""
+    doc = inspect.getdoc(func)
+    if not doc or not MIN_DOC_CHARS <= len(doc) <= MAX_DOC_CHARS or '"""' in doc:
+        return None
+    try:
+        signature = str(inspect.signature(func))
+        inspect.getsource(func)  # pure Python: a C function has no source
+    except (TypeError, ValueError, OSError):
+        return None
+    if " at 0x" in signature:
+        return None
+    prefix = "async def" if inspect.iscoroutinefunction(func) else "def"
+    body = "\n".join(("    " + line).rstrip() for line in doc.splitlines()).lstrip()
+    return f'```python\n{prefix} {name.rsplit(".", 1)[-1]}{signature}:\n    """{body}\n    """\n```'
+
+
+def stdlib_tasks(modules: tuple[str, ...] = STDLIB_MODULES) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every qualifying function of `modules` as a prompt row -> (rows, the modules imported).
+
+    Row: {"instruction", "category": "code", "source": "module.function", "module"}. Methods name
+    their class: "Implement this method of class `C` ...".
+    """
+    rows: list[dict[str, Any]] = []
+    found: list[str] = []
+    for module_name in modules:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a deprecation notice is no reason to leave a module out
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError:
+                continue
+        found.append(module_name)
+        for name, func in _members(module):
+            text = _task_text(func, name)
+            if text is None:
+                continue
+            source = f"{module_name}.{name}"
+            instruction = STDLIB_INSTRUCTIONS[zlib.crc32(source.encode()) % len(STDLIB_INSTRUCTIONS)]
+            if "." in name:
+                instruction = instruction.replace("Python function", f"method of the Python class "
+                                                  f"`{name.split('.')[0]}`")
+            rows.append({"instruction": f"{instruction}\n\n{text}", "category": "code", "source": source,
+                         "module": module_name})
+    return rows, found
+
+
+def _task_of(row: dict[str, Any]) -> str:
+    """The signature + docstring block of a stdlib row (its text without the instruction)."""
+    return row["instruction"].split("\n\n", 1)[1]
+
+
+def split_stdlib(rows: list[dict[str, Any]], heldout: tuple[str, ...] = HELDOUT_MODULES
+                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """-> (training rows, held-out rows), each in CRC-32 order. Held out: the rows of `heldout`
+    modules; a training row whose task text also occurs among them is dropped."""
+    held = [r for r in rows if r["module"] in heldout]
+    texts = {_task_of(r) for r in held}
+    train = [r for r in rows if r["module"] not in heldout and _task_of(r) not in texts]
+    return _order(train), _order(held)
+
+
+# ----------------------------------------------------------------------------- topic tasks
+
+def topic_tasks() -> list[dict[str, Any]]:
+    """TOPICS x TOPIC_INSTRUCTIONS as prompt rows (source "topic:<i>:<j>"), in CRC-32 order."""
+    rows = [{"instruction": template.format(topic=topic), "category": "code", "source": f"topic:{i}:{j}"}
+            for i, topic in enumerate(TOPICS) for j, template in enumerate(TOPIC_INSTRUCTIONS)]
+    return _order(rows)
+
+
+# ----------------------------------------------------------------------------- files
+
+SETS = ("code-stdlib", "code-topics")
+FILES = {"code-stdlib": ("code_stdlib_train.jsonl", "code_heldout.jsonl"), "code-topics": ("code_topics.jsonl",)}
+META_FILE = "prompt_sets.json"
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
+def check_sets(sets: tuple[str, ...]) -> None:
+    unknown = [s for s in sets if s not in SETS]
+    if unknown:
+        raise ValueError(f"unknown prompt set(s) {unknown}; expected some of {SETS}")
+
+
+def build(out_dir: str | Path, sets: tuple[str, ...] = SETS) -> dict[str, Any]:
+    """Writes the prompt files of `sets` into `out_dir` -> meta (also written as prompt_sets.json):
+    {"python": "3.11", "rows": {file: count}, "stdlib_modules": [...], "heldout_modules": [...]}."""
+    check_sets(sets)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meta: dict[str, Any] = {"python": f"{sys.version_info.major}.{sys.version_info.minor}", "rows": {}}
+    if "code-stdlib" in sets:
+        rows, found = stdlib_tasks()
+        train, held = split_stdlib(rows)
+        for name, part in zip(FILES["code-stdlib"], (train, held)):
+            _write_jsonl(out / name, part)
+            meta["rows"][name] = len(part)
+        meta["stdlib_modules"] = found
+        meta["heldout_modules"] = [m for m in HELDOUT_MODULES if m in found]
+    if "code-topics" in sets:
+        rows = topic_tasks()
+        _write_jsonl(out / FILES["code-topics"][0], rows)
+        meta["rows"][FILES["code-topics"][0]] = len(rows)
+    atomic_write_text(out / META_FILE, json.dumps(meta, indent=2) + "\n")
+    return meta
