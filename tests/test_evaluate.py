@@ -23,7 +23,7 @@ def test_load_bench_prompts(tmp_path):
     spec.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [f"t{i}", "second"]}) + "\n"
                             for i, c in enumerate(["writing", "math", "writing"])))
     (g,) = ev.load_bench_prompts(gsm)
-    assert g.text == "What is 2+2?" + ev.MATH_SUFFIX and g.category == "gsm8k"
+    assert g.text == "What is 2+2?" + ev.MATH_SUFFIX and g.category == "math"
     rows = ev.load_bench_prompts(spec, limit=2)
     assert [(r.text, r.category) for r in rows] == [("t0", "writing"), ("t1", "math")]
     assert ev.load_bench_prompts(gsm, math_suffix="never")[0].text == "What is 2+2?"
@@ -31,6 +31,25 @@ def test_load_bench_prompts(tmp_path):
     if SHARED.is_dir():
         assert len(ev.load_bench_prompts(SHARED / "spec_bench" / "question.jsonl")) == 480
         assert ev.load_bench_prompts(SHARED / "gsm8k" / "test.jsonl", limit=128)[0].text.endswith(ev.MATH_SUFFIX)
+
+
+def test_load_bench_files_takes_several_files_and_row_limits(tmp_path):
+    gsm = tmp_path / "gsm8k" / "test.jsonl"
+    gsm.parent.mkdir()
+    gsm.write_text("".join(json.dumps({"question": f"q{i}", "answer": "1"}) + "\n" for i in range(5)))
+    code = tmp_path / "code_heldout.jsonl"
+    code.write_text("".join(json.dumps({"instruction": f"c{i}", "category": "code"}) + "\n" for i in range(3)))
+    other = tmp_path / "chat" / "rows.jsonl"
+    other.parent.mkdir()
+    other.write_text(json.dumps({"instruction": "hello"}) + "\n")
+    rows = ev.load_bench_files([f"{gsm}:2", code, other], math_suffix="never")
+    assert [(r.text, r.category) for r in rows] == [("q0", "math"), ("q1", "math"), ("c0", "code"),
+                                                    ("c1", "code"), ("c2", "code"), ("hello", "chat")]
+    assert [r.text for r in ev.load_bench_files([gsm, f"{code}:3"], limit=1, math_suffix="never")] == ["q0", "c0"]
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        ev.load_bench_files([tmp_path / "missing.jsonl:4"])
+    with pytest.raises(ValueError, match="no prompt file"):
+        ev.load_bench_files([])
 
 
 def test_method_specs():
@@ -69,3 +88,52 @@ def test_cli_parsers():
     a = parser.parse_args(["bench", "--method", "dflash", "ddtree", "--prompts", "p.jsonl", "--draft", "d",
                            "--budget", "16", "64", "256", "--limit", "128"])
     assert (a.method, a.budget, a.max_new_tokens, a.limit) == (["dflash", "ddtree"], [16, 64, 256], 256, 128)
+
+
+def test_bench_cli_reports_tau_by_category_over_several_files(tmp_path, capsys):
+    """One `bench` over a gsm8k-like set (math), spec_bench-like rows (their categories) and the
+    held-out code set: the JSON has every category, each with its own tau, and the table on
+    stderr (and in --out) shows those same numbers."""
+    from dflash_jax.cli import main
+    from tests.test_bad_input import VOCAB, WORDS, save_tokenizer
+
+    tiny = tmp_path / "tiny"
+    target_model(vocab=VOCAB).save_pretrained(tiny)
+    save_tokenizer(tiny, WORDS)
+    draft = tmp_path / "draft"
+    drafter_model(4, vocab=VOCAB).save_pretrained(draft)
+    gsm = tmp_path / "gsm8k" / "test.jsonl"
+    gsm.parent.mkdir()
+    gsm.write_text("".join(json.dumps({"question": f"w{i} w2 w3", "answer": "4"}) + "\n" for i in range(3)))
+    spec = tmp_path / "spec_bench" / "question.jsonl"
+    spec.parent.mkdir()
+    spec.write_text("".join(json.dumps({"category": c, "turns": [f"w{i} w5", "w6"]}) + "\n"
+                            for i, c in enumerate(["writing", "coding", "writing"])))
+    code = tmp_path / "code_heldout.jsonl"
+    code.write_text("".join(json.dumps({"instruction": f"w7 w{i}", "category": "code"}) + "\n" for i in range(2)))
+    out = tmp_path / "report"
+    assert main(["bench", "--model", str(tiny), "--draft", str(draft), "--method", "dflash", "ddtree",
+                 "--budget", "4", "--prompts", f"{gsm}:2", str(spec), str(code), "--max-new-tokens", "8",
+                 "--batch", "4", "--out", str(out), "--no-progress", "--dtype", "float32"]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["prompts_files"] == [f"{gsm}:2", str(spec), str(code)] and report["num_prompts"] == 7
+    names = ["dflash(bs=4)", "ddtree(bs=4,budget=4)"]
+    for name in names:
+        rec = report["methods"][name]
+        cats = rec["by_category"]
+        assert {c: v["prompts"] for c, v in cats.items()} == {"math": 2, "writing": 2, "coding": 1, "code": 2}
+        assert rec["matches_ar"] == 1.0 and all(1.0 <= v["tau"] <= 4.0 for v in cats.values())
+        # Pooled tau = all committed tokens over all rounds; the category mean weighs each alike.
+        assert rec["tau"] == pytest.approx(sum(v["tau"] * v["rounds"] for v in cats.values()) / rec["rounds"])
+        assert rec["tau_category_mean"] == pytest.approx(np.mean([v["tau"] for v in cats.values()]))
+    table = (out / "tau_by_category.md").read_text()
+    assert table in captured.err
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in table.splitlines()[2:]}
+    assert list(rows) == ["math", "writing", "coding", "code", "all", "category mean"]
+    for cat in ("math", "writing", "coding", "code"):
+        want = [str(report["methods"]["ar"]["by_category"][cat]["prompts"])]
+        want += [f"{report['methods'][n]['by_category'][cat]['tau']:.2f}" for n in names]
+        assert rows[cat] == want
+    assert rows["category mean"][1:] == [f"{report['methods'][n]['tau_category_mean']:.2f}" for n in names]
