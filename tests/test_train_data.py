@@ -40,6 +40,19 @@ def test_refuses_evaluation_sets(tmp_path):
     # Refused before any model work (no params needed).
     with pytest.raises(EvaluationDataError):
         make_token_data(None, None, None, [tmp_path / "gsm8k" / "train.jsonl", tmp_path / "gsm8k" / "test.jsonl"])
+    # make-prompts' held-out code set, by name (even as FILE:N) and, renamed, by its rows.
+    for bad in (tmp_path / "code_heldout.jsonl", tmp_path / "more" / "Held-Out.jsonl"):
+        write_jsonl(bad, [{"instruction": "i", "category": "code", "module": "textwrap"}])
+        with pytest.raises(EvaluationDataError, match="held-out set"):
+            read_prompts(bad)
+    with pytest.raises(EvaluationDataError, match="held-out set"):
+        make_token_data(None, None, None, [f"{tmp_path / 'code_heldout.jsonl'}:5"])
+    renamed = write_jsonl(tmp_path / "code.jsonl", [{"instruction": "i", "category": "code", "module": "x"},
+                                                    {"instruction": "j", "category": "code", "module": "shlex",
+                                                     "source": "shlex.split"}])
+    with pytest.raises(EvaluationDataError, match=r"code.jsonl:2: shlex.split is in the held-out code set"):
+        read_prompts(renamed)
+    assert read_prompts(renamed, limit=1) == ["i"]
     if SHARED.is_dir():
         for bad in (SHARED / "spec_bench" / "question.jsonl", SHARED / "gsm8k" / "test.jsonl"):
             with pytest.raises(EvaluationDataError):
@@ -187,6 +200,21 @@ def test_samples_per_prompt(tmp_path, toy_target):
     rows = build_sequences(loaded, seq_len=48)  # rows keep their prompt id past dropped short responses
     kept = [i for i in range(len(data)) if len(data.response(i)) >= 2]
     np.testing.assert_array_equal(rows.prompt_ids, data.prompt_id[kept])
+
+
+def test_make_token_data_reads_file_row_limits(tmp_path, toy_target):
+    """"FILE:N" reads N of FILE's prompts; --limit caps every file, the smaller cap winning."""
+    cfg, params = toy_target
+    gsm = write_jsonl(tmp_path / "gsm8k" / "train.jsonl", [{"question": f"q{i} " * 2} for i in range(6)])
+    alpaca = write_jsonl(tmp_path / "alpaca" / "instructions.jsonl", [{"instruction": f"i{i} " * 2} for i in range(6)])
+    data = make_token_data(params, cfg, ToyTokenizer(), [f"{gsm}:2", alpaca, f"{alpaca}:5"], limit=3,
+                           max_new_tokens=4, max_prompt_tokens=40, batch_size=4, math_suffix="never",
+                           progress=False)
+    assert data.source.tolist() == [0, 0, 1, 1, 1, 2, 2, 2]
+    assert data.meta["sources"] == [f"{gsm}:2", str(alpaca), f"{alpaca}:5"]
+    tok = ToyTokenizer()
+    assert data.prompt(1).tolist() == tok.apply_chat_template([{"content": "q1 " * 2}])
+    assert data.prompt(7).tolist() == tok.apply_chat_template([{"content": "i2 " * 2}])
 
 
 def test_samples_per_prompt_refused_below_one(tmp_path):

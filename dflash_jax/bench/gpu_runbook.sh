@@ -36,6 +36,14 @@
 #                 eval with gsm8k on GPU 0 and spec_bench on GPU 1
 #   eval          tau on gsm8k (128) + spec_bench (480) for DFlash and DDTree 16/64/256 (DRAFT=dir);
 #                 eval-gsm8k and eval-spec-bench run one set each
+#   drafter-mix   SmolLM2 drafter on the broad mix of dflash_jax/drafters/DATA.md: make-prompts (code
+#                 tasks from the stdlib, seed topics), make-data over code + alpaca_eval + gsm8k train
+#                 (MIX_GSM8K prompts of it, 2000; SAMPLES responses per prompt, 4), then train from
+#                 INIT (default the shipped drafter) for STEPS (6000) within TRAIN_S (270) and export;
+#                 ~2 min of generation + TRAIN_S + 1 min on an H200; calling it again resumes the run
+#   eval-mix      one bench over gsm8k test (128) + spec_bench (480) + the held-out code set, tau by
+#                 category, DFlash and DDTree(64): the drafter-mix drafter (DRAFT=dir) and the shipped
+#                 one beside it (EVAL_MIX="mix shipped" picks), ~3 min each
 #   speed         batch-1 tokens/s of AR, DFlash, DDTree beside the PyTorch reference (needs the
 #                 gguf and dflash wheels on the path)
 #   hybrid        the Qwen3.6-27B hybrid shape (random bf16 weights, 5-layer drafter): AR vs the roofline
@@ -159,8 +167,13 @@ train_drafter() {  # train_drafter STEP RUN LABELS [FLAGS...]: train (or resume)
     shift 3
     start_args "$run"
     step "$name" "$(( ${TRAIN_S:-330} + 60 ))" python -m dflash_jax.cli train --target "$gguf" \
-        --data "$run_dir/tokens.npz" --out "$run" --layers "${LAYERS:-3}" --time-limit "${TRAIN_S:-330}" \
+        --data "${tokens:-$run_dir/tokens.npz}" --out "$run" --layers "${LAYERS:-3}" --time-limit "${TRAIN_S:-330}" \
         --labels "$labels" --export-dtype bfloat16 --no-progress "${start[@]}" "$@" "${trn[@]}"
+}
+
+mix_prompts() {  # the code prompt sets in RUN_DIR/prompts (make-prompts: a few seconds, no GPU)
+    [ -f "$run_dir/prompts/prompt_sets.json" ] && return 0
+    python -m dflash_jax.cli make-prompts --out "$run_dir/prompts" > "$out/prompt_sets.json"
 }
 
 eval_args() {  # the evaluation phases' prompt counts and limits
@@ -301,6 +314,46 @@ PY
     echo "$winner" > "$out/winner.txt"
     echo "== winner: $winner"
     DRAFT=$run_dir/$winner/drafter bash "$0" split eval-gsm8k eval-spec-bench "$out" ;;
+drafter-mix)
+    # The mix (dflash_jax/drafters/DATA.md): the stdlib tasks' training split, the seed-topic tasks,
+    # alpaca_eval and MIX_GSM8K gsm8k train questions; the held-out code set, gsm8k test and
+    # spec_bench are refused by make-data. The drafter starts from INIT (the shipped one unless
+    # set) and learns the target's distribution (LABELS, default target-soft, as the shipped one).
+    drafter_args
+    mix_prompts || exit 1
+    tokens=$run_dir/mix_tokens.npz
+    if [ ! -f "$tokens" ]; then
+        (export CUDA_VISIBLE_DEVICES=0 XLA_PYTHON_CLIENT_PREALLOCATE=false
+         step make_data_mix "${GEN_S:-200}" python -m dflash_jax.cli make-data --target "$gguf" --prompts \
+             "$run_dir/prompts/code_stdlib_train.jsonl" "$run_dir/prompts/code_topics.jsonl" \
+             "$data/alpaca_eval/instructions.jsonl" "$data/gsm8k/train.jsonl:${MIX_GSM8K:-2000}" \
+             "${gen[@]}" --out "$tokens") || exit 1
+    fi
+    [ "$dry" = 1 ] || trn=(--steps "${STEPS:-6000}" "${trn[@]:2}")
+    INIT=${INIT:-smollm2} TRAIN_S=${TRAIN_S:-270} train_drafter train_mix "$run_dir/mix" "${LABELS:-target-soft}" \
+        --dp "$train_dp" || exit 1
+    split -b 15M "$run_dir/mix/drafter/model.safetensors" "$out/mix_drafter.safetensors.part_"
+    cp "$run_dir/prompts/prompt_sets.json" "$run_dir/mix/prompt_sets.json"
+    tar czf "$out/mix_drafter_run.tgz" -C "$run_dir/mix" train_run.json log.jsonl plots drafter/config.json \
+        prompt_sets.json ;;
+eval-mix)
+    # One command per drafter over all three held-out sets; tau by category in
+    # OUT_DIR/tau_mix_<name>/tau_by_category.md and report.json.
+    mix_prompts || exit 1
+    if [ "$dry" = 1 ]; then sets=("$data/gsm8k/test.jsonl:2" "$data/spec_bench/question.jsonl:2" \
+                                  "$run_dir/prompts/code_heldout.jsonl:2") mix=(--max-new-tokens 16 --batch 2)
+    else sets=("$data/gsm8k/test.jsonl:128" "$data/spec_bench/question.jsonl" "$run_dir/prompts/code_heldout.jsonl")
+         mix=(--max-new-tokens 256 --batch 64); fi
+    for name in ${EVAL_MIX:-mix shipped}; do
+        case $name in
+        mix) draft=${DRAFT:-$run_dir/mix/drafter} ;;
+        shipped) draft=smollm2 ;;
+        *) echo "eval-mix: unknown EVAL_MIX entry $name (mix, shipped)" >&2; exit 2 ;;
+        esac
+        step "tau_mix_$name" 290 python -m dflash_jax.cli bench --target "$gguf" --draft "$draft" \
+            --method dflash ddtree --budget 64 --prompts "${sets[@]}" --no-progress "${mix[@]}" \
+            --out "$out/tau_mix_$name" || exit 1
+    done ;;
 eval | eval-gsm8k | eval-spec-bench | speed)
     draft=${DRAFT:-$run_dir/run/drafter}
     eval_args
@@ -378,6 +431,7 @@ collectives)
         --out "$out/collectives.json" ;;
 *)
     echo "unknown phase: $phase (ar, decode, rounds, rounds-split, kernel, kernel-tests, lossless, top-k, kernel-sweep," \
-        "hybrid, drafter, drafter-ab, eval-ab, eval-pick, eval, eval-gsm8k, eval-spec-bench, speed, collectives, tp)" >&2
+        "hybrid, drafter, drafter-ab, eval-ab, eval-pick, eval, eval-gsm8k, eval-spec-bench, speed, drafter-mix," \
+        "eval-mix, collectives, tp)" >&2
     exit 2 ;;
 esac

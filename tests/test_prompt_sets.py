@@ -1,0 +1,164 @@
+"""The code prompt sets (dflash_jax.prompt_sets): stdlib tasks split by module, seed topics,
+and the data card's counts against what the generator writes."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from dflash_jax import prompt_sets as ps
+from dflash_jax.cli import main
+from dflash_jax.evaluate import load_bench_prompts
+from dflash_jax.jsonl import file_and_limit
+from dflash_jax.train_data import EvaluationDataError, read_prompts
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT / ".." / "shared" / "data"
+CARD = ROOT / "dflash_jax" / "drafters" / "DATA.md"
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("prompts")
+    assert main(["make-prompts", "--out", str(out)]) == 0
+    return out, json.loads((out / ps.META_FILE).read_text())
+
+
+def rows_of(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def sample_function(text, width=70, *, indent=""):
+    """Wrap a paragraph of text into lines of at most width characters.
+
+    Words longer than width stay whole on their own line.
+    """
+
+
+def test_task_text_is_the_signature_and_docstring():
+    assert ps._task_text(sample_function, "sample_function") == (
+        '```python\n'
+        'def sample_function(text, width=70, *, indent=\'\'):\n'
+        '    """Wrap a paragraph of text into lines of at most width characters.\n'
+        '\n'
+        '    Words longer than width stay whole on their own line.\n'
+        '    """\n'
+        '```')
+    assert ps._task_text(len, "len") is None  # a C function: no source to learn from
+    assert ps._task_text(rows_of, "rows_of") is None  # no docstring
+
+
+def test_stdlib_split_keeps_held_out_modules_apart(built):
+    out, meta = built
+    train, held = rows_of(out / "code_stdlib_train.jsonl"), rows_of(out / "code_heldout.jsonl")
+    assert len(train) == meta["rows"]["code_stdlib_train.jsonl"] and len(held) == meta["rows"]["code_heldout.jsonl"]
+    assert len(train) > 500 and len(held) > 100
+    assert {r["module"] for r in held} == set(meta["heldout_modules"]) == set(ps.HELDOUT_MODULES)
+    assert not {r["module"] for r in train} & set(ps.HELDOUT_MODULES)
+    # No function's text on both sides, and no function twice.
+    blocks = lambda rows: {r["instruction"].split("\n\n", 1)[1] for r in rows}  # noqa: E731
+    assert not blocks(train) & blocks(held)
+    sources = [r["source"] for r in train + held]
+    assert len(set(sources)) == len(sources)
+    for r in train + held:
+        assert r["category"] == "code" and r["source"].startswith(r["module"] + ".")
+        assert r["instruction"].split("\n\n", 1)[0] in {i.replace("Python function", f"method of the Python "
+                                                                  f"class `{r['source'].split('.')[-2]}`")
+                                                         for i in ps.STDLIB_INSTRUCTIONS} | set(ps.STDLIB_INSTRUCTIONS)
+        assert "```python\n" in r["instruction"] and " at 0x" not in r["instruction"]
+    # A prefix of the file mixes modules (CRC-32 order), so `FILE:N` is a fair sample.
+    assert len({r["module"] for r in held[:20]}) >= 5
+    assert "statistics.median" in sources and "textwrap.dedent" in sources
+
+
+def test_prompt_files_are_the_same_on_every_build(built, tmp_path):
+    out, _ = built
+    ps.build(tmp_path)
+    for name in ("code_stdlib_train.jsonl", "code_heldout.jsonl", "code_topics.jsonl", ps.META_FILE):
+        assert (tmp_path / name).read_bytes() == (out / name).read_bytes(), name
+
+
+def test_topics(built):
+    out, meta = built
+    rows = rows_of(out / "code_topics.jsonl")
+    assert len(ps.TOPICS) == 100 and len(set(ps.TOPICS)) == 100
+    assert len(rows) == meta["rows"]["code_topics.jsonl"] == 100 * len(ps.TOPIC_INSTRUCTIONS)
+    assert {r["instruction"] for r in rows} == {t.format(topic=topic) for topic in ps.TOPICS
+                                               for t in ps.TOPIC_INSTRUCTIONS}
+    assert all(r["category"] == "code" for r in rows)
+
+
+def test_loaders_read_the_sets_and_training_refuses_the_held_out_one(built, tmp_path):
+    out, meta = built
+    held = out / "code_heldout.jsonl"
+    prompts = load_bench_prompts(held, math_suffix="auto")
+    assert len(prompts) == meta["rows"]["code_heldout.jsonl"] and {p.category for p in prompts} == {"code"}
+    assert len(read_prompts(out / "code_stdlib_train.jsonl")) == meta["rows"]["code_stdlib_train.jsonl"]
+    assert len(read_prompts(out / "code_topics.jsonl", limit=7)) == 7
+    with pytest.raises(EvaluationDataError, match="code_heldout.jsonl: a held-out set"):
+        read_prompts(held)
+    renamed = tmp_path / "more_code.jsonl"
+    renamed.write_text(held.read_text())
+    with pytest.raises(EvaluationDataError, match=r"more_code.jsonl:1: .* held-out code set"):
+        read_prompts(renamed)
+
+
+def test_file_and_limit(tmp_path):
+    assert file_and_limit("a/b.jsonl:128") == (Path("a/b.jsonl"), 128)
+    assert file_and_limit("a/b.jsonl") == (Path("a/b.jsonl"), None)
+    odd = tmp_path / "x.jsonl:3"
+    odd.write_text("")
+    assert file_and_limit(odd) == (odd, None)  # an existing file's own name wins
+    with pytest.raises(ValueError, match="b.jsonl:0: the row limit"):
+        file_and_limit("b.jsonl:0")
+
+
+def test_make_prompts_refuses_an_unknown_set_before_writing(tmp_path, capsys):
+    assert main(["make-prompts", "code-golf", "--out", str(tmp_path / "p")]) == 2
+    assert "unknown prompt set(s) ['code-golf']" in capsys.readouterr().err
+    assert not (tmp_path / "p").exists()
+
+
+def card_table(heading: str) -> list[list[str]]:
+    """The cells of the Markdown table under `## heading` of the card (header and rule left out)."""
+    section = CARD.read_text().split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")][2:]
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in rows]
+
+
+def card_counts() -> dict[str, int]:
+    """The card's source table: {file: rows}, from rows `| source | file | rows | ...`."""
+    return {cells[1].strip("`"): int(cells[2]) for cells in card_table("Sources")}
+
+
+def test_data_card_mix_adds_up():
+    counts = card_counts()
+    mix = {cells[0].split(":")[0]: cells[1:] for cells in card_table("The mix")}
+    assert mix["code"][0] == f"{counts['code_stdlib_train.jsonl']} + {counts['code_topics.jsonl']}"
+    assert mix["chat"][0] == str(counts["alpaca_eval/instructions.jsonl"])
+    gsm8k = int(mix["math"][0])
+    assert gsm8k <= counts["gsm8k/train.jsonl"] and f"train.jsonl:{gsm8k}" in CARD.read_text()
+    for prompts, responses in mix.values():
+        assert int(responses) == 4 * sum(int(n) for n in prompts.split("+"))
+    runbook = (ROOT / "dflash_jax" / "bench" / "gpu_runbook.sh").read_text()
+    assert f"MIX_GSM8K:-{gsm8k}" in runbook and "SAMPLES:-4" in runbook
+
+
+def test_data_card_counts_are_the_generators(built):
+    out, meta = built
+    counts = card_counts()
+    card_python = re.search(r"Python (\d+\.\d+)", CARD.read_text()).group(1)
+    assert counts["code_topics.jsonl"] == meta["rows"]["code_topics.jsonl"]
+    if card_python != meta["python"]:
+        pytest.skip(f"the card counts the stdlib of Python {card_python}; this is {meta['python']}, whose "
+                    f"stdlib has other functions")
+    for name in ("code_stdlib_train.jsonl", "code_heldout.jsonl"):
+        assert counts[name] == meta["rows"][name], name
+    if SHARED.is_dir():
+        for name, path in (("gsm8k/train.jsonl", SHARED / "gsm8k" / "train.jsonl"),
+                           ("alpaca_eval/instructions.jsonl", SHARED / "alpaca_eval" / "instructions.jsonl"),
+                           ("gsm8k/test.jsonl", SHARED / "gsm8k" / "test.jsonl"),
+                           ("spec_bench/question.jsonl", SHARED / "spec_bench" / "question.jsonl")):
+            assert counts[name] == len(path.read_text().splitlines()), name
