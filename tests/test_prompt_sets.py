@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -162,3 +163,19 @@ def test_data_card_counts_are_the_generators(built):
                            ("gsm8k/test.jsonl", SHARED / "gsm8k" / "test.jsonl"),
                            ("spec_bench/question.jsonl", SHARED / "spec_bench" / "question.jsonl")):
             assert counts[name] == len(path.read_text().splitlines()), name
+
+
+def test_eval_mix_phase_builds_the_code_set_and_names_a_bad_drafter_choice(tmp_path):
+    """The runbook's eval-mix makes the held-out code set itself (a fresh GPU machine has none),
+    then refuses an EVAL_MIX entry it does not know, by name, before any benchmark."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "DRY": "1", "EVAL_MIX": "latest",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
+    done = subprocess.run(["bash", str(ROOT / "dflash_jax" / "bench" / "gpu_runbook.sh"), "eval-mix", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "eval-mix: unknown EVAL_MIX entry latest (mix, shipped)" in done.stderr
+    meta = json.loads((tmp_path / "prompt_sets.json").read_text())
+    assert (tmp_path / "run" / "prompts" / "code_heldout.jsonl").is_file()
+    assert meta["rows"]["code_heldout.jsonl"] == len(rows_of(tmp_path / "run" / "prompts" / "code_heldout.jsonl"))

@@ -329,6 +329,7 @@ drafter-mix)
              "$data/alpaca_eval/instructions.jsonl" "$data/gsm8k/train.jsonl:${MIX_GSM8K:-2000}" \
              "${gen[@]}" --out "$tokens") || exit 1
     fi
+    # drafter_args' flags with the mix's own step default (its first two entries are --steps N).
     [ "$dry" = 1 ] || trn=(--steps "${STEPS:-6000}" "${trn[@]:2}")
     INIT=${INIT:-smollm2} TRAIN_S=${TRAIN_S:-270} train_drafter train_mix "$run_dir/mix" "${LABELS:-target-soft}" \
         --dp "$train_dp" || exit 1
