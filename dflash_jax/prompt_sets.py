@@ -65,7 +65,7 @@ STDLIB_INSTRUCTIONS = (
 )
 
 TOPIC_INSTRUCTIONS = (
-    "Write a short programming exercise about {topic} for a Python programmer, then solve it: "
+    "Write a short programming exercise about {topic}, then solve it: "
     "give the code and explain how it works.",
     "Invent a realistic coding task that involves {topic}. State the task, then write a complete "
     "solution with comments.",
