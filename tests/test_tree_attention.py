@@ -262,6 +262,9 @@ GPU_CASES = [
     (2, 48, 8, 5, 128, 900, [500, 0], jnp.bfloat16, True, None),
     (1, 64, 8, 4, 128, 4200, [4100], jnp.bfloat16, True, None),    # 128-row blocks, split 8
     (1, 80, 8, 4, 128, 3000, [2900], jnp.float32, True, None),
+    (1, 1, 4, 6, 256, 4200, [4100], jnp.bfloat16, False, None),    # the hybrids' head_dim 256,
+    (1, 17, 4, 6, 256, 4200, [4100], jnp.bfloat16, True, None),    # 24 / 4 heads: AR step, DDTree
+    (2, 257, 4, 6, 256, 4400, [4100, 33], jnp.bfloat16, True, None),  # budgets 16 and 256
 ]
 
 
