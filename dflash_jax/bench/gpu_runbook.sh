@@ -347,7 +347,7 @@ tp)
         --out "$out/tp_$tag.json" ;;
 hybrid)
     if [ "$dry" = 1 ]; then
-        ar=(--models tiny-hybrid --contexts 64 256 --steps 8 --copy-gb 0.05)
+        ar=(--models tiny-hybrid --contexts 64 256 --steps 8 --copy-gb 0.05 --impls reference)
         rounds=(--model tiny-hybrid --ctx 64 --budgets 16 64 --ddtree-ctx 64)
         pre=(--model tiny-hybrid --prefill 64 256)
     else
