@@ -162,22 +162,23 @@ def method_specs(methods: Sequence[str], budgets: Sequence[int], block_size: int
     return list(dict.fromkeys(out))  # de-duplicated, in order
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "max_len", "sampling", "stop_tokens"))
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "max_len", "sampling", "stop_tokens", "impl"))
 def _hybrid_generate(params: Any, cfg: Any, prompts: jax.Array, prompt_lens: jax.Array, key: jax.Array, *,
                      max_new_tokens: int, max_len: int, sampling: SamplingParams = SamplingParams(),
-                     stop_tokens: tuple[int, ...] = ()) -> Any:
+                     stop_tokens: tuple[int, ...] = (), impl: Impl = Impl()) -> Any:
     """`qwen3_5.generate` returning a `generate.Generation`, as `generate.generate_ar` does."""
     from dflash_jax import qwen3_5
     from dflash_jax.generate import Generation
 
     return Generation(*qwen3_5.generate(params, cfg, prompts, prompt_lens, key, max_new_tokens=max_new_tokens,
-                                        max_len=max_len, sampling=sampling, stop_tokens=stop_tokens))
+                                        max_len=max_len, sampling=sampling, stop_tokens=stop_tokens,
+                                        attn_impl=impl.attention))
 
 
 def ar_program(cfg: Any, impl: Impl = Impl()) -> tuple[Callable[..., Any], dict[str, Any]]:
     """The jitted AR decoder of a target and its extra keyword arguments: `generate.generate_ar`
-    (with `impl`) for a dense target, `qwen3_5.generate` for a Qwen3.5 / Qwen3.6 hybrid (one
-    implementation), as `speculative.target_family` picks by the config. Both take (params, cfg,
+    (with `impl`) for a dense target, `qwen3_5.generate` for a Qwen3.5 / Qwen3.6 hybrid (with
+    `impl.attention`), as `speculative.target_family` picks by the config. Both take (params, cfg,
     prompts [B, P], prompt_lens [B], key, *, max_new_tokens, max_len, sampling, stop_tokens) and
     return a `generate.Generation`. Kept apart (not one jitted wrapper) so the dense decoder keeps
     its own compiler options."""
@@ -185,7 +186,7 @@ def ar_program(cfg: Any, impl: Impl = Impl()) -> tuple[Callable[..., Any], dict[
     from dflash_jax.speculative import HYBRID, target_family
 
     if target_family(cfg) is HYBRID:
-        return _hybrid_generate, {}
+        return _hybrid_generate, {"impl": impl}
     return generate_ar, {"impl": impl}
 
 

@@ -30,7 +30,8 @@ so each key head's q, k and its value heads' v stay on one device) and the recur
 states split over tp, the gated attention by q / kv heads as the dense target (kv heads
 replicated when tp is a multiple of them), the MLP by its intermediate axis; out_proj, o_proj
 and down are row-parallel (one all-reduce each); embedding and LM head vocab-parallel; caches
-by sequence over dp. The attention is plain XLA here, so no shard_map is needed.
+by sequence over dp. The attention core is the dense target's (`sharding.attention`: the tree
+attention kernel, per (dp, tp) shard in a shard_map under a mesh).
 `load_qwen35(mesh=)` and `init_params(mesh=)` place each weight straight on its shards;
 `check_tp` names the numbers that do not divide.
 
@@ -55,11 +56,13 @@ from dflash_jax.params import (EMBED, GDN_CONV, GDN_K_HEADS, GDN_V_HEADS, HEAD_D
                                VOCAB, Spec, init_from_specs)
 from dflash_jax.rope import rope_tables
 from dflash_jax.sampling import SamplingParams, sample
-from dflash_jax.sharding import (BATCH, ShardingError, check_model, constrain, embed_lookup, mesh_sizes,
+from dflash_jax.sharding import (BATCH, ShardingError, attention, check_model, constrain, embed_lookup, mesh_sizes,
                                  partition_spec, specs_shardings)
 
 
 FULL, LINEAR = "full_attention", "linear_attention"
+# Named scopes of the two token mixers (`_run_layers`): profiles split a verify's time by them.
+ATTENTION_SCOPE, GDN_SCOPE = "attention", "gdn"
 PAD = -1  # output slots after a sequence has finished (as dflash_jax.generate)
 
 
@@ -495,17 +498,17 @@ def mlp(lp: LayerCommon, h: jax.Array) -> jax.Array:
 
 
 def attention_mixer(p: AttnMixer, cfg: Qwen35Config, h: jax.Array, cos: jax.Array, sin: jax.Array,
-                    k_buf: jax.Array, v_buf: jax.Array, starts: jax.Array, visible: jax.Array | None = None
-                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    k_buf: jax.Array, v_buf: jax.Array, starts: jax.Array, visible: jax.Array | None = None,
+                    attn_impl: str = "auto") -> tuple[jax.Array, jax.Array, jax.Array]:
     """One gated attention layer (weights of one layer, no stacking axis).
 
     h: [B, T, embed] (normed); k_buf, v_buf: [B, max_len, kv_heads, head_dim]; the T new K/V go
     to slots starts[b] .. starts[b] + T - 1. Query t sees every slot < starts[b] and new slot
     starts[b] + s where visible[b, t, s] ([B, T, T] bool; None: s <= t, causal).
+    attn_impl: the attention core's implementation (`pallas_kernels.tree_attention.IMPLS`), as
+    the dense target's.
     Returns (out [B, T, embed], k_buf, v_buf).
     """
-    batch, width, _ = h.shape
-    kvh, hd = cfg.num_kv_heads, cfg.head_dim
     qg = _dot("bte,ehcd->bthcd", h, p.q)
     q, gate = qg[:, :, :, 0], qg[:, :, :, 1]
     k = _dot("bte,ehd->bthd", h, p.k)
@@ -516,20 +519,10 @@ def attention_mixer(p: AttnMixer, cfg: Qwen35Config, h: jax.Array, cos: jax.Arra
     q = _partial_rope(zero_centred_rms_norm(q, p.q_norm, cfg.rms_norm_eps), cos, sin)
     k = _partial_rope(zero_centred_rms_norm(k, p.k_norm, cfg.rms_norm_eps), cos, sin)
     k_buf, v_buf = _write_rows(k_buf, k, starts), _write_rows(v_buf, v, starts)
-    # q head h reads kv head h // group (transformers' repeat_kv).
-    qr = q.reshape(batch, width, kvh, cfg.num_heads // kvh, hd)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qr, k_buf, preferred_element_type=jnp.float32) * hd ** -0.5
-    slots = jnp.arange(k_buf.shape[1])
-    if visible is None:
-        seen = slots[None, None, :] <= (starts[:, None] + jnp.arange(width)[None, :])[:, :, None]  # [B, T, S]
-    else:
-        rel = jnp.broadcast_to(slots[None, None, :] - starts[:, None, None], (batch, width, slots.shape[0]))
-        in_tree = jnp.take_along_axis(visible, jnp.clip(rel, 0, width - 1), axis=2)
-        seen = (rel < 0) | ((rel < width) & in_tree)
-    scores = jnp.where(seen[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_buf.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_buf, preferred_element_type=jnp.float32)
-    out = out.reshape(batch, width, cfg.num_heads, hd) * jax.nn.sigmoid(gate.astype(jnp.float32))
+    # Only the softmax(q k^T + mask) v core is the shared tree attention (q head h reads kv head
+    # h // group, transformers' repeat_kv); the norms, the partial RoPE and the output gate stay here.
+    out = attention(q, k_buf, v_buf, starts, visible, impl=attn_impl).astype(jnp.float32)
+    out = out * jax.nn.sigmoid(gate.astype(jnp.float32))
     out = constrain(out.astype(h.dtype), (BATCH, None, Q_HEADS, None))
     return _row_parallel_dot("bthd,hde->bte", out, p.o), k_buf, v_buf
 
@@ -644,9 +637,13 @@ def _check_step(fn: str, cfg: Qwen35Config, tokens: jax.Array, positions: jax.Ar
 
 def _run_layers(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, positions: jax.Array,
                 cache: HybridCache, lengths: jax.Array | None, tap_layers: tuple[int, ...],
-                tree: tuple[jax.Array, jax.Array] | None) -> tuple:
+                tree: tuple[jax.Array, jax.Array] | None, attn_impl: str) -> tuple:
     """The decoder stack, shared by `forward` (tree None: GDN states advance) and `verify`
     (tree = (visible, parents): GDN layers run `gdn_tree_mixer` and keep their states).
+
+    The token mixers run under the named scopes ATTENTION_SCOPE and GDN_SCOPE, so a profile of
+    a round splits the verify's time between the two kinds of layer (MLPs, norms and the LM head
+    stay in the enclosing scope).
 
     Returns (final-normed hidden [B, T, embed], taps or None, k, v, conv, state, per-GDN-layer
     outputs of `gdn_tree_mixer` stacked [n_gdn, ...] (kept, conv inputs), or None for forward).
@@ -673,20 +670,24 @@ def _run_layers(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, posi
             h = zero_centred_rms_norm(x, lp.input_norm, cfg.rms_norm_eps)
             if kind == FULL:
                 idx = i * per_attn + slot[j]
-                mix = _layer(attn, slot[j])
-                out, k_l, v_l = attention_mixer(mix, cfg, h, cos, sin, k_all[idx], v_all[idx], starts, visible)
-                k_all = jax.lax.dynamic_update_index_in_dim(k_all, k_l, idx, 0)
-                v_all = jax.lax.dynamic_update_index_in_dim(v_all, v_l, idx, 0)
+                with jax.named_scope(ATTENTION_SCOPE):
+                    mix = _layer(attn, slot[j])
+                    out, k_l, v_l = attention_mixer(mix, cfg, h, cos, sin, k_all[idx], v_all[idx], starts, visible,
+                                                    attn_impl)
+                    k_all = jax.lax.dynamic_update_index_in_dim(k_all, k_l, idx, 0)
+                    v_all = jax.lax.dynamic_update_index_in_dim(v_all, v_l, idx, 0)
             elif tree is None:
                 idx = i * per_gdn + slot[j]
-                mix = _layer(gdn_p, slot[j])
-                out, c_l, s_l = gdn_mixer(mix, cfg, h, conv_all[idx], state_all[idx], lengths)
-                conv_all = jax.lax.dynamic_update_index_in_dim(conv_all, c_l, idx, 0)
-                state_all = jax.lax.dynamic_update_index_in_dim(state_all, s_l, idx, 0)
+                with jax.named_scope(GDN_SCOPE):
+                    mix = _layer(gdn_p, slot[j])
+                    out, c_l, s_l = gdn_mixer(mix, cfg, h, conv_all[idx], state_all[idx], lengths)
+                    conv_all = jax.lax.dynamic_update_index_in_dim(conv_all, c_l, idx, 0)
+                    state_all = jax.lax.dynamic_update_index_in_dim(state_all, s_l, idx, 0)
             else:
                 idx = i * per_gdn + slot[j]
-                out, kept, conv_in = gdn_tree_mixer(_layer(gdn_p, slot[j]), cfg, h, conv_all[idx], state_all[idx],
-                                                    *tree)
+                with jax.named_scope(GDN_SCOPE):
+                    out, kept, conv_in = gdn_tree_mixer(_layer(gdn_p, slot[j]), cfg, h, conv_all[idx],
+                                                        state_all[idx], *tree)
                 verified.append((kept, conv_in))
             x = x + out
             x = x + mlp(lp, zero_centred_rms_norm(x, lp.post_norm, cfg.rms_norm_eps))
@@ -711,7 +712,8 @@ def _run_layers(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, posi
 
 def forward(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, positions: jax.Array,
             cache: HybridCache, lengths: jax.Array | None = None, *, tap_layers: tuple[int, ...] = (),
-            logit_rows: jax.Array | None = None, compute_logits: bool = True) -> Qwen35Output:
+            logit_rows: jax.Array | None = None, compute_logits: bool = True, attn_impl: str = "auto"
+            ) -> Qwen35Output:
     """Runs T new tokens per sequence through the hybrid and commits them: prefill and AR steps.
 
     tokens, positions: [B, T] int32 (positions only rotate the attention layers' q/k).
@@ -723,6 +725,7 @@ def forward(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, position
     tap_layers: decoder layer ids whose outputs are returned (HF `hidden_states[id + 1]`; for the
         last layer that is the final-normed output, as the dense target's taps).
     logit_rows: optional [B, R] row indices; logits only for those rows.
+    attn_impl: the attention layers' core (`pallas_kernels.tree_attention.IMPLS`, `Impl.attention`).
     Returns logits, taps and the cache with lengths += the valid new tokens. Rows past a
     sequence's valid tokens give unspecified logits and taps.
     """
@@ -731,7 +734,7 @@ def forward(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, position
     if lengths is not None and lengths.shape != (batch,):
         raise ValueError(f"forward: lengths must be [batch] = ({batch},), got {lengths.shape}")
     hidden, tap_out, k_all, v_all, conv_all, state_all, _ = _run_layers(params, cfg, tokens, positions, cache,
-                                                                        lengths, tap_layers, None)
+                                                                        lengths, tap_layers, None, attn_impl)
     logits = None
     if compute_logits:
         rows = hidden if logit_rows is None else jax.vmap(lambda hb, rb: hb[rb])(hidden, logit_rows)
@@ -761,8 +764,8 @@ class Qwen35Verified:
 
 
 def verify(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, positions: jax.Array,
-           visible: jax.Array, parents: jax.Array, cache: HybridCache, *, tap_layers: tuple[int, ...] = ()
-           ) -> tuple[jax.Array, jax.Array | None, Qwen35Verified]:
+           visible: jax.Array, parents: jax.Array, cache: HybridCache, *, tap_layers: tuple[int, ...] = (),
+           attn_impl: str = "auto") -> tuple[jax.Array, jax.Array | None, Qwen35Verified]:
     """One target pass over the W nodes of a draft tree (a chain for DFlash) from the committed
     cache, committing nothing.
 
@@ -772,6 +775,7 @@ def verify(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, positions
     the committed slots < L plus the visible nodes (callers keep L + W <= max_len); GDN layers
     run the conv over each node's own path and the rule from the committed state (`gdn_tree_mixer`),
     so every node's logits are those of a plain forward over its root..node path.
+    attn_impl: the attention layers' core (`pallas_kernels.tree_attention.IMPLS`, `Impl.attention`).
     Returns (logits [B, W, vocab] float32, taps [B, W, len(tap_layers) * embed] or None,
     what `commit` needs).
     """
@@ -783,7 +787,7 @@ def verify(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, positions
     if parents.shape != (batch, width):
         raise ValueError(f"verify: parents must be [batch, W] = {(batch, width)}, got {parents.shape}")
     hidden, tap_out, k_all, v_all, _, _, ys = _run_layers(params, cfg, tokens, positions, cache, None, tap_layers,
-                                                          (visible, parents))
+                                                          (visible, parents), attn_impl)
     kept, conv_in = (None, None) if ys is None else ys  # None: no GDN layers
     written = dataclasses.replace(cache, k=k_all, v=v_all)
     return (logits_from_hidden(params, hidden), tap_out,
@@ -833,7 +837,8 @@ def commit(verified: Qwen35Verified, path: jax.Array, accepted: jax.Array) -> Hy
     return constrain_cache(HybridCache(k=k, v=v, conv=conv, state=state, lengths=starts + accepted))
 
 
-forward_jit = jax.jit(forward, static_argnames=("cfg", "tap_layers", "compute_logits"), donate_argnames=("cache",))
+forward_jit = jax.jit(forward, static_argnames=("cfg", "tap_layers", "compute_logits", "attn_impl"),
+                      donate_argnames=("cache",))
 
 
 # ----------------------------------------------------------------------------- AR decoding
@@ -844,14 +849,16 @@ def _is_stop(tokens: jax.Array, stop_tokens: tuple[int, ...]) -> jax.Array:
     return jnp.isin(tokens, jnp.asarray(stop_tokens, tokens.dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "max_len", "sampling", "stop_tokens"))
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "max_len", "sampling", "stop_tokens",
+                                             "attn_impl"))
 def generate(params: Qwen35Params, cfg: Qwen35Config, prompts: jax.Array, prompt_lens: jax.Array,
              key: jax.Array, *, max_new_tokens: int, max_len: int, sampling: SamplingParams = SamplingParams(),
-             stop_tokens: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array]:
+             stop_tokens: tuple[int, ...] = (), attn_impl: str = "auto") -> tuple[jax.Array, jax.Array]:
     """Autoregressive generation on device (a prefill, then a `lax.while_loop` of one-token steps).
 
     prompts: [B, P] int32, right-padded; prompt_lens: [B] int32 (>= 1 each). Each sequence stops
     after a stop token (kept) or max_new_tokens tokens; a finished sequence's cache no longer moves.
+    attn_impl: the attention layers' core (`Impl.attention`).
     Returns (tokens [B, max_new_tokens] int32, PAD after each end; num_tokens [B] int32).
     """
     batch, width = prompts.shape
@@ -863,7 +870,7 @@ def generate(params: Qwen35Params, cfg: Qwen35Config, prompts: jax.Array, prompt
     cache = HybridCache.create(cfg, batch, max_len, params.embed.dtype)
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
     lens = prompt_lens.astype(jnp.int32)
-    pre = forward(params, cfg, prompts, positions, cache, lens, logit_rows=(lens - 1)[:, None])
+    pre = forward(params, cfg, prompts, positions, cache, lens, logit_rows=(lens - 1)[:, None], attn_impl=attn_impl)
     key, sub = jax.random.split(key)
     first = sample(sub, pre.logits[:, 0], sampling)
     out = jnp.full((batch, max_new_tokens), PAD, jnp.int32).at[:, 0].set(first)
@@ -876,7 +883,7 @@ def generate(params: Qwen35Params, cfg: Qwen35Config, prompts: jax.Array, prompt
     def body(carry: tuple) -> tuple:
         cache, last, out, count, done, key = carry
         live = (~done).astype(jnp.int32)
-        step = forward(params, cfg, last[:, None], cache.lengths[:, None], cache, live)
+        step = forward(params, cfg, last[:, None], cache.lengths[:, None], cache, live, attn_impl=attn_impl)
         key, sub = jax.random.split(key)
         nxt = sample(sub, step.logits[:, 0], sampling)
         write = jnp.where(done, max_new_tokens, count)  # out of range -> dropped

@@ -179,22 +179,20 @@ def _dense_commit(cache: KVCache, start: jax.Array, path: jax.Array, m: jax.Arra
 def _hybrid_prefill(target: Qwen35Params, cfg: Qwen35Config, prompts: jax.Array, prompt_lens: jax.Array,
                     max_len: int, tap_layers: tuple[int, ...], impl: Impl
                     ) -> tuple[jax.Array, jax.Array, HybridCache]:
-    del impl  # the hybrid's attention is its own XLA form
     batch, width = prompts.shape
     cache = HybridCache.create(cfg, batch, max_len, target.embed.dtype)
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
     lens = prompt_lens.astype(jnp.int32)
     out = qwen3_5.forward(target, cfg, prompts, positions, cache, lens, tap_layers=tap_layers,
-                          logit_rows=(lens - 1)[:, None])
+                          logit_rows=(lens - 1)[:, None], attn_impl=impl.attention)
     return out.logits[:, 0], out.taps, out.cache
 
 
 def _hybrid_verify(target: Qwen35Params, cfg: Qwen35Config, tree: Tree, positions: jax.Array,
                    cache: HybridCache, tap_layers: tuple[int, ...], impl: Impl
                    ) -> tuple[jax.Array, jax.Array, Qwen35Verified]:
-    del impl
     return qwen3_5.verify(target, cfg, tree.tokens, positions, tree.visible, tree.parents, cache,
-                          tap_layers=tap_layers)
+                          tap_layers=tap_layers, attn_impl=impl.attention)
 
 
 def _hybrid_commit(verified: Qwen35Verified, start: jax.Array, path: jax.Array, m: jax.Array,
@@ -441,7 +439,7 @@ def generate_speculative(target: ModelParams | Qwen35Params, cfg: ModelConfig | 
     target, cfg: a dense target (ModelParams, ModelConfig) or a Qwen3.5 / Qwen3.6 hybrid
     (Qwen35Params, Qwen35Config), whose GDN states are rolled back to each round's accepted
     path exactly (`qwen3_5.commit`). settings: what is decoded; impl: how (`impl.Impl`; static,
-    like settings; a hybrid's attention is its own XLA form whatever `impl.attention` says).
+    like settings; `impl.attention` serves a hybrid's attention layers as a dense target's).
     """
     return speculative_program(settings)(target, cfg, dparams, dcfg, prompts, prompt_lens, key,
                                          settings=settings, max_len=max_len, impl=impl)

@@ -221,7 +221,7 @@ def target_taps(target: TargetParams, cfg: TargetConfig, tokens: jax.Array, tap_
     "response"; for "target", greedy [batch, T] int32, greedy[t] the target's argmax after
     positions <= t; for "target-soft", the logits [batch, T, vocab] behind that argmax. One
     causal target forward, dense or hybrid (`speculative.target_family` picks by the config;
-    the hybrid's forward has one attention implementation, so `attn_impl` is for dense targets);
+    `attn_impl` is the attention's implementation for either);
     the LM head runs only for target labels. Constant for the drafter (stop_gradient).
     """
     batch, seq = tokens.shape
@@ -230,7 +230,7 @@ def target_taps(target: TargetParams, cfg: TargetConfig, tokens: jax.Array, tap_
     if target_family(cfg) is HYBRID:
         cache = HybridCache.create(cfg, batch, seq, target.embed.dtype)
         out = qwen35_forward(target, cfg, tokens, positions, cache, tap_layers=tuple(tap_layers),
-                             compute_logits=compute_logits)
+                             compute_logits=compute_logits, attn_impl=attn_impl)
     else:
         cache = KVCache.create(cfg.num_layers, batch, seq, cfg.num_kv_heads, cfg.head_dim, target.embed.dtype)
         out = forward(target, cfg, tokens, positions, cache, None, tap_layers=tuple(tap_layers),

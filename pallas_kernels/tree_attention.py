@@ -51,6 +51,10 @@ _LOG2E = 1.4426950408889634
 _M_INIT = -1e30
 # Triton's dot needs at least 16 rows and 16 columns per operand.
 _MIN_BLOCK = 16
+# Accumulator elements a warp holds in the tuned tiles (64 rows x 128 dims over 4 warps: 64
+# float32 registers a thread), and the most warps a program gets.
+_ACC_ELEMENTS_PER_WARP = 64 * 128 // 4
+_MAX_WARPS = 8
 # Programs that count as filling an H200's 132 SMs without split-K (W = 256 at 8 kv heads has
 # 128 programs of 64 rows).
 _FULL_GRID = 128
@@ -266,11 +270,17 @@ def default_block_sizes(batch: int, width: int, group: int, kv_heads: int, head_
         block_q, block_k, num_warps, num_stages, target = 64, 128, 4, 3, 264
     else:
         block_q, block_k, num_warps, num_stages, target = 128, 64, 8, 2, limits.num_sms
-    while _shared_memory_bytes(block_q, block_k, head_dim, itemsize, num_stages) > limits.smem_budget:
-        if block_k > 32:
-            block_k //= 2
+    # The float32 accumulator of a program's rows, [block_q, head_dim], spread over its threads: the
+    # tuned head_dim-128 tiles hold 64 registers a thread (64 rows x 4 warps, 128 x 8). Wider heads
+    # (the hybrids' 256) get the warps, then the rows, that keep it there, so that the accumulator,
+    # the q tile and the scores stay in the 255 registers a thread has.
+    while block_q * head_dim > _ACC_ELEMENTS_PER_WARP * num_warps and block_q > _MIN_BLOCK:
+        if num_warps < _MAX_WARPS:
+            num_warps *= 2
         else:
-            num_stages -= 1
+            block_q //= 2
+    block_q, block_k, num_stages = _fit_shared_memory(block_q, block_k, num_stages, head_dim, itemsize,
+                                                      limits.smem_budget)
     block_k = min(block_k, max(_MIN_BLOCK, next_power_of_two(max_len)))
     row_blocks = pl.cdiv(rows, block_q)
     programs = batch * kv_heads * row_blocks
@@ -285,6 +295,32 @@ def default_block_sizes(batch: int, width: int, group: int, kv_heads: int, head_
                              pl.cdiv(max_len, block_k) // 4))
     return BlockSizes(block_q=block_q, block_k=block_k, num_warps=num_warps,
                       num_stages=num_stages, split_k=split_k, tail_split=tail_split)
+
+
+def _fit_shared_memory(block_q: int, block_k: int, num_stages: int, head_dim: int, itemsize: int,
+                       budget: int) -> tuple[int, int, int]:
+    """(block_q, block_k, num_stages) shrunk until `_shared_memory_bytes` fits `budget`: key blocks
+    down to 32, then pipeline stages down to 2, then key blocks down to 16 (Triton's smallest dot),
+    then stages down to 1, then rows. Pipelining and the rows' reuse of each K/V tile go last. At
+    head_dim 256 in bf16 on a 99 KB-per-block GPU (the RTX A6000, sm_86) a 64-row program takes
+    16-key blocks in 2 stages (64 KB); on an H200 the same program keeps 64-key blocks (160 KB)."""
+    def fits() -> bool:
+        return _shared_memory_bytes(block_q, block_k, head_dim, itemsize, num_stages) <= budget
+    while not fits() and block_k > 32:
+        block_k //= 2
+    while not fits() and num_stages > 2:
+        num_stages -= 1
+    while not fits() and block_k > _MIN_BLOCK:
+        block_k //= 2
+    while not fits() and num_stages > 1:
+        num_stages -= 1
+    while not fits() and block_q > _MIN_BLOCK:
+        block_q //= 2
+    if not fits():
+        raise ValueError(f"tree attention: head_dim={head_dim} ({itemsize}-byte elements) needs "
+                         f"{_shared_memory_bytes(block_q, block_k, head_dim, itemsize, num_stages)} bytes of shared "
+                         f"memory at the smallest tiles; this GPU gives a program {budget}")
+    return block_q, block_k, num_stages
 
 
 def _tail_split(heads: int, row_blocks: int, smem: int, block_k: int, max_len: int,
@@ -591,7 +627,14 @@ def hopper_takes(width: int, q_heads: int, kv_heads: int, head_dim: int, max_len
     """Whether "pallas" runs `tree_attention_hopper` for this shape on this machine: a GPU of
     compute capability 9.x, bf16/f16, head_dim 64 or 128, a cache length that is a multiple of
     8 (the TMA's tiling), at least HOPPER_MIN_ROWS rows per kv head and at most HOPPER_MAX_WIDTH
-    new tokens."""
+    new tokens.
+
+    head_dim 256 (the Qwen3.5 / 3.6 hybrids' attention) goes to the Triton kernel, which tiles it
+    within both an H200's and an Ampere GPU's shared memory (`default_block_sizes`). The Hopper
+    kernel's compute warpgroups run at a fixed 232 registers a thread (`REGISTERS`): a 64 x 256
+    float32 output accumulator alone takes 128 of them, and a 64 x 128 score tile 64 more, before
+    its softmax state and addresses; and its two 64-row q tiles (64 KB) and 2 stages of 128-key K
+    and V tiles (256 KB) would need 320 KB of shared memory, against the 227 KB a block has."""
     return (jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim in (64, 128)
             and max_len % 8 == 0 and width * (q_heads // kv_heads) >= HOPPER_MIN_ROWS
             and width <= HOPPER_MAX_WIDTH and hopper.available())

@@ -106,3 +106,44 @@ def test_dense_state_is_unchanged_in_kind():
     state = sr.make_state(cfg, sr.drafter_config(cfg), 8, 64, 16, jnp.float32)
     assert not isinstance(state.cache, HybridCache) and len(state.cache.k) == cfg.num_layers
     assert dataclasses.is_dataclass(state)
+
+
+def test_weight_shares_count_the_drawn_weights(pair):
+    """The shares come from the config's declarations; the weights actually drawn must give the
+    same fractions (GDN mixers, attention mixers, the rest without an untied embedding table)."""
+    cfg, _, _, target = pair
+
+    def size(tree):
+        return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
+    rest = size(target.layers) + size(target.final_norm) + size(target.lm_head if target.lm_head is not None
+                                                                 else target.embed)
+    total = size(target.gdn) + size(target.attn) + rest
+    shares = sr.weight_shares(cfg)
+    assert shares == pytest.approx({"gdn": size(target.gdn) / total, "attention": size(target.attn) / total,
+                                    "rest": rest / total})
+    assert sum(shares.values()) == pytest.approx(1.0)
+
+
+def test_profiled_round_splits_the_verify_by_layer_kind(pair, capsys):
+    """A profiled hybrid round reports the verify's attention and GDN layers under verify/attention
+    and verify/gdn, inside the whole verify's time, and the report sets the GDN layers' share of
+    that time beside their share of the weight bytes."""
+    cfg, dcfg, dparams, target = pair
+    s = SpecSettings(method="ddtree", budget=4, block_size=dcfg.block_size, max_new_tokens=32)
+    row = sr.bench_settings(target, cfg, dparams, dcfg, s, CTX, MAX_LEN, profile=True, rounds=2)
+    split = row["profile"]["by_scope"]
+    assert split["verify/attention"] > 0 and split["verify/gdn"] > 0
+    assert split["verify"] > split["verify/attention"] + split["verify/gdn"]  # the MLPs and the head too
+    assert "attention" not in split and "gdn" not in split
+    share = row["gdn_share"]
+    assert share["time"] == pytest.approx(split["verify/gdn"] / split["verify"])
+    assert share["bytes"] == pytest.approx(sr.weight_shares(cfg)["gdn"])
+    sr.print_hybrid_split([row], cfg)
+    out = capsys.readouterr().out
+    assert f"gdn {share['bytes']:.1%}" in out and f"| {share['time']:.1%} | {share['bytes']:.1%} |" in out
+
+
+def test_split_verify_keeps_dense_profiles_as_they_are():
+    assert sr.split_verify({"draft": 1.0, "verify": 2.0}) == {"draft": 1.0, "verify": 2.0}
+    assert sr.split_verify({"verify": 2.0, "attention": 0.5, "gdn": 1.5}) == {
+        "verify": 4.0, "verify/attention": 0.5, "verify/gdn": 1.5}

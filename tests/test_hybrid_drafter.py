@@ -258,6 +258,7 @@ def test_ar_decode_steps_the_hybrid_as_generate_does():
     cache, last = ar_decode.make_decoder(cfg, 4, "reference")(params, cache, tokens[:, 0])
     assert int(last[0]) == int(tokens[0, 4]) and int(cache.lengths[0]) == 6
 
-    rows = ar_decode.bench_model("tiny-hybrid", [16], 2, ["pallas", "reference"], 1e11)
-    assert [(r["model"], r["attn"], r["ctx"]) for r in rows] == [("tiny-hybrid", "hybrid", 16)]
+    rows = ar_decode.bench_model("tiny-hybrid", [16], 2, ["reference", "interpret"], 1e11)
+    assert [(r["model"], r["attn"], r["ctx"]) for r in rows] == [("tiny-hybrid", "reference", 16),
+                                                                  ("tiny-hybrid", "interpret", 16)]
     assert rows[0]["ms_per_token"] > 0 and rows[0]["kv_gb_read"] > 0

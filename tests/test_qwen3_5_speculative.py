@@ -262,6 +262,47 @@ def test_greedy_speculative_equals_greedy_ar_random_drafter(setting, batch):
     assert np.concatenate(accepted).max() >= 2  # drafted tokens really were accepted
 
 
+@pytest.mark.parametrize("setting", ["dflash4", "ddtree16"])
+def test_greedy_speculative_with_the_attention_kernel_equals_greedy_ar(setting):
+    """The attention layers through the Triton tree-attention kernel (interpreted: Impl(attention=
+    "interpret")), in the AR loop and in the rounds' verify, give greedy AR's tokens."""
+    from dflash_jax.impl import Impl
+
+    name, batch, n = "interval4", 3, 6
+    cfg, params = target(name)
+    s = SETTINGS[setting]
+    dcfg, dparams = drafter_for(cfg, s.block_size)
+    impl = Impl(attention="interpret")
+
+    def spec(a, l):
+        g = generate_speculative(params, cfg, dparams, dcfg, a, l, jax.random.key(0), settings=s,
+                                 max_len=a.shape[1] + NEW + s.cache_slack(), impl=impl)
+        return g.tokens, g.num_tokens
+
+    def ar(a, l):
+        return q35.generate(params, cfg, a, l, jax.random.key(0), max_new_tokens=NEW, max_len=a.shape[1] + NEW,
+                            attn_impl=impl.attention)
+
+    want = ar_tokens(name, 20)[:n]
+    assert run_batches(ar, prompt_set(n), batch) == want
+    assert run_batches(spec, prompt_set(n), batch) == want
+
+
+def test_attention_layers_run_the_impl_they_are_given():
+    """forward and verify put the attention core through `pallas_kernels.tree_attention` with the
+    impl they are given: a Pallas call for "interpret", none for "reference"."""
+    cfg, params = target("aperiodic")
+    tree = chain_tree(jnp.zeros((1, 3), jnp.int32))
+    tokens, width = tree.tokens, tree.tokens.shape[1]
+    pos = jnp.arange(width, dtype=jnp.int32)[None]
+    cache = q35.HybridCache.create(cfg, 1, width + 8)
+    for impl, calls in (("interpret", True), ("reference", False)):
+        fwd = str(jax.make_jaxpr(lambda c: q35.forward(params, cfg, tokens, pos, c, attn_impl=impl).logits)(cache))
+        ver = str(jax.make_jaxpr(lambda c: q35.verify(params, cfg, tokens, pos, tree.visible, tree.parents, c,
+                                                      attn_impl=impl)[0])(cache))
+        assert ("pallas_call" in fwd, "pallas_call" in ver) == (calls, calls), impl
+
+
 def test_lossless_check_catches_a_state_that_keeps_rejected_drafts(monkeypatch):
     """A commit whose GDN state runs over the whole verified block (rejected drafts included, as
     a cache crop that trims only the conv state would leave it) must fail the greedy check."""

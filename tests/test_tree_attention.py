@@ -262,6 +262,9 @@ GPU_CASES = [
     (2, 48, 8, 5, 128, 900, [500, 0], jnp.bfloat16, True, None),
     (1, 64, 8, 4, 128, 4200, [4100], jnp.bfloat16, True, None),    # 128-row blocks, split 8
     (1, 80, 8, 4, 128, 3000, [2900], jnp.float32, True, None),
+    (1, 1, 4, 6, 256, 4200, [4100], jnp.bfloat16, False, None),    # the hybrids' head_dim 256,
+    (1, 17, 4, 6, 256, 4200, [4100], jnp.bfloat16, True, None),    # 24 / 4 heads: AR step, DDTree
+    (2, 257, 4, 6, 256, 4400, [4100, 33], jnp.bfloat16, True, None),  # budgets 16 and 256
 ]
 
 
@@ -409,3 +412,89 @@ def test_bench_tiling_specs():
     for bad in ("64:128,64,8", "128,64,8,2,8", "64:a,64,8,2,8", "272:64,128,4,3,1,16,64"):
         with pytest.raises(SystemExit, match="--tiling .*expected W:block_q"):
             parse_tilings([bad])
+
+
+# ----------------------------------------------------------------------------- head_dim 256
+# The Qwen3.5 / 3.6 hybrids' gated attention: head_dim 256, 24 q heads over 4 kv heads (group 6)
+# at the 27B shape. The Triton kernel serves it on every GPU (`hopper_takes` leaves it out).
+A6000 = GpuLimits(num_sms=84, smem_per_block=99 * 1024, smem_per_sm=100 * 1024)  # sm_86, the users' GPU
+
+# (width, lens, dtype, limits): W 1 (an AR step), 16 (a DFlash chain as a tree) and 64 (a tree).
+WIDE_HEAD_CASES = [
+    (1, [40, 0], jnp.float32, H200),
+    (16, [3, 51], jnp.float32, H200),
+    (64, [70, 9], jnp.bfloat16, H200),
+    (16, [3, 51], jnp.bfloat16, A6000),
+    (64, [70, 9], jnp.float32, A6000),
+]
+
+
+@pytest.mark.parametrize("width,lens,dtype,limits", WIDE_HEAD_CASES)
+def test_head_dim_256_matches_reference(width, lens, dtype, limits):
+    """Interpret mode at head_dim 256, GQA group 6, random trees (two padding nodes), with the
+    tiles `default_block_sizes` picks for an H200 and for an RTX A6000."""
+    import dataclasses
+
+    batch, kv_heads, group, head_dim, max_len = 2, 1, 6, 256, 160
+    q, k, v, lens_, visible = make_case(width + len(lens) * 7, batch, width, kv_heads, group, head_dim, max_len,
+                                        lens, dtype, True, num_padding=2 if width > 2 else 0)
+    blocks = default_block_sizes(batch, width, group, kv_heads, head_dim, max_len,
+                                 jnp.dtype(dtype).itemsize, limits=limits)
+    out = tree_attention_pallas(q, k, v, lens_, visible, interpret=True, **dataclasses.asdict(blocks))
+    ref = tree_attention_reference(q, k, v, lens_, visible)
+    assert out.shape == q.shape
+    assert rel_err(out, ref) < tolerance(dtype)
+
+
+@pytest.mark.parametrize("limits", [H200, A6000], ids=["h200", "a6000"])
+def test_head_dim_256_tiles_fit_shared_memory_and_registers(limits):
+    """At head_dim 256 every default tile fits the GPU's shared memory with at least one stage, and
+    the float32 accumulator stays at most 64 registers a thread (block_q x 256 over the warps)."""
+    for width in (1, 16, 17, 64, 65, 257, 513):
+        for group, kv_heads in ((6, 4), (2, 2), (8, 1)):
+            for max_len in (1000, 4096 + width, 32768 + width):
+                for itemsize in (2, 4):
+                    bs = default_block_sizes(1, width, group, kv_heads, 256, max_len, itemsize, limits=limits)
+                    for size in (bs.block_q, bs.block_k):
+                        assert size >= 16 and size & (size - 1) == 0, bs
+                    smem = (bs.num_stages * 2 * bs.block_k + bs.block_q) * 256 * itemsize
+                    assert smem <= limits.smem_budget and bs.num_stages >= 1, (width, group, max_len, bs)
+                    assert bs.num_warps <= 8 and bs.block_q * 256 // (32 * bs.num_warps) <= 64, bs
+    # The head_dim-128 tiles tuned on the H200 are untouched by the register rule.
+    assert default_block_sizes(1, 64, 4, 8, 128, 4160, limits=H200).block_q == 128
+    assert default_block_sizes(1, 64, 4, 8, 128, 4160, limits=H200).num_warps == 8
+
+
+@pytest.mark.parametrize("width,limits", [(1, H200), (17, H200), (65, H200), (257, H200),
+                                          (17, A6000), (257, A6000)])
+def test_head_dim_256_lowers_for_cuda(width, limits):
+    """The 27B shape's attention (24 / 4 heads of 256, bf16, ctx 4K) lowers to Triton for cuda with
+    the H200's and the A6000's default tiles."""
+    import dataclasses
+
+    q = jax.ShapeDtypeStruct((1, width, 24, 256), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 4096 + 512, 4, 256), jnp.bfloat16)
+    args = [q, kv, kv, jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1, width, width), jnp.bool_)]
+    blocks = default_block_sizes(1, width, 6, 4, 256, 4096 + 512, 2, limits=limits)
+    fn = functools.partial(tree_attention_pallas, **dataclasses.asdict(blocks))
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text
+
+
+def test_head_dim_256_dispatches_to_triton_on_hopper(monkeypatch):
+    """"pallas" on sm_90 takes the Triton kernel at head_dim 256 (the Hopper kernel's registers and
+    shared memory do not hold its tiles), at a width where head_dim 128 takes the Hopper kernel."""
+    import importlib
+
+    from pallas_kernels.tree_attention import hopper_takes
+
+    hopper = importlib.import_module("pallas_kernels.tree_attention_hopper")
+    monkeypatch.setattr(hopper, "available", lambda: True)
+    assert hopper_takes(65, 32, 8, 128, 4608, jnp.bfloat16)
+    assert not hopper_takes(65, 24, 4, 256, 4608, jnp.bfloat16)
+    args = [jax.ShapeDtypeStruct((1, 65, 24, 256), jnp.bfloat16), jax.ShapeDtypeStruct((1, 4608, 4, 256), jnp.bfloat16),
+            jax.ShapeDtypeStruct((1, 4608, 4, 256), jnp.bfloat16), jax.ShapeDtypeStruct((1,), jnp.int32),
+            jax.ShapeDtypeStruct((1, 65, 65), jnp.bool_)]
+    text = jax.jit(functools.partial(tree_attention, impl="pallas")).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text and "mosaic_gpu" not in text

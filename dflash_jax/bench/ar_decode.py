@@ -7,8 +7,8 @@ Weights are random bf16 of each model's shape. Each timed call runs `steps` deco
 ms/token is the median call time / steps. The roofline is (weight bytes [+ KV bytes read])
 over the device copy bandwidth measured in the same run.
 
-A Qwen3.5 / Qwen3.6 hybrid shape (qwen3.6-27b, tiny-hybrid) decodes with `qwen3_5.forward` (one
-implementation: --impls does not apply and its rows say "hybrid"); its cache bytes per token are
+A Qwen3.5 / Qwen3.6 hybrid shape (qwen3.6-27b, tiny-hybrid) decodes with `qwen3_5.forward`, its
+attention layers' core by --impls as a dense target's; its cache bytes per token are
 the attention layers' K/V read plus each Gated-DeltaNet layer's float32 recurrent state, read and
 written back every step.
 
@@ -82,7 +82,7 @@ def make_decoder(cfg, steps: int, attn_impl: str):
         def body(_, carry):
             cache, tok = carry
             if hybrid:
-                out = qwen3_5.forward(params, cfg, tok[:, None], cache.lengths[:, None], cache)
+                out = qwen3_5.forward(params, cfg, tok[:, None], cache.lengths[:, None], cache, attn_impl=attn_impl)
             else:
                 out = forward(params, cfg, tok[:, None], cache.lengths[:, None], cache, None, attn_impl=attn_impl)
             nxt = jnp.argmax(out.logits[:, 0], -1).astype(jnp.int32)
@@ -109,7 +109,7 @@ def bench_model(name: str, contexts: list[int], steps: int, impls: list[str], ba
     rows = []
     # One max_len for every context: the context is a runtime length, so one compile per impl.
     max_len = max(contexts) + steps + 64
-    variants = [(impl, gemm) for impl in (["hybrid"] if hybrid else impls) for gemm in gemms]
+    variants = [(impl, gemm) for impl in impls for gemm in gemms]
     runs: dict[tuple[str, str], Any] = {}
     compile_s: dict[tuple[str, str], float] = {}
     for ctx in contexts:

@@ -46,10 +46,12 @@
 #                 one beside it (EVAL_MIX="mix shipped" picks), ~3 min each
 #   speed         batch-1 tokens/s of AR, DFlash, DDTree beside the PyTorch reference (needs the
 #                 gguf and dflash wheels on the path)
-#   hybrid        the Qwen3.6-27B hybrid shape (random bf16 weights, 5-layer drafter): AR vs the roofline
-#                 at ctx 1K/8K; AR, DFlash and DDTree(16/64/256) rounds at ctx 4K in one command, split
-#                 by stage (command buffers off); the target's prefill at 4K and 32K tokens.
-#                 HYBRID_STEPS picks among "ar rounds prefill" (default all three, LIMIT seconds each)
+#   hybrid        the Qwen3.6-27B hybrid shape (random bf16 weights, 5-layer drafter, tp 1): the AR step,
+#                 the DFlash round and DDTree(16/64/256) rounds at ctx 4K in one command, split by stage
+#                 and the verify by attention and GDN layers (command buffers off), beside the GDN
+#                 layers' share of the weight bytes. HYBRID_STEPS picks among "rounds ar prefill"
+#                 (default "rounds"; ar: AR vs the roofline at ctx 1K/8K; prefill: 4K and 32K tokens),
+#                 LIMIT seconds each
 #   collectives   the all-reduce alone, by size and dtype: NCCL with XLA's CUDA graphs as they are, with
 #                 the collectives recorded into them, and with graphs off
 #   tp            tensor parallelism, tp=1 vs tp=2 (on a 2-GPU machine). TP_MODELS picks the shapes
@@ -399,7 +401,7 @@ tp)
         --out "$out/tp_$tag.json" ;;
 hybrid)
     if [ "$dry" = 1 ]; then
-        ar=(--models tiny-hybrid --contexts 64 256 --steps 8 --copy-gb 0.05)
+        ar=(--models tiny-hybrid --contexts 64 256 --steps 8 --copy-gb 0.05 --impls reference)
         rounds=(--model tiny-hybrid --ctx 64 --budgets 16 64 --ddtree-ctx 64)
         pre=(--model tiny-hybrid --prefill 64 256)
     else
@@ -407,7 +409,7 @@ hybrid)
         rounds=(--model qwen3.6-27b --ctx 4096 --budgets 16 64 256 --ddtree-ctx 4096)
         pre=(--model qwen3.6-27b --prefill 4096 32768)
     fi
-    for part in ${HYBRID_STEPS:-ar rounds prefill}; do
+    for part in ${HYBRID_STEPS:-rounds}; do
         case $part in
         ar) step hybrid_ar "$limit" python -m dflash_jax.bench.ar_decode "${ar[@]}" --profile \
                 --out "$out/hybrid_ar.json" ;;

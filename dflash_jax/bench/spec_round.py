@@ -19,7 +19,10 @@ A Qwen3.5 / Qwen3.6 hybrid shape (qwen3.6-27b, tiny-hybrid) runs the same rounds
 dispatches verify and commit (the GDN states rolled back to the accepted path) on the config, so
 the same scopes split them; the state at ctx holds random K/V in the attention layers and random
 conv and recurrent states in the GDN layers, the AR step is `qwen3_5.forward` on one token, and
-the hybrid's attention is its own XLA form (--attn-impl does not change it). `--prefill N...`
+--attn-impl picks the attention layers' core as for a dense target. The profile splits a hybrid's
+verify further by the target's mixer scopes (verify/attention, verify/gdn; the rest is MLPs, norms
+and the LM head), and the report puts the GDN layers' share of the verify time beside their share
+of the weight bytes a verify reads (`weight_shares`). `--prefill N...`
 times the target's prefill (the one pass `speculative.start_state` makes) over N random tokens,
 dense or hybrid, and reports tokens/s; a length that does not fit in memory is reported and
 skipped.
@@ -31,6 +34,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import math
 import re
 import statistics
 import time
@@ -49,10 +53,17 @@ from dflash_jax.config import default_tap_layers
 from dflash_jax.impl import ATTENTION_IMPLS, Impl
 from dflash_jax.kv_cache import KVCache
 from dflash_jax.model import init_params
+from dflash_jax.params import Spec
 from dflash_jax.qwen3_5 import HybridCache, Qwen35Config
 from dflash_jax.speculative import (COMMAND_BUFFERS_ALL, COMMAND_BUFFERS_OFF, DOT_MERGER_OFF, SpecSettings, SpecState,
                                    spec_round, target_family)
 from dflash_jax.stage_times import STAGES  # the round's named scopes
+
+# The hybrid target's mixer scopes (`qwen3_5._run_layers`); inside a round only the verify runs them.
+MIXER_SCOPES = (qwen3_5.ATTENTION_SCOPE, qwen3_5.GDN_SCOPE)
+# The issue's goal: the GDN layers' share of the verify time at most their share of the weight
+# bytes plus 20 percentage points.
+GDN_SHARE_SLACK = 0.20
 
 
 def drafter_config(cfg, layers: int = 5, block_size: int = 16) -> dr.DraftConfig:
@@ -108,6 +119,45 @@ def make_state(cfg, dcfg, ctx: int, max_len: int, max_new: int, dtype=jnp.bfloat
                      out=jnp.zeros((1, max_new), jnp.int32), count=jnp.ones((1,), jnp.int32),
                      done=jnp.zeros((1,), bool), accepted=jnp.zeros((1, max_new), jnp.int32),
                      rounds=jnp.zeros((1,), jnp.int32), key=jax.random.key(0))
+
+
+def weight_shares(cfg: Qwen35Config) -> dict[str, float]:
+    """Shares of the weight bytes a hybrid's verify reads, by kind (from `qwen3_5.model_specs`,
+    all weights in one dtype): "gdn" (the GDN mixers), "attention" (the gated attention mixers),
+    "rest" (MLPs, norms, the LM head). An untied embedding table is left out: the verify gathers
+    W of its rows, not the table."""
+    specs = qwen3_5.model_specs(cfg)
+
+    def size(tree: Any) -> int:
+        return sum(math.prod(s.shape) for s in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, Spec)))
+    gdn, attn = size(specs.gdn), size(specs.attn)
+    rest = size(specs.layers) + size(specs.final_norm) + size(specs.lm_head if specs.lm_head is not None
+                                                               else specs.embed)
+    total = gdn + attn + rest
+    return {"gdn": gdn / total, "attention": attn / total, "rest": rest / total}
+
+
+def split_verify(by_scope: dict[str, float]) -> dict[str, float]:
+    """A hybrid round's profile split with the mixer scopes: their time ("attention", "gdn", the
+    innermost scope of their ops) becomes "verify/attention" and "verify/gdn", and "verify" the
+    whole verify again (its mixers plus the rest)."""
+    out = dict(by_scope)
+    parts = {f"verify/{k}": out.pop(k) for k in MIXER_SCOPES if k in out}
+    if parts:
+        out["verify"] = out.get("verify", 0.0) + sum(parts.values())
+        out.update(parts)
+    return out
+
+
+def gdn_verify_share(row: dict, cfg: Qwen35Config) -> dict[str, float] | None:
+    """The issue's goal for a hybrid row with a profile: the GDN layers' share of the verify time
+    against their share of the weight bytes (`weight_shares`); None without the split."""
+    split = (row.get("profile") or {}).get("by_scope", {})
+    if not split.get("verify") or "verify/gdn" not in split:
+        return None
+    time_share = split["verify/gdn"] / split["verify"]
+    bytes_share = weight_shares(cfg)["gdn"]
+    return {"time": time_share, "bytes": bytes_share, "goal_met": time_share <= bytes_share + GDN_SHARE_SLACK}
 
 
 def reset(state: SpecState, ctx: Any) -> SpecState:
@@ -208,9 +258,13 @@ def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool, rounds: i
         t = time_fn(call_rounds, warmup=2, iters=10)
     where = None
     if profile:
-        where = scale_profile(profile_program(call_rounds, rnd.as_text(), calls=3, scopes=STAGES, table=table,
+        hybrid = isinstance(cfg, Qwen35Config)
+        where = scale_profile(profile_program(call_rounds, rnd.as_text(), calls=3,
+                                              scopes=STAGES + (MIXER_SCOPES if hybrid else ()), table=table,
                                               timeline=timeline),
                               rounds)
+        if hybrid and "by_scope" in where:
+            where["by_scope"] = split_verify(where["by_scope"])
     # Random weights can overflow to inf/NaN; say so, since such values would void the timing's realism.
     cache = box["state"].cache
     finite = all(bool(jnp.isfinite(x.astype(jnp.float32)).all()) for x in (cache.k[-1], cache.v[-1]))
@@ -239,6 +293,8 @@ def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_le
     row = {"method": s.method, "budget": s.budget, "width": s.width, "ctx": ctx, "round_ms": ms,
            "dot_merger": dot_merger, "command_buffers": command_buffers, "xla_options": xla_options,
            "attn_impl": impl.attention, **extra}
+    if isinstance(cfg, Qwen35Config):
+        row["gdn_share"] = gdn_verify_share(row, cfg)
     log(row)
     if timers is not None:  # kept compiled, with its state, for `interleaved_medians`
         timers.append((row, call, rounds))
@@ -277,8 +333,9 @@ def bench_ar(target, cfg, ctx: int, max_len: int, profile: bool, table: int = 0)
     t = time_fn(call, warmup=2, iters=10)
     row = {"method": "ar", "ctx": ctx, "round_ms": t["median_ms"] / ROUNDS_PER_CALL,
            "compile_s": compile_s, "rounds_per_call": ROUNDS_PER_CALL}
-    if profile:
-        row["profile"] = scale_profile(profile_program(call, steps.as_text(), calls=3, table=table),
+    if profile:  # a hybrid's step split by its mixer scopes ("attention", "gdn"; the rest "other")
+        scopes = MIXER_SCOPES if isinstance(cfg, Qwen35Config) else ()
+        row["profile"] = scale_profile(profile_program(call, steps.as_text(), calls=3, scopes=scopes, table=table),
                                        ROUNDS_PER_CALL)
     log(row)
     return row
@@ -462,9 +519,34 @@ def main() -> None:
     print(f"\n{env['device']}, jax {env['jax']}, {args.model} target + {dcfg.num_layers}-layer drafter, "
           f"{dtype.name}, batch 1")
     print_rounds(rows)
+    if isinstance(cfg, Qwen35Config):
+        print_hybrid_split(rows, cfg)
     for r in prefills:
         print(f"prefill {r['ctx']} tokens: " + (f"{r['prefill_ms']:.2f} ms, {r['tokens_per_s']:.0f} tokens/s"
                                                 if "error" not in r else f"failed: {r['error']}"))
+
+
+def print_hybrid_split(rows: list[dict], cfg: Qwen35Config) -> None:
+    """A hybrid's verify (an AR step's forward) split into its attention and GDN layers, and the GDN
+    layers' share of that time beside their share of the weight bytes (goal: <= bytes + 20 points)."""
+    shares = weight_shares(cfg)
+    print("weight bytes a verify reads: " + ", ".join(f"{k} {v:.1%}" for k, v in shares.items()))
+    print("| method | budget | W | attention | verify ms | attention ms | gdn ms | rest ms | GDN share of time "
+          "| GDN share of bytes | goal met |")
+    print("|---" * 11 + "|")
+    for r in rows:
+        split = (r.get("profile") or {}).get("by_scope", {})
+        if r["method"] == "ar":  # the whole step is the target's forward
+            attn, gdn = split.get(MIXER_SCOPES[0]), split.get(MIXER_SCOPES[1])
+            total = (r.get("profile") or {}).get("device_ms")
+        else:
+            attn, gdn, total = split.get("verify/attention"), split.get("verify/gdn"), split.get("verify")
+        if attn is None or gdn is None or not total:
+            continue
+        time_share = gdn / total
+        print(f"| {r['method']} | {r.get('budget', '-')} | {r.get('width', 1)} | {r.get('attn_impl', 'auto')} | "
+              f"{total:.2f} | {attn:.2f} | {gdn:.2f} | {total - attn - gdn:.2f} | {time_share:.1%} | "
+              f"{shares['gdn']:.1%} | {'yes' if time_share <= shares['gdn'] + GDN_SHARE_SLACK else 'no'} |")
 
 
 def print_rounds(rows: list[dict]) -> None:
