@@ -11,8 +11,8 @@ This file holds, side by side:
 
 * ``tree_gdn_reference``: plain jnp (any float dtype; the XLA path of the model and of prefill).
 * ``tree_gdn_pallas``: a Pallas kernel on the Triton GPU backend, one program per (sequence,
-  value head), key heads shared by GQA through the BlockSpec index map.
-* ``default_block_sizes``: its row block and warps for a shape.
+  value head, block of value columns), key heads shared by GQA through the BlockSpec index map.
+* ``default_block_sizes``: its row block, value columns and warps for a shape.
 * ``tree_gdn``: the dispatcher ("auto": the kernel on a GPU without a mesh, the reference
   elsewhere).
 
@@ -22,7 +22,7 @@ operand). Block i first gathers what earlier blocks contribute (``A[i, j] U[j]``
 the block's inverse by forward substitution (``block`` steps over a [block, block] tile) and one
 dot with the right-hand side. Everything runs in float32 with float32 (IEEE, not TF32) dots. The
 U of finished blocks goes to the output and is read back from there by later blocks, so a
-program holds O(block x max(dk, dv)) values whatever W is: W = 1 + 512 runs in the same tiles as
+program holds O(block x dk + dk x block_v) values whatever W is: W = 1 + 512 runs in the same tiles as
 W = 16. W is padded to a multiple of ``block`` with nodes that see only themselves and have zero
 q, k, v, beta and gate; no real node sees them, so they change nothing.
 """
@@ -125,25 +125,40 @@ def tree_gdn_reference(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tiling of the kernel. block: rows per step (a power of two >= 16); W is padded to a
-    multiple of it."""
+    """Tiling of the kernel.
+
+    block: rows per step (a power of two >= 16); W is padded to a multiple of it.
+    block_v: value columns per program (a power of two >= 16 dividing dv). The solve and the
+      outputs are independent column by column, so programs of one head may split dv, each
+      recomputing the head's Gram matrices and diagonal inverses for its columns.
+    """
     block: int
+    block_v: int
     num_warps: int
     num_stages: int
 
 
-def default_block_sizes(width: int, dk: int, dv: int) -> BlockSizes:
-    """Block sizes for W nodes of head sizes dk, dv.
+# Programs that count as filling an H200's 132 SMs.
+_FULL_GRID = 128
 
-    16 rows for W <= 16 (one step, nothing padded past Triton's minimum); 32 otherwise: the
-    diagonal solve is `block` sequential steps over a block x block tile, and the off-diagonal
-    work is (W / block)^2 / 2 steps of three small dots, so 32 balances the two for W = 64 to
-    513. Shared memory per program is a few [block, dk] float32 tiles and the [dk, dv] state
-    tile (64 KB at 128 x 128), within an sm_86 block's 99 KB. 8 warps for 128-wide heads
-    (the state tile spread over more registers), else 4.
+
+def default_block_sizes(batch: int, value_heads: int, width: int, dk: int, dv: int) -> BlockSizes:
+    """Block sizes for a shape (chosen from the work per step; not tuned on a GPU yet).
+
+    block: 16 rows for W <= 16 (one step, nothing padded past Triton's minimum), else 32: the
+    diagonal solve is `block` sequential steps over a block x block tile and the off-diagonal
+    work (W / block)^2 / 2 steps of three small dots; 32 keeps both moderate for W = 17 to 513.
+    block_v: dv split until the grid has _FULL_GRID programs (down to 32 columns): batch 1 at
+    48 value heads has 48 programs of whole heads, which would leave most of an H200's SMs idle.
+    Shared memory per program is a few [block, dk] float32 tiles and the [dk, block_v] state tile
+    (64 KB at 128 x 128), within an sm_86 block's 99 KB. 8 warps for a 128-column state tile,
+    else 4.
     """
     block = _MIN_BLOCK if width <= _MIN_BLOCK else 32
-    return BlockSizes(block=block, num_warps=8 if max(dk, dv) >= 128 else 4, num_stages=1)
+    block_v = dv
+    while batch * value_heads * (dv // block_v) < _FULL_GRID and block_v > 32:
+        block_v //= 2
+    return BlockSizes(block=block, block_v=block_v, num_warps=8 if block_v >= 128 else 4, num_stages=1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -232,23 +247,25 @@ def _tree_gdn_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, vis_ref, s0_ref, 
 
 def tree_gdn_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, decay: jax.Array,
                     visible: jax.Array, state0: jax.Array, *, block: int | None = None,
-                    num_warps: int | None = None, num_stages: int | None = None,
+                    block_v: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                     interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """The verify chunk as a Pallas Triton kernel; same contract as ``tree_gdn_reference``.
 
-    Grid (batch, Hv): one program per sequence and value head, reading key head h // group by
-    its index map (no repeated copy of q, k). Computes in float32 and returns (O, U) in float32.
+    Grid (batch, Hv, dv / block_v): one program per sequence, value head and block of value
+    columns, reading key head h // group by its index map (no repeated copy of q, k). Computes in float32 and returns (O, U) in float32.
     dk and dv must be powers of two >= 16 (Qwen3.5 / 3.6: 128). Tiling left as None comes from
     ``default_block_sizes``.
     """
     batch, key_heads, value_heads, width, dk, dv, group = _check_shapes(
         q, k, v, beta, decay, visible, state0)
-    blocks = default_block_sizes(width, dk, dv)
-    blocks = dataclasses.replace(blocks, **{n: x for n, x in (("block", block), ("num_warps", num_warps),
-                                                              ("num_stages", num_stages)) if x is not None})
-    for name, size in (("block", blocks.block), ("dk", dk), ("dv", dv)):
+    blocks = default_block_sizes(batch, value_heads, width, dk, dv)
+    given = (("block", block), ("block_v", block_v), ("num_warps", num_warps), ("num_stages", num_stages))
+    blocks = dataclasses.replace(blocks, **{n: x for n, x in given if x is not None})
+    for name, size in (("dk", dk), ("dv", dv), ("block", blocks.block), ("block_v", blocks.block_v)):
         if size < _MIN_BLOCK or not is_power_of_two(size):
             raise ValueError(f"tree_gdn_pallas: {name}={size} must be a power of two >= {_MIN_BLOCK} (Triton)")
+    if blocks.block_v > dv:
+        raise ValueError(f"tree_gdn_pallas: block_v={blocks.block_v} exceeds dv={dv}")
     f32 = jnp.float32
     padded = pl.cdiv(width, blocks.block) * blocks.block
     pad = padded - width
@@ -265,18 +282,19 @@ def tree_gdn_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, d
         padding_self = jnp.eye(padded, dtype=bool) & (jnp.arange(padded) >= width)[:, None]
         visible = pad_nodes(pad_nodes(visible, 1), 2) | padding_self
     sq = _squeezed()
-    node_spec = lambda dim: pl.BlockSpec((sq, sq, padded, dim), lambda b, h: (b, h, 0, 0))
-    key_spec = pl.BlockSpec((sq, sq, padded, dk), lambda b, h: (b, h // group, 0, 0))
-    gate_spec = pl.BlockSpec((sq, sq, padded), lambda b, h: (b, h, 0))
+    bv = blocks.block_v
+    value_spec = pl.BlockSpec((sq, sq, padded, bv), lambda b, h, c: (b, h, 0, c))
+    key_spec = pl.BlockSpec((sq, sq, padded, dk), lambda b, h, c: (b, h // group, 0, 0))
+    gate_spec = pl.BlockSpec((sq, sq, padded), lambda b, h, c: (b, h, 0))
     kernel = functools.partial(_tree_gdn_kernel, block=blocks.block, num_blocks=padded // blocks.block,
                                interpret=interpret)
     out, u = pl.pallas_call(
         kernel,
-        grid=(batch, value_heads),
-        in_specs=[key_spec, key_spec, node_spec(dv), gate_spec, gate_spec,
-                  pl.BlockSpec((sq, padded, padded), lambda b, h: (b, 0, 0)),
-                  pl.BlockSpec((sq, sq, dk, dv), lambda b, h: (b, h, 0, 0))],
-        out_specs=[node_spec(dv), node_spec(dv)],
+        grid=(batch, value_heads, dv // bv),
+        in_specs=[key_spec, key_spec, value_spec, gate_spec, gate_spec,
+                  pl.BlockSpec((sq, padded, padded), lambda b, h, c: (b, 0, 0)),
+                  pl.BlockSpec((sq, sq, dk, bv), lambda b, h, c: (b, h, 0, c))],
+        out_specs=[value_spec, value_spec],
         out_shape=[jax.ShapeDtypeStruct((batch, value_heads, padded, dv), f32)] * 2,
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret,

@@ -153,14 +153,15 @@ def test_ancestor_mask_matters():
     assert np.max(np.abs(np.asarray(out, np.float64) - want_out)) > 1e-2
 
 
-@pytest.mark.parametrize("block", [16, 32])
-def test_block_sizes_agree(block):
-    """The row block is a tiling choice: 64 nodes in 4 blocks of 16 or 2 of 32 give the same."""
+@pytest.mark.parametrize("block,block_v", [(16, 64), (32, 64), (32, 16)])
+def test_tilings_agree(block, block_v):
+    """Row blocks and value-column splits are tiling choices: 64 nodes in 4 blocks of 16 or 2 of
+    32, dv 64 whole or in 4 programs of 16 columns, give the same."""
     args, g, parents = make_case(5, 1, 2, 2, 64, 64, padding=2)
-    out, u = tree_gdn_pallas(*as32(args), block=block, interpret=True)
+    out, u = tree_gdn_pallas(*as32(args), block=block, block_v=block_v, interpret=True)
     want_out, want_u = recurrence(args, g, parents)
-    check_close(out, want_out, parents, 1e-5, f"O at block {block}")
-    check_close(u, want_u, parents, 1e-5, f"U at block {block}")
+    check_close(out, want_out, parents, 1e-5, f"O at block {block}, block_v {block_v}")
+    check_close(u, want_u, parents, 1e-5, f"U at block {block}, block_v {block_v}")
 
 
 def test_tree_verify_interpret_equals_reference():
@@ -202,17 +203,25 @@ def test_bad_input_names_the_tensor():
         tree_gdn(*args[:4], args[4][:, :, :3], *args[5:])
     with pytest.raises(ValueError, match="block=24 must be a power of two"):
         tree_gdn_pallas(*args, block=24, interpret=True)
+    with pytest.raises(ValueError, match="block_v=32 exceeds dv=16"):
+        tree_gdn_pallas(*args, block_v=32, interpret=True)
     odd = as32(make_case(7, 1, 1, 2, 16, 24)[0])
     with pytest.raises(ValueError, match="dk=24 must be a power of two"):
         tree_gdn_pallas(*odd, interpret=True)
 
 
 def test_default_block_sizes_are_triton_blocks():
-    """A power of two >= 16 (Triton's dot), padding W no further than its next power of two."""
+    """Powers of two >= 16 (Triton's dot), W padded no further than its next power of two, dv
+    split until batch 1 at 48 value heads fills 128 programs."""
     for width in (1, 2, 16, 17, 64, 257, 513):
-        blocks = default_block_sizes(width, 128, 128)
-        assert blocks.block >= 16 and blocks.block & (blocks.block - 1) == 0
-        assert blocks.block <= max(16, 1 << (width - 1).bit_length())
+        for batch, heads in ((1, 48), (4, 48), (2, 4)):
+            blocks = default_block_sizes(batch, heads, width, 128, 128)
+            for size in (blocks.block, blocks.block_v):
+                assert size >= 16 and size & (size - 1) == 0
+            assert blocks.block <= max(16, 1 << (width - 1).bit_length())
+            assert 128 % blocks.block_v == 0
+    assert default_block_sizes(1, 48, 257, 128, 128).block_v == 32
+    assert default_block_sizes(4, 48, 257, 128, 128).block_v == 128
 
 
 def shapes(batch: int, key_heads: int, value_heads: int, width: int, dim: int):
@@ -224,11 +233,12 @@ def shapes(batch: int, key_heads: int, value_heads: int, width: int, dim: int):
             spec((batch, value_heads, dim, dim), f32))
 
 
-@pytest.mark.parametrize("width", [16, 64, 257])
-def test_kernel_lowers_for_cuda(width):
-    """Qwen3.6-27B's GDN shape (16 key heads, 48 value heads of 128)."""
-    text = jax.jit(tree_gdn_pallas).trace(*shapes(1, 16, 48, width, 128)).lower(
-        lowering_platforms=("cuda",)).as_text()
+@pytest.mark.parametrize("width,block_v", [(16, None), (64, None), (257, None), (257, 128)])
+def test_kernel_lowers_for_cuda(width, block_v):
+    """Qwen3.6-27B's GDN shape (16 key heads, 48 value heads of 128); by default dv split in 4,
+    and whole (block_v 128)."""
+    fn = functools.partial(tree_gdn_pallas, block_v=block_v)
+    text = jax.jit(fn).trace(*shapes(1, 16, 48, width, 128)).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text
 
 
