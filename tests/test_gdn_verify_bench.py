@@ -10,11 +10,12 @@ from dflash_jax.bench import gdn_verify_bench
 def test_tiny_run_writes_every_field(tmp_path, capsys):
     out = tmp_path / "gdn_verify.json"
     gdn_verify_bench.main(["--model", "tiny-hybrid", "--widths", "5", "--interpret", "--warmup", "1",
-                           "--iters", "1", "--out", str(out)])
+                           "--iters", "1", "--tilings", "16,16,4", "--out", str(out)])
     record = json.loads(out.read_text())
     assert record["gdn"] == {"key_heads": 2, "value_heads": 4, "dk": 16, "dv": 16}
     (row,) = record["rows"]
-    assert row["width"] == 5 and row["layers"] == 6
+    assert row["width"] == 5 and row["layers"] == 6 and row["tiling"] == "16,16,4"
+    assert row["tilings_chunk_us"]["16,16,4"] > 0
     for part in ("verify", "chunk"):
         for impl in ("xla", "kernel"):
             assert row[f"{part}_{impl}_us"] > 0
@@ -24,6 +25,8 @@ def test_tiny_run_writes_every_field(tmp_path, capsys):
     assert "| 5 |" in capsys.readouterr().out
 
 
-def test_dense_shape_is_refused():
+@pytest.mark.parametrize("argv", [["--model", "qwen3-8b"], ["--tilings", "32,64"], ["--tilings", "a,b,c"]])
+def test_bad_flags_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
-        gdn_verify_bench.main(["--model", "qwen3-8b"])
+        gdn_verify_bench.main(argv)
+    assert argv[0] in capsys.readouterr().err

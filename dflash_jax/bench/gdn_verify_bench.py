@@ -29,7 +29,7 @@ from dflash_jax import gdn
 from dflash_jax.bench.common import SHAPES, environment, log, time_fn, write_json
 from dflash_jax.bench.tree_attention_bench import random_tree_visibility
 from dflash_jax.qwen3_5 import Qwen35Config
-from pallas_kernels.tree_gdn import tree_gdn
+from pallas_kernels.tree_gdn import default_block_sizes, tree_gdn, tree_gdn_pallas
 
 
 def make_inputs(cfg: Qwen35Config, width: int, dtype: Any, seed: int = 0) -> dict[str, jax.Array]:
@@ -75,29 +75,43 @@ def chunk_inputs(x: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
             decay, x["visible"])
 
 
-def chunk_layers(args: tuple[jax.Array, ...], state: jax.Array, layers: int, impl: str) -> jax.Array:
+def chunk_layers(args: tuple[jax.Array, ...], state: jax.Array, layers: int, impl: str,
+                 tiling: tuple[int, int, int] | None = None) -> jax.Array:
     """`layers` verify chunks in a chain: each one's U (scaled down) is the next one's state,
-    so XLA can neither hoist nor drop any of them."""
+    so XLA can neither hoist nor drop any of them. tiling: (block, block_v, num_warps) for the
+    kernel instead of its defaults."""
     def layer(_, s):
-        _, u = tree_gdn(*args, s, impl=impl)
+        if tiling is None:
+            _, u = tree_gdn(*args, s, impl=impl)
+        else:
+            block, block_v, warps = tiling
+            _, u = tree_gdn_pallas(*args, s, block=block, block_v=block_v, num_warps=warps,
+                                   interpret=impl == "interpret")
         return s + 1e-3 * jnp.mean(u, axis=2, keepdims=True)
 
     return jax.lax.fori_loop(0, layers, layer, state)
 
 
 def bench_width(cfg: Qwen35Config, width: int, dtype: Any, kernel_impl: str, warmup: int,
-                iters: int) -> dict[str, Any]:
+                iters: int, tilings: list[tuple[int, int, int]]) -> dict[str, Any]:
     layers = len(cfg.gdn_layers)
     x = make_inputs(cfg, width, dtype)
-    row: dict[str, Any] = {"width": width, "layers": layers}
+    blocks = default_block_sizes(1, cfg.gdn_value_heads, width, cfg.gdn_key_dim, cfg.gdn_value_dim)
+    row: dict[str, Any] = {"width": width, "layers": layers,
+                           "tiling": f"{blocks.block},{blocks.block_v},{blocks.num_warps}"}
     results = {}
+    args = chunk_inputs(x)
     for name, impl in (("xla", "reference"), ("kernel", kernel_impl)):
         verify = jax.jit(functools.partial(verify_layers, layers=layers, impl=impl))
         results[name] = verify(x)
         row[f"verify_{name}_us"] = time_fn(lambda: verify(x), warmup, iters)["median_ms"] * 1e3 / layers
-        args = chunk_inputs(x)
         chunk = jax.jit(functools.partial(chunk_layers, layers=layers, impl=impl))
         row[f"chunk_{name}_us"] = time_fn(lambda: chunk(args, x["state"]), warmup, iters)["median_ms"] * 1e3 / layers
+    row["tilings_chunk_us"] = {}
+    for tiling in tilings:
+        chunk = jax.jit(functools.partial(chunk_layers, layers=layers, impl=kernel_impl, tiling=tiling))
+        us = time_fn(lambda: chunk(args, x["state"]), warmup, iters)["median_ms"] * 1e3 / layers
+        row["tilings_chunk_us"][",".join(map(str, tiling))] = us
     for part in ("verify", "chunk"):
         row[f"{part}_speedup"] = row[f"{part}_xla_us"] / row[f"{part}_kernel_us"]
     (out_x, state_x), (out_k, state_k) = results["xla"], results["kernel"]
@@ -107,12 +121,14 @@ def bench_width(cfg: Qwen35Config, width: int, dtype: Any, kernel_impl: str, war
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["| W | verify XLA us | verify kernel us | speedup | chunk XLA us | chunk kernel us | speedup | max diff |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| W | verify XLA us | verify kernel us | speedup | chunk XLA us | chunk kernel us | speedup | "
+             "max diff | tiling | other tilings (chunk us) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        others = ", ".join(f"{t}: {us:.1f}" for t, us in r["tilings_chunk_us"].items())
         lines.append(f"| {r['width']} | {r['verify_xla_us']:.1f} | {r['verify_kernel_us']:.1f} | "
                      f"{r['verify_speedup']:.2f}x | {r['chunk_xla_us']:.1f} | {r['chunk_kernel_us']:.1f} | "
-                     f"{r['chunk_speedup']:.2f}x | {max(r['max_abs_diff_out'], r['max_abs_diff_state']):.2g} |")
+                     f"{r['chunk_speedup']:.2f}x | {max(r['max_abs_diff_out'], r['max_abs_diff_state']):.2g} | "
+                     f"{r['tiling']} | {others} |")
     return "\n".join(lines)
 
 
@@ -124,6 +140,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--interpret", action="store_true", help="the kernel in Pallas' interpreter (CPU smoke test)")
+    p.add_argument("--tilings", nargs="*", default=[], metavar="BLOCK,BLOCK_V,WARPS",
+                   help="kernel tilings to time the chunk with, beside the default one")
     p.add_argument("--out", help="JSON file for the results")
     a = p.parse_args(argv)
     cfg = SHAPES.get(a.model)
@@ -132,9 +150,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{sorted(n for n, c in SHAPES.items() if isinstance(c, Qwen35Config))}")
     if min(a.widths) < 1:
         p.error(f"--widths must be >= 1, got {a.widths}")
+    try:
+        tilings = [tuple(int(n) for n in t.split(",")) for t in a.tilings]
+    except ValueError:
+        tilings = [()]
+    if any(len(t) != 3 for t in tilings):
+        p.error(f"--tilings takes BLOCK,BLOCK_V,WARPS triples of ints, got {a.tilings}")
     rows = []
     for width in a.widths:
-        rows.append(bench_width(cfg, width, jnp.dtype(a.dtype), "interpret" if a.interpret else "pallas", a.warmup, a.iters))
+        rows.append(bench_width(cfg, width, jnp.dtype(a.dtype), "interpret" if a.interpret else "pallas", a.warmup, a.iters,
+                                tilings))
         log(f"W={width}: verify {rows[-1]['verify_xla_us']:.1f} -> {rows[-1]['verify_kernel_us']:.1f} us/layer")
     record = {"env": environment(), "model": a.model, "dtype": a.dtype, "interpret": a.interpret,
               "gdn": {"key_heads": cfg.gdn_key_heads, "value_heads": cfg.gdn_value_heads,
