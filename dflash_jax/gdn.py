@@ -10,7 +10,9 @@ Four forms of it live here, all taking the same inputs:
 - `chunked`: the WY / UT form for prefill, one triangular solve per chunk of `chunk` tokens;
 - `tree_verify`: the same form over the W nodes of a draft tree (a chain for DFlash), with the
   causal mask replaced by the ancestor-or-self mask, so that every node gets the output of the
-  recurrence along its own root..node path from the committed state;
+  recurrence along its own root..node path from the committed state (its W x W chunk runs as
+  `pallas_kernels.tree_gdn`'s Pallas kernel on a GPU, that module's jnp reference elsewhere; the
+  chunked form shares the reference);
 - `commit_state`: the state after an accepted root..last path, in closed form from what
   `tree_verify` kept (no per-node states, no second pass).
 The depthwise causal conv in front of the rule has the matching `causal_conv`, `tree_conv` and
