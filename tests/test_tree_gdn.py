@@ -4,6 +4,7 @@ and against a float64 numpy recurrence written here, node by node from each node
 CPU; GPU parity tests (`-k gpu_`) that skip without a GPU."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -267,3 +268,48 @@ def test_gpu_kernel_matches_reference_and_recurrence(batch, key_heads, group, wi
 def test_gpu_auto_runs_the_kernel():
     text = jax.jit(tree_gdn).lower(*shapes(1, 16, 48, 64, 128)).as_text()
     assert "__gpu$xla.gpu.triton" in text
+
+
+def test_hybrid_verify_through_the_interpreted_kernel(monkeypatch):
+    """The tiny hybrid's verify of a random tree from random committed states, with "auto" sent to
+    the kernel (interpreted), gives the logits and committed GDN states of the jnp path."""
+    from dflash_jax import qwen3_5
+    from dflash_jax.bench.common import SHAPES
+
+    cfg = SHAPES["tiny-hybrid"]
+    params = qwen3_5.init_params(cfg, jax.random.key(0))
+    rng = np.random.default_rng(11)
+    batch, ctx, width = 2, 5, 12
+    cache = qwen3_5.HybridCache.create(cfg, batch, 32)
+    cache = dataclasses.replace(
+        cache, lengths=jnp.full((batch,), ctx, jnp.int32),
+        **{name: jnp.asarray(rng.standard_normal(getattr(cache, name).shape) * 0.3, jnp.float32)
+           for name in ("k", "v", "conv", "state")})
+    parents = np.stack([random_tree(rng, width, 1) for _ in range(batch)])
+    visible = np.stack([visible_of(p) for p in parents])
+    depth = visible.sum(-1) - 1
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, width)), jnp.int32)
+    args = (tokens, jnp.asarray(ctx + depth, jnp.int32), jnp.asarray(visible), jnp.asarray(np.maximum(parents, -1)),
+            cache)
+    # The accepted path: root..the last real node, slots by depth, padded with its last slot.
+    nodes = [np.flatnonzero(visible[b, width - 2]) for b in range(batch)]
+    path = jnp.asarray([np.pad(n, (0, MAX_DEPTH + 1 - len(n)), mode="edge") for n in nodes], jnp.int32)
+    accepted = jnp.asarray([len(n) for n in nodes], jnp.int32)
+
+    def run():
+        logits, _, verified = jax.jit(functools.partial(qwen3_5.verify, params, cfg))(*args)
+        return logits, qwen3_5.commit(verified, path, accepted).state
+
+    want = run()
+    resolved = []
+
+    def to_kernel(impl="auto", backend=None):
+        resolved.append("interpret" if impl == "auto" else impl)
+        return resolved[-1]
+
+    monkeypatch.setattr("pallas_kernels.tree_gdn.resolve_impl", to_kernel)
+    got = run()
+    assert resolved and set(resolved) == {"interpret"}
+    real = jnp.asarray(parents != -2)[:, :, None]
+    np.testing.assert_allclose(jnp.where(real, got[0], 0), jnp.where(real, want[0], 0), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-5)
