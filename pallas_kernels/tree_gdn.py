@@ -18,7 +18,7 @@ This file holds, side by side:
 
 The kernel walks the W rows in blocks of ``block`` (a power of two >= 16, Triton's smallest dot
 operand). Block i first gathers what earlier blocks contribute (``A[i, j] U[j]`` and
-``(Q K^T * D)[i, j] U[j]``, with tl.dot), then solves its own unit lower triangular diagonal block:
+``(Q K^T * D)[i, j] U[j]``, with tl.dot; skipped where block j holds no ancestor of block i), then solves its own unit lower triangular diagonal block:
 the block's inverse by forward substitution (``block`` steps over a [block, block] tile) and one
 dot with the right-hand side. Everything runs in float32 with float32 (IEEE, not TF32) dots. The
 U of finished blocks goes to the output and is read back from there by later blocks, so a
@@ -221,14 +221,23 @@ def _tree_gdn_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, vis_ref, s0_ref, 
         out = e_i * _dot(q_i, s0, 0)
 
         def earlier(j, acc):
-            rhs, out = acc
             sj = pl.ds(pl.multiple_of(j * block, block), block)
-            k_j = k_ref[sj, :].astype(f32)
-            u_j = load_u(sj)
-            d = _masked_decay(g_i, decay_ref[sj].astype(f32), vis_ref[sl, sj] != 0)
-            rhs = rhs - _dot(beta_i[:, None] * _dot(k_i, k_j, 1) * d, u_j, 0)
-            out = out + _dot(_dot(q_i, k_j, 1) * d, u_j, 0)
-            return rhs, out
+            vis = vis_ref[sl, sj].astype(jnp.int32)
+            seen = vis != 0
+
+            def gather(acc):
+                rhs, out = acc
+                k_j = k_ref[sj, :].astype(f32)
+                u_j = load_u(sj)
+                d = _masked_decay(g_i, decay_ref[sj].astype(f32), seen)
+                rhs = rhs - _dot(beta_i[:, None] * _dot(k_i, k_j, 1) * d, u_j, 0)
+                out = out + _dot(_dot(q_i, k_j, 1) * d, u_j, 0)
+                return rhs, out
+
+            # In a wide tree most blocks of earlier nodes hold no ancestor of this block's nodes
+            # (siblings and cousins): skip their loads and dots.
+            # (max, not any: Triton lowers no boolean reduction.)
+            return lax.cond(jnp.max(vis) > 0, gather, lambda acc: acc, acc)
 
         rhs, out = lax.fori_loop(0, i, earlier, (rhs, out))
         d = _masked_decay(g_i, g_i, vis_ref[sl, sl] != 0)
