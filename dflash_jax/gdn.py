@@ -10,7 +10,9 @@ Four forms of it live here, all taking the same inputs:
 - `chunked`: the WY / UT form for prefill, one triangular solve per chunk of `chunk` tokens;
 - `tree_verify`: the same form over the W nodes of a draft tree (a chain for DFlash), with the
   causal mask replaced by the ancestor-or-self mask, so that every node gets the output of the
-  recurrence along its own root..node path from the committed state;
+  recurrence along its own root..node path from the committed state (its W x W chunk runs as
+  `pallas_kernels.tree_gdn`'s Pallas kernel on a GPU, that module's jnp reference elsewhere; the
+  chunked form shares the reference);
 - `commit_state`: the state after an accepted root..last path, in closed form from what
   `tree_verify` kept (no per-node states, no second pass).
 The depthwise causal conv in front of the rule has the matching `causal_conv`, `tree_conv` and
@@ -34,7 +36,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.linalg import solve_triangular
+
+from pallas_kernels.tree_gdn import GdnImpl, tree_gdn, tree_gdn_reference
 
 # transformers' `l2norm` adds this inside the rsqrt (matching the FLA kernels).
 L2_EPS = 1e-6
@@ -91,18 +94,20 @@ def _l2_normalize(x: jax.Array) -> jax.Array:
 
 
 def _heads_major(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
-                 dtype: jnp.dtype, valid: jax.Array | None
+                 dtype: jnp.dtype, valid: jax.Array | None, repeat: bool = True
                  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Normalises q/k, repeats key heads to value heads, casts to `dtype`, moves heads before time.
+    """Normalises q/k, repeats key heads to value heads (unless `repeat` is False: the tree
+    kernel reads key head h // group itself), casts to `dtype`, moves heads before time.
 
-    Returns q, k [B, Hv, T, dk], v [B, Hv, T, dv], g, beta [B, Hv, T]. Where `valid` [B, T] is
+    Returns q, k [B, Hv (or Hk), T, dk], v [B, Hv, T, dv], g, beta [B, Hv, T]. Where `valid` [B, T] is
     False, every input becomes 0: g = 0 keeps the decay at 1 and beta = 0 writes nothing, so such a
     token leaves the state exactly as it was, whatever the caller put in its slot.
     """
     group = v.shape[2] // q.shape[2]
     q = _l2_normalize(q.astype(dtype)) * (q.shape[-1] ** -0.5)
     k = _l2_normalize(k.astype(dtype))
-    q, k = (jnp.repeat(x, group, axis=2) for x in (q, k))
+    if repeat:
+        q, k = (jnp.repeat(x, group, axis=2) for x in (q, k))
     v, g, beta = v.astype(dtype), g.astype(dtype), beta.astype(dtype)
     if valid is not None:
         q, k, v = (jnp.where(valid[:, :, None, None], x, 0) for x in (q, k, v))
@@ -147,32 +152,6 @@ def recurrent(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
     if valid is not None:
         out = jnp.where(valid[:, :, None, None], out, 0)
     return out, state
-
-
-def _wy_block(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, decay: jax.Array,
-              state: jax.Array, visible: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The WY form over one block of W tokens / tree nodes, heads-major.
-
-    q, k: [B, H, W, dk] (normalised, scaled); v: [B, H, W, dv]; beta: [B, H, W];
-    decay: [B, H, W] G(t), the sum of g along the path from the block's start to t;
-    state: [B, H, dk, dv], the state before the block; visible: [B or 1, W, W] bool,
-    ancestor-or-self (causal for a chunk). Returns (out, U), both [B, H, W, dv].
-    """
-    vis = visible[:, None]
-    # D[t, s] = exp(G(t) - G(s)) on ancestors-or-self. The difference is masked before the exp:
-    # off the mask it can be positive and overflow.
-    diff = decay[..., :, None] - decay[..., None, :]
-    d = jnp.exp(jnp.where(vis, diff, -jnp.inf))
-    width = q.shape[2]
-    strict = vis & ~jnp.eye(width, dtype=bool)
-    a = jnp.where(strict, beta[..., None] * _einsum("bhtk,bhsk->bhts", k, k) * d, 0)
-    e = jnp.exp(decay)[..., None]
-    rhs = beta[..., None] * (v - e * _einsum("bhtk,bhkv->bhtv", k, state))
-    # (I + A) U = rhs; unit_diagonal: the solver never reads a's (zero) diagonal.
-    u = solve_triangular(a, rhs, lower=True, unit_diagonal=True)
-    out = e * _einsum("bhtk,bhkv->bhtv", q, state) + _einsum(
-        "bhts,bhsv->bhtv", _einsum("bhtk,bhsk->bhts", q, k) * d, u)
-    return out, u
 
 
 def _advance(state: jax.Array, k: jax.Array, u: jax.Array, decay: jax.Array,
@@ -223,7 +202,7 @@ def chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Ar
     def body(s: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
         q_c, k_c, v_c, g_c, b_c = xs
         decay = jnp.cumsum(g_c, axis=-1)
-        out, u = _wy_block(q_c, k_c, v_c, b_c, decay, s, causal)
+        out, u = tree_gdn_reference(q_c, k_c, v_c, b_c, decay, causal, s)
         return _advance(s, k_c, u, decay, None, None), out
 
     state, out = jax.lax.scan(body, state, tuple(split(x) for x in (q, k, v, g, beta)),
@@ -258,7 +237,8 @@ def _check_visible(fn: str, visible: jax.Array, batch: int, width: int) -> None:
 
 
 def tree_verify(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
-                state0: jax.Array, visible: jax.Array) -> tuple[jax.Array, VerifyKept]:
+                state0: jax.Array, visible: jax.Array, *, impl: GdnImpl = "auto"
+                ) -> tuple[jax.Array, VerifyKept]:
     """Every node's output of the recurrence along its own root..node path, in one pass.
 
     The W nodes are in topological order (a parent's slot < its children's), node 0 is the root,
@@ -270,15 +250,18 @@ def tree_verify(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
     G(t) = sum of g over visible[t]; D[t, s] = exp(G(t) - G(s)) where visible, else 0;
     (I + A) U = beta * (V - exp(G) * (K S0)) with A[t, s] = beta_t (k_t . k_s) D[t, s] on strict
     ancestors (one W x W unit lower triangular solve per head); O = exp(G) * (Q S0) + ((Q K^T) * D) U.
+    impl: `pallas_kernels.tree_gdn.tree_gdn`'s, for everything from K S0 to O ("auto": the Pallas
+    kernel on a GPU without a mesh, for head sizes it takes; the jnp reference elsewhere).
     Returns (out [B, W, Hv, dv] in state0.dtype, kept for `commit_state`).
     """
     _check_rule_inputs("tree_verify", q, k, v, g, beta, state0)
-    batch, width = q.shape[:2]
+    batch, width, key_heads = q.shape[:3]
     _check_visible("tree_verify", visible, batch, width)
-    q, k, v, g, beta = _heads_major(q, k, v, g, beta, state0.dtype, None)
+    q, k, v, g, beta = _heads_major(q, k, v, g, beta, state0.dtype, None, repeat=False)
     decay = _einsum("bts,bhs->bht", visible.astype(g.dtype), g)
-    out, u = _wy_block(q, k, v, beta, decay, state0, visible)
-    return out.transpose(0, 2, 1, 3), VerifyKept(k=k, u=u, decay=decay)
+    out, u = tree_gdn(q, k, v, beta, decay, visible, state0, impl=impl)
+    kept_k = jnp.repeat(k, v.shape[1] // key_heads, axis=1)
+    return out.transpose(0, 2, 1, 3), VerifyKept(k=kept_k, u=u, decay=decay)
 
 
 def commit_state(state0: jax.Array, kept: VerifyKept, path_mask: jax.Array, last: jax.Array) -> jax.Array:

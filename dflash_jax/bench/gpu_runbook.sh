@@ -18,6 +18,9 @@
 #                 dispatched (the Mosaic GPU kernel on Hopper), with profiled kernel times
 #                 (KERNEL_CONTEXTS, KERNEL_WIDTHS, KERNEL_TILINGS; SWEEP_S=seconds adds a tiling sweep)
 #   kernel-tests  the GPU-only parity tests of the kernels against their references
+#   gdn-verify    the tree-GDN verify (gates, tree_verify, commit per GDN layer) and its chunk alone,
+#                 Pallas kernel against XLA, Qwen3.6-27B GDN shape, W 16/64/257 (GDN_WIDTHS); GDN_TILINGS
+#                 ("block,block_v,warps" ...) also times the chunk with those kernel tilings
 #   lossless      greedy DDTree and DFlash against greedy AR on the GPU (float32)
 #   top-k         the tree's vocabulary top-k alone, [15, 151936], k 16-512
 #   kernel-sweep  only the random tiling sweep, SWEEP_S seconds (default 300), at SWEEP_WIDTHS
@@ -231,6 +234,13 @@ kernel-tests)
     if [ "$dry" = 1 ]; then echo "kernel-tests: GPU only (nothing to run with DRY=1)"
     # Every kernel's GPU case is named test_gpu_*: the files are found, not listed.
     else JAX_PLATFORMS=cuda step kernel_tests "$limit" python -m pytest -q tests -k gpu_; fi ;;
+gdn-verify)
+    if [ "$dry" = 1 ]; then set -- --model tiny-hybrid --widths 5 17 --interpret --warmup 1 --iters 2 --tilings 16,16,4
+    else
+        # shellcheck disable=SC2086
+        set -- --model qwen3.6-27b --widths ${GDN_WIDTHS:-16 64 257} --tilings ${GDN_TILINGS:-}
+    fi
+    step gdn_verify "$limit" python -m dflash_jax.bench.gdn_verify_bench "$@" --out "$out/gdn_verify.json" ;;
 lossless)
     if [ "$dry" = 1 ]; then echo "lossless: GPU only (make test runs the same tests on the CPU)"
     else JAX_PLATFORMS=cuda step lossless "$limit" python -m pytest -q tests/test_speculative.py \
@@ -433,8 +443,8 @@ collectives)
     step collectives "$limit" python -m dflash_jax.bench.collectives "$@" --variants nccl nccl-graph nccl-no-graph \
         --out "$out/collectives.json" ;;
 *)
-    echo "unknown phase: $phase (ar, decode, rounds, rounds-split, kernel, kernel-tests, lossless, top-k, kernel-sweep," \
-        "hybrid, drafter, drafter-ab, eval-ab, eval-pick, eval, eval-gsm8k, eval-spec-bench, speed, drafter-mix," \
-        "eval-mix, collectives, tp)" >&2
+    echo "unknown phase: $phase (ar, decode, rounds, rounds-split, kernel, kernel-tests, gdn-verify, lossless, top-k," \
+        "kernel-sweep, hybrid, drafter, drafter-ab, eval-ab, eval-pick, eval, eval-gsm8k, eval-spec-bench, speed," \
+        "drafter-mix, eval-mix, collectives, tp)" >&2
     exit 2 ;;
 esac

@@ -1,0 +1,173 @@
+"""Benchmark of the tree-GDN verify: the Pallas kernel (pallas_kernels.tree_gdn) against XLA.
+
+Shape: a hybrid target's GDN layers (default Qwen3.6-27B: 16 key heads, 48 value heads, dk = dv =
+128, 48 GDN layers), batch 1, W nodes of a random draft tree.
+
+    python -m dflash_jax.bench.gdn_verify_bench --out gdn_verify.json               # H200, ~2 min
+    python -m dflash_jax.bench.gdn_verify_bench --model tiny-hybrid --widths 5 17 --interpret
+
+Two programs are timed per W and implementation, each running every GDN layer's work in one jit
+(a fori_loop over the layers whose committed state feeds the next layer, as the state of one
+layer feeds its next round), so Python dispatch is out of the numbers:
+- "verify": what the model's verify and commit run per GDN layer for the recurrence: `gdn.gates`
+  -> `gdn.tree_verify` -> `gdn.commit_state` (the conv and projections are the same either way);
+- "chunk": the verify chunk alone (`tree_gdn`: K S0 ... O, the part the kernel replaces).
+Reported: medians (after warm-up) of the time per layer, the kernel's speedup, and the largest
+difference between the two implementations' outputs and committed states.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax import gdn
+from dflash_jax.bench.common import SHAPES, environment, log, time_fn, write_json
+from dflash_jax.bench.tree_attention_bench import random_tree_visibility
+from dflash_jax.qwen3_5 import Qwen35Config
+from pallas_kernels.tree_gdn import default_block_sizes, tree_gdn, tree_gdn_pallas
+
+
+def make_inputs(cfg: Qwen35Config, width: int, dtype: Any, seed: int = 0) -> dict[str, jax.Array]:
+    """Random per-layer inputs of one verify, batch 1: q, k [1, W, Hk, dk] and v [1, W, Hv, dv]
+    (unnormalised, in the activation dtype), a, b [1, W, Hv], the gate weights, the float32 state
+    [1, Hv, dk, dv], a random tree's visibility and its deepest node's path (the accepted one)."""
+    keys = jax.random.split(jax.random.key(seed), 8)
+    hk, hv, dk, dv = cfg.gdn_key_heads, cfg.gdn_value_heads, cfg.gdn_key_dim, cfg.gdn_value_dim
+    visible = random_tree_visibility(np.random.default_rng(seed), 1, width)
+    last = np.argmax(visible.sum(axis=-1), axis=-1)
+    return dict(
+        q=jax.random.normal(keys[0], (1, width, hk, dk), dtype), k=jax.random.normal(keys[1], (1, width, hk, dk), dtype),
+        v=jax.random.normal(keys[2], (1, width, hv, dv), dtype), a=jax.random.normal(keys[3], (1, width, hv), dtype),
+        b=jax.random.normal(keys[4], (1, width, hv), dtype),
+        a_log=jax.random.uniform(keys[5], (hv,), jnp.float32, -2.0, 1.0), dt_bias=jax.random.normal(keys[6], (hv,)),
+        state=0.1 * jax.random.normal(keys[7], (1, hv, dk, dv), jnp.float32),
+        visible=jnp.asarray(visible), path=jnp.asarray(visible[np.arange(1), last]),
+        last=jnp.asarray(last, jnp.int32))
+
+
+def verify_layers(x: dict[str, jax.Array], layers: int, impl: str) -> tuple[jax.Array, jax.Array]:
+    """`layers` GDN verifies and commits, each from the previous one's committed state.
+    Returns (the last layer's outputs [1, W, Hv, dv], its committed state)."""
+    def layer(_, carry):
+        _, state = carry
+        g, beta = gdn.gates(x["a"], x["b"], x["a_log"], x["dt_bias"])
+        out, kept = gdn.tree_verify(x["q"], x["k"], x["v"], g, beta, state, x["visible"], impl=impl)
+        return out, gdn.commit_state(state, kept, x["path"], x["last"])
+
+    out0 = jnp.zeros(x["v"].shape, jnp.float32)
+    return jax.lax.fori_loop(0, layers, layer, (out0, x["state"]))
+
+
+def chunk_inputs(x: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
+    """The verify chunk's own inputs (heads-major, normalised q and k, float32), made once."""
+    f32 = jnp.float32
+    norm = lambda t: t * jax.lax.rsqrt(jnp.sum(t * t, axis=-1, keepdims=True) + gdn.L2_EPS)
+    q = norm(x["q"].astype(f32)) * x["q"].shape[-1] ** -0.5
+    g, beta = gdn.gates(x["a"], x["b"], x["a_log"], x["dt_bias"])
+    decay = jnp.einsum("bts,bsh->bht", x["visible"].astype(f32), g)
+    major = lambda t: t.transpose(0, 2, 1, 3)
+    return (major(q), major(norm(x["k"].astype(f32))), major(x["v"].astype(f32)), beta.transpose(0, 2, 1),
+            decay, x["visible"])
+
+
+def chunk_layers(args: tuple[jax.Array, ...], state: jax.Array, layers: int, impl: str,
+                 tiling: tuple[int, int, int] | None = None) -> jax.Array:
+    """`layers` verify chunks in a chain: each one's U (scaled down) is the next one's state,
+    so XLA can neither hoist nor drop any of them. tiling: (block, block_v, num_warps) for the
+    kernel instead of its defaults."""
+    def layer(_, s):
+        if tiling is None:
+            _, u = tree_gdn(*args, s, impl=impl)
+        else:
+            block, block_v, warps = tiling
+            _, u = tree_gdn_pallas(*args, s, block=block, block_v=block_v, num_warps=warps,
+                                   interpret=impl == "interpret")
+        return s + 1e-3 * jnp.mean(u, axis=2, keepdims=True)
+
+    return jax.lax.fori_loop(0, layers, layer, state)
+
+
+def bench_width(cfg: Qwen35Config, width: int, dtype: Any, kernel_impl: str, warmup: int,
+                iters: int, tilings: list[tuple[int, int, int]]) -> dict[str, Any]:
+    layers = len(cfg.gdn_layers)
+    x = make_inputs(cfg, width, dtype)
+    blocks = default_block_sizes(1, cfg.gdn_value_heads, width, cfg.gdn_key_dim, cfg.gdn_value_dim)
+    row: dict[str, Any] = {"width": width, "layers": layers,
+                           "tiling": f"{blocks.block},{blocks.block_v},{blocks.num_warps}"}
+    results = {}
+    args = chunk_inputs(x)
+    for name, impl in (("xla", "reference"), ("kernel", kernel_impl)):
+        verify = jax.jit(functools.partial(verify_layers, layers=layers, impl=impl))
+        results[name] = verify(x)
+        row[f"verify_{name}_us"] = time_fn(lambda: verify(x), warmup, iters)["median_ms"] * 1e3 / layers
+        chunk = jax.jit(functools.partial(chunk_layers, layers=layers, impl=impl))
+        row[f"chunk_{name}_us"] = time_fn(lambda: chunk(args, x["state"]), warmup, iters)["median_ms"] * 1e3 / layers
+    row["tilings_chunk_us"] = {}
+    for tiling in tilings:
+        chunk = jax.jit(functools.partial(chunk_layers, layers=layers, impl=kernel_impl, tiling=tiling))
+        us = time_fn(lambda: chunk(args, x["state"]), warmup, iters)["median_ms"] * 1e3 / layers
+        row["tilings_chunk_us"][",".join(map(str, tiling))] = us
+    for part in ("verify", "chunk"):
+        row[f"{part}_speedup"] = row[f"{part}_xla_us"] / row[f"{part}_kernel_us"]
+    (out_x, state_x), (out_k, state_k) = results["xla"], results["kernel"]
+    row["max_abs_diff_out"] = float(jnp.max(jnp.abs(out_x - out_k)))
+    row["max_abs_diff_state"] = float(jnp.max(jnp.abs(state_x - state_k)))
+    return row
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["| W | verify XLA us | verify kernel us | speedup | chunk XLA us | chunk kernel us | speedup | "
+             "max diff | tiling | other tilings (chunk us) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        others = ", ".join(f"{t}: {us:.1f}" for t, us in r["tilings_chunk_us"].items())
+        lines.append(f"| {r['width']} | {r['verify_xla_us']:.1f} | {r['verify_kernel_us']:.1f} | "
+                     f"{r['verify_speedup']:.2f}x | {r['chunk_xla_us']:.1f} | {r['chunk_kernel_us']:.1f} | "
+                     f"{r['chunk_speedup']:.2f}x | {max(r['max_abs_diff_out'], r['max_abs_diff_state']):.2g} | "
+                     f"{r['tiling']} | {others} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3.6-27b", help="a hybrid shape of bench.common.SHAPES")
+    p.add_argument("--widths", type=int, nargs="+", default=[16, 64, 257], help="tree nodes W (budget + 1)")
+    p.add_argument("--dtype", default="bfloat16", help="activation dtype of q, k, v (the state is float32)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--interpret", action="store_true", help="the kernel in Pallas' interpreter (CPU smoke test)")
+    p.add_argument("--tilings", nargs="*", default=[], metavar="BLOCK,BLOCK_V,WARPS",
+                   help="kernel tilings to time the chunk with, beside the default one")
+    p.add_argument("--out", help="JSON file for the results")
+    a = p.parse_args(argv)
+    cfg = SHAPES.get(a.model)
+    if not isinstance(cfg, Qwen35Config):
+        p.error(f"--model {a.model!r} is not a hybrid shape; hybrid shapes: "
+                f"{sorted(n for n, c in SHAPES.items() if isinstance(c, Qwen35Config))}")
+    if min(a.widths) < 1:
+        p.error(f"--widths must be >= 1, got {a.widths}")
+    try:
+        tilings = [tuple(int(n) for n in t.split(",")) for t in a.tilings]
+    except ValueError:
+        tilings = [()]
+    if any(len(t) != 3 for t in tilings):
+        p.error(f"--tilings takes BLOCK,BLOCK_V,WARPS triples of ints, got {a.tilings}")
+    rows = []
+    for width in a.widths:
+        rows.append(bench_width(cfg, width, jnp.dtype(a.dtype), "interpret" if a.interpret else "pallas", a.warmup, a.iters,
+                                tilings))
+        log(f"W={width}: verify {rows[-1]['verify_xla_us']:.1f} -> {rows[-1]['verify_kernel_us']:.1f} us/layer")
+    record = {"env": environment(), "model": a.model, "dtype": a.dtype, "interpret": a.interpret,
+              "gdn": {"key_heads": cfg.gdn_key_heads, "value_heads": cfg.gdn_value_heads,
+                      "dk": cfg.gdn_key_dim, "dv": cfg.gdn_value_dim}, "rows": rows}
+    print(markdown(rows))
+    write_json(a.out, record)
+    return record
+
+
+if __name__ == "__main__":
+    main()

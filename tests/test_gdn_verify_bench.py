@@ -1,0 +1,32 @@
+"""The tree-GDN verify benchmark on the tiny hybrid shape (CPU, kernel interpreted): it runs, its
+JSON has the fields BENCHMARKS.md reads, and the kernel's results match XLA's."""
+import json
+
+import pytest
+
+from dflash_jax.bench import gdn_verify_bench
+
+
+def test_tiny_run_writes_every_field(tmp_path, capsys):
+    out = tmp_path / "gdn_verify.json"
+    gdn_verify_bench.main(["--model", "tiny-hybrid", "--widths", "5", "--interpret", "--warmup", "1",
+                           "--iters", "1", "--tilings", "16,16,4", "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert record["gdn"] == {"key_heads": 2, "value_heads": 4, "dk": 16, "dv": 16}
+    (row,) = record["rows"]
+    assert row["width"] == 5 and row["layers"] == 6 and row["tiling"] == "16,16,4"
+    assert row["tilings_chunk_us"]["16,16,4"] > 0
+    for part in ("verify", "chunk"):
+        for impl in ("xla", "kernel"):
+            assert row[f"{part}_{impl}_us"] > 0
+        assert row[f"{part}_speedup"] == pytest.approx(row[f"{part}_xla_us"] / row[f"{part}_kernel_us"])
+    # Six chained layers of verify + commit through the kernel end where XLA's do.
+    assert row["max_abs_diff_out"] < 1e-5 and row["max_abs_diff_state"] < 1e-5
+    assert "| 5 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["--model", "qwen3-8b"], ["--tilings", "32,64"], ["--tilings", "a,b,c"]])
+def test_bad_flags_are_refused(argv, capsys):
+    with pytest.raises(SystemExit):
+        gdn_verify_bench.main(argv)
+    assert argv[0] in capsys.readouterr().err
