@@ -188,7 +188,7 @@ def _layer(mp: MTPParams, target_cfg: ModelConfig | Qwen35Config, x: jax.Array, 
     q, k, v = dense.project_qkv(lp.attn, target_cfg, dense.rms_norm(x, lp.attn_norm, target_cfg.rms_norm_eps))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_buf, v_buf = write_rows(k_buf, k, starts), write_rows(v_buf, v, starts)
-    attn = tree_attention(q, k_buf, v_buf, starts, None, impl="xla")
+    attn = tree_attention(q, k_buf, v_buf, starts, None, impl="auto")
     x = x + dense.output_projection(lp.attn, attn)
     return x + dense.mlp(lp.mlp, dense.rms_norm(x, lp.mlp_norm, target_cfg.rms_norm_eps)), k_buf, v_buf
 

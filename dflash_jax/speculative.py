@@ -317,7 +317,7 @@ def accept_stage(key: jax.Array, draft: Draft, logits: jax.Array, s: SpecSetting
     if s.sampling.greedy:
         choice = jnp.argmax(logits, -1).astype(jnp.int32)
         return follow_target(draft.tree, choice, s.block_size - 1, draft.node_ok)
-    if s.method == "dflash":
+    if s.is_chain:  # DFlash and MTP chains: rejection sampling against the drafted tokens' probabilities
         target_probs = sampling_probs(logits, s.sampling)
         return chain_rejection(key, draft.tree.tokens, target_probs, draft.draft_probs, draft.limit)
     # DDTree at T > 0: an independent target sample at every node; descending when a child
