@@ -1,0 +1,131 @@
+"""MTP heads from checkpoints (convert/mtp.py): a tiny `Qwen3_5ForCausalLM` checkpoint with `mtp.*`
+tensors loads (the target beside it still loads, skipping them), an exported dense head loads
+back, and a missing, mis-shaped or unknown `mtp.*` tensor is named with its file."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from convert import ConversionError
+from convert.hf_safetensors import load_hf
+from convert.mtp import export_mtp, load_mtp
+from convert.qwen3_5 import load_qwen35
+from dflash_jax import mtp
+from tests.spec_models import target_model
+from tests.test_convert_qwen3_5 import build_causal
+
+# The head's tensors in Qwen3.5 / Qwen3-Next checkpoints (the names vLLM's MTP loader reads).
+QWEN35_MTP_NAMES = {
+    "mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight",
+    "mtp.layers.0.input_layernorm.weight", "mtp.layers.0.post_attention_layernorm.weight",
+    "mtp.layers.0.mlp.gate_proj.weight", "mtp.layers.0.mlp.up_proj.weight", "mtp.layers.0.mlp.down_proj.weight",
+    "mtp.layers.0.self_attn.q_proj.weight", "mtp.layers.0.self_attn.k_proj.weight",
+    "mtp.layers.0.self_attn.v_proj.weight", "mtp.layers.0.self_attn.o_proj.weight",
+    "mtp.layers.0.self_attn.q_norm.weight", "mtp.layers.0.self_attn.k_norm.weight",
+}
+
+
+def _hf_head(e: int, m: int, heads: int, kv_heads: int, head_dim: int, seed: int) -> dict[str, np.ndarray]:
+    """Random `mtp.*` tensors in the stored (torch Linear [out, in]) shapes of a Qwen3.5 head."""
+    rng = np.random.RandomState(seed)
+    shapes = {
+        "mtp.fc.weight": (e, 2 * e), "mtp.pre_fc_norm_embedding.weight": (e,), "mtp.pre_fc_norm_hidden.weight": (e,),
+        "mtp.norm.weight": (e,), "mtp.layers.0.input_layernorm.weight": (e,),
+        "mtp.layers.0.post_attention_layernorm.weight": (e,), "mtp.layers.0.mlp.gate_proj.weight": (m, e),
+        "mtp.layers.0.mlp.up_proj.weight": (m, e), "mtp.layers.0.mlp.down_proj.weight": (e, m),
+        "mtp.layers.0.self_attn.q_proj.weight": (heads * 2 * head_dim, e),
+        "mtp.layers.0.self_attn.k_proj.weight": (kv_heads * head_dim, e),
+        "mtp.layers.0.self_attn.v_proj.weight": (kv_heads * head_dim, e),
+        "mtp.layers.0.self_attn.o_proj.weight": (e, heads * head_dim),
+        "mtp.layers.0.self_attn.q_norm.weight": (head_dim,), "mtp.layers.0.self_attn.k_norm.weight": (head_dim,),
+    }
+    return {k: rng.randn(*s).astype(np.float32) for k, s in shapes.items()}
+
+
+@pytest.fixture(scope="module")
+def hybrid_with_head(tmp_path_factory):
+    path, _ = build_causal(tmp_path_factory.mktemp("mtp"), "interval4")
+    cfg, _ = load_qwen35(path)
+    head = _hf_head(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 0)
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors.update(head)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path, cfg, head
+
+
+def test_qwen35_head_loads_into_our_layout(hybrid_with_head, capsys):
+    path, cfg, head = hybrid_with_head
+    assert set(head) == QWEN35_MTP_NAMES
+    mp = load_mtp(path, cfg)
+    e, hd, qh = cfg.hidden_size, cfg.head_dim, cfg.num_heads
+    fc = head["mtp.fc.weight"]
+    np.testing.assert_array_equal(np.asarray(mp.fc[0]), fc[:, :e].T)  # the embedding's half first
+    np.testing.assert_array_equal(np.asarray(mp.fc[1]), fc[:, e:].T)
+    np.testing.assert_array_equal(np.asarray(mp.norm_hidden), head["mtp.pre_fc_norm_hidden.weight"])
+    common, attn = mp.layer
+    np.testing.assert_array_equal(np.asarray(common.gate_up[0, :, 0]), head["mtp.layers.0.mlp.gate_proj.weight"].T)
+    np.testing.assert_array_equal(np.asarray(common.gate_up[0, :, 1]), head["mtp.layers.0.mlp.up_proj.weight"].T)
+    q = head["mtp.layers.0.self_attn.q_proj.weight"].reshape(qh, 2, hd, e)  # per head: query, then gate
+    np.testing.assert_array_equal(np.asarray(attn.q[0, :, 1, 0]), q[1, 0].T)
+    np.testing.assert_array_equal(np.asarray(attn.q[0, :, 2, 1]), q[2, 1].T)
+    np.testing.assert_array_equal(np.asarray(attn.o[0, 3]), head["mtp.layers.0.self_attn.o_proj.weight"][:, 3 * hd:4 * hd].T)
+    # The target beside it still loads, with the head's tensors counted as skipped.
+    load_qwen35(path)
+    assert f"mtp.* ({len(QWEN35_MTP_NAMES)})" in capsys.readouterr().err
+
+
+def _edited(path: Path, tmp_path: Path, edit) -> Path:
+    tensors = load_file(str(path / "model.safetensors"))
+    edit(tensors)
+    out = tmp_path / "edited"
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_missing_head_tensor_is_named(hybrid_with_head, tmp_path):
+    path, cfg, _ = hybrid_with_head
+    bad = _edited(path, tmp_path, lambda t: t.pop("mtp.layers.0.self_attn.k_norm.weight"))
+    with pytest.raises(ConversionError, match=r"model\.safetensors: missing MTP tensor "
+                                              r"'mtp\.layers\.0\.self_attn\.k_norm\.weight'"):
+        load_mtp(bad, cfg)
+
+
+def test_misshaped_head_tensor_is_named(hybrid_with_head, tmp_path):
+    path, cfg, _ = hybrid_with_head
+    bad = _edited(path, tmp_path, lambda t: t.update({"mtp.fc.weight": t["mtp.fc.weight"][:, :32]}))
+    with pytest.raises(ConversionError, match=r"model\.safetensors: 'mtp\.fc\.weight': MTP tensor has shape "
+                                              r"\(32, 32\), expected \(32, 64\)"):
+        load_mtp(bad, cfg)
+
+
+def test_unknown_head_tensor_is_named(hybrid_with_head, tmp_path):
+    path, cfg, _ = hybrid_with_head
+    bad = _edited(path, tmp_path, lambda t: t.update({"mtp.layers.1.input_layernorm.weight": np.ones(32, np.float32)}))
+    with pytest.raises(ConversionError, match=r"'mtp\.layers\.1\.input_layernorm\.weight': unexpected MTP tensor"):
+        load_mtp(bad, cfg)
+
+
+def test_checkpoint_without_a_head_says_so(tmp_path):
+    path, _ = build_causal(tmp_path, "plain")
+    cfg, _ = load_qwen35(path)
+    with pytest.raises(ConversionError, match="missing MTP tensor 'mtp.fc.weight'"):
+        load_mtp(path, cfg)
+
+
+def test_dense_head_export_loads_back(tmp_path):
+    target_model(vocab=16).save_pretrained(tmp_path / "target")
+    cfg, _ = load_hf(tmp_path / "target")
+    head = mtp.init_mtp_params(cfg, jax.random.key(5))
+    file = export_mtp(head, cfg, tmp_path / "head")
+    stored = load_file(str(file))
+    assert stored["mtp.layers.0.self_attn.q_proj.weight"].shape == (cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+    back = load_mtp(tmp_path / "head", cfg)
+    for a, b in zip(jax.tree.leaves(head), jax.tree.leaves(back)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert load_mtp(tmp_path / "head", cfg, jnp.bfloat16).fc.dtype == jnp.bfloat16
