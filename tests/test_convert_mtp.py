@@ -3,6 +3,7 @@ tensors loads (the target beside it still loads, skipping them), an exported den
 back, and a missing, mis-shaped or unknown `mtp.*` tensor is named with its file."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import jax
@@ -15,7 +16,7 @@ from convert import ConversionError
 from convert.hf_safetensors import load_hf
 from convert.mtp import export_mtp, load_mtp
 from convert.qwen3_5 import load_qwen35
-from dflash_jax import mtp
+from dflash_jax import cli, mtp
 from tests.spec_models import target_model
 from tests.test_convert_qwen3_5 import build_causal
 
@@ -129,3 +130,35 @@ def test_dense_head_export_loads_back(tmp_path):
     for a, b in zip(jax.tree.leaves(head), jax.tree.leaves(back)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert load_mtp(tmp_path / "head", cfg, jnp.bfloat16).fc.dtype == jnp.bfloat16
+
+
+def test_cli_generate_with_the_checkpoints_own_head_equals_ar(hybrid_with_head, capsys):
+    path, _, _ = hybrid_with_head
+    for extra in ([], ["--mtp-budget", "5"]):
+        code = cli.main(["generate", "--model", str(path), "--method", "mtp", "--mtp-steps", "2", *extra,
+                         "--max-new-tokens", "10", "--compare-ar", "--json", "--quiet", "hi"])
+        out = capsys.readouterr()
+        assert code == 0, out.err
+        record = json.loads(out.out)
+        assert record["method"] == "mtp" and record["tokens"] == 10 and record["ar"]["same_tokens"]
+
+
+def test_cli_bench_reports_mtp_chains_and_trees_beside_ar(hybrid_with_head, tmp_path, capsys):
+    path, _, _ = hybrid_with_head
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [t], "category": "c"}) + "\n" for t in ("hi", "w1 w2", "hi w3")))
+    code = cli.main(["bench", "--model", str(path), "--method", "mtp", "--mtp-steps", "1", "3", "--mtp-budget", "4",
+                     "--prompts", str(prompts), "--max-new-tokens", "8", "--no-progress"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    methods = json.loads(out.out)["methods"]
+    assert list(methods) == ["ar", "mtp(k=1)", "mtp(k=3)", "mtp(k=3,budget=4)"]
+    for name in list(methods)[1:]:
+        assert methods[name]["matches_ar"] == 1.0 and methods[name]["tau"] >= 1.0
+
+
+def test_cli_mtp_without_a_head_is_one_error(tmp_path, capsys):
+    path, _ = build_causal(tmp_path, "plain")
+    code = cli.main(["generate", "--model", str(path), "--method", "mtp", "--quiet", "hi"])
+    err = capsys.readouterr().err
+    assert code != 0 and "missing MTP tensor 'mtp.fc.weight'" in err
