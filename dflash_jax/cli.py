@@ -649,7 +649,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             atomic_write_text(out / "report.json", json.dumps({**report, **where}, indent=2) + "\n")
 
     report = ev.run_bench(params, cfg, tokenizer, prompts, specs, dparams=dparams, dcfg=dcfg,
-                          mtp_params=mtp_params, mtp_cfg=mtp_cfg, max_new_tokens=args.max_new_tokens, batch_size=args.batch,
+                          mtp_params=mtp_params, mtp_cfg=mtp_cfg, max_new_tokens=args.max_new_tokens,
+                          batch_size=args.batch,
                           sampling=SamplingParams(args.temperature), seed=args.seed,
                           progress=not args.no_progress, on_result=write)
     report.update(where)

@@ -165,7 +165,8 @@ def ar_program(cfg: Any, impl: Impl = Impl()) -> tuple[Callable[..., Any], dict[
 
 def bench_tokens(params: Any, cfg: Any, token_lists: Sequence[Sequence[int]], categories: Sequence[str],
                  specs: Sequence[MethodSpec], *, dparams: Any = None, dcfg: Any = None,
-                 mtp_params: Any = None, mtp_cfg: Any = None, max_new_tokens: int = 256, batch_size: int = 1, stop_tokens: tuple[int, ...] = (),
+                 mtp_params: Any = None, mtp_cfg: Any = None, max_new_tokens: int = 256, batch_size: int = 1,
+                 stop_tokens: tuple[int, ...] = (),
                  sampling: SamplingParams = SamplingParams(), seed: int = 0, width_multiple: int = 64,
                  progress: bool = True, impl: Impl = Impl(),
                  on_result: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
@@ -207,7 +208,8 @@ def bench_tokens(params: Any, cfg: Any, token_lists: Sequence[Sequence[int]], ca
     outputs: dict[str, list[list[int]]] = {}
     all_settings = [None if spec.method == "ar" else
                     SpecSettings(method=spec.method, block_size=spec.block_size, budget=spec.budget,
-                                 mtp_steps=spec.mtp_steps, sampling=sampling, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens)
+                                 mtp_steps=spec.mtp_steps, sampling=sampling, max_new_tokens=max_new_tokens,
+                                 stop_tokens=stop_tokens)
                     for spec in specs]
     lens_all = np.array([len(t) for t in token_lists], np.int32)
     itemsize = int(np.dtype(jax.tree.leaves(params)[0].dtype).itemsize)

@@ -11,26 +11,27 @@ full-attention layer like the target's own attention layers and every norm is ze
 
 Which hidden state (`MTPConfig.hidden_source`):
 - "post_norm": hidden_t is the target's last hidden state after its final norm (the input of
-  its LM head). vLLM's Qwen3-Next / Qwen3.5 MTP proposer hands the drafter the hidden states the
-  target model returns, and that model's forward ends in its final norm; SGLang's Qwen3-Next
-  MTP takes the hidden states its logits processor captured, which are the LM head's input too.
-  Both run the drafter's chained steps on the MTP's own returned state, which is after `mtp.norm`.
-  So Qwen3.5 / Qwen3.6 checkpoints get "post_norm": it is how the heads are served, and a head
-  served so is what the published acceptance figures measure.
-- "pre_norm": the residual stream before the final norm, as Megatron-style MTP training feeds
-  its MTP module; chained steps then feed the MTP layer's output before `mtp.norm`.
-  The targets' verify passes return only the final-normed state of the last layer
-  (`model.forward`, `qwen3_5.forward` taps), so `pre_norm` is declared but refused
-  by `check_hidden_source` until a target exposes its pre-norm state.
+  its LM head). vLLM runs Qwen3-Next / Qwen3.5 MTP heads (qwen3_next_mtp.py) on the hidden states
+  the target model's forward returns, and that forward (Qwen3NextModel) ends in the final norm;
+  its chained steps feed the head's own returned state, which is after `mtp.norm`. So
+  Qwen3.5 / Qwen3.6 checkpoints get "post_norm": it is how the heads are served, and a head
+  served so is what published acceptance figures measure.
+- "pre_norm": the residual stream before the final norm (descriptions of MTP training, DeepSeek-V3's
+  among them, are read this way too); chained steps would feed the head's layer output before
+  `mtp.norm`. The targets' verify returns the last layer's state after the final norm only
+  (`model.forward`, `qwen3_5.forward` taps), so `MTPConfig` refuses "pre_norm" until a target
+  exposes its pre-norm state.
 
 Chained drafting of k tokens (`draft_chain`): step 1 is position L - 1 with the target's hidden
 state there (kept in `MTPCache.hidden`) and the root (token L); step j > 1 is position L + j - 2
 with step j-1's own output state and its drafted token. Step j's logits are the distribution of
 the token at depth j. The draft's K/V land in scratch slots.
 
-The cache after a round (`commit`): the serving frameworks key an MTP cache entry t by the
-TARGET's hidden state at t and token t + 1, so the draft's own entries (made from the MTP's
-states) are never kept. After the target accepts m drafted tokens, `commit` recomputes the
+The cache after a round (`commit`): an entry t is made from the TARGET's hidden state at t and
+token t + 1, as vLLM's proposer does (it runs the head over the accepted tokens with the verify's
+hidden states), so the draft's own entries (made from the head's states) are never kept. vLLM
+folds that pass into the next round's first draft step; here it is the commit's own pass, so that
+a round leaves the cache complete. After the target accepts m drafted tokens, `commit` recomputes the
 m + 1 entries at positions L - 1 .. L + m - 1 from the target's hidden states (the carried one at
 L - 1, then the verify's states of the path nodes 0..m-1) and the path's tokens (root, d_1..d_m),
 over a fixed bs rows (rows past m + 1 land in scratch slots), and carries the hidden state of the
@@ -231,7 +232,8 @@ def prefill(mp: MTPParams, mcfg: MTPConfig, target: Any, cache: MTPCache,
     return MTPCache(k=k, v=v, lengths=last, hidden=gather_rows(hidden, last[:, None])[:, 0])
 
 
-def draft_chain(mp: MTPParams, mcfg: MTPConfig, target: Any, cache: MTPCache, root: jax.Array, steps: int, key: jax.Array, sampling: SamplingParams,
+def draft_chain(mp: MTPParams, mcfg: MTPConfig, target: Any, cache: MTPCache, root: jax.Array, steps: int,
+                key: jax.Array, sampling: SamplingParams,
                 sample_chain: bool) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """k = `steps` chained steps from the root. Each step's token is its argmax (greedy, or a tree's
     top-1 chain) or, with `sample_chain` at T > 0, a sample of its distribution.

@@ -487,7 +487,8 @@ def speculative_program(settings: SpecSettings) -> Any:
 def generate_speculative(target: ModelParams | Qwen35Params, cfg: ModelConfig | Qwen35Config, dparams: Any,
                          dcfg: Any, prompts: jax.Array, prompt_lens: jax.Array, key: jax.Array, *,
                          settings: SpecSettings, max_len: int, impl: Impl = Impl()) -> Generation:
-    """DFlash, DDTree or MTP (dparams, dcfg: `mtp.MTPParams`, `mtp.MTPConfig`) generation for right-padded prompts [batch, P], all on device (one jit).
+    """DFlash, DDTree or MTP (dparams, dcfg: `mtp.MTPParams`, `mtp.MTPConfig`) generation for
+    right-padded prompts [batch, P], all on device (one jit).
 
     target, cfg: a dense target (ModelParams, ModelConfig) or a Qwen3.5 / Qwen3.6 hybrid
     (Qwen35Params, Qwen35Config), whose GDN states are rolled back to each round's accepted

@@ -74,7 +74,8 @@ def test_qwen35_head_loads_into_our_layout(hybrid_with_head, capsys):
     q = head["mtp.layers.0.self_attn.q_proj.weight"].reshape(qh, 2, hd, e)  # per head: query, then gate
     np.testing.assert_array_equal(np.asarray(attn.q[0, :, 1, 0]), q[1, 0].T)
     np.testing.assert_array_equal(np.asarray(attn.q[0, :, 2, 1]), q[2, 1].T)
-    np.testing.assert_array_equal(np.asarray(attn.o[0, 3]), head["mtp.layers.0.self_attn.o_proj.weight"][:, 3 * hd:4 * hd].T)
+    o = head["mtp.layers.0.self_attn.o_proj.weight"]
+    np.testing.assert_array_equal(np.asarray(attn.o[0, 3]), o[:, 3 * hd:4 * hd].T)
     # The target beside it still loads, with the head's tensors counted as skipped.
     load_qwen35(path)
     assert f"mtp.* ({len(QWEN35_MTP_NAMES)})" in capsys.readouterr().err

@@ -251,7 +251,8 @@ def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_le
     options = {**DOT_MERGER[dot_merger], **COMMAND_BUFFERS[command_buffers], **parse_xla_options(xla_options)} or None
     ms, rnd, call, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile, rounds, options, table,
                                          timeline, clocks, impl)
-    dump_hlo(hlo_dir, f"round_{s.method}{s.mtp_steps or ''}_b{s.budget}_ctx{ctx}_r{rounds}_dm-{dot_merger}_cb-{command_buffers}"
+    dump_hlo(hlo_dir, f"round_{s.method}{s.mtp_steps or ''}_b{s.budget}_ctx{ctx}_r{rounds}_dm-{dot_merger}"
+                      f"_cb-{command_buffers}"
                       f"_{impl.attention}_w{s.width}"
                       f"{'_xla-' + re.sub(r'[^A-Za-z0-9]+', '-', xla_options) if xla_options else ''}", rnd.as_text())
     row = {"method": s.method if s.method != "mtp" else f"mtp(k={s.mtp_steps})", "budget": s.budget,
