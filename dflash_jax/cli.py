@@ -184,6 +184,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.method not in ("ar", "mtp") and not args.draft:
         raise ValueError(f"--method {args.method} needs --draft PATH (a DFlash drafter directory)")
+    if args.stage_times and args.method == "mtp":
+        raise ValueError("--stage-times times a DFlash drafter's stages: use it with --method dflash or ddtree "
+                         "(an MTP round is timed whole: python -m dflash_jax.bench.spec_round --mtp-steps)")
     if args.stage_times and args.method == "ar":
         raise ValueError("--stage-times times the stages of a speculative round: "
                          "use it with --method dflash or ddtree")
