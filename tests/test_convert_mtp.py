@@ -17,6 +17,7 @@ from convert.hf_safetensors import load_hf
 from convert.mtp import export_mtp, load_mtp
 from convert.qwen3_5 import load_qwen35
 from dflash_jax import cli, mtp
+from dflash_jax import qwen3_5 as q35
 from tests.spec_models import target_model
 from tests.test_convert_qwen3_5 import build_causal
 
@@ -163,3 +164,45 @@ def test_cli_mtp_without_a_head_is_one_error(tmp_path, capsys):
     code = cli.main(["generate", "--model", str(path), "--method", "mtp", "--quiet", "hi"])
     err = capsys.readouterr().err
     assert code != 0 and "missing MTP tensor 'mtp.fc.weight'" in err
+
+
+def test_loaded_head_step_matches_transformers_decoder_layer(hybrid_with_head):
+    """The head's layer, norm and LM head against transformers' own Qwen3.5 full-attention layer
+    and final norm carrying the `mtp.*` weights; the fc input (zero-centred norms of the
+    embedding and the hidden state, embedding first) is written out here in numpy."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from tests.test_convert_qwen3_5 import TEXT
+
+    path, cfg, head = hybrid_with_head
+    _, target = load_qwen35(path)
+    mp = load_mtp(path, cfg)
+    mcfg = mtp.MTPConfig(cfg)
+    rng = np.random.RandomState(3)
+    width = 7
+    tokens = rng.randint(0, cfg.vocab_size, (1, width))
+    hidden = rng.randn(1, width, cfg.hidden_size).astype(np.float32)
+    positions = jnp.arange(width)[None]
+    empty = mtp.MTPCache.create(cfg, 1, width)
+    _, out, _, _ = mtp.step(mp, mcfg, target, jnp.asarray(tokens), jnp.asarray(hidden), positions, empty.k, empty.v,
+                            jnp.zeros((1,), jnp.int32))
+    ours = np.asarray(q35.logits_from_hidden(target, out))
+
+    def norm(x, w):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.rms_norm_eps) * (1 + w)
+
+    embed = np.asarray(target.embed)[tokens]
+    x = np.concatenate([norm(embed, head["mtp.pre_fc_norm_embedding.weight"]),
+                        norm(hidden, head["mtp.pre_fc_norm_hidden.weight"])], -1) @ head["mtp.fc.weight"].T
+    tcfg = Qwen3_5TextConfig(**{**TEXT, "num_hidden_layers": 1, "layer_types": ["full_attention"]})
+    tcfg._attn_implementation = "eager"
+    ref_model = Qwen3_5ForCausalLM(tcfg).eval()
+    state = {"model." + k[len("mtp."):]: torch.from_numpy(v) for k, v in head.items() if k.startswith("mtp.layers.")}
+    state["model.norm.weight"] = torch.from_numpy(head["mtp.norm.weight"])
+    state["lm_head.weight"] = torch.from_numpy(np.array(q35.logits_from_hidden(target, jnp.eye(cfg.hidden_size))).T.copy())
+    missing, unexpected = ref_model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) == {"model.embed_tokens.weight"}
+    with torch.no_grad():
+        ref = ref_model(inputs_embeds=torch.from_numpy(x.astype(np.float32))).logits.numpy()
+    np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
