@@ -200,7 +200,8 @@ def test_loaded_head_step_matches_transformers_decoder_layer(hybrid_with_head):
     ref_model = Qwen3_5ForCausalLM(tcfg).eval()
     state = {"model." + k[len("mtp."):]: torch.from_numpy(v) for k, v in head.items() if k.startswith("mtp.layers.")}
     state["model.norm.weight"] = torch.from_numpy(head["mtp.norm.weight"])
-    state["lm_head.weight"] = torch.from_numpy(np.array(q35.logits_from_hidden(target, jnp.eye(cfg.hidden_size))).T.copy())
+    lm_head = np.array(q35.logits_from_hidden(target, jnp.eye(cfg.hidden_size))).T.copy()  # [vocab, embed]
+    state["lm_head.weight"] = torch.from_numpy(lm_head)
     missing, unexpected = ref_model.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) == {"model.embed_tokens.weight"}
     with torch.no_grad():
