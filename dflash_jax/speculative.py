@@ -132,7 +132,7 @@ class SpecState:
 @dataclasses.dataclass
 class Draft:
     tree: Tree
-    draft_probs: Any  # [batch, bs-1, vocab] for DFlash at T > 0, else None
+    draft_probs: Any  # [batch, bs-1, vocab] for a chain (DFlash, MTP) at T > 0, else None
     limit: jax.Array  # [batch] drafted tokens that may still be accepted (max_new_tokens bound)
 
     @property
