@@ -69,15 +69,17 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text with AR, DFlash or DDTree decoding",
+    p = sub.add_parser("generate", help="generate text with AR, DFlash, DDTree or MTP decoding",
                        description="Generate a chat completion for each PROMPT (batched).")
     p.add_argument("prompts", nargs="+", metavar="PROMPT")
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (the packaged SmolLM2-135M-Instruct GGUF), a .gguf file, an HF "
                         "safetensors directory or a converted checkpoint directory")
-    p.add_argument("--method", choices=("ar", "dflash", "ddtree"), default="ar")
+    p.add_argument("--method", choices=("ar", "dflash", "ddtree", "mtp"), default="ar")
     p.add_argument("--draft", help="DFlash drafter directory (config.json + model.safetensors), "
-                                   "or 'smollm2' for the drafter shipped with dflash-jax")
+                                   "or 'smollm2' for the drafter shipped with dflash-jax; for --method mtp the "
+                                   "MTP head: a checkpoint with mtp.* tensors (default: --model itself)")
+    p.add_argument("--mtp-steps", type=POSITIVE, default=3, help="mtp: chained head steps per round")
     p.add_argument("--stage-times", action="store_true",
                    help="dflash/ddtree: also run the rounds stage by stage (each stage its own jitted "
                         "program) and print the median ms per stage")
@@ -85,6 +87,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="also decode with plain AR: print the speedup and whether the tokens agree")
     p.add_argument("--block-size", type=BLOCK_SIZE, default=None, help="drafter block size (default: drafter's)")
     p.add_argument("--budget", type=POSITIVE, default=64, help="DDTree node budget")
+    p.add_argument("--mtp-budget", type=NON_NEGATIVE, default=0,
+                   help="mtp: tree nodes per round (0: verify the steps as a chain)")
     p.add_argument("--max-new-tokens", type=POSITIVE, default=128)
     p.add_argument("--rounds-per-check", type=POSITIVE, default=1,
                    help="dflash/ddtree: rounds between two reads of whether every sequence is done")
@@ -158,6 +162,20 @@ def _load_drafter_for(path: str, cfg: Any, dtype: Any, mesh: Any = None) -> tupl
     return dcfg, dparams
 
 
+def _load_mtp_head_for(path: str | None, model: str, cfg: Any, dtype: Any) -> tuple[Any, Any]:
+    """(MTPConfig, MTPParams) of the head in `path` (default: the target checkpoint `model`)."""
+    from convert import resolve_source
+    from convert.mtp import load_mtp
+    from dflash_jax.mtp import MTPConfig
+
+    kind, where = resolve_source(path or model)
+    if kind != "hf":
+        raise ValueError(f"{'--draft/--mtp-head' if path else '--model'} {path or model}: an MTP head is read from "
+                         "safetensors mtp.* tensors (a Qwen3.5 / Qwen3.6 checkpoint, or a directory written by "
+                         f"convert.mtp.export_mtp), not from a {kind} file")
+    return MTPConfig(cfg), load_mtp(where, cfg, dtype)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
@@ -165,8 +183,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from dflash_jax import sharding as sh
     from dflash_jax.sampling import SamplingParams
 
-    if args.method != "ar" and not args.draft:
+    if args.method not in ("ar", "mtp") and not args.draft:
         raise ValueError(f"--method {args.method} needs --draft PATH (a DFlash drafter directory)")
+    if args.stage_times and args.method == "mtp":
+        raise ValueError("--stage-times times a DFlash drafter's stages: use it with --method dflash or ddtree "
+                         "(an MTP round is timed whole: python -m dflash_jax.bench.spec_round --mtp-steps)")
     if args.stage_times and args.method == "ar":
         raise ValueError("--stage-times times the stages of a speculative round: "
                          "use it with --method dflash or ddtree")
@@ -199,11 +220,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
             from dflash_jax.impl import Impl
             from dflash_jax.speculative import SpecSettings
 
-            progress.begin(f"loading drafter {args.draft}")
-            dcfg, dparams = _load_drafter_for(args.draft, cfg, dtype, mesh)
-            settings = SpecSettings(method=args.method, block_size=args.block_size or dcfg.block_size,
-                                    budget=args.budget, sampling=sampling, max_new_tokens=args.max_new_tokens,
-                                    stop_tokens=stop)
+            if args.method == "mtp":
+                progress.begin(f"loading the MTP head of {args.draft or args.model}")
+                dcfg, dparams = _load_mtp_head_for(args.draft, args.model, cfg, dtype)
+                settings = SpecSettings(method="mtp", mtp_steps=args.mtp_steps, budget=args.mtp_budget,
+                                        sampling=sampling, max_new_tokens=args.max_new_tokens, stop_tokens=stop)
+            else:
+                progress.begin(f"loading drafter {args.draft}")
+                dcfg, dparams = _load_drafter_for(args.draft, cfg, dtype, mesh)
+                settings = SpecSettings(method=args.method, block_size=args.block_size or dcfg.block_size,
+                                        budget=args.budget, sampling=sampling, max_new_tokens=args.max_new_tokens,
+                                        stop_tokens=stop)
             impl = Impl(rounds_per_check=args.rounds_per_check)
             run = pipeline.run_speculative(params, cfg, dparams, dcfg, prompts, lens, settings,
                                            seed=args.seed, impl=impl, stage=progress.of(args.method))
@@ -454,12 +481,17 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                                    "and tau by category as a table on stderr; with --out also writes "
                                    "report.json, tau_by_category.md and plots.")
     p.add_argument("--model", "--target", dest="model", default="smollm2")
-    p.add_argument("--method", nargs="+", choices=("ar", "dflash", "ddtree"), default=["dflash"],
+    p.add_argument("--method", nargs="+", choices=("ar", "dflash", "ddtree", "mtp"), default=["dflash"],
                    help="methods to run (AR always runs as the baseline)")
     p.add_argument("--prompts", required=True, nargs="+", metavar="JSONL[:N]",
                    help="JSONL prompt files, decoded together; FILE:N takes the first N rows of one")
     p.add_argument("--draft", help="DFlash drafter directory")
+    p.add_argument("--mtp-head", help="mtp: a checkpoint with the head's mtp.* tensors (default: --model itself)")
     p.add_argument("--budget", type=POSITIVE, nargs="+", default=[64], help="DDTree budgets")
+    p.add_argument("--mtp-steps", type=POSITIVE, nargs="+", default=[1, 2, 3, 4],
+                   help="mtp: a chain for each number of chained head steps")
+    p.add_argument("--mtp-budget", type=POSITIVE, nargs="*", default=[],
+                   help="mtp: also a tree of the most --mtp-steps for each of these node budgets")
     p.add_argument("--block-size", type=BLOCK_SIZE, default=None, help="(default: the drafter's)")
     p.add_argument("--max-new-tokens", type=POSITIVE, default=256)
     p.add_argument("--limit", type=POSITIVE, default=None, help="first N prompts of each file")
@@ -611,19 +643,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from dflash_jax.sampling import SamplingParams
 
     spec_methods = [m for m in args.method if m != "ar"]
-    if spec_methods and not args.draft:
-        raise ValueError(f"--method {' '.join(spec_methods)} needs --draft DIR (a DFlash drafter directory)")
+    dflash_methods = [m for m in spec_methods if m != "mtp"]
+    if dflash_methods and not args.draft:
+        raise ValueError(f"--method {' '.join(dflash_methods)} needs --draft DIR (a DFlash drafter directory)")
     dtype = jnp.dtype(args.dtype or _default_dtype())
     prompts = ev.load_bench_files(args.prompts, limit=args.limit, math_suffix=args.math_suffix)
     out = check_writable(args.out, "--out") if args.out else None  # before minutes of decoding
     cfg, params, tokenizer = _load_target(args.model, dtype)
     dcfg = dparams = None
     block_size = args.block_size or 16
-    if spec_methods:
+    if dflash_methods:
         dcfg, dparams = _load_drafter_for(args.draft, cfg, dtype)
         block_size = args.block_size or dcfg.block_size
-    specs = ev.method_specs(spec_methods, args.budget, block_size)
-    where = {"prompts_files": [str(p) for p in args.prompts], "model": str(args.model), "draft": args.draft}
+    mtp_cfg = mtp_params = None
+    if "mtp" in spec_methods:
+        mtp_cfg, mtp_params = _load_mtp_head_for(args.mtp_head, args.model, cfg, dtype)
+    specs = ev.method_specs(spec_methods, args.budget, block_size, args.mtp_steps, args.mtp_budget)
+    where = {"prompts_files": [str(p) for p in args.prompts], "model": str(args.model), "draft": args.draft,
+             "mtp_head": args.mtp_head}
 
     def write(report: dict[str, Any]) -> None:
         # Each method's results are on disk as soon as it finishes: a later failure loses only
@@ -632,7 +669,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             atomic_write_text(out / "report.json", json.dumps({**report, **where}, indent=2) + "\n")
 
     report = ev.run_bench(params, cfg, tokenizer, prompts, specs, dparams=dparams, dcfg=dcfg,
-                          max_new_tokens=args.max_new_tokens, batch_size=args.batch,
+                          mtp_params=mtp_params, mtp_cfg=mtp_cfg, max_new_tokens=args.max_new_tokens,
+                          batch_size=args.batch,
                           sampling=SamplingParams(args.temperature), seed=args.seed,
                           progress=not args.no_progress, on_result=write)
     report.update(where)

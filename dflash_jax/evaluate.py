@@ -1,4 +1,4 @@
-"""Benchmarks of AR, DFlash and DDTree decoding on prompt files: tau, tokens/s, speedup over AR.
+"""Benchmarks of AR, DFlash, DDTree and MTP decoding on prompt files: tau, tokens/s, speedup over AR.
 
 Prompt files (JSONL, see ../shared/data/README.md), several at once (`load_bench_files`):
   gsm8k test   `question`; a math set, so it gets MATH_SUFFIX (the papers' convention) and
@@ -35,7 +35,7 @@ from dflash_jax.jsonl import file_and_limit, iter_jsonl
 from dflash_jax.sampling import SamplingParams
 
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
-METHODS = ("ar", "dflash", "ddtree")
+METHODS = ("ar", "dflash", "ddtree", "mtp")
 
 
 MATH_SUFFIX_MODES = ("auto", "always", "never")
@@ -132,11 +132,13 @@ def category_table(report: dict[str, Any]) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class MethodSpec:
-    """One decoder to benchmark: "ar", "dflash" (block_size) or "ddtree" (block_size, budget)."""
+    """One decoder to benchmark: "ar", "dflash" (block_size), "ddtree" (block_size, budget) or
+    "mtp" (mtp_steps; a chain at budget 0, else a tree of `budget` nodes)."""
 
     method: str
     block_size: int = 16
     budget: int = 0
+    mtp_steps: int = 0
 
     @property
     def name(self) -> str:
@@ -144,11 +146,15 @@ class MethodSpec:
             return "ar"
         if self.method == "dflash":
             return f"dflash(bs={self.block_size})"
+        if self.method == "mtp":
+            return f"mtp(k={self.mtp_steps})" if not self.budget else f"mtp(k={self.mtp_steps},budget={self.budget})"
         return f"ddtree(bs={self.block_size},budget={self.budget})"
 
 
-def method_specs(methods: Sequence[str], budgets: Sequence[int], block_size: int) -> list[MethodSpec]:
-    """The AR baseline first, then each method (DDTree once per budget)."""
+def method_specs(methods: Sequence[str], budgets: Sequence[int], block_size: int, mtp_steps: Sequence[int] = (1,),
+                 mtp_budgets: Sequence[int] = ()) -> list[MethodSpec]:
+    """The AR baseline first, then each method (DDTree once per budget; MTP a chain per number of
+    steps in `mtp_steps`, then a tree of the most steps per budget in `mtp_budgets`)."""
     out = [MethodSpec("ar")]
     for m in methods:
         if m not in METHODS:
@@ -159,6 +165,11 @@ def method_specs(methods: Sequence[str], budgets: Sequence[int], block_size: int
             if not budgets:
                 raise ValueError("--method ddtree needs at least one --budget")
             out += [MethodSpec("ddtree", block_size, int(b)) for b in budgets]
+        elif m == "mtp":
+            if not mtp_steps:
+                raise ValueError("--method mtp needs at least one --mtp-steps")
+            out += [MethodSpec("mtp", int(k) + 1, 0, int(k)) for k in mtp_steps]
+            out += [MethodSpec("mtp", max(mtp_steps) + 1, int(b), max(mtp_steps)) for b in mtp_budgets]
     return list(dict.fromkeys(out))  # de-duplicated, in order
 
 
@@ -192,7 +203,8 @@ def ar_program(cfg: Any, impl: Impl = Impl()) -> tuple[Callable[..., Any], dict[
 
 def bench_tokens(params: Any, cfg: Any, token_lists: Sequence[Sequence[int]], categories: Sequence[str],
                  specs: Sequence[MethodSpec], *, dparams: Any = None, dcfg: Any = None,
-                 max_new_tokens: int = 256, batch_size: int = 1, stop_tokens: tuple[int, ...] = (),
+                 mtp_params: Any = None, mtp_cfg: Any = None, max_new_tokens: int = 256, batch_size: int = 1,
+                 stop_tokens: tuple[int, ...] = (),
                  sampling: SamplingParams = SamplingParams(), seed: int = 0, width_multiple: int = 64,
                  progress: bool = True, impl: Impl = Impl(),
                  on_result: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
@@ -203,6 +215,8 @@ def bench_tokens(params: Any, cfg: Any, token_lists: Sequence[Sequence[int]], ca
     GPU a compile costs more than the padded prefill rows). impl: how every method computes
     (`impl.Impl`). `on_result(report)` is called after each method with the report so far
     (`"complete": False` until the last), so that a caller can write results as they are made.
+    dparams, dcfg: the DFlash drafter of "dflash" / "ddtree"; mtp_params, mtp_cfg: the MTP head
+    of "mtp" (`dflash_jax.mtp`).
     """
     from tqdm.auto import tqdm
 
@@ -216,8 +230,13 @@ def bench_tokens(params: Any, cfg: Any, token_lists: Sequence[Sequence[int]], ca
         raise ValueError("token_lists and categories differ in length")
     if not specs or specs[0].method != "ar":
         raise ValueError("the methods to benchmark must start with the AR baseline (see method_specs)")
-    if any(s.method != "ar" for s in specs) and dparams is None:
+    if any(s.method in ("dflash", "ddtree") for s in specs) and dparams is None:
         raise ValueError("dflash / ddtree need a drafter (--draft DIR)")
+    if any(s.method == "mtp" for s in specs) and mtp_params is None:
+        raise ValueError("mtp needs an MTP head (--mtp-head PATH)")
+
+    def drafter(spec: MethodSpec) -> tuple[Any, Any]:
+        return (mtp_params, mtp_cfg) if spec.method == "mtp" else (dparams, dcfg)
     n = len(token_lists)
     batches = [list(range(i, min(i + batch_size, n))) for i in range(0, n, batch_size)]
     width = padded_width(token_lists, width_multiple)
@@ -227,14 +246,15 @@ def bench_tokens(params: Any, cfg: Any, token_lists: Sequence[Sequence[int]], ca
     outputs: dict[str, list[list[int]]] = {}
     all_settings = [None if spec.method == "ar" else
                     SpecSettings(method=spec.method, block_size=spec.block_size, budget=spec.budget,
-                                 sampling=sampling, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens)
+                                 mtp_steps=spec.mtp_steps, sampling=sampling, max_new_tokens=max_new_tokens,
+                                 stop_tokens=stop_tokens)
                     for spec in specs]
     lens_all = np.array([len(t) for t in token_lists], np.int32)
     itemsize = int(np.dtype(jax.tree.leaves(params)[0].dtype).itemsize)
-    for settings in all_settings:  # every method's sizes, before the first one runs
+    for spec, settings in zip(specs, all_settings):  # every method's sizes, before the first one runs
         slack = 1 if settings is None else settings.cache_slack()
         check_prompts(lens_all, width, max_new_tokens, default_max_len(width, max_new_tokens, slack), slack,
-                      cfg=cfg, dcfg=None if settings is None else dcfg, itemsize=itemsize)
+                      cfg=cfg, dcfg=None if settings is None else drafter(spec)[1], itemsize=itemsize)
     for spec, settings in zip(specs, all_settings):
         slack = 1 if settings is None else settings.cache_slack()
         seq_tokens = [0] * n
@@ -258,7 +278,7 @@ def bench_tokens(params: Any, cfg: Any, token_lists: Sequence[Sequence[int]], ca
             else:
                 gen, secs = compiled.run(
                     (spec, arr.shape, max_len), speculative_program(settings),
-                    (params, cfg, dparams, dcfg, jnp.asarray(arr), jnp.asarray(lens), key),
+                    (params, cfg, *drafter(spec), jnp.asarray(arr), jnp.asarray(lens), key),
                     dict(settings=settings, max_len=max_len, impl=impl))
             toks, counts = np.asarray(gen.tokens), np.asarray(gen.num_tokens)
             for row, i in enumerate(idx):
@@ -306,7 +326,8 @@ def _summary(spec: MethodSpec, tokens: list[int], seconds: list[float], committe
     for i, c in enumerate(categories):
         groups[c].append(i)
     out = {"method": spec.method, "block_size": spec.block_size if spec.method != "ar" else None,
-           "budget": spec.budget if spec.method == "ddtree" else None, **agg(list(range(len(tokens))))}
+           "budget": spec.budget if spec.method in ("ddtree", "mtp") else None,
+           "mtp_steps": spec.mtp_steps if spec.method == "mtp" else None, **agg(list(range(len(tokens))))}
     out["by_category"] = {c: agg(ix) for c, ix in groups.items()}
     if spec.method != "ar":
         out["tau_category_mean"] = float(np.mean([c["tau"] for c in out["by_category"].values()]))

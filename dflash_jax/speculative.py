@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import drafter as dr
+from dflash_jax import mtp
 from dflash_jax import qwen3_5
 from dflash_jax.accept import chain_rejection, follow_target
 from dflash_jax.config import ModelConfig
@@ -40,7 +41,7 @@ from dflash_jax.sharding import mesh_sizes
 from dflash_jax.tree import Tree, build_tree, chain_tree, tree_width
 from pallas_kernels import kv_compact
 
-METHODS = ("dflash", "ddtree")
+METHODS = ("dflash", "ddtree", "mtp")
 
 
 def _is_int(value: Any) -> bool:
@@ -52,9 +53,15 @@ def _is_int(value: Any) -> bool:
 class SpecSettings:
     """What a speculative decoder decodes (static; the implementation is `impl.Impl`).
 
-    method: "dflash" (the drafted block as a chain) or "ddtree" (the best-`budget` tree).
-    block_size: the drafter's block (root + block_size - 1 drafted tokens), >= 2.
-    budget: DDTree's drafted nodes per tree (root excluded), >= 1; unused by DFlash.
+    method: "dflash" (the drafted block as a chain), "ddtree" (the best-`budget` tree), or "mtp"
+        (an MTP head's `mtp_steps` chained steps (`dflash_jax.mtp`): a chain verified like
+        DFlash when budget is 0, else the best-`budget` tree of the steps' distributions,
+        verified like DDTree).
+    block_size: the drafter's block (root + block_size - 1 drafted tokens), >= 2; for "mtp" it
+        is mtp_steps + 1 (set from mtp_steps).
+    budget: DDTree's (or an MTP tree's) drafted nodes per tree (root excluded), >= 1; unused by
+        DFlash; 0 for an MTP chain.
+    mtp_steps: the MTP head's chained steps per round, >= 1 for "mtp"; 0 otherwise.
     sampling: greedy at temperature 0, else the target's distribution exactly (lossless).
     max_new_tokens: tokens emitted per sequence at most, >= 1.
     stop_tokens: token ids that end a sequence (the stop token is kept).
@@ -66,10 +73,19 @@ class SpecSettings:
     sampling: SamplingParams = SamplingParams()
     max_new_tokens: int = 256
     stop_tokens: tuple[int, ...] = ()
+    mtp_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if not _is_int(self.mtp_steps) or self.mtp_steps < 0:
+            raise ValueError(f"mtp_steps must be an int >= 0, got {self.mtp_steps!r}")
+        if self.method == "mtp":
+            if self.mtp_steps < 1:
+                raise ValueError(f"mtp_steps must be >= 1 for mtp, got {self.mtp_steps}")
+            object.__setattr__(self, "block_size", self.mtp_steps + 1)
+        elif self.mtp_steps:
+            raise ValueError(f"mtp_steps is for method 'mtp', got {self.mtp_steps} with {self.method!r}")
         if not _is_int(self.block_size) or self.block_size < 2:
             raise ValueError(f"block_size must be an int >= 2, got {self.block_size!r}")
         if not _is_int(self.budget) or self.budget < 0:
@@ -86,7 +102,12 @@ class SpecSettings:
     @property
     def width(self) -> int:
         """Tree slots verified per round."""
-        return self.block_size if self.method == "dflash" else tree_width(self.budget)
+        return self.block_size if self.is_chain else tree_width(self.budget)
+
+    @property
+    def is_chain(self) -> bool:
+        """Whether the draft is verified as one chain (DFlash, an MTP chain), not a tree."""
+        return self.method == "dflash" or (self.method == "mtp" and self.budget == 0)
 
     def cache_slack(self) -> int:
         """Scratch slots past the committed length that a round writes."""
@@ -97,7 +118,7 @@ class SpecSettings:
 @dataclasses.dataclass
 class SpecState:
     cache: KVCache | HybridCache  # target cache; lengths = committed tokens (root not included)
-    draft_cache: Any  # dr.DraftCache; context for positions < lengths
+    draft_cache: Any  # dr.DraftCache (context for positions < lengths), or mtp.MTPCache for an MTP head
     root: jax.Array  # [batch] last bonus token, at position cache.lengths
     out: jax.Array  # [batch, max_new_tokens]
     count: jax.Array  # [batch] tokens emitted so far (the root included)
@@ -111,7 +132,7 @@ class SpecState:
 @dataclasses.dataclass
 class Draft:
     tree: Tree
-    draft_probs: Any  # [batch, bs-1, vocab] for DFlash at T > 0, else None
+    draft_probs: Any  # [batch, bs-1, vocab] for a chain (DFlash, MTP) at T > 0, else None
     limit: jax.Array  # [batch] drafted tokens that may still be accepted (max_new_tokens bound)
 
     @property
@@ -233,7 +254,7 @@ def propose(state: SpecState, logits: jax.Array, s: SpecSettings) -> tuple[Draft
     logits [batch, bs-1, vocab]. Returns (draft, the round's remaining PRNG key)."""
     key, k_draft = jax.random.split(state.key)
     draft_probs = None
-    if s.method == "dflash":
+    if s.is_chain:
         if s.sampling.greedy:
             drafted = jnp.argmax(logits, -1).astype(jnp.int32)
         else:
@@ -255,9 +276,27 @@ def draft_stage(state: SpecState, target: ModelParams | Qwen35Params, dparams: A
                 s: SpecSettings) -> tuple[Draft, jax.Array, SpecState]:
     """Steps 1-2: one drafter pass, then the chain (DFlash) or the best-`budget` tree (DDTree).
     Returns (draft, the round's PRNG key, the state with the drafter's cache as the pass left it)."""
+    if s.method == "mtp":
+        return _mtp_draft_stage(state, target, dparams, dcfg, s)
     logits, draft_cache = drafter_pass(state, target, dparams, dcfg, s)
     draft, key = propose(state, logits, s)
     return draft, key, dataclasses.replace(state, draft_cache=draft_cache)
+
+
+def _mtp_draft_stage(state: SpecState, target: ModelParams | Qwen35Params, mparams: mtp.MTPParams,
+                     mcfg: mtp.MTPConfig, s: SpecSettings) -> tuple[Draft, jax.Array, SpecState]:
+    """Steps 1-2 for an MTP head: `mtp_steps` chained steps, then their chain (drafted tokens
+    sampled at T > 0, for the chain's rejection sampling) or the best-`budget` tree of their
+    per-step distributions along the top-1 chain. The head's cache is left as it was."""
+    key, k_draft = jax.random.split(state.key)
+    sample_chain = s.is_chain and not s.sampling.greedy
+    logits, drafted, probs = mtp.draft_chain(mparams, mcfg, target, state.draft_cache, state.root, s.mtp_steps,
+                                             k_draft, s.sampling, sample_chain)
+    if s.is_chain:
+        tree = chain_tree(jnp.concatenate([state.root[:, None], drafted], 1), s.width)
+        return Draft(tree=tree, draft_probs=probs, limit=_block_limit(state, s)), key, state
+    draft, _ = propose(dataclasses.replace(state, key=k_draft), logits, s)
+    return draft, key, state
 
 
 def verify_stage(state: SpecState, draft: Draft, target: ModelParams | Qwen35Params,
@@ -276,7 +315,7 @@ def accept_stage(key: jax.Array, draft: Draft, logits: jax.Array, s: SpecSetting
     if s.sampling.greedy:
         choice = jnp.argmax(logits, -1).astype(jnp.int32)
         return follow_target(draft.tree, choice, s.block_size - 1, draft.node_ok)
-    if s.method == "dflash":
+    if s.is_chain:  # DFlash and MTP chains: rejection sampling against the drafted tokens' probabilities
         target_probs = sampling_probs(logits, s.sampling)
         return chain_rejection(key, draft.tree.tokens, target_probs, draft.draft_probs, draft.limit)
     # DDTree at T > 0: an independent target sample at every node; descending when a child
@@ -307,19 +346,27 @@ def _context_epilogue(impl: Impl) -> str:
 
 def commit_stage(state: SpecState, draft: Draft, path: jax.Array, m: jax.Array, bonus: jax.Array,
                  taps: jax.Array, verified: KVCache | Qwen35Verified, cfg: ModelConfig | Qwen35Config,
-                 dparams: Any, dcfg: Any, s: SpecSettings, key: jax.Array, impl: Impl = Impl()) -> SpecState:
+                 dparams: Any, dcfg: Any, s: SpecSettings, key: jax.Array, impl: Impl = Impl(), *,
+                 target: ModelParams | Qwen35Params | None = None) -> SpecState:
     """Step 5: commit the accepted path in the target's cache, extend the drafter context, emit tokens.
 
-    verified: `verify_stage`'s cache result; a finished sequence (`state.done`) commits nothing."""
+    verified: `verify_stage`'s cache result; a finished sequence (`state.done`) commits nothing.
+    target: the target's weights; an MTP head (method "mtp") needs its embedding, others do not."""
     batch, bs = path.shape
     active = ~state.done
     start = state.cache.lengths
     cache = target_family(cfg).commit(verified, start, path, m, active, impl)
     # The drafter's context grows by the target features of the root and accepted nodes.
     path_taps = gather_rows(taps, path)
-    positions = start[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
-    draft_cache = dr.append_context(dparams, dcfg, state.draft_cache, path_taps, positions,
-                                    jnp.where(active, m + 1, 0), epilogue=_context_epilogue(impl))
+    if s.method == "mtp":
+        if target is None:
+            raise ValueError("commit_stage: method 'mtp' needs target= (the head embeds the accepted tokens)")
+        path_tokens = jnp.take_along_axis(draft.tree.tokens, path, 1)
+        draft_cache = mtp.commit(dparams, dcfg, target, state.draft_cache, path_tokens, path_taps, m, active)
+    else:
+        positions = start[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
+        draft_cache = dr.append_context(dparams, dcfg, state.draft_cache, path_taps, positions,
+                                        jnp.where(active, m + 1, 0), epilogue=_context_epilogue(impl))
     # Emitted this round: the accepted drafted tokens, then the bonus.
     j = jnp.arange(bs, dtype=jnp.int32)[None]
     nxt = jnp.take_along_axis(draft.tree.tokens, path, 1)
@@ -357,7 +404,7 @@ def spec_round(state: SpecState, target: ModelParams | Qwen35Params, cfg: ModelC
         key, k_accept = jax.random.split(key)
         path, m, bonus = accept_stage(k_accept, draft, logits, s)
     with jax.named_scope("commit"):
-        return commit_stage(state, draft, path, m, bonus, taps, cache, cfg, dparams, dcfg, s, key, impl)
+        return commit_stage(state, draft, path, m, bonus, taps, cache, cfg, dparams, dcfg, s, key, impl, target=target)
 
 
 # ----------------------------------------------------------------------------- generation
@@ -376,10 +423,14 @@ def start_state(target: ModelParams | Qwen35Params, cfg: ModelConfig | Qwen35Con
                                                      tuple(dcfg.target_layer_ids), impl)
     key, sub = jax.random.split(key)
     first = sample(sub, logits, s.sampling)
-    draft_cache = dr.DraftCache.create(dcfg, batch, max_len, dtype)
-    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
-    draft_cache = dr.append_context(dparams, dcfg, draft_cache, taps, positions, prompt_lens,
-                                    epilogue=_context_epilogue(impl))
+    if s.method == "mtp":
+        draft_cache = mtp.prefill(dparams, dcfg, target, mtp.MTPCache.create(cfg, batch, max_len, dtype), prompts,
+                                  prompt_lens, taps, first)
+    else:
+        draft_cache = dr.DraftCache.create(dcfg, batch, max_len, dtype)
+        positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
+        draft_cache = dr.append_context(dparams, dcfg, draft_cache, taps, positions, prompt_lens,
+                                        epilogue=_context_epilogue(impl))
     out = jnp.full((batch, s.max_new_tokens), PAD, jnp.int32).at[:, 0].set(first)
     return SpecState(cache=cache, draft_cache=draft_cache, root=first, out=out,
                      count=jnp.ones((batch,), jnp.int32),
@@ -428,13 +479,14 @@ _generate_ddtree = jax.jit(_generate, static_argnames=_STATIC, compiler_options=
 
 def speculative_program(settings: SpecSettings) -> Any:
     """The jitted generation for these settings (same signature as `generate_speculative`)."""
-    return _generate_ddtree if settings.method == "ddtree" else _generate_dflash
+    return _generate_dflash if settings.is_chain else _generate_ddtree
 
 
 def generate_speculative(target: ModelParams | Qwen35Params, cfg: ModelConfig | Qwen35Config, dparams: Any,
                          dcfg: Any, prompts: jax.Array, prompt_lens: jax.Array, key: jax.Array, *,
                          settings: SpecSettings, max_len: int, impl: Impl = Impl()) -> Generation:
-    """DFlash or DDTree generation for right-padded prompts [batch, P], all on device (one jit).
+    """DFlash, DDTree or MTP (dparams, dcfg: `mtp.MTPParams`, `mtp.MTPConfig`) generation for
+    right-padded prompts [batch, P], all on device (one jit).
 
     target, cfg: a dense target (ModelParams, ModelConfig) or a Qwen3.5 / Qwen3.6 hybrid
     (Qwen35Params, Qwen35Config), whose GDN states are rolled back to each round's accepted

@@ -64,6 +64,9 @@ def time_stages(target: ModelParams, cfg: ModelConfig, dparams: Any, dcfg: Any, 
     if rounds < 1 or warmup < 0:
         raise ValueError(f"rounds must be >= 1 and warmup >= 0, got rounds={rounds}, warmup={warmup}")
     s = settings
+    if s.method == "mtp":
+        raise ValueError("stage times split the DFlash drafter's pass from its tree; an MTP round is timed "
+                         "whole (bench/spec_round.py --mtp-steps)")
     start = jax.jit(functools.partial(start_state, cfg=cfg, dcfg=dcfg, max_len=max_len, s=s, impl=impl))
     state = start(target, dparams=dparams, prompts=prompts, prompt_lens=prompt_lens, key=key)
     f_draft = jax.jit(lambda st, t, d: drafter_pass(st, t, d, dcfg, s))

@@ -55,6 +55,9 @@
 #                 layers' share of the weight bytes. HYBRID_STEPS picks among "rounds ar prefill"
 #                 (default "rounds"; ar: AR vs the roofline at ctx 1K/8K; prefill: 4K and 32K tokens),
 #                 LIMIT seconds each
+#   mtp-rounds    the Qwen3.6-27B hybrid shape (random bf16 weights) at ctx 4K, in one command: the AR
+#                 step, the DFlash round, DDTree(64), MTP chains of 1-4 steps and an MTP tree (4 steps,
+#                 16 nodes) of a random MTP head (draft + verify + commit); no per-stage split
 #   collectives   the all-reduce alone, by size and dtype: NCCL with XLA's CUDA graphs as they are, with
 #                 the collectives recorded into them, and with graphs off
 #   tp            tensor parallelism, tp=1 vs tp=2 (on a 2-GPU machine). TP_MODELS picks the shapes
@@ -434,6 +437,13 @@ hybrid)
         *) echo "hybrid: unknown HYBRID_STEPS entry $part (ar, rounds, prefill)" >&2; exit 2 ;;
         esac
     done ;;
+mtp-rounds)
+    if [ "$dry" = 1 ]; then
+        set -- --model tiny-hybrid --ctx 32 --budgets 4 --ddtree-ctx 32 --mtp-steps 1 2 --mtp-budgets 4
+    else
+        set -- --model qwen3.6-27b --ctx 4096 --budgets 64 --ddtree-ctx 4096 --mtp-steps 1 2 3 4 --mtp-budgets 16
+    fi
+    step mtp_rounds "$limit" python -m dflash_jax.bench.spec_round "$@" --no-profile --out "$out/mtp_rounds.json" ;;
 collectives)
     # One all-reduce at the tp shapes: NCCL, NCCL on the compute stream, XLA's one-shot kernel
     # 136 rows: half of a budget-256 tree, the chunk one-shot-split all-reduces at the 32B width.
@@ -444,7 +454,7 @@ collectives)
         --out "$out/collectives.json" ;;
 *)
     echo "unknown phase: $phase (ar, decode, rounds, rounds-split, kernel, kernel-tests, gdn-verify, lossless, top-k," \
-        "kernel-sweep, hybrid, drafter, drafter-ab, eval-ab, eval-pick, eval, eval-gsm8k, eval-spec-bench, speed," \
-        "drafter-mix, eval-mix, collectives, tp)" >&2
+        "kernel-sweep, hybrid, mtp-rounds, drafter, drafter-ab, eval-ab, eval-pick, eval, eval-gsm8k, eval-spec-bench," \
+        "speed, drafter-mix, eval-mix, collectives, tp)" >&2
     exit 2 ;;
 esac

@@ -1,7 +1,13 @@
-"""Round latency of DFlash and DDTree (and the AR step beside them) for a Qwen3-8B-shaped target.
+"""Round latency of DFlash, DDTree and MTP (and the AR step beside them) for a Qwen3-8B-shaped target.
 
 python -m dflash_jax.bench.spec_round --ctx 512 4096 --budgets 16 64 256 512 --out spec.json
 python -m dflash_jax.bench.spec_round --model qwen3.6-27b --ctx 4096 --budgets 16 64 256 --prefill 4096 32768
+python -m dflash_jax.bench.spec_round --model qwen3.6-27b --ctx 4096 --budgets 64 --mtp-steps 1 2 3 4 --mtp-budgets 16
+
+`--mtp-steps K...` adds a round of a random MTP head (`dflash_jax.mtp`, the head's shape for the
+target: one full-attention layer of the target's kind) drafting K chained steps as a chain, and
+`--mtp-budgets B...` a tree of the most steps with B nodes, both at every --ctx: draft (the K
+steps), verify, accept and commit (the target's and the head's entries of the accepted path).
 
 Random bf16 weights: the target has Qwen3-8B's shape, the drafter 5 layers of the same width
 (z-lab's drafters for Qwen3-8B have this shape). Each number is the median wall time per round
@@ -44,6 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax import drafter as dr
+from dflash_jax import mtp
 from dflash_jax import qwen3_5
 from dflash_jax.bench.ar_decode import layer_buffers, make_decoder, random_cache, random_hybrid_cache
 from dflash_jax.bench.clocks import ClockSampler
@@ -112,9 +119,17 @@ def random_target_cache(cfg, max_len: int, ctx: int, dtype) -> KVCache | HybridC
 
 
 def make_state(cfg, dcfg, ctx: int, max_len: int, max_new: int, dtype=jnp.bfloat16) -> SpecState:
+    """Batch 1 at `ctx` committed tokens: a random target cache, and a random drafter context (a
+    DFlash drafter's) or a random MTP head cache (`dcfg` an `mtp.MTPConfig`; ctx - 1 entries)."""
     cache = random_target_cache(cfg, max_len, ctx, dtype)
-    dk, dv = layer_buffers(jax.random.key(5), (1, max_len, dcfg.num_kv_heads, dcfg.head_dim), dcfg.num_layers, dtype)
-    dcache = dr.DraftCache(k=dk, v=dv, lengths=jnp.full((1,), ctx, jnp.int32))
+    if isinstance(dcfg, mtp.MTPConfig):
+        (hk,), (hv,) = layer_buffers(jax.random.key(5), (1, max_len, cfg.num_kv_heads, cfg.head_dim), 1, dtype)
+        hidden = jax.random.normal(jax.random.key(7), (1, cfg.hidden_size), dtype)
+        dcache = mtp.MTPCache(k=hk, v=hv, lengths=jnp.full((1,), ctx - 1, jnp.int32), hidden=hidden)
+    else:
+        dk, dv = layer_buffers(jax.random.key(5), (1, max_len, dcfg.num_kv_heads, dcfg.head_dim), dcfg.num_layers,
+                               dtype)
+        dcache = dr.DraftCache(k=dk, v=dv, lengths=jnp.full((1,), ctx, jnp.int32))
     return SpecState(cache=cache, draft_cache=dcache, root=jnp.full((1,), 11, jnp.int32),
                      out=jnp.zeros((1, max_new), jnp.int32), count=jnp.ones((1,), jnp.int32),
                      done=jnp.zeros((1,), bool), accepted=jnp.zeros((1, max_new), jnp.int32),
@@ -166,8 +181,9 @@ def reset(state: SpecState, ctx: Any) -> SpecState:
     ctx: an int, or the [batch] lengths to restore.
     """
     lengths = jnp.full_like(state.cache.lengths, ctx)
+    behind = 1 if isinstance(state.draft_cache, mtp.MTPCache) else 0  # an MTP head holds one entry fewer
     return dataclasses.replace(state, cache=dataclasses.replace(state.cache, lengths=lengths),
-                               draft_cache=dataclasses.replace(state.draft_cache, lengths=lengths),
+                               draft_cache=dataclasses.replace(state.draft_cache, lengths=lengths - behind),
                                count=jnp.ones_like(state.count), rounds=jnp.zeros_like(state.rounds),
                                done=jnp.zeros_like(state.done))
 
@@ -283,14 +299,18 @@ def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_le
                    timers: list | None = None, timeline: bool = False, clocks: bool = False,
                    impl: Impl = Impl()) -> dict:
     state = make_state(cfg, dcfg, ctx, max_len, s.max_new_tokens, target.embed.dtype)
-    dot_merger, command_buffers = decoding_settings(s.method, dot_merger, command_buffers, profile)
+    # Decoding compiles an MTP chain as DFlash and an MTP tree as DDTree (`speculative_program`).
+    method = s.method if s.method != "mtp" else ("dflash" if s.is_chain else "ddtree")
+    dot_merger, command_buffers = decoding_settings(method, dot_merger, command_buffers, profile)
     options = {**DOT_MERGER[dot_merger], **COMMAND_BUFFERS[command_buffers], **parse_xla_options(xla_options)} or None
     ms, rnd, call, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile, rounds, options, table,
                                          timeline, clocks, impl)
-    dump_hlo(hlo_dir, f"round_{s.method}_b{s.budget}_ctx{ctx}_r{rounds}_dm-{dot_merger}_cb-{command_buffers}"
+    dump_hlo(hlo_dir, f"round_{s.method}{s.mtp_steps or ''}_b{s.budget}_ctx{ctx}_r{rounds}_dm-{dot_merger}"
+                      f"_cb-{command_buffers}"
                       f"_{impl.attention}_w{s.width}"
                       f"{'_xla-' + re.sub(r'[^A-Za-z0-9]+', '-', xla_options) if xla_options else ''}", rnd.as_text())
-    row = {"method": s.method, "budget": s.budget, "width": s.width, "ctx": ctx, "round_ms": ms,
+    row = {"method": s.method if s.method != "mtp" else f"mtp(k={s.mtp_steps})", "budget": s.budget,
+           "width": s.width, "ctx": ctx, "round_ms": ms,
            "dot_merger": dot_merger, "command_buffers": command_buffers, "xla_options": xla_options,
            "attn_impl": impl.attention, **extra}
     if isinstance(cfg, Qwen35Config):
@@ -448,8 +468,14 @@ def main() -> None:
                          "DDTree row is timed, and keep their medians in the row (bench/clocks.py)")
     ap.add_argument("--prefill", nargs="*", type=int, default=[], metavar="N",
                     help="also time the target's prefill of N random tokens (tokens/s; several: each)")
+    ap.add_argument("--mtp-steps", nargs="*", type=int, default=[],
+                    help="MTP chain rounds of a random head with these chained steps, at every --ctx")
+    ap.add_argument("--mtp-budgets", nargs="*", type=int, default=[],
+                    help="MTP tree rounds (the most --mtp-steps) with these node budgets, at every --ctx")
     ap.add_argument("--out")
     args = ap.parse_args()
+    if args.mtp_budgets and not args.mtp_steps:
+        ap.error("--mtp-budgets needs --mtp-steps (the tree's depth is the most steps)")
     env = environment()
     print(env, flush=True)
     cfg = target_shape(args.model)
@@ -465,6 +491,10 @@ def main() -> None:
     log("drafter weights ready")
     max_len = max(args.ctx + [args.ddtree_ctx]) + 1024
     profile = not args.no_profile
+
+    mtp_cfg = mtp.MTPConfig(cfg) if args.mtp_steps else None
+    mtp_params = (jax.block_until_ready(mtp.init_mtp_params(cfg, jax.random.key(2), dtype)) if args.mtp_steps
+                  else None)
 
     def variants(**method):
         """Every side-by-side variant of one method: attention impl x rounds per call x dot merger x
@@ -498,6 +528,15 @@ def main() -> None:
                 if row:
                     row["draft_layout"] = dl
                     rows.append(row)
+            mtp_methods = ([dict(method="mtp", mtp_steps=k) for k in args.mtp_steps]
+                           + [dict(method="mtp", mtp_steps=max(args.mtp_steps), budget=b) for b in args.mtp_budgets])
+            for method in mtp_methods:
+                for s, impl, r, dm, cb, xo in variants(**method):
+                    row = bench_or_report(target, cfg, mtp_params, mtp_cfg, s, ctx, max_len, profile, args.dump_hlo,
+                                          r, dm, args.kernel_table, cb, xla_options=xo, impl=impl)
+                    if row:
+                        row["draft_layout"] = "mtp"
+                        rows.append(row)
         for b in args.budgets:
             for (s, impl, r, dm, cb, xo), (dl, dp) in itertools.product(variants(method="ddtree", budget=b),
                                                                         drafters.items()):

@@ -1,0 +1,279 @@
+"""The multi-token-prediction (MTP) drafter as pure functions: Qwen3.5 / Qwen3.6's own head, or
+one of the same form for a dense target.
+
+The head (HF names `mtp.*` in Qwen3.5 / Qwen3-Next checkpoints):
+  x   = fc(concat[pre_fc_norm_embedding(embed(token t+1)), pre_fc_norm_hidden(hidden_t)])   (embedding first)
+  x   = one decoder layer (x) at position t, with its own one-layer KV cache
+  out = norm(x);  logits = the target's LM head (out) -> the distribution of token t+2.
+It shares the target's embedding and LM head. For a hybrid target the layer is a gated
+full-attention layer like the target's own attention layers and every norm is zero-centred
+(1 + w); for a dense target it is a layer of the target's kind (plain w * x norms).
+
+Which hidden state (`MTPConfig.hidden_source`):
+- "post_norm": hidden_t is the target's last hidden state after its final norm (the input of
+  its LM head). vLLM runs Qwen3-Next / Qwen3.5 MTP heads (qwen3_next_mtp.py) on the hidden states
+  the target model's forward returns, and that forward (Qwen3NextModel) ends in the final norm;
+  its chained steps feed the head's own returned state, which is after `mtp.norm`. So
+  Qwen3.5 / Qwen3.6 checkpoints get "post_norm": it is how the heads are served, and a head
+  served so is what published acceptance figures measure.
+- "pre_norm": the residual stream before the final norm (descriptions of MTP training, DeepSeek-V3's
+  among them, are read this way too); chained steps would feed the head's layer output before
+  `mtp.norm`. The targets' verify returns the last layer's state after the final norm only
+  (`model.forward`, `qwen3_5.forward` taps), so `MTPConfig` refuses "pre_norm" until a target
+  exposes its pre-norm state.
+
+Chained drafting of k tokens (`draft_chain`): step 1 is position L - 1 with the target's hidden
+state there (kept in `MTPCache.hidden`) and the root (token L); step j > 1 is position L + j - 2
+with step j-1's own output state and its drafted token. Step j's logits are the distribution of
+the token at depth j. The draft's K/V land in scratch slots.
+
+The cache after a round (`commit`): an entry t is made from the TARGET's hidden state at t and
+token t + 1, as vLLM's proposer does (it runs the head over the accepted tokens with the verify's
+hidden states), so the draft's own entries (made from the head's states) are never kept. vLLM
+folds that pass into the next round's first draft step; here it is the commit's own pass, so that
+a round leaves the cache complete. After the target accepts m drafted tokens, `commit` recomputes the
+m + 1 entries at positions L - 1 .. L + m - 1 from the target's hidden states (the carried one at
+L - 1, then the verify's states of the path nodes 0..m-1) and the path's tokens (root, d_1..d_m),
+over a fixed bs rows (rows past m + 1 land in scratch slots), and carries the hidden state of the
+last accepted node for the next round. Invariant: `MTPCache.lengths` = target length - 1.
+
+Trees (`SpecSettings(method="mtp", budget > 0)`): step j's distribution conditions on one path
+only, the top-1 (greedy) chain: the per-depth marginals along that chain, which
+`tree.build_tree` turns into the best-`budget` tree. This is how MTP trees are built in practice;
+the verify and the walk are DDTree's, so the output stays lossless whatever the tree.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax import model as dense
+from dflash_jax import qwen3_5
+from dflash_jax.config import ModelConfig
+from dflash_jax.kv_cache import gather_rows, write_rows
+from dflash_jax.params import EMBED, MLP, Spec, init_from_specs
+from dflash_jax.qwen3_5 import Qwen35Config
+from dflash_jax.rope import apply_rope, rope_tables
+from dflash_jax.sampling import SamplingParams, sample_from_probs, sampling_probs
+from pallas_kernels.tree_attention import tree_attention
+
+HIDDEN_SOURCES = ("pre_norm", "post_norm")
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPConfig:
+    """The MTP head's settings (static).
+
+    target: the target's config (the head's layer is of its kind, its sizes are the target's).
+    hidden_source: "post_norm" (Qwen3.5 / Qwen3.6: the target's state after its final norm) or
+        "pre_norm" (before it); see the module docstring.
+    """
+
+    target: ModelConfig | Qwen35Config
+    hidden_source: str = "post_norm"
+
+    def __post_init__(self) -> None:
+        is_hybrid(self.target)
+        if self.hidden_source not in HIDDEN_SOURCES:
+            raise ValueError(f"hidden_source must be one of {HIDDEN_SOURCES}, got {self.hidden_source!r}")
+        if self.hidden_source != "post_norm":
+            raise ValueError(f"hidden_source {self.hidden_source!r}: the targets' verify returns the last layer's "
+                             "state after the final norm only; use 'post_norm' (what Qwen3.5 / Qwen3.6 heads are "
+                             "served with)")
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        """The target layer whose output the verify returns for the head: the last one."""
+        return (self.target.num_layers - 1,)
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.target.max_position_embeddings
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class MTPParams:
+    """norm_embed, norm_hidden, final_norm: [embed] (zero-centred for a hybrid target).
+    fc: [2, embed, embed]: input half (0: the embedding, 1: the hidden state), in, out.
+    layer: a hybrid target's (qwen3_5.LayerCommon, qwen3_5.AttnMixer) with a stacking axis of 1,
+        or a dense target's model.LayerParams in checkpoint layout (q, k, v, gate, up apart).
+    """
+
+    norm_embed: Any
+    norm_hidden: Any
+    fc: Any
+    layer: Any
+    final_norm: Any
+
+
+def is_hybrid(target_cfg: ModelConfig | Qwen35Config) -> bool:
+    if isinstance(target_cfg, Qwen35Config):
+        return True
+    if isinstance(target_cfg, ModelConfig):
+        return False
+    raise ValueError(f"target_cfg must be a ModelConfig or a Qwen35Config, got {type(target_cfg).__name__}")
+
+
+def mtp_specs(target_cfg: ModelConfig | Qwen35Config) -> MTPParams:
+    """Every weight of the head for this target, with its shape and logical axes."""
+    e = target_cfg.hidden_size
+    if is_hybrid(target_cfg):
+        norm = "zeros"  # zero-centred: (1 + w)
+        full = qwen3_5.model_specs(dataclasses.replace(target_cfg, layer_types=("full_attention",)))
+        layer = (full.layers, full.attn)
+    else:
+        norm = "ones"
+        m = target_cfg.intermediate_size
+        layer = dense.LayerParams(
+            attn_norm=Spec((e,), (EMBED,), init="ones"), attn=dense.attention_specs(target_cfg),
+            mlp_norm=Spec((e,), (EMBED,), init="ones"),
+            mlp=dense.MLPParams(gate=Spec((e, m), (EMBED, MLP), fan_in=e), up=Spec((e, m), (EMBED, MLP), fan_in=e),
+                                down=Spec((m, e), (MLP, EMBED), fan_in=m)))
+    return MTPParams(norm_embed=Spec((e,), (EMBED,), init=norm), norm_hidden=Spec((e,), (EMBED,), init=norm),
+                     fc=Spec((2, e, e), (None, None, EMBED), fan_in=2 * e), layer=layer,
+                     final_norm=Spec((e,), (EMBED,), init=norm))
+
+
+def init_mtp_params(target_cfg: ModelConfig | Qwen35Config, key: jax.Array, dtype: Any = jnp.float32) -> MTPParams:
+    """A random head (tests and benchmarks; real ones come from `convert.mtp`)."""
+    return init_from_specs(mtp_specs(target_cfg), key, dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class MTPCache:
+    """k, v: [batch, max_len, kv_heads, head_dim], the head's own layer; slots >= lengths are scratch.
+    lengths: [batch] entries committed (= the target's committed length - 1).
+    hidden: [batch, embed], the target's hidden state at position `lengths` (pairs with the root).
+    """
+
+    k: Any
+    v: Any
+    lengths: Any
+    hidden: Any
+
+    @classmethod
+    def create(cls, target_cfg: ModelConfig | Qwen35Config, batch: int, max_len: int, dtype: Any = jnp.float32
+               ) -> "MTPCache":
+        shape = (batch, max_len, target_cfg.num_kv_heads, target_cfg.head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32),
+                   hidden=jnp.zeros((batch, target_cfg.hidden_size), dtype))
+
+
+# ----------------------------------------------------------------------------- forward
+
+def _norm(target_cfg: ModelConfig | Qwen35Config, x: jax.Array, w: jax.Array) -> jax.Array:
+    if is_hybrid(target_cfg):
+        return qwen3_5.zero_centred_rms_norm(x, w, target_cfg.rms_norm_eps)
+    return dense.rms_norm(x, w, target_cfg.rms_norm_eps)
+
+
+def _layer(mp: MTPParams, target_cfg: ModelConfig | Qwen35Config, x: jax.Array, positions: jax.Array,
+           k_buf: jax.Array, v_buf: jax.Array, starts: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The head's decoder layer over x [B, T, embed] at positions [B, T], causal over its cache;
+    the T new K/V go to slots starts .. starts + T - 1. Returns (x, k_buf, v_buf)."""
+    if is_hybrid(target_cfg):
+        common, attn = jax.tree.map(lambda a: a[0], mp.layer)
+        eps = target_cfg.rms_norm_eps
+        cos, sin = rope_tables(positions, target_cfg.rope, target_cfg.rotary_dim)
+        h = qwen3_5.zero_centred_rms_norm(x, common.input_norm, eps)
+        out, k_buf, v_buf = qwen3_5.attention_mixer(attn, target_cfg, h, cos, sin, k_buf, v_buf, starts)
+        x = x + out
+        return x + qwen3_5.mlp(common, qwen3_5.zero_centred_rms_norm(x, common.post_norm, eps)), k_buf, v_buf
+    lp = mp.layer
+    cos, sin = rope_tables(positions, target_cfg.rope, target_cfg.head_dim)
+    q, k, v = dense.project_qkv(lp.attn, target_cfg, dense.rms_norm(x, lp.attn_norm, target_cfg.rms_norm_eps))
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k_buf, v_buf = write_rows(k_buf, k, starts), write_rows(v_buf, v, starts)
+    attn = tree_attention(q, k_buf, v_buf, starts, None, impl="auto")
+    x = x + dense.output_projection(lp.attn, attn)
+    return x + dense.mlp(lp.mlp, dense.rms_norm(x, lp.mlp_norm, target_cfg.rms_norm_eps)), k_buf, v_buf
+
+
+def step(mp: MTPParams, mcfg: MTPConfig, target: Any, tokens: jax.Array,
+         hidden: jax.Array, positions: jax.Array, k_buf: jax.Array, v_buf: jax.Array, starts: jax.Array
+         ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The head over T rows: tokens [B, T] (token t + 1), hidden [B, T, embed] (state at t),
+    positions [B, T] (t). Returns (the state a next step takes [B, T, embed], the normed output
+    the LM head takes [B, T, embed], k_buf, v_buf)."""
+    target_cfg = mcfg.target
+    emb = _norm(target_cfg, dense.embed_tokens(target, tokens), mp.norm_embed)
+    hid = _norm(target_cfg, hidden.astype(emb.dtype), mp.norm_hidden)
+    x = (jnp.einsum("bte,ef->btf", emb, mp.fc[0], preferred_element_type=jnp.float32)
+         + jnp.einsum("bte,ef->btf", hid, mp.fc[1], preferred_element_type=jnp.float32)).astype(emb.dtype)
+    x, k_buf, v_buf = _layer(mp, target_cfg, x, positions, k_buf, v_buf, starts)
+    out = _norm(target_cfg, x, mp.final_norm)
+    return (out if mcfg.hidden_source == "post_norm" else x), out, k_buf, v_buf
+
+
+def _logits(target: Any, target_cfg: ModelConfig | Qwen35Config, out: jax.Array) -> jax.Array:
+    if is_hybrid(target_cfg):
+        return qwen3_5.logits_from_hidden(target, out)
+    return dense.logits_from_hidden(target, out)
+
+
+def prefill(mp: MTPParams, mcfg: MTPConfig, target: Any, cache: MTPCache,
+            prompts: jax.Array, prompt_lens: jax.Array, hidden: jax.Array, first: jax.Array) -> MTPCache:
+    """Seeds the cache from the prompt: entries 0 .. P - 2 (state t of the target's prefill with
+    token t + 1), lengths P - 1, and the carried state at P - 1 (paired with `first`, the root).
+
+    prompts [B, W] right-padded; prompt_lens [B]; hidden [B, W, embed] the target's states;
+    first [B] the first generated token."""
+    batch, width = prompts.shape
+    nxt = jnp.concatenate([prompts[:, 1:], jnp.zeros((batch, 1), prompts.dtype)], 1)
+    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
+    starts = jnp.zeros((batch,), jnp.int32)
+    _, _, k, v = step(mp, mcfg, target, nxt, hidden, positions, cache.k, cache.v, starts)
+    last = (prompt_lens - 1).astype(jnp.int32)
+    return MTPCache(k=k, v=v, lengths=last, hidden=gather_rows(hidden, last[:, None])[:, 0])
+
+
+def draft_chain(mp: MTPParams, mcfg: MTPConfig, target: Any, cache: MTPCache, root: jax.Array, steps: int,
+                key: jax.Array, sampling: SamplingParams,
+                sample_chain: bool) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """k = `steps` chained steps from the root. Each step's token is its argmax (greedy, or a tree's
+    top-1 chain) or, with `sample_chain` at T > 0, a sample of its distribution.
+
+    Returns (logits [B, k, vocab] float32, drafted tokens [B, k], the drafted tokens'
+    distributions [B, k, vocab] when sampled, else None). The cache is not changed (the
+    steps' K/V sit in scratch slots of a copy; `commit` writes the kept entries).
+    """
+    tokens, hidden, k_buf, v_buf = root, cache.hidden, cache.k, cache.v
+    logits, drafted, probs = [], [], []
+    keys = jax.random.split(key, steps)
+    for j in range(steps):  # k is small (1-8) and static: an unrolled loop
+        pos = (cache.lengths + j)[:, None]
+        nxt_hidden, out, k_buf, v_buf = step(mp, mcfg, target, tokens[:, None], hidden[:, None], pos,
+                                             k_buf, v_buf, cache.lengths + j)
+        lg = _logits(target, mcfg.target, out[:, 0])
+        if sample_chain:
+            p = sampling_probs(lg, sampling)
+            tok = sample_from_probs(keys[j], p)
+            probs.append(p)
+        else:
+            tok = jnp.argmax(lg, -1).astype(jnp.int32)
+        logits.append(lg)
+        drafted.append(tok)
+        tokens, hidden = tok, nxt_hidden[:, 0]
+    return (jnp.stack(logits, 1), jnp.stack(drafted, 1), jnp.stack(probs, 1) if sample_chain else None)
+
+
+def commit(mp: MTPParams, mcfg: MTPConfig, target: Any, cache: MTPCache,
+           path_tokens: jax.Array, path_hidden: jax.Array, m: jax.Array, active: jax.Array) -> MTPCache:
+    """The entries of the accepted path from the target's own states (see the module docstring).
+
+    path_tokens [B, bs]: the tokens of the path's nodes (root, d_1, ..); path_hidden [B, bs, embed]:
+    the verify's states at those nodes; m [B] accepted drafted tokens; active [B] bool (an
+    inactive sequence keeps its cache). Rows m + 1 .. bs - 1 land in scratch slots.
+    """
+    bs = path_tokens.shape[1]
+    hidden = jnp.concatenate([cache.hidden[:, None].astype(path_hidden.dtype), path_hidden[:, :-1]], 1)
+    positions = cache.lengths[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
+    _, _, k, v = step(mp, mcfg, target, path_tokens, hidden, positions, cache.k, cache.v, cache.lengths)
+    last = gather_rows(path_hidden, m[:, None])[:, 0].astype(cache.hidden.dtype)
+    return MTPCache(k=k, v=v, lengths=cache.lengths + jnp.where(active, m + 1, 0),
+                    hidden=jnp.where(active[:, None], last, cache.hidden))

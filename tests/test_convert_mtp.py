@@ -1,0 +1,209 @@
+"""MTP heads from checkpoints (convert/mtp.py): a tiny `Qwen3_5ForCausalLM` checkpoint with `mtp.*`
+tensors loads (the target beside it still loads, skipping them), an exported dense head loads
+back, and a missing, mis-shaped or unknown `mtp.*` tensor is named with its file."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from convert import ConversionError
+from convert.hf_safetensors import load_hf
+from convert.mtp import export_mtp, load_mtp
+from convert.qwen3_5 import load_qwen35
+from dflash_jax import cli, mtp
+from dflash_jax import qwen3_5 as q35
+from tests.spec_models import target_model
+from tests.test_convert_qwen3_5 import build_causal
+
+# The head's tensors in Qwen3.5 / Qwen3-Next checkpoints (the names vLLM's MTP loader reads).
+QWEN35_MTP_NAMES = {
+    "mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight",
+    "mtp.layers.0.input_layernorm.weight", "mtp.layers.0.post_attention_layernorm.weight",
+    "mtp.layers.0.mlp.gate_proj.weight", "mtp.layers.0.mlp.up_proj.weight", "mtp.layers.0.mlp.down_proj.weight",
+    "mtp.layers.0.self_attn.q_proj.weight", "mtp.layers.0.self_attn.k_proj.weight",
+    "mtp.layers.0.self_attn.v_proj.weight", "mtp.layers.0.self_attn.o_proj.weight",
+    "mtp.layers.0.self_attn.q_norm.weight", "mtp.layers.0.self_attn.k_norm.weight",
+}
+
+
+def _hf_head(e: int, m: int, heads: int, kv_heads: int, head_dim: int, seed: int) -> dict[str, np.ndarray]:
+    """Random `mtp.*` tensors in the stored (torch Linear [out, in]) shapes of a Qwen3.5 head."""
+    rng = np.random.RandomState(seed)
+    shapes = {
+        "mtp.fc.weight": (e, 2 * e), "mtp.pre_fc_norm_embedding.weight": (e,), "mtp.pre_fc_norm_hidden.weight": (e,),
+        "mtp.norm.weight": (e,), "mtp.layers.0.input_layernorm.weight": (e,),
+        "mtp.layers.0.post_attention_layernorm.weight": (e,), "mtp.layers.0.mlp.gate_proj.weight": (m, e),
+        "mtp.layers.0.mlp.up_proj.weight": (m, e), "mtp.layers.0.mlp.down_proj.weight": (e, m),
+        "mtp.layers.0.self_attn.q_proj.weight": (heads * 2 * head_dim, e),
+        "mtp.layers.0.self_attn.k_proj.weight": (kv_heads * head_dim, e),
+        "mtp.layers.0.self_attn.v_proj.weight": (kv_heads * head_dim, e),
+        "mtp.layers.0.self_attn.o_proj.weight": (e, heads * head_dim),
+        "mtp.layers.0.self_attn.q_norm.weight": (head_dim,), "mtp.layers.0.self_attn.k_norm.weight": (head_dim,),
+    }
+    return {k: rng.randn(*s).astype(np.float32) for k, s in shapes.items()}
+
+
+@pytest.fixture(scope="module")
+def hybrid_with_head(tmp_path_factory):
+    path, _ = build_causal(tmp_path_factory.mktemp("mtp"), "interval4")
+    cfg, _ = load_qwen35(path)
+    head = _hf_head(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 0)
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors.update(head)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path, cfg, head
+
+
+def test_qwen35_head_loads_into_our_layout(hybrid_with_head, capsys):
+    path, cfg, head = hybrid_with_head
+    assert set(head) == QWEN35_MTP_NAMES
+    mp = load_mtp(path, cfg)
+    e, hd, qh = cfg.hidden_size, cfg.head_dim, cfg.num_heads
+    fc = head["mtp.fc.weight"]
+    np.testing.assert_array_equal(np.asarray(mp.fc[0]), fc[:, :e].T)  # the embedding's half first
+    np.testing.assert_array_equal(np.asarray(mp.fc[1]), fc[:, e:].T)
+    np.testing.assert_array_equal(np.asarray(mp.norm_hidden), head["mtp.pre_fc_norm_hidden.weight"])
+    common, attn = mp.layer
+    np.testing.assert_array_equal(np.asarray(common.gate_up[0, :, 0]), head["mtp.layers.0.mlp.gate_proj.weight"].T)
+    np.testing.assert_array_equal(np.asarray(common.gate_up[0, :, 1]), head["mtp.layers.0.mlp.up_proj.weight"].T)
+    q = head["mtp.layers.0.self_attn.q_proj.weight"].reshape(qh, 2, hd, e)  # per head: query, then gate
+    np.testing.assert_array_equal(np.asarray(attn.q[0, :, 1, 0]), q[1, 0].T)
+    np.testing.assert_array_equal(np.asarray(attn.q[0, :, 2, 1]), q[2, 1].T)
+    o = head["mtp.layers.0.self_attn.o_proj.weight"]
+    np.testing.assert_array_equal(np.asarray(attn.o[0, 3]), o[:, 3 * hd:4 * hd].T)
+    # The target beside it still loads, with the head's tensors counted as skipped.
+    load_qwen35(path)
+    assert f"mtp.* ({len(QWEN35_MTP_NAMES)})" in capsys.readouterr().err
+
+
+def _edited(path: Path, tmp_path: Path, edit) -> Path:
+    tensors = load_file(str(path / "model.safetensors"))
+    edit(tensors)
+    out = tmp_path / "edited"
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_missing_head_tensor_is_named(hybrid_with_head, tmp_path):
+    path, cfg, _ = hybrid_with_head
+    bad = _edited(path, tmp_path, lambda t: t.pop("mtp.layers.0.self_attn.k_norm.weight"))
+    with pytest.raises(ConversionError, match=r"model\.safetensors: missing MTP tensor "
+                                              r"'mtp\.layers\.0\.self_attn\.k_norm\.weight'"):
+        load_mtp(bad, cfg)
+
+
+def test_misshaped_head_tensor_is_named(hybrid_with_head, tmp_path):
+    path, cfg, _ = hybrid_with_head
+    bad = _edited(path, tmp_path, lambda t: t.update({"mtp.fc.weight": t["mtp.fc.weight"][:, :32]}))
+    with pytest.raises(ConversionError, match=r"model\.safetensors: 'mtp\.fc\.weight': MTP tensor has shape "
+                                              r"\(32, 32\), expected \(32, 64\)"):
+        load_mtp(bad, cfg)
+
+
+def test_unknown_head_tensor_is_named(hybrid_with_head, tmp_path):
+    path, cfg, _ = hybrid_with_head
+    bad = _edited(path, tmp_path, lambda t: t.update({"mtp.layers.1.input_layernorm.weight": np.ones(32, np.float32)}))
+    with pytest.raises(ConversionError, match=r"'mtp\.layers\.1\.input_layernorm\.weight': unexpected MTP tensor"):
+        load_mtp(bad, cfg)
+
+
+def test_checkpoint_without_a_head_says_so(tmp_path):
+    path, _ = build_causal(tmp_path, "plain")
+    cfg, _ = load_qwen35(path)
+    with pytest.raises(ConversionError, match="missing MTP tensor 'mtp.fc.weight'"):
+        load_mtp(path, cfg)
+
+
+def test_dense_head_export_loads_back(tmp_path):
+    target_model(vocab=16).save_pretrained(tmp_path / "target")
+    cfg, _ = load_hf(tmp_path / "target")
+    head = mtp.init_mtp_params(cfg, jax.random.key(5))
+    file = export_mtp(head, cfg, tmp_path / "head")
+    stored = load_file(str(file))
+    assert stored["mtp.layers.0.self_attn.q_proj.weight"].shape == (cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+    back = load_mtp(tmp_path / "head", cfg)
+    for a, b in zip(jax.tree.leaves(head), jax.tree.leaves(back)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert load_mtp(tmp_path / "head", cfg, jnp.bfloat16).fc.dtype == jnp.bfloat16
+
+
+def test_cli_generate_with_the_checkpoints_own_head_equals_ar(hybrid_with_head, capsys):
+    path, _, _ = hybrid_with_head
+    for extra in ([], ["--mtp-budget", "5"]):
+        code = cli.main(["generate", "--model", str(path), "--method", "mtp", "--mtp-steps", "2", *extra,
+                         "--max-new-tokens", "10", "--compare-ar", "--json", "--quiet", "hi"])
+        out = capsys.readouterr()
+        assert code == 0, out.err
+        record = json.loads(out.out)
+        assert record["method"] == "mtp" and record["tokens"] == 10 and record["ar"]["same_tokens"]
+
+
+def test_cli_bench_reports_mtp_chains_and_trees_beside_ar(hybrid_with_head, tmp_path, capsys):
+    path, _, _ = hybrid_with_head
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [t], "category": "c"}) + "\n" for t in ("hi", "w1 w2", "hi w3")))
+    code = cli.main(["bench", "--model", str(path), "--method", "mtp", "--mtp-steps", "1", "3", "--mtp-budget", "4",
+                     "--prompts", str(prompts), "--max-new-tokens", "8", "--no-progress"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    methods = json.loads(out.out)["methods"]
+    assert list(methods) == ["ar", "mtp(k=1)", "mtp(k=3)", "mtp(k=3,budget=4)"]
+    for name in list(methods)[1:]:
+        assert methods[name]["matches_ar"] == 1.0 and methods[name]["tau"] >= 1.0
+
+
+def test_cli_mtp_without_a_head_is_one_error(tmp_path, capsys):
+    path, _ = build_causal(tmp_path, "plain")
+    code = cli.main(["generate", "--model", str(path), "--method", "mtp", "--quiet", "hi"])
+    err = capsys.readouterr().err
+    assert code != 0 and "missing MTP tensor 'mtp.fc.weight'" in err
+
+
+def test_loaded_head_step_matches_transformers_decoder_layer(hybrid_with_head):
+    """The head's layer, norm and LM head against transformers' own Qwen3.5 full-attention layer
+    and final norm carrying the `mtp.*` weights; the fc input (zero-centred norms of the
+    embedding and the hidden state, embedding first) is written out here in numpy."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from tests.test_convert_qwen3_5 import TEXT
+
+    path, cfg, head = hybrid_with_head
+    _, target = load_qwen35(path)
+    mp = load_mtp(path, cfg)
+    mcfg = mtp.MTPConfig(cfg)
+    rng = np.random.RandomState(3)
+    width = 7
+    tokens = rng.randint(0, cfg.vocab_size, (1, width))
+    hidden = rng.randn(1, width, cfg.hidden_size).astype(np.float32)
+    positions = jnp.arange(width)[None]
+    empty = mtp.MTPCache.create(cfg, 1, width)
+    _, out, _, _ = mtp.step(mp, mcfg, target, jnp.asarray(tokens), jnp.asarray(hidden), positions, empty.k, empty.v,
+                            jnp.zeros((1,), jnp.int32))
+    ours = np.asarray(q35.logits_from_hidden(target, out))
+
+    def norm(x, w):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.rms_norm_eps) * (1 + w)
+
+    embed = np.asarray(target.embed)[tokens]
+    x = np.concatenate([norm(embed, head["mtp.pre_fc_norm_embedding.weight"]),
+                        norm(hidden, head["mtp.pre_fc_norm_hidden.weight"])], -1) @ head["mtp.fc.weight"].T
+    tcfg = Qwen3_5TextConfig(**{**TEXT, "num_hidden_layers": 1, "layer_types": ["full_attention"]})
+    tcfg._attn_implementation = "eager"
+    ref_model = Qwen3_5ForCausalLM(tcfg).eval()
+    state = {"model." + k[len("mtp."):]: torch.from_numpy(v) for k, v in head.items() if k.startswith("mtp.layers.")}
+    state["model.norm.weight"] = torch.from_numpy(head["mtp.norm.weight"])
+    lm_head = np.array(q35.logits_from_hidden(target, jnp.eye(cfg.hidden_size))).T.copy()  # [vocab, embed]
+    state["lm_head.weight"] = torch.from_numpy(lm_head)
+    missing, unexpected = ref_model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) == {"model.embed_tokens.weight"}
+    with torch.no_grad():
+        ref = ref_model(inputs_embeds=torch.from_numpy(x.astype(np.float32))).logits.numpy()
+    np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
