@@ -586,15 +586,17 @@ def gdn_tree_mixer(p: GDNMixer, cfg: Qwen35Config, h: jax.Array, conv_state: jax
     h: [B, W, embed] (normed); conv_state, state as `gdn_mixer`; visible [B, W, W] and parents
     [B, W] as `dflash_jax.tree.Tree`. Every node gets the output of the layer along its own
     root..node path (`gdn.tree_conv`, `gdn.tree_verify`). attn_impl: the decoder's attention impl;
-    "reference" and "interpret" keep the rule's chunk in jnp / interpreted too
-    (`pallas_kernels.tree_gdn.impl_for_attention`), else it runs as `gdn.tree_verify`'s "auto".
+    "reference" and "interpret" keep the rule's chunk in jnp / interpreted too (where the kernel
+    takes the head sizes: `pallas_kernels.tree_gdn.impl_for_attention`), else it runs as
+    `gdn.tree_verify`'s "auto".
     Returns (out [B, W, embed], what `gdn.commit_state` needs, the conv inputs [B, W, C] that
     `gdn.commit_conv_state` needs).
     """
     mixed, z, g, beta = _gdn_inputs(p, cfg, h)
     y = gdn.tree_conv(mixed, conv_state, parents, _conv_weight(p, cfg))
     q, k, v = _gdn_qkv(cfg, y)
-    out, kept = gdn.tree_verify(q, k, v, g, beta, state, visible, impl=impl_for_attention(attn_impl))
+    impl = impl_for_attention(attn_impl, cfg.gdn_key_dim, cfg.gdn_value_dim)
+    out, kept = gdn.tree_verify(q, k, v, g, beta, state, visible, impl=impl)
     return _gdn_output(p, cfg, h, out, z), kept, mixed
 
 

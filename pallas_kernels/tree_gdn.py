@@ -334,11 +334,14 @@ def resolve_impl(impl: GdnImpl = "auto", backend: str | None = None) -> str:
     return "pallas" if on_gpu and jax.sharding.get_abstract_mesh().empty else "reference"
 
 
-def impl_for_attention(attention: str) -> GdnImpl:
+def impl_for_attention(attention: str, dk: int, dv: int) -> GdnImpl:
     """The chunk's impl that goes with an attention impl (`pallas_kernels.tree_attention.IMPLS`,
-    a decoder's `Impl.attention`): "reference" and "interpret" keep the chunk in jnp or
-    interpreted, as they keep a round's other kernels; the kernel choices leave it "auto"."""
-    return attention if attention in ("reference", "interpret") else "auto"
+    a decoder's `Impl.attention`) for head sizes dk, dv: "reference" keeps the chunk in jnp as it
+    keeps a round's other kernels; "interpret" interprets the kernel where it takes the head sizes
+    (a tiny test model's 8 it does not: jnp then); the kernel choices leave it "auto"."""
+    if attention == "reference" or (attention == "interpret" and not kernel_takes(dk, dv)):
+        return "reference"
+    return "interpret" if attention == "interpret" else "auto"
 
 
 def tree_gdn(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, decay: jax.Array,

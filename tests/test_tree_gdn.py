@@ -190,8 +190,9 @@ def test_tree_verify_interpret_equals_reference():
 
 
 def test_auto_is_reference_off_gpu_and_kernel_on_gpu():
-    assert [impl_for_attention(a) for a in ("auto", "pallas", "triton", "reference", "interpret")] == \
-        ["auto", "auto", "auto", "reference", "interpret"]
+    attention = ("auto", "pallas", "triton", "reference", "interpret")
+    assert [impl_for_attention(a, 128, 128) for a in attention] == ["auto", "auto", "auto", "reference", "interpret"]
+    assert [impl_for_attention(a, 8, 6) for a in attention] == ["auto", "auto", "auto", "reference", "reference"]
     assert resolve_impl("auto", "cpu") == "reference"
     assert resolve_impl("auto", "gpu") == "pallas"
     assert resolve_impl("interpret") == "interpret"
