@@ -58,6 +58,7 @@ from dflash_jax.rope import rope_tables
 from dflash_jax.sampling import SamplingParams, sample
 from dflash_jax.sharding import (BATCH, ShardingError, attention, check_model, constrain, embed_lookup, mesh_sizes,
                                  partition_spec, specs_shardings)
+from pallas_kernels.tree_gdn import impl_for_attention
 
 
 FULL, LINEAR = "full_attention", "linear_attention"
@@ -578,19 +579,24 @@ def gdn_mixer(p: GDNMixer, cfg: Qwen35Config, h: jax.Array, conv_state: jax.Arra
 
 
 def gdn_tree_mixer(p: GDNMixer, cfg: Qwen35Config, h: jax.Array, conv_state: jax.Array, state: jax.Array,
-                   visible: jax.Array, parents: jax.Array) -> tuple[jax.Array, gdn.VerifyKept, jax.Array]:
+                   visible: jax.Array, parents: jax.Array, attn_impl: str = "auto"
+                   ) -> tuple[jax.Array, gdn.VerifyKept, jax.Array]:
     """One GDN layer over the W nodes of a draft tree, from the committed states, committing nothing.
 
     h: [B, W, embed] (normed); conv_state, state as `gdn_mixer`; visible [B, W, W] and parents
     [B, W] as `dflash_jax.tree.Tree`. Every node gets the output of the layer along its own
-    root..node path (`gdn.tree_conv`, `gdn.tree_verify`).
+    root..node path (`gdn.tree_conv`, `gdn.tree_verify`). attn_impl: the decoder's attention impl;
+    "reference" and "interpret" keep the rule's chunk in jnp / interpreted too (where the kernel
+    takes the head sizes: `pallas_kernels.tree_gdn.impl_for_attention`), else it runs as
+    `gdn.tree_verify`'s "auto".
     Returns (out [B, W, embed], what `gdn.commit_state` needs, the conv inputs [B, W, C] that
     `gdn.commit_conv_state` needs).
     """
     mixed, z, g, beta = _gdn_inputs(p, cfg, h)
     y = gdn.tree_conv(mixed, conv_state, parents, _conv_weight(p, cfg))
     q, k, v = _gdn_qkv(cfg, y)
-    out, kept = gdn.tree_verify(q, k, v, g, beta, state, visible)
+    impl = impl_for_attention(attn_impl, cfg.gdn_key_dim, cfg.gdn_value_dim)
+    out, kept = gdn.tree_verify(q, k, v, g, beta, state, visible, impl=impl)
     return _gdn_output(p, cfg, h, out, z), kept, mixed
 
 
@@ -687,7 +693,7 @@ def _run_layers(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, posi
                 idx = i * per_gdn + slot[j]
                 with jax.named_scope(GDN_SCOPE):
                     out, kept, conv_in = gdn_tree_mixer(_layer(gdn_p, slot[j]), cfg, h, conv_all[idx],
-                                                        state_all[idx], *tree)
+                                                        state_all[idx], *tree, attn_impl)
                 verified.append((kept, conv_in))
             x = x + out
             x = x + mlp(lp, zero_centred_rms_norm(x, lp.post_norm, cfg.rms_norm_eps))

@@ -14,7 +14,7 @@ This file holds, side by side:
   value head, block of value columns), key heads shared by GQA through the BlockSpec index map.
 * ``default_block_sizes``: its row block, value columns and warps for a shape.
 * ``tree_gdn``: the dispatcher ("auto": the kernel on a GPU without a mesh, the reference
-  elsewhere).
+  elsewhere); ``impl_for_attention``: its impl for a decoder's attention impl.
 
 The kernel walks the W rows in blocks of ``block`` (a power of two >= 16, Triton's smallest dot
 operand). Block i first gathers what earlier blocks contribute (``A[i, j] U[j]`` and
@@ -332,6 +332,16 @@ def resolve_impl(impl: GdnImpl = "auto", backend: str | None = None) -> str:
         return impl
     on_gpu = (backend or jax.default_backend()) == "gpu"
     return "pallas" if on_gpu and jax.sharding.get_abstract_mesh().empty else "reference"
+
+
+def impl_for_attention(attention: str, dk: int, dv: int) -> GdnImpl:
+    """The chunk's impl that goes with an attention impl (`pallas_kernels.tree_attention.IMPLS`,
+    a decoder's `Impl.attention`) for head sizes dk, dv: "reference" keeps the chunk in jnp as it
+    keeps a round's other kernels; "interpret" interprets the kernel where it takes the head sizes
+    (a tiny test model's 8 it does not: jnp then); the kernel choices leave it "auto"."""
+    if attention == "reference" or (attention == "interpret" and not kernel_takes(dk, dv)):
+        return "reference"
+    return "interpret" if attention == "interpret" else "auto"
 
 
 def tree_gdn(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, decay: jax.Array,

@@ -30,3 +30,12 @@ def test_bad_flags_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
         gdn_verify_bench.main(argv)
     assert argv[0] in capsys.readouterr().err
+
+
+def test_a_failing_tiling_is_reported_not_fatal(tmp_path):
+    """block_v 32 exceeds the tiny shape's dv of 16: the tiling's entry holds the error."""
+    out = tmp_path / "gdn_verify.json"
+    gdn_verify_bench.main(["--model", "tiny-hybrid", "--widths", "3", "--interpret", "--warmup", "1",
+                           "--iters", "1", "--tilings", "16,32,4", "--out", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert "block_v=32 exceeds dv=16" in row["tilings_chunk_us"]["16,32,4"]

@@ -15,6 +15,7 @@ import pytest
 from dflash_jax import gdn
 from pallas_kernels.tree_gdn import (
     default_block_sizes,
+    impl_for_attention,
     resolve_impl,
     tree_gdn,
     tree_gdn_pallas,
@@ -189,6 +190,9 @@ def test_tree_verify_interpret_equals_reference():
 
 
 def test_auto_is_reference_off_gpu_and_kernel_on_gpu():
+    attention = ("auto", "pallas", "triton", "reference", "interpret")
+    assert [impl_for_attention(a, 128, 128) for a in attention] == ["auto", "auto", "auto", "reference", "interpret"]
+    assert [impl_for_attention(a, 8, 6) for a in attention] == ["auto", "auto", "auto", "reference", "reference"]
     assert resolve_impl("auto", "cpu") == "reference"
     assert resolve_impl("auto", "gpu") == "pallas"
     assert resolve_impl("interpret") == "interpret"
@@ -270,9 +274,10 @@ def test_gpu_auto_runs_the_kernel():
     assert "__gpu$xla.gpu.triton" in text
 
 
-def test_hybrid_verify_through_the_interpreted_kernel(monkeypatch):
-    """The tiny hybrid's verify of a random tree from random committed states, with "auto" sent to
-    the kernel (interpreted), gives the logits and committed GDN states of the jnp path."""
+def test_hybrid_verify_through_the_interpreted_kernel():
+    """The tiny hybrid's verify of a random tree from random committed states, with the kernels
+    interpreted (attn_impl "interpret": the GDN chunk's kernel too), gives the logits and committed
+    GDN states of the jnp path (attn_impl "reference")."""
     from dflash_jax import qwen3_5
     from dflash_jax.bench.common import SHAPES
 
@@ -296,20 +301,16 @@ def test_hybrid_verify_through_the_interpreted_kernel(monkeypatch):
     path = jnp.asarray([np.pad(n, (0, MAX_DEPTH + 1 - len(n)), mode="edge") for n in nodes], jnp.int32)
     accepted = jnp.asarray([len(n) for n in nodes], jnp.int32)
 
-    def run():
-        logits, _, verified = jax.jit(functools.partial(qwen3_5.verify, params, cfg))(*args)
+    def run(attn_impl):
+        logits, _, verified = jax.jit(functools.partial(qwen3_5.verify, params, cfg, attn_impl=attn_impl))(*args)
         return logits, qwen3_5.commit(verified, path, accepted).state
 
-    want = run()
-    resolved = []
-
-    def to_kernel(impl="auto", backend=None):
-        resolved.append("interpret" if impl == "auto" else impl)
-        return resolved[-1]
-
-    monkeypatch.setattr("pallas_kernels.tree_gdn.resolve_impl", to_kernel)
-    got = run()
-    assert resolved and set(resolved) == {"interpret"}
+    want = run("reference")
+    got = run("interpret")
+    # The interpreted program holds the GDN kernel (and the reference one does not).
+    programs = {impl: str(jax.make_jaxpr(functools.partial(qwen3_5.verify, params, cfg, attn_impl=impl))(*args))
+                for impl in ("reference", "interpret")}
+    assert "tree_gdn" in programs["interpret"] and "tree_gdn" not in programs["reference"]
     real = jnp.asarray(parents != -2)[:, :, None]
     np.testing.assert_allclose(jnp.where(real, got[0], 0), jnp.where(real, want[0], 0), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-5)
