@@ -113,6 +113,20 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
                    help="replace DST if it is a dflash-jax checkpoint (never another directory)")
 
 
+# Commands that run as one program over many processes (`dflash_jax.distributed`).
+MULTI_PROCESS = ("make-data", "train", "decode")
+
+
+def _add_distributed(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="multi-process run: the address of process 0, the same on every host, or 'auto' "
+                        "(jax detects Slurm / Open MPI / TPU); default $JAX_COORDINATOR_ADDRESS")
+    p.add_argument("--num-processes", type=POSITIVE, default=None, metavar="N",
+                   help="processes in the run (default $JAX_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=NON_NEGATIVE, default=None, metavar="I",
+                   help="this process, 0..N-1; process 0 writes every output (default $JAX_PROCESS_ID)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="dflash-jax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -123,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_compare(sub)
     _add_decode(sub)
+    for name in MULTI_PROCESS:
+        _add_distributed(sub.choices[name])
     for p in sub.choices.values():
         p.add_argument("--debug", action="store_true",
                        help="show the traceback of an error instead of its one-line message")
@@ -413,6 +429,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mask-token-id", type=NON_NEGATIVE, default=None, help="(default: a special token chat never uses)")
     p.add_argument("--time-limit", type=POSITIVE_FLOAT, default=None,
                    help="seconds; stop (save, export) at the first step past it; --resume finishes later")
+    p.add_argument("--stop-at", type=POSITIVE, default=None, metavar="STEP",
+                   help="end this call after STEP steps of the schedule with a checkpoint; --resume finishes")
     p.add_argument("--save-every", type=POSITIVE, default=500)
     p.add_argument("--log-every", type=POSITIVE, default=10)
     # Validation (fresh runs; --resume reads them from the run, a flag given must agree).
@@ -492,9 +510,14 @@ def cmd_make_data(args: argparse.Namespace) -> int:
 
 
 def _train_dp(given: int | None, saved: dict[str, Any] | None) -> int:
-    """--dp if given, else the resumed run's dp (1 for a run recorded before --dp existed), else 1."""
+    """--dp if given, else every device of a multi-process run, else the resumed run's dp (1 for a
+    run recorded before --dp existed), else 1."""
     if given is not None:
         return given
+    import jax
+
+    if jax.process_count() > 1:
+        return jax.device_count()
     return int(saved.get("dp", 1)) if saved is not None else 1
 
 
@@ -577,7 +600,7 @@ def cmd_train(args: argparse.Namespace) -> int:
           f"mask token {dcfg.mask_token_id}) on {len(seqs)} sequences from {data_path}"
           + (f", batch split over {dp} devices" if dp > 1 else ""), file=sys.stderr)
     result = tr.train(params, cfg, dcfg, seqs, tc, out, init_params=init_params, resume=args.resume,
-                      save_every=args.save_every,
+                      save_every=args.save_every, stop_at=args.stop_at,
                       log_every=args.log_every, time_limit=args.time_limit, export_dtype=args.export_dtype,
                       val_fraction=val_fraction, eval_every=eval_every, val_batches=val_batches,
                       keep_best=keep_best, progress=not args.no_progress, dp=dp,
@@ -754,6 +777,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     validate.CHECK_WEIGHTS_DEFAULT = not args.no_weight_check
     try:
+        if args.command in MULTI_PROCESS:
+            # Before anything touches a device: jax.distributed must come first.
+            from dflash_jax import distributed as dist
+
+            dist.initialize(dist.cluster_from(args.coordinator, args.num_processes, args.process_id))
         return command(args)
     except EXPECTED_ERRORS as err:
         if args.debug:

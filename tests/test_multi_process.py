@@ -1,0 +1,143 @@
+"""Multi-process runs (`dflash_jax.distributed`): real processes joined by `jax.distributed` over gloo.
+
+Each run is BUILD.md's multi-host recipe on one machine: the same `python -m dflash_jax.cli ...`
+command in every process with `--coordinator 127.0.0.1:PORT --num-processes N --process-id I`,
+2 fake CPU devices per process. Training runs over 4 devices in all, as 2 processes of 2 or as
+1 process of 4: the same global mesh, the same rows in every step, so the exports and the logged
+losses must be bitwise equal, also after 2 processes stop and 1 process resumes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dflash_jax import distributed as dist
+from dflash_jax.train_data import TokenData
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 6
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(argv: list[str], processes: int, devices: int, timeout: float = 240) -> list[str]:
+    """Runs `dflash-jax ARGV` as `processes` processes of `devices` CPU devices each -> their stdouts."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices),
+           "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+    for var in (dist.ENV_ADDRESS, dist.ENV_PROCESSES, dist.ENV_ID):
+        env.pop(var, None)
+    extra: list[list[str]] = [[]]
+    if processes > 1:
+        address = f"127.0.0.1:{free_port()}"
+        extra = [["--coordinator", address, "--num-processes", str(processes), "--process-id", str(i)]
+                 for i in range(processes)]
+    procs = [subprocess.Popen([sys.executable, "-m", "dflash_jax.cli", *argv, *e], env=env, cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for e in extra]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            assert p.returncode == 0, f"process {procs.index(p)} of {processes} failed:\n{err[-3000:]}"
+            outs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return outs
+
+
+def token_file(path: Path, vocab: int, seed: int = 0) -> Path:
+    """8 rows of random prompts and responses (the tiny target learns nothing in particular)."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, vocab - 1, int(rng.integers(3, 8))).tolist() for _ in range(8)]
+    responses = [rng.integers(0, vocab - 1, int(rng.integers(12, 24))).tolist() for _ in range(8)]
+    return TokenData.from_lists(prompts, responses, [0.0] * 8, [0] * 8, {"sources": ["test"]}).save(path)
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    """A tiny dense (Qwen3) and a tiny hybrid (Qwen3.5) target, saved as HF directories."""
+    from tests.spec_models import VOCAB as DENSE_VOCAB, target_model
+    from tests.test_convert_qwen3_5 import VOCAB as HYBRID_VOCAB, build_causal
+
+    root = tmp_path_factory.mktemp("targets")
+    target_model(vocab=DENSE_VOCAB).save_pretrained(root / "dense")
+    hybrid, _ = build_causal(root, "hybrid", num_hidden_layers=4, tie_word_embeddings=False)
+    return {"dense": (root / "dense", DENSE_VOCAB), "hybrid": (Path(hybrid), HYBRID_VOCAB)}
+
+
+def train_argv(target: Path, vocab: int, data: Path, out: Path) -> list[str]:
+    return ["train", "--target", str(target), "--out", str(out), "--data", str(data), "--steps", str(STEPS),
+            "--batch", "4", "--seq-len", "32", "--blocks", "2", "--block-size", "4", "--layers", "2",
+            "--mask-token-id", str(vocab - 1), "--lr", "3e-3", "--warmup", "0.0", "--log-every", "1",
+            "--save-every", "3", "--val-fraction", "0", "--compute-dtype", "float32", "--no-progress"]
+
+
+def exported(run: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(run / "drafter" / "model.safetensors")
+
+
+def losses(run: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run / "log.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_two_processes_train_bitwise_as_one(targets, tmp_path, kind):
+    """2 processes x 2 devices == 1 process x 4 devices, bitwise; and 2 processes stopped by a time
+    limit after step 1 (process 0's clock decides for both), then 1 process resuming to the end,
+    == the uninterrupted run."""
+    target, vocab = targets[kind]
+    data = token_file(tmp_path / "tokens.npz", vocab)
+    one, two, switched = tmp_path / "one", tmp_path / "two", tmp_path / "switched"
+    launch(train_argv(target, vocab, data, one) + ["--dp", "4"], processes=1, devices=4)
+    launch(train_argv(target, vocab, data, two), processes=2, devices=2)
+    launch(train_argv(target, vocab, data, switched) + ["--time-limit", "1e-3"], processes=2, devices=2)
+    assert losses(switched) == losses(one)[:1] and "1" in os.listdir(switched / "checkpoints")
+    launch(train_argv(target, vocab, data, switched) + ["--resume"], processes=1, devices=4)
+
+    ref = exported(one)
+    assert len(losses(one)) == STEPS and np.all(np.isfinite(losses(one)))
+    for run in (one, two, switched):
+        assert losses(run) == losses(one), run.name  # floats from JSON: every bit
+        got = exported(run)
+        assert sorted(got) == sorted(ref)
+        for name in ref:
+            np.testing.assert_array_equal(got[name], ref[name], err_msg=f"{run.name}: {name}")
+        record = json.loads((run / "train_run.json").read_text())
+        assert record["dp"] == 4 and record["result"]["finished"]
+    # Process 0 alone wrote the outputs: one record per step, not one per process.
+    assert [json.loads(line)["step"] for line in (two / "log.jsonl").read_text().splitlines()] == list(
+        range(1, STEPS + 1))
+
+
+@pytest.mark.parametrize("environ,message", [
+    ({dist.ENV_PROCESSES: "2"}, "need --coordinator"),
+    ({dist.ENV_ADDRESS: "127.0.0.1:1234", dist.ENV_PROCESSES: "2"}, "needs --num-processes N and --process-id I"),
+    ({dist.ENV_ADDRESS: "127.0.0.1:1234", dist.ENV_PROCESSES: "2", dist.ENV_ID: "2"}, r"must be in 0..1"),
+    ({dist.ENV_ADDRESS: "127.0.0.1", dist.ENV_PROCESSES: "2", dist.ENV_ID: "0"}, "must be HOST:PORT"),
+    ({dist.ENV_ADDRESS: "h:1", dist.ENV_PROCESSES: "two", dist.ENV_ID: "0"}, "JAX_NUM_PROCESSES='two'"),
+])
+def test_incomplete_cluster_is_one_clear_error(environ, message):
+    with pytest.raises(ValueError, match=message):
+        dist.cluster_from(environ=environ)
+
+
+def test_flags_win_over_the_environment():
+    env = {dist.ENV_ADDRESS: "h:1", dist.ENV_PROCESSES: "4", dist.ENV_ID: "3"}
+    assert dist.cluster_from(environ=env) == dist.Cluster("h:1", 4, 3)
+    assert dist.cluster_from("g:2", 2, 0, environ=env) == dist.Cluster("g:2", 2, 0)
+    assert dist.cluster_from(environ={}) is None
+    assert dist.cluster_from("auto", environ={}) == dist.Cluster("auto", None, None)
