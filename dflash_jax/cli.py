@@ -745,7 +745,10 @@ def cmd_decode(args: argparse.Namespace) -> int:
                                  dparams=dparams, dcfg=dcfg, budget=args.budget, batch=args.batch,
                                  max_new_tokens=args.max_new_tokens, sampling=SamplingParams(args.temperature),
                                  seed=args.seed, chat=not args.no_chat, progress=not args.no_progress)
-    print(json.dumps(summary))
+    import jax
+
+    if jax.process_index() == 0:  # the process that wrote the answers has the run's totals
+        print(json.dumps(summary))
     return 0
 
 

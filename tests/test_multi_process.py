@@ -138,3 +138,33 @@ def test_flags_win_over_the_environment():
     assert dist.cluster_from("g:2", 2, 0, environ=env) == dist.Cluster("g:2", 2, 0)
     assert dist.cluster_from(environ={}) is None
     assert dist.cluster_from("auto", environ={}) == dist.Cluster("auto", None, None)
+
+
+def test_two_processes_decode_every_row_once(tmp_path):
+    """7 prompts in batches of 2 (4 batches, 2 per process): every id answered exactly once, by
+    process 0 alone, with the answers one process gives (each batch keeps its own key)."""
+    import jax.numpy as jnp
+
+    from convert import load_model
+    from dflash_jax.decode import decode_file
+    from tests.spec_models import target_model
+    from tests.test_bad_input import VOCAB, WORDS, save_tokenizer
+
+    model_dir = tmp_path / "target"
+    target_model(vocab=VOCAB).save_pretrained(model_dir)
+    save_tokenizer(model_dir, WORDS)
+    prompts = tmp_path / "prompts.jsonl"
+    texts = ["w1 w2", "w3", "w4 w5 w6", "w7 w8", "w9", "w10 w11 w12 w13", "w14"]
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": t}) + "\n" for i, t in enumerate(texts)))
+    output = tmp_path / "answers.jsonl"
+    launch(["decode", "--model", str(model_dir), "--input", str(prompts), "--output", str(output), "--batch", "2",
+            "--max-new-tokens", "5", "--no-chat", "--no-progress", "--dtype", "float32"], processes=2, devices=2)
+    rows = [json.loads(line) for line in output.read_text().splitlines()]
+    assert sorted(r["id"] for r in rows) == [f"p{i}" for i in range(len(texts))]
+
+    cfg, params, tokenizer = load_model(str(model_dir), dtype=jnp.float32)
+    one = tmp_path / "one.jsonl"
+    decode_file(params, cfg, tokenizer, prompts, one, batch=2, max_new_tokens=5, chat=False, progress=False)
+    expected = {r["id"]: r for r in map(json.loads, one.read_text().splitlines())}
+    for r in rows:
+        assert (r["text"], r["num_tokens"]) == (expected[r["id"]]["text"], expected[r["id"]]["num_tokens"]), r["id"]
