@@ -486,10 +486,14 @@ def _make_token_file(args: argparse.Namespace, cfg, params, tokenizer, out) -> N
                            math_suffix=args.math_suffix,
                            seed=args.seed or 0, target_name=str(args.target),
                            progress=not getattr(args, "no_progress", False))
-    data.save(Path(out))
-    print(f"wrote {out}: {len(data)} sequences ({data.meta['prompts']} prompts x {args.samples_per_prompt}), "
-          f"{len(data.response_tokens)} response tokens "
-          f"({data.meta['skipped_long_prompts']} long prompts skipped)", file=sys.stderr)
+    from dflash_jax import distributed as dist
+
+    if dist.is_main():  # every process holds every response; one writes them
+        data.save(Path(out))
+        print(f"wrote {out}: {len(data)} sequences ({data.meta['prompts']} prompts x {args.samples_per_prompt}), "
+              f"{len(data.response_tokens)} response tokens "
+              f"({data.meta['skipped_long_prompts']} long prompts skipped)", file=sys.stderr)
+    dist.barrier("make-data: token file written")  # before any process reads it
 
 
 def _check_data_gen_args(args: argparse.Namespace) -> None:

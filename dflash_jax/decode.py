@@ -188,7 +188,10 @@ def decode_file(params: Any, cfg: Any, tokenizer: Any, input_path: str | Path, o
         for first in range(0, len(batches), procs):
             mine = first + me
             finished = [decode_batch(*batches[mine])] if mine < len(batches) else []
-            for b in dist.gather_to_main(finished):  # this round's batches, in batch order
+            # This round's batches, in batch order, in every process; process 0 writes them.
+            for b in (dist.gather_json(finished) if procs > 1 else finished):
+                if not main:
+                    continue
                 for answer in b["rows"]:
                     out.write(json.dumps(answer) + "\n")
                 out.flush()

@@ -178,8 +178,8 @@ def to_host(tree: Any) -> Any:
     return jax.tree.map(one, tree)
 
 
-def gather_to_main(items: Sequence[Any]) -> list[Any]:
-    """Every process's JSON-able `items`, concatenated in process order, in process 0 (others get []).
+def gather_json(items: Sequence[Any]) -> list[Any]:
+    """Every process's JSON-able `items`, concatenated in process order, in every process.
 
     Two collectives: the byte lengths, then the bytes padded to the longest. One process: `items`.
     """
@@ -192,8 +192,6 @@ def gather_to_main(items: Sequence[Any]) -> list[Any]:
     padded = np.zeros(int(lengths.max()), np.uint8)
     padded[:len(data)] = data
     every = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
-    if not is_main():
-        return []
     out: list[Any] = []
     for row, n in zip(every, lengths):
         out.extend(json.loads(row[:int(n)].tobytes().decode()))

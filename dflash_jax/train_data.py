@@ -246,7 +246,12 @@ def generate_responses(params: Any, cfg: Any, prompts: Sequence[Sequence[int]], 
     c * len(prompts) + i is copy c of prompt i. Copy 0 is the greedy / sampled mix above (the
     same responses as N = 1); copies 1..N-1 are all sampled at `temperature`, batch b of copy c
     with its own key (key b of copy 0 folded with c), so no two copies share a random stream.
+
+    In a multi-process run (`dflash_jax.distributed`) process p decodes batches p, p + N, ... of
+    that list on its own first device, and every process ends with every response: the same
+    responses as one process.
     """
+    from dflash_jax import distributed as dist
     from dflash_jax.evaluate import ar_program
     from dflash_jax.generate import check_prompts
     from dflash_jax.pipeline import default_max_len, pad_prompts, padded_width
@@ -271,26 +276,37 @@ def generate_responses(params: Any, cfg: Any, prompts: Sequence[Sequence[int]], 
                   cfg=cfg,
                   itemsize=int(np.dtype(jax.tree.leaves(params)[0].dtype).itemsize))
     generate, extra = ar_program(cfg)  # dense or hybrid target
-    bar = _progress(n * samples_per_prompt, "generate", progress)
+    # Every job's sampling mode is drawn in every process, in order: the seeded stream stays one.
+    jobs = []
     for copy in range(samples_per_prompt):
-        for b, idx in enumerate(batches):
-            chunk = [list(prompts[i]) for i in idx]
-            chunk += [chunk[-1]] * (batch_size - len(chunk))  # one compiled batch shape
-            arr, lens = pad_prompts(chunk, width=width)
-            key = jax.random.key(seed * 100003 + b)
-            if copy == 0:
-                sampled = bool(rng.random() < sample_fraction)
-            else:
-                sampled, key = True, jax.random.fold_in(key, copy)
-            sp = SamplingParams(temperature=temperature) if sampled else SamplingParams()
-            gen = generate(params, cfg, jnp.asarray(arr), jnp.asarray(lens), key,
-                           max_new_tokens=max_new_tokens, max_len=max_len, sampling=sp,
-                           stop_tokens=tuple(stop_tokens), **extra)
-            toks, num = np.asarray(gen.tokens), np.asarray(gen.num_tokens)
-            for row, i in enumerate(idx):
-                responses[copy * n + i] = toks[row, :num[row]].tolist()
-                temps[copy * n + i] = sp.temperature
-            bar.update(len(idx))
+        for b in range(len(batches)):
+            sampled = bool(rng.random() < sample_fraction) if copy == 0 else True
+            jobs.append((copy, b, sampled))
+
+    def run(copy: int, b: int, sampled: bool) -> dict[str, Any]:
+        idx = batches[b]
+        chunk = [list(prompts[i]) for i in idx]
+        chunk += [chunk[-1]] * (batch_size - len(chunk))  # one compiled batch shape
+        arr, lens = pad_prompts(chunk, width=width)
+        key = jax.random.key(seed * 100003 + b)
+        if copy:
+            key = jax.random.fold_in(key, copy)
+        sp = SamplingParams(temperature=temperature) if sampled else SamplingParams()
+        gen = generate(params, cfg, jnp.asarray(arr), jnp.asarray(lens), key,
+                       max_new_tokens=max_new_tokens, max_len=max_len, sampling=sp,
+                       stop_tokens=tuple(stop_tokens), **extra)
+        toks, num = np.asarray(gen.tokens), np.asarray(gen.num_tokens)
+        return {"rows": [copy * n + int(i) for i in idx], "temperature": sp.temperature,
+                "tokens": [toks[row, :num[row]].tolist() for row in range(len(idx))]}
+
+    procs, me = jax.process_count(), jax.process_index()
+    bar = _progress(n * samples_per_prompt, "generate", progress and dist.is_main())
+    for first in range(0, len(jobs), procs):
+        mine = [run(*jobs[first + me])] if first + me < len(jobs) else []
+        for done in (dist.gather_json(mine) if procs > 1 else mine):
+            for r, toks in zip(done["rows"], done["tokens"]):
+                responses[r], temps[r] = toks, done["temperature"]
+            bar.update(len(done["rows"]))
     bar.close()
     return responses, temps
 

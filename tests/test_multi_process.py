@@ -168,3 +168,34 @@ def test_two_processes_decode_every_row_once(tmp_path):
     expected = {r["id"]: r for r in map(json.loads, one.read_text().splitlines())}
     for r in rows:
         assert (r["text"], r["num_tokens"]) == (expected[r["id"]]["text"], expected[r["id"]]["num_tokens"]), r["id"]
+
+
+def test_two_processes_make_data_as_one(tmp_path):
+    """make-data split over 2 processes (3 batches: 2 for process 0, 1 for process 1; greedy and
+    sampled) writes the token file one process makes."""
+    import jax.numpy as jnp
+
+    from convert import load_model
+    from dflash_jax.train_data import make_token_data
+    from tests.spec_models import target_model
+    from tests.test_bad_input import VOCAB, WORDS, save_tokenizer
+
+    model_dir = tmp_path / "target"
+    target_model(vocab=VOCAB).save_pretrained(model_dir)
+    save_tokenizer(model_dir, WORDS)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"w{i} w{i + 1}" + " w3" * (i % 3)}) + "\n" for i in range(5)))
+    out = tmp_path / "tokens.npz"
+    argv = ["--prompts", str(prompts), "--gen-tokens", "6", "--gen-batch", "2", "--sample-fraction", "0.5",
+            "--math-suffix", "never", "--seed", "1"]
+    launch(["make-data", "--target", str(model_dir), "--out", str(out), "--dtype", "float32", *argv],
+           processes=2, devices=2)
+    got = TokenData.load(out)
+
+    cfg, params, tokenizer = load_model(str(model_dir), dtype=jnp.float32)
+    ref = make_token_data(params, cfg, tokenizer, [prompts], max_new_tokens=6, batch_size=2, sample_fraction=0.5,
+                          math_suffix="never", seed=1, progress=False)
+    assert len(got) == len(ref) == 5
+    for name in ("prompt_tokens", "prompt_offsets", "response_tokens", "response_offsets", "temperature"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(ref, name), err_msg=name)
+    assert 0.0 in ref.temperature and 1.0 in ref.temperature  # both modes crossed processes
