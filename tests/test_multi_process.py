@@ -199,3 +199,23 @@ def test_two_processes_make_data_as_one(tmp_path):
     for name in ("prompt_tokens", "prompt_offsets", "response_tokens", "response_offsets", "temperature"):
         np.testing.assert_array_equal(getattr(got, name), getattr(ref, name), err_msg=name)
     assert 0.0 in ref.temperature and 1.0 in ref.temperature  # both modes crossed processes
+
+
+def test_build_md_recipe_is_the_one_the_tests_run():
+    """BUILD.md's multi-host commands use flags the CLI has, and the ones `launch` passes."""
+    import re
+
+    from dflash_jax.cli import build_parser
+
+    text = (REPO / "BUILD.md").read_text(encoding="utf-8")
+    section = text.split("## Multi-host", 1)[1].split("\n## ", 1)[0]
+    commands = re.findall(r"^dflash-jax (\w[\w-]*)([^\n#]*)", section, flags=re.M)
+    assert commands, "BUILD.md has no multi-host command"
+    subparsers = build_parser()._subparsers._group_actions[0].choices
+    for command, rest in commands:
+        known = {s for a in subparsers[command]._actions for s in a.option_strings}
+        flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", rest))
+        assert flags <= known, (command, sorted(flags - known))
+    assert {"--coordinator", "--num-processes", "--process-id"} <= set(re.findall(r"--[a-z-]+", commands[0][1]))
+    for command in ("train", "make-data", "decode"):
+        assert "--coordinator" in {s for a in subparsers[command]._actions for s in a.option_strings}
