@@ -514,10 +514,12 @@ def init_state(dparams: dr.DraftParams, tc: TrainConfig) -> TrainState:
 @functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "tc"))
 def train_step(state: TrainState, target: TargetParams, batch: dict[str, jax.Array], *, cfg: TargetConfig,
                dcfg: dr.DraftConfig, tc: TrainConfig) -> tuple[TrainState, dict[str, Any]]:
-    """One optimiser step: target taps (on the fly) -> packed drafter pass -> loss -> AdamW.
+    """One optimiser step: target taps -> packed drafter pass -> loss -> AdamW.
 
-    target: the frozen target, already in compute dtype; batch: tokens [B, T] int32,
-    prompt_lens / total_lens [B] int32. Pure: the result depends only on the arguments.
+    target: the frozen target, already in compute dtype (only its embedding and LM head are used
+    when the taps are given); batch: tokens [B, T] int32, prompt_lens / total_lens [B] int32, and
+    optionally taps [B, T, taps*embed] read back from disk (`TapStore`; "response" labels only),
+    else the target computes them here. Pure: the result depends only on the arguments.
     """
     key = jax.random.fold_in(state.rng, state.step)
     tokens = batch["tokens"]
@@ -525,8 +527,11 @@ def train_step(state: TrainState, target: TargetParams, batch: dict[str, jax.Arr
     anchors = sample_anchors(key, batch["prompt_lens"], batch["total_lens"], tokens.shape[1], tc.num_blocks)
 
     def sums_and_grads(params: Any, target: TargetParams, batch: dict[str, jax.Array], anchors: Any) -> Any:
-        taps, source = target_taps(target, cfg, batch["tokens"], dcfg.target_layer_ids, tc.attn_impl,
-                                   labels=tc.labels)
+        if "taps" in batch:
+            taps, source = batch["taps"].astype(target.embed.dtype), None
+        else:
+            taps, source = target_taps(target, cfg, batch["tokens"], dcfg.target_layer_ids, tc.attn_impl,
+                                       labels=tc.labels)
 
         def numerator(p: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
             sums = score_sums(block_scores(p, target, taps, batch, None, dcfg=dcfg, tc=tc, source=source,
@@ -536,6 +541,9 @@ def train_step(state: TrainState, target: TargetParams, batch: dict[str, jax.Arr
         (_, sums), grads = jax.value_and_grad(numerator, has_aux=True)(params)
         return sums, grads
 
+    if "taps" in batch and tc.labels != "response":
+        raise ValueError(f"taps read from disk serve --labels response only; --labels {tc.labels} needs the "
+                         f"target's logits, computed in the step")
     sums, grads = data_parallel_sums(sums_and_grads, (state.params, target), (batch, anchors))
     # The loss is sum(ce x w) / sum(w) over the whole batch and the weights hold no parameter.
     grads = jax.tree.map(lambda g: g / jnp.maximum(sums["weight_sum"], 1e-6), grads)

@@ -4,7 +4,7 @@
 #   bash dflash_jax/bench/gpu_runbook.sh PHASE[,PHASE...] [OUT_DIR]   (OUT_DIR defaults to $OUT)
 #
 # Several phases joined by commas run one after another. LIMIT=seconds caps each benchmark step
-# of the ar / decode / rounds / rounds-split / hybrid / kernel / top-k / tp phases (default 560).
+# of the ar / decode / rounds / rounds-split / hybrid / kernel / top-k / train-step / tp phases (default 560).
 #
 # Phases:
 #   ar            AR decode vs the roofline: Qwen3-8B shape and SmolLM2, ctx 1K/8K, with profiles
@@ -42,6 +42,9 @@
 #                 at ctx 1K/8K; AR, DFlash and DDTree(16/64/256) rounds at ctx 4K in one command, split
 #                 by stage (command buffers off); the target's prefill at 4K and 32K tokens.
 #                 HYBRID_STEPS picks among "ar rounds prefill" (default all three, LIMIT seconds each)
+#   train-step    drafter training-step tokens/s, 5-layer drafter against the Qwen3.6-27B shape (random
+#                 bf16, tp=1, batch 4 x 2048): taps computed in the step vs streamed from a taps file;
+#                 target GFLOP per step against bytes per token on disk (TS_BATCH, TS_SEQ override)
 #   collectives   the all-reduce alone, by size and dtype: NCCL with XLA's CUDA graphs as they are, with
 #                 the collectives recorded into them, and with graphs off
 #   tp            tensor parallelism, tp=1 vs tp=2 (on a 2-GPU machine). TP_MODELS picks the shapes
@@ -368,6 +371,11 @@ hybrid)
         *) echo "hybrid: unknown HYBRID_STEPS entry $part (ar, rounds, prefill)" >&2; exit 2 ;;
         esac
     done ;;
+train-step)
+    if [ "$dry" = 1 ]; then set -- --model tiny-hybrid --layers 2 --batch 2 --seq-len 64 --blocks 4 --block-size 4 --batches 2 --iters 2
+    else set -- --model qwen3.6-27b --layers 5 --batch "${TS_BATCH:-4}" --seq-len "${TS_SEQ:-2048}" --blocks 32 --iters 10; fi
+    step train_step "$limit" python -m dflash_jax.bench.train_step "$@" --taps-dir "$out/taps" --out "$out/train_step.json"
+    rm -rf "$out/taps" ;;
 collectives)
     # One all-reduce at the tp shapes: NCCL, NCCL on the compute stream, XLA's one-shot kernel
     # 136 rows: half of a budget-256 tree, the chunk one-shot-split all-reduces at the 32B width.
@@ -378,6 +386,6 @@ collectives)
         --out "$out/collectives.json" ;;
 *)
     echo "unknown phase: $phase (ar, decode, rounds, rounds-split, kernel, kernel-tests, lossless, top-k, kernel-sweep," \
-        "hybrid, drafter, drafter-ab, eval-ab, eval-pick, eval, eval-gsm8k, eval-spec-bench, speed, collectives, tp)" >&2
+        "hybrid, drafter, drafter-ab, eval-ab, eval-pick, eval, eval-gsm8k, eval-spec-bench, speed, train-step, collectives, tp)" >&2
     exit 2 ;;
 esac
