@@ -114,7 +114,7 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
 
 
 # Commands that run as one program over many processes (`dflash_jax.distributed`).
-MULTI_PROCESS = ("make-data", "train", "decode")
+MULTI_PROCESS = ("make-data", "make-taps", "train", "decode")
 
 
 def _add_distributed(p: argparse.ArgumentParser) -> None:
@@ -133,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_convert(sub)
     _add_make_data(sub)
+    _add_make_taps(sub)
     _add_train(sub)
     _add_bench(sub)
     _add_compare(sub)
@@ -386,6 +387,48 @@ def _add_make_data(sub: argparse._SubParsersAction) -> None:
     _add_data_gen_args(p)
 
 
+def _add_make_taps(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("make-taps", help="write the target's tap features of a token file once, for train --taps",
+                       description="Run the target over every training row of DATA (cut to --seq-len as train "
+                                   "cuts them) and write its tap features to OUT (taps.bin + taps.json), for "
+                                   "`train --taps OUT`: training then never runs the target.")
+    p.add_argument("--target", default="smollm2", help="target model (as `generate --model`)")
+    p.add_argument("--data", required=True, help="token file from make-data")
+    p.add_argument("--out", required=True, help="taps directory")
+    p.add_argument("--seq-len", type=_int_at_least(2), required=True, help="tokens per row: train's --seq-len")
+    p.add_argument("--layers", type=POSITIVE, default=3, help="drafter layers: one default tap each (default 3)")
+    p.add_argument("--tap-layers", type=NON_NEGATIVE, nargs="+", default=None,
+                   help="the drafter's target_layer_ids instead of --layers' defaults")
+    p.add_argument("--batch", type=POSITIVE, default=8, help="rows per target forward")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="of the stored taps and the forward: train's --compute-dtype")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def cmd_make_taps(args: argparse.Namespace) -> int:
+    import jax.numpy as jnp
+
+    from convert import load_model
+    from dflash_jax import train as tr
+    from dflash_jax.config import default_tap_layers
+    from dflash_jax.train_data import TokenData, build_sequences
+
+    check_writable(Path(args.out).absolute().parent, "--out")
+    data = TokenData.load(args.data)
+    cfg, params, _ = load_model(args.target, dtype=jnp.float32)
+    taps = tuple(args.tap_layers) if args.tap_layers else tuple(default_tap_layers(cfg.num_layers, args.layers))
+    bad = [t for t in taps if t >= cfg.num_layers]
+    if bad:
+        raise ValueError(f"--tap-layers {bad}: the target has layers 0..{cfg.num_layers - 1}")
+    seqs = build_sequences(data, args.seq_len)
+    store = tr.write_taps(params, cfg, seqs, taps, args.out, batch_size=args.batch,
+                          dtype=args.dtype or _default_dtype(), progress=not args.no_progress)
+    print(json.dumps({"out": str(store.path), "rows": store.rows, "seq_len": store.seq_len, "tap_layers": list(taps),
+                      "dtype": store.dtype, "gb": store.rows * store.seq_len * store.features
+                      * jnp.dtype(store.dtype).itemsize / 1e9}))
+    return 0
+
+
 def _add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a DFlash drafter for a target",
                        description="Train a DFlash block-diffusion drafter (DFlash recipe: random anchors, "
@@ -395,6 +438,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="run directory")
     p.add_argument("--data", default=None, help="token file from make-data (default: OUT/train_tokens.npz)")
     p.add_argument("--data-gen", action="store_true", help="generate the token file first if it is missing")
+    p.add_argument("--taps", default=None, metavar="DIR",
+                   help="read the target's taps from DIR (make-taps, same --data and --seq-len) instead of "
+                        "running the target in every step; --labels response only")
     p.add_argument("--resume", action="store_true", help="continue the run in OUT from its last checkpoint")
     # Training settings default to None: a fresh run fills in TrainConfig's defaults, --resume the
     # saved run's values (a flag given explicitly must agree with them).
@@ -559,6 +605,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise ValueError(f"{run_file}: not a readable run record ({type(err).__name__}: {err})") from None
         dcfg = draft_config_from_dict(drafter_config, source=str(run_file))
         args.data = args.data or saved.get("data")
+        args.taps = args.taps or saved.get("taps")
         val = saved.get("validation") or {"fraction": 0.0, "eval_every": None, "val_batches": 32, "keep_best": False}
     else:
         given.setdefault("compute_dtype", _default_dtype())
@@ -596,6 +643,10 @@ def cmd_train(args: argparse.Namespace) -> int:
                                      block_size=16 if args.block_size is None else args.block_size,
                                      mask_token_id=mask)
     seqs = build_sequences(data, tc.seq_len)
+    if args.taps:
+        from dflash_jax.train_data import TapStore
+
+        seqs = tr.TappedSequences(seqs, TapStore.open(args.taps))
     if args.measure_taps:
         print(json.dumps({**tr.time_step_parts(params, cfg, dcfg, seqs, tc, dp=dp), "train_config": tc.to_dict(),
                           "dp": dp}))
@@ -608,7 +659,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                       log_every=args.log_every, time_limit=args.time_limit, export_dtype=args.export_dtype,
                       val_fraction=val_fraction, eval_every=eval_every, val_batches=val_batches,
                       keep_best=keep_best, progress=not args.no_progress, dp=dp,
-                      extra_record={"target": str(args.target), "data": str(data_path),
+                      extra_record={"target": str(args.target), "data": str(data_path), "taps": args.taps,
                                     "init": saved.get("init") if saved else init})
     print(json.dumps({"out": str(result.out_dir), **result.summary}))
     return 0
@@ -777,7 +828,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if exit_.code == 2:  # a usage error, already printed on one line
             return 2
         raise
-    command = {"generate": cmd_generate, "convert": cmd_convert, "make-data": cmd_make_data,
+    command = {"generate": cmd_generate, "convert": cmd_convert, "make-data": cmd_make_data, "make-taps": cmd_make_taps,
                "train": cmd_train, "bench": cmd_bench, "compare": cmd_compare,
                "decode": cmd_decode}[args.command]
     from convert import validate

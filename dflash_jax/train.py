@@ -67,7 +67,7 @@ from dflash_jax.speculative import HYBRID, target_family
 # A frozen target is dense (Qwen3, Llama) or a Qwen3.5 / Qwen3.6 hybrid; only `target_taps` tells them apart.
 TargetConfig = ModelConfig | Qwen35Config
 TargetParams = ModelParams | Qwen35Params
-from dflash_jax.train_data import SequenceSet, batch_indices, split_by_prompt
+from dflash_jax.train_data import SequenceSet, TapStore, batch_indices, split_by_prompt
 
 # Token texts tried, in order, for the drafter's MASK token (the target's embedding of it is used).
 MASK_TOKEN_CANDIDATES = ("<|mask|>", "<mask>", "[MASK]", "<|MASK|>", "<empty_output>", "<filename>")
@@ -627,6 +627,74 @@ def load_batch(data: SequenceSet, indices: np.ndarray, mesh: jax.sharding.Mesh |
                          lambda shape: sh.batch_sharding(mesh, shape), shapes)
 
 
+# ----------------------------------------------------------------------------- taps from disk
+
+@dataclasses.dataclass
+class TappedSequences:
+    """Training rows whose batches carry their taps, read from a `TapStore` written by `write_taps`:
+    `train` on it never runs the target's forward (only its embedding and LM head)."""
+
+    seqs: SequenceSet
+    store: TapStore
+
+    def __post_init__(self) -> None:
+        if (self.store.rows, self.store.seq_len) != (len(self.seqs), self.seqs.seq_len):
+            raise ValueError(f"taps (--taps) {self.store.path}: {self.store.rows} rows of {self.store.seq_len} "
+                             f"tokens, the training data has {len(self.seqs)} rows of {self.seqs.seq_len}; "
+                             f"write them again with make-taps for this data and --seq-len")
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def seq_len(self) -> int:
+        return self.seqs.seq_len
+
+    @property
+    def prompt_ids(self) -> np.ndarray:
+        return self.seqs.prompt_ids
+
+    def batch(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        return {**self.seqs.batch(indices), "taps": self.store.read(indices)}
+
+
+def check_taps(store: TapStore, dcfg: dr.DraftConfig, tc: TrainConfig) -> None:
+    """Raises one ValueError naming --taps unless the stored taps are the ones this run's drafter reads."""
+    if tuple(store.tap_layers) != tuple(dcfg.target_layer_ids):
+        raise ValueError(f"taps (--taps) {store.path} hold target layers {list(store.tap_layers)}, the drafter taps "
+                         f"{list(dcfg.target_layer_ids)}")
+    if tc.labels != "response":
+        raise ValueError(f"taps (--taps) serve --labels response only; --labels {tc.labels} needs the target's "
+                         f"logits, computed in the step")
+
+
+def write_taps(target: TargetParams, cfg: TargetConfig, seqs: SequenceSet, tap_layers: tuple[int, ...],
+               directory: str | Path, *, batch_size: int, dtype: str, progress: bool = True) -> TapStore:
+    """The target's taps of every row of `seqs`, written once to a `TapStore` in `directory`.
+
+    In a multi-process run process p computes batches p, p + N, ... on its own first device and
+    writes their rows into the one file (process 0 creates it first): `directory` must be shared.
+    """
+    from tqdm.auto import tqdm
+
+    features = len(tap_layers) * cfg.hidden_size
+    if dist.is_main():
+        TapStore.create(directory, len(seqs), seqs.seq_len, features, dtype, tap_layers)
+    dist.barrier("make-taps: file created")
+    store = TapStore.open(directory)
+    target = cast_floating(target, jnp.dtype(dtype))
+    taps_fn = jax.jit(target_taps, static_argnums=(1, 3))
+    starts = list(range(0, len(seqs), batch_size))
+    mine = starts[jax.process_index()::jax.process_count()]
+    for start in tqdm(mine, desc="taps", unit="batch", disable=not (progress and dist.is_main())):
+        idx = np.arange(start, min(start + batch_size, len(seqs)))
+        padded = np.concatenate([idx, np.full(batch_size - len(idx), idx[-1])])  # one compiled shape
+        taps, _ = taps_fn(target, cfg, jnp.asarray(seqs.batch(padded)["tokens"]), tuple(tap_layers))
+        store.write(start, np.asarray(taps)[:len(idx)])
+    dist.barrier("make-taps: every row written")
+    return store
+
+
 # ----------------------------------------------------------------------------- validation
 
 # Folded into PRNGKey(seed) for the validation anchors (training steps use fold_in(rng, step),
@@ -646,8 +714,11 @@ def eval_step(params: dr.DraftParams, target: TargetParams, batch: dict[str, jax
     anchors = sample_anchors(key, batch["prompt_lens"], batch["total_lens"], tokens.shape[1], tc.num_blocks)
 
     def sums(params: Any, target: TargetParams, batch: dict[str, jax.Array], anchors: Any) -> dict[str, jax.Array]:
-        taps, source = target_taps(target, cfg, batch["tokens"], dcfg.target_layer_ids, tc.attn_impl,
-                                   labels=tc.labels)
+        if "taps" in batch:
+            taps, source = batch["taps"].astype(target.embed.dtype), None
+        else:
+            taps, source = target_taps(target, cfg, batch["tokens"], dcfg.target_layer_ids, tc.attn_impl,
+                                       labels=tc.labels)
         return score_sums(block_scores(params, target, taps, batch, None, dcfg=dcfg, tc=tc, source=source,
                                        anchors=anchors))
 
@@ -875,7 +946,8 @@ def _tau32(tau: float) -> float:
     return float(np.float32(tau))
 
 
-def train(target: TargetParams, cfg: TargetConfig, dcfg: dr.DraftConfig, data: SequenceSet, tc: TrainConfig,
+def train(target: TargetParams, cfg: TargetConfig, dcfg: dr.DraftConfig, data: SequenceSet | TappedSequences,
+          tc: TrainConfig,
           out_dir: str | Path, *, init_params: dr.DraftParams | None = None, resume: bool = False,
           save_every: int = 500, keep: int = 3, log_every: int = 10, stop_at: int | None = None,
           time_limit: float | None = None, export: bool = True, export_dtype: str = "float32",
@@ -906,6 +978,8 @@ def train(target: TargetParams, cfg: TargetConfig, dcfg: dr.DraftConfig, data: S
     evaluation of a call that ends early competes only for that call's export, so a resumed
     run keeps the same best as an uninterrupted one.
 
+    `data` as `TappedSequences` reads each batch's taps from disk instead of running the target.
+
     `dp` > 1 splits every batch (training and validation) over that many devices, with the
     target, the state and the best-so-far replicated (module docstring). `tc.batch_size` stays
     the global batch and must divide by dp. train_run.json's "dp" is this call's; the
@@ -917,6 +991,8 @@ def train(target: TargetParams, cfg: TargetConfig, dcfg: dr.DraftConfig, data: S
     out_dir = Path(out_dir).absolute()
     ckpt_dir, log_path, run_path = out_dir / "checkpoints", out_dir / LOG_FILE, out_dir / RUN_FILE
     check_sizes(cfg, dcfg, tc)
+    if isinstance(data, TappedSequences):
+        check_taps(data.store, dcfg, tc)
     if data.seq_len != tc.seq_len:
         raise ValueError(f"training rows have seq_len {data.seq_len}, TrainConfig.seq_len is {tc.seq_len}")
     mesh = data_parallel_mesh(dp, tc.batch_size)  # before anything is written

@@ -88,3 +88,33 @@ def test_runbook_train_step_phase_dry(tmp_path):
     assert record["target_gflop_per_step"] > 0 and record["tokens_per_step"] == 2 * 64
     assert "| in-step |" in done.stdout and "| disk |" in done.stdout
     assert not (tmp_path / "taps").exists()  # the phase removes its taps file
+
+
+def test_make_taps_then_train_from_them_as_in_the_step(tmp_path, capsys):
+    """`make-taps` once, then `train --taps`: the same losses as `train` computing the taps."""
+    from dflash_jax.cli import main
+    from tests.spec_models import VOCAB, target_model
+    from tests.test_multi_process import token_file
+
+    target_model(vocab=VOCAB).save_pretrained(tmp_path / "target")
+    data = token_file(tmp_path / "tokens.npz", VOCAB)
+    common = ["--target", str(tmp_path / "target"), "--data", str(data), "--seq-len", "32"]
+    assert main(["make-taps", *common, "--out", str(tmp_path / "taps"), "--layers", "2", "--batch", "3",
+                 "--dtype", "float32", "--no-progress"]) == 0, capsys.readouterr().err
+    made = json.loads(capsys.readouterr().out)
+    assert made["rows"] == 8 and made["tap_layers"] == [1, 1]
+
+    def train(run: str, *extra: str) -> list[float]:
+        assert main(["train", *common, "--out", str(tmp_path / run), "--steps", "4", "--batch", "2", "--blocks", "2",
+                     "--block-size", "4", "--layers", "2", "--mask-token-id", str(VOCAB - 1), "--lr", "3e-3",
+                     "--log-every", "1", "--val-fraction", "0", "--compute-dtype", "float32", "--no-progress",
+                     *extra]) == 0, capsys.readouterr().err
+        capsys.readouterr()
+        return [json.loads(line)["loss"] for line in (tmp_path / run / "log.jsonl").read_text().splitlines()]
+
+    np.testing.assert_allclose(train("streamed", "--taps", str(tmp_path / "taps")), train("in_step"), rtol=1e-4)
+    # Taps of another drafter's layers are refused, naming the flag.
+    assert main(["train", *common, "--out", str(tmp_path / "bad"), "--layers", "3", "--taps", str(tmp_path / "taps"),
+                 "--steps", "2", "--batch", "2", "--block-size", "4", "--mask-token-id", str(VOCAB - 1),
+                 "--val-fraction", "0", "--no-progress"]) == 2
+    assert "taps (--taps)" in capsys.readouterr().err
