@@ -24,15 +24,26 @@ by exp(-(k-1)/gamma) (gamma 7 for bs 16), rows past the end of the response mask
 target's embedding and LM head are frozen (they are not in the trained pytree: only
 `DraftParams` is). Master weights are float32; the loss casts them to `compute_dtype`
 (bfloat16 on GPU). Target taps are computed on the fly, see `train_data`'s docstring, by a
-dense target (Qwen3, Llama) or a Qwen3.5 / Qwen3.6 hybrid alike (`target_taps`).
+dense target (Qwen3, Llama) or a Qwen3.5 / Qwen3.6 hybrid alike (`target_taps`), or written
+once to disk (`write_taps`, `dflash-jax make-taps`) and read back with each batch
+(`TappedSequences`, `train --taps`): bytes on disk per token against the target's forward per
+step (`bench/train_step.py` measures both).
 
 Data parallelism (`train(..., dp=N)`, `dflash-jax train --dp N`): one SPMD program over a
 ("dp", "tp") = (N, 1) mesh. Each step's global batch of `batch_size` rows is split over "dp"
 on its leading axis; the frozen target, the float32 masters and the AdamW state are
-replicated; XLA's partitioner all-reduces the gradients and the metric sums. The anchors are
-drawn from the same key over the global [batch, seq_len] shape (threefry bits do not depend
-on the sharding), so dp = N trains the same drafter as dp = 1 up to float32 reduction order.
+replicated. Each device computes the gradient and metric sums of its rows and the devices'
+sums are added in a fixed order (`data_parallel_sums`). The anchors are drawn from the same
+key over the global [batch, seq_len] shape (threefry bits do not depend on the sharding), so
+dp = N trains the same drafter as dp = 1 up to float32 summation order.
 Checkpoints hold whole (replicated) arrays: a run may be resumed with another dp.
+
+Multi-process (`dflash_jax.distributed`, BUILD.md's multi-host recipe): the mesh spans every
+device of every process, each process loads only its rows of each batch (`load_batch`), and
+process 0 alone writes the log, the run record, plots and the export; all of them take part in
+orbax's checkpoint saves and restores. The fixed summation order makes a run over the same
+devices bitwise equal whether they sit in one process or several, and a checkpoint resumes
+with another process count.
 """
 from __future__ import annotations
 
@@ -932,7 +943,7 @@ def _restore_latest(ckpt_dir: Path, options: Any, state: TrainState, best: dict[
     else:
         raise ValueError(f"{ckpt_dir}: no checkpoint restores (" +
                          "; ".join(f"step {s}: {e}" for s, e in damaged) + ")")
-    for bad, why in damaged:
+    for bad, why in damaged if dist.is_main() else ():  # one process moves them
         aside = ckpt_dir / f"{bad}.damaged"
         shutil.rmtree(aside, ignore_errors=True)
         (ckpt_dir / str(bad)).rename(aside)
