@@ -406,6 +406,7 @@ def _add_make_taps(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_make_taps(args: argparse.Namespace) -> int:
+    import jax
     import jax.numpy as jnp
 
     from convert import load_model
@@ -423,9 +424,10 @@ def cmd_make_taps(args: argparse.Namespace) -> int:
     seqs = build_sequences(data, args.seq_len)
     store = tr.write_taps(params, cfg, seqs, taps, args.out, batch_size=args.batch,
                           dtype=args.dtype or _default_dtype(), progress=not args.no_progress)
-    print(json.dumps({"out": str(store.path), "rows": store.rows, "seq_len": store.seq_len, "tap_layers": list(taps),
-                      "dtype": store.dtype, "gb": store.rows * store.seq_len * store.features
-                      * jnp.dtype(store.dtype).itemsize / 1e9}))
+    if jax.process_index() == 0:
+        print(json.dumps({"out": str(store.path), "rows": store.rows, "seq_len": store.seq_len, "tap_layers": list(taps),
+                          "dtype": store.dtype, "gb": store.rows * store.seq_len * store.features
+                          * jnp.dtype(store.dtype).itemsize / 1e9}))
     return 0
 
 

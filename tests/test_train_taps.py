@@ -91,17 +91,18 @@ def test_runbook_train_step_phase_dry(tmp_path):
 
 
 def test_make_taps_then_train_from_them_as_in_the_step(tmp_path, capsys):
-    """`make-taps` once, then `train --taps`: the same losses as `train` computing the taps."""
+    """`make-taps` once (2 processes, 2 batches of 3 rows each and one of 2, every process writing
+    its own rows), then `train --taps`: the same losses as `train` computing the taps."""
     from dflash_jax.cli import main
     from tests.spec_models import VOCAB, target_model
-    from tests.test_multi_process import token_file
+    from tests.test_multi_process import launch, token_file
 
     target_model(vocab=VOCAB).save_pretrained(tmp_path / "target")
     data = token_file(tmp_path / "tokens.npz", VOCAB)
     common = ["--target", str(tmp_path / "target"), "--data", str(data), "--seq-len", "32"]
-    assert main(["make-taps", *common, "--out", str(tmp_path / "taps"), "--layers", "2", "--batch", "3",
-                 "--dtype", "float32", "--no-progress"]) == 0, capsys.readouterr().err
-    made = json.loads(capsys.readouterr().out)
+    out = launch(["make-taps", *common, "--out", str(tmp_path / "taps"), "--layers", "2", "--batch", "3",
+                  "--dtype", "float32", "--no-progress"], processes=2, devices=2)
+    made = json.loads(out[0].strip().splitlines()[-1])
     assert made["rows"] == 8 and made["tap_layers"] == [1, 1]
 
     def train(run: str, *extra: str) -> list[float]:
