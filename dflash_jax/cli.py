@@ -117,6 +117,20 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
                    help="replace DST if it is a dflash-jax checkpoint (never another directory)")
 
 
+# Commands that run as one program over many processes (`dflash_jax.distributed`).
+MULTI_PROCESS = ("make-data", "make-taps", "train", "decode")
+
+
+def _add_distributed(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="multi-process run: the address of process 0, the same on every host, or 'auto' "
+                        "(jax detects Slurm / Open MPI / TPU); default $JAX_COORDINATOR_ADDRESS")
+    p.add_argument("--num-processes", type=POSITIVE, default=None, metavar="N",
+                   help="processes in the run (default $JAX_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=NON_NEGATIVE, default=None, metavar="I",
+                   help="this process, 0..N-1; process 0 writes every output (default $JAX_PROCESS_ID)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="dflash-jax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -124,10 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert(sub)
     _add_make_prompts(sub)
     _add_make_data(sub)
+    _add_make_taps(sub)
     _add_train(sub)
     _add_bench(sub)
     _add_compare(sub)
     _add_decode(sub)
+    for name in MULTI_PROCESS:
+        _add_distributed(sub.choices[name])
     for p in sub.choices.values():
         p.add_argument("--debug", action="store_true",
                        help="show the traceback of an error instead of its one-line message")
@@ -411,6 +428,50 @@ def _add_make_data(sub: argparse._SubParsersAction) -> None:
     _add_data_gen_args(p)
 
 
+def _add_make_taps(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("make-taps", help="write the target's tap features of a token file once, for train --taps",
+                       description="Run the target over every training row of DATA (cut to --seq-len as train "
+                                   "cuts them) and write its tap features to OUT (taps.bin + taps.json), for "
+                                   "`train --taps OUT`: training then never runs the target.")
+    p.add_argument("--target", default="smollm2", help="target model (as `generate --model`)")
+    p.add_argument("--data", required=True, help="token file from make-data")
+    p.add_argument("--out", required=True, help="taps directory")
+    p.add_argument("--seq-len", type=_int_at_least(2), required=True, help="tokens per row: train's --seq-len")
+    p.add_argument("--layers", type=POSITIVE, default=3, help="drafter layers: one default tap each (default 3)")
+    p.add_argument("--tap-layers", type=NON_NEGATIVE, nargs="+", default=None,
+                   help="the drafter's target_layer_ids instead of --layers' defaults")
+    p.add_argument("--batch", type=POSITIVE, default=8, help="rows per target forward")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="of the stored taps and the forward: train's --compute-dtype")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def cmd_make_taps(args: argparse.Namespace) -> int:
+    import jax
+    import jax.numpy as jnp
+
+    from convert import load_model
+    from dflash_jax import train as tr
+    from dflash_jax.config import default_tap_layers
+    from dflash_jax.train_data import TokenData, build_sequences
+
+    check_writable(Path(args.out).absolute().parent, "--out")
+    data = TokenData.load(args.data)
+    cfg, params, _ = load_model(args.target, dtype=jnp.float32)
+    taps = tuple(args.tap_layers) if args.tap_layers else tuple(default_tap_layers(cfg.num_layers, args.layers))
+    bad = [t for t in taps if t >= cfg.num_layers]
+    if bad:
+        raise ValueError(f"--tap-layers {bad}: the target has layers 0..{cfg.num_layers - 1}")
+    seqs = build_sequences(data, args.seq_len)
+    store = tr.write_taps(params, cfg, seqs, taps, args.out, batch_size=args.batch,
+                          dtype=args.dtype or _default_dtype(), progress=not args.no_progress)
+    if jax.process_index() == 0:
+        print(json.dumps({"out": str(store.path), "rows": store.rows, "seq_len": store.seq_len, "tap_layers": list(taps),
+                          "dtype": store.dtype, "gb": store.rows * store.seq_len * store.features
+                          * jnp.dtype(store.dtype).itemsize / 1e9}))
+    return 0
+
+
 def _add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a DFlash drafter for a target",
                        description="Train a DFlash block-diffusion drafter (DFlash recipe: random anchors, "
@@ -420,6 +481,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="run directory")
     p.add_argument("--data", default=None, help="token file from make-data (default: OUT/train_tokens.npz)")
     p.add_argument("--data-gen", action="store_true", help="generate the token file first if it is missing")
+    p.add_argument("--taps", default=None, metavar="DIR",
+                   help="read the target's taps from DIR (make-taps, same --data and --seq-len) instead of "
+                        "running the target in every step; --labels response only")
     p.add_argument("--resume", action="store_true", help="continue the run in OUT from its last checkpoint")
     # Training settings default to None: a fresh run fills in TrainConfig's defaults, --resume the
     # saved run's values (a flag given explicitly must agree with them).
@@ -454,6 +518,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mask-token-id", type=NON_NEGATIVE, default=None, help="(default: a special token chat never uses)")
     p.add_argument("--time-limit", type=POSITIVE_FLOAT, default=None,
                    help="seconds; stop (save, export) at the first step past it; --resume finishes later")
+    p.add_argument("--stop-at", type=POSITIVE, default=None, metavar="STEP",
+                   help="end this call after STEP steps of the schedule with a checkpoint; --resume finishes")
     p.add_argument("--save-every", type=POSITIVE, default=500)
     p.add_argument("--log-every", type=POSITIVE, default=10)
     # Validation (fresh runs; --resume reads them from the run, a flag given must agree).
@@ -517,10 +583,14 @@ def _make_token_file(args: argparse.Namespace, cfg, params, tokenizer, out) -> N
                            math_suffix=args.math_suffix,
                            seed=args.seed or 0, target_name=str(args.target),
                            progress=not getattr(args, "no_progress", False))
-    data.save(Path(out))
-    print(f"wrote {out}: {len(data)} sequences ({data.meta['prompts']} prompts x {args.samples_per_prompt}), "
-          f"{len(data.response_tokens)} response tokens "
-          f"({data.meta['skipped_long_prompts']} long prompts skipped)", file=sys.stderr)
+    from dflash_jax import distributed as dist
+
+    if dist.is_main():  # every process holds every response; one writes them
+        data.save(Path(out))
+        print(f"wrote {out}: {len(data)} sequences ({data.meta['prompts']} prompts x {args.samples_per_prompt}), "
+              f"{len(data.response_tokens)} response tokens "
+              f"({data.meta['skipped_long_prompts']} long prompts skipped)", file=sys.stderr)
+    dist.barrier("make-data: token file written")  # before any process reads it
 
 
 def _check_data_gen_args(args: argparse.Namespace) -> None:
@@ -541,9 +611,14 @@ def cmd_make_data(args: argparse.Namespace) -> int:
 
 
 def _train_dp(given: int | None, saved: dict[str, Any] | None) -> int:
-    """--dp if given, else the resumed run's dp (1 for a run recorded before --dp existed), else 1."""
+    """--dp if given, else every device of a multi-process run, else the resumed run's dp (1 for a
+    run recorded before --dp existed), else 1."""
     if given is not None:
         return given
+    import jax
+
+    if jax.process_count() > 1:
+        return jax.device_count()
     return int(saved.get("dp", 1)) if saved is not None else 1
 
 
@@ -581,6 +656,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise ValueError(f"{run_file}: not a readable run record ({type(err).__name__}: {err})") from None
         dcfg = draft_config_from_dict(drafter_config, source=str(run_file))
         args.data = args.data or saved.get("data")
+        args.taps = args.taps or saved.get("taps")
         val = saved.get("validation") or {"fraction": 0.0, "eval_every": None, "val_batches": 32, "keep_best": False}
     else:
         given.setdefault("compute_dtype", _default_dtype())
@@ -618,6 +694,10 @@ def cmd_train(args: argparse.Namespace) -> int:
                                      block_size=16 if args.block_size is None else args.block_size,
                                      mask_token_id=mask)
     seqs = build_sequences(data, tc.seq_len)
+    if args.taps:
+        from dflash_jax.train_data import TapStore
+
+        seqs = tr.TappedSequences(seqs, TapStore.open(args.taps))
     if args.measure_taps:
         print(json.dumps({**tr.time_step_parts(params, cfg, dcfg, seqs, tc, dp=dp), "train_config": tc.to_dict(),
                           "dp": dp}))
@@ -626,11 +706,11 @@ def cmd_train(args: argparse.Namespace) -> int:
           f"mask token {dcfg.mask_token_id}) on {len(seqs)} sequences from {data_path}"
           + (f", batch split over {dp} devices" if dp > 1 else ""), file=sys.stderr)
     result = tr.train(params, cfg, dcfg, seqs, tc, out, init_params=init_params, resume=args.resume,
-                      save_every=args.save_every,
+                      save_every=args.save_every, stop_at=args.stop_at,
                       log_every=args.log_every, time_limit=args.time_limit, export_dtype=args.export_dtype,
                       val_fraction=val_fraction, eval_every=eval_every, val_batches=val_batches,
                       keep_best=keep_best, progress=not args.no_progress, dp=dp,
-                      extra_record={"target": str(args.target), "data": str(data_path),
+                      extra_record={"target": str(args.target), "data": str(data_path), "taps": args.taps,
                                     "init": saved.get("init") if saved else init})
     print(json.dumps({"out": str(result.out_dir), **result.summary}))
     return 0
@@ -793,7 +873,10 @@ def cmd_decode(args: argparse.Namespace) -> int:
                                  dparams=dparams, dcfg=dcfg, budget=args.budget, batch=args.batch,
                                  max_new_tokens=args.max_new_tokens, sampling=SamplingParams(args.temperature),
                                  seed=args.seed, chat=not args.no_chat, progress=not args.no_progress)
-    print(json.dumps(summary))
+    import jax
+
+    if jax.process_index() == 0:  # the process that wrote the answers has the run's totals
+        print(json.dumps(summary))
     return 0
 
 
@@ -819,13 +902,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         raise
     command = {"generate": cmd_generate, "convert": cmd_convert, "make-prompts": cmd_make_prompts,
-               "make-data": cmd_make_data,
+               "make-data": cmd_make_data, "make-taps": cmd_make_taps,
                "train": cmd_train, "bench": cmd_bench, "compare": cmd_compare,
                "decode": cmd_decode}[args.command]
     from convert import validate
 
     validate.CHECK_WEIGHTS_DEFAULT = not args.no_weight_check
     try:
+        if args.command in MULTI_PROCESS:
+            # Before anything touches a device: jax.distributed must come first.
+            from dflash_jax import distributed as dist
+
+            dist.initialize(dist.cluster_from(args.coordinator, args.num_processes, args.process_id))
         return command(args)
     except EXPECTED_ERRORS as err:
         if args.debug:

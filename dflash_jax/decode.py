@@ -4,9 +4,15 @@ Prompts are grouped by padded length (a bucket); each bucket is cut into batches
 the last one filled up with copies of its last prompt, so every bucket compiles one program.
 Answers are appended and flushed as each batch finishes, so a killed run keeps every finished
 batch, and a rerun skips the ids already in the output.
+
+In a multi-process run (`dflash_jax.distributed`) every process reads the whole input and makes
+the same list of batches; process p decodes batches p, p + N, p + 2N, ... on its own first
+device, and after each round of N batches process 0 gathers the answers and writes them: one
+writer, every row once, the same answers as one process (each batch keeps its own key).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
@@ -16,6 +22,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from dflash_jax import distributed as dist
 from dflash_jax import pipeline
 from dflash_jax.generate import Generation, generate_ar
 from dflash_jax.jsonl import iter_jsonl
@@ -58,9 +65,10 @@ def read_prompts(path: str | Path) -> list[PromptRow]:
     return rows
 
 
-def finished_ids(path: str | Path) -> set[Any]:
-    """Ids already answered in `path`; a torn last line (a run killed mid-write) is cut off first,
-    so the rerun writes that row again whole instead of after a broken line."""
+def finished_ids(path: str | Path, repair: bool = True) -> set[Any]:
+    """Ids already answered in `path`; a torn last line (a run killed mid-write) is cut off first
+    (unless not `repair`: only the writing process may), so the rerun writes that row again whole
+    instead of after a broken line."""
     path = Path(path)
     if not path.exists():
         return set()
@@ -83,7 +91,7 @@ def finished_ids(path: str | Path) -> set[Any]:
             break  # complete JSON without its newline: written again whole below
         done.add(row["id"])
         good_end = pos
-    if good_end < len(data):
+    if good_end < len(data) and repair:
         with path.open("r+b") as f:
             f.truncate(good_end)
     return done
@@ -108,7 +116,7 @@ def decode_file(params: Any, cfg: Any, tokenizer: Any, input_path: str | Path, o
     Each output row is the input row plus "text", "num_tokens", "tau" (tokens per round; None
     for ar), "rounds" and "seconds" (the batch's decode time, compile excluded).
     -> {"decoded", "skipped", "tokens", "seconds", "compile_seconds", "programs"}.
-    on_batch: called with each batch's rows after they are written.
+    on_batch: called (in the writing process) with each batch's rows after they are written.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -117,7 +125,8 @@ def decode_file(params: Any, cfg: Any, tokenizer: Any, input_path: str | Path, o
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
     rows = read_prompts(input_path)  # every line checked before anything is decoded or written
-    done = finished_ids(output_path)
+    main = dist.is_main()
+    done = finished_ids(output_path, repair=main)
     todo = [r for r in rows if r.id not in done]
     stop = pipeline.stop_tokens_for(tokenizer, cfg)
     token_lists = pipeline.encode_prompts(tokenizer, [r.text for r in todo], chat=chat) if todo else []
@@ -135,55 +144,69 @@ def decode_file(params: Any, cfg: Any, tokenizer: Any, input_path: str | Path, o
 
         ar_program = q35.generate if isinstance(cfg, q35.Qwen35Config) else generate_ar
     compiled = pipeline.Compiled()
-    bar = _progress(len(todo), progress)
+    key = jax.random.key(seed)
+
+    def decode_batch(width: int, idx: list[int]) -> dict[str, Any]:
+        """One batch -> {"rows": answers, "seconds", "committed", "rounds"} (JSON: it may cross processes)."""
+        lists = [token_lists[i] for i in idx]
+        lists += [lists[-1]] * (batch - len(lists))  # one shape per bucket
+        prompts, lens = pipeline.pad_prompts(lists, width=width)
+        sub = jax.random.fold_in(key, todo[idx[0]].line)  # the same key for this batch on a rerun
+        if settings is None:
+            max_len = pipeline.default_max_len(width, max_new_tokens, 1)
+            result, secs = compiled.run(width, ar_program, (params, cfg, jnp.asarray(prompts), jnp.asarray(lens), sub),
+                                        dict(max_new_tokens=max_new_tokens, max_len=max_len,
+                                             sampling=sampling, stop_tokens=stop))
+            if isinstance(result, tuple):  # a hybrid's AR gives (tokens, num_tokens)
+                result = Generation(*result)
+        else:
+            max_len = pipeline.default_max_len(width, max_new_tokens, settings.cache_slack())
+            result, secs = compiled.run(width, program, (params, cfg, dparams, dcfg, jnp.asarray(prompts),
+                                                         jnp.asarray(lens), sub),
+                                        dict(settings=settings, max_len=max_len))
+        timed = pipeline.TimedGeneration(result, secs, 0.0)
+        toks = timed.token_lists()
+        acc = timed.acceptance()
+        out = {"rows": [], "seconds": secs, "committed": 0, "rounds": 0}
+        for j, i in enumerate(idx):
+            r = todo[i]
+            rounds = int(acc["rounds"][j]) if acc else None
+            tau = (sum(acc["accepted_per_round"][j]) / max(rounds, 1)) if acc else None
+            out["rows"].append({**r.row, "id": r.id, "text": tokenizer.decode(toks[j], skip_special_tokens=True),
+                                "num_tokens": len(toks[j]), "tau": tau, "rounds": rounds, "seconds": secs})
+            if acc:
+                out["committed"] += int(sum(acc["accepted_per_round"][j]))
+                out["rounds"] += rounds
+        return out
+
+    batches = buckets(token_lists, batch)
+    procs, me = jax.process_count(), jax.process_index()
+    bar = _progress(len(todo), progress and main)
     totals = {"decoded": 0, "skipped": len(rows) - len(todo), "tokens": 0, "seconds": 0.0}
     committed = rounds_total = 0
-    key = jax.random.key(seed)
-    with Path(output_path).open("a", encoding="utf-8") as out:
-        for width, idx in buckets(token_lists, batch):
-            lists = [token_lists[i] for i in idx]
-            lists += [lists[-1]] * (batch - len(lists))  # one shape per bucket
-            prompts, lens = pipeline.pad_prompts(lists, width=width)
-            sub = jax.random.fold_in(key, todo[idx[0]].line)  # the same key for this batch on a rerun
-            if settings is None:
-                max_len = pipeline.default_max_len(width, max_new_tokens, 1)
-                result, secs = compiled.run(width, ar_program, (params, cfg, jnp.asarray(prompts), jnp.asarray(lens),
-                                                                 sub),
-                                            dict(max_new_tokens=max_new_tokens, max_len=max_len,
-                                                 sampling=sampling, stop_tokens=stop))
-                if isinstance(result, tuple):  # a hybrid's AR gives (tokens, num_tokens)
-                    result = Generation(*result)
-            else:
-                max_len = pipeline.default_max_len(width, max_new_tokens, settings.cache_slack())
-                result, secs = compiled.run(width, program, (params, cfg, dparams, dcfg, jnp.asarray(prompts),
-                                                             jnp.asarray(lens), sub),
-                                            dict(settings=settings, max_len=max_len))
-            timed = pipeline.TimedGeneration(result, secs, 0.0)
-            toks = timed.token_lists()
-            acc = timed.acceptance()
-            written = []
-            for j, i in enumerate(idx):
-                r = todo[i]
-                rounds = int(acc["rounds"][j]) if acc else None
-                tau = (sum(acc["accepted_per_round"][j]) / max(rounds, 1)) if acc else None
-                answer = {**r.row, "id": r.id, "text": tokenizer.decode(toks[j], skip_special_tokens=True),
-                          "num_tokens": len(toks[j]), "tau": tau, "rounds": rounds, "seconds": secs}
-                out.write(json.dumps(answer) + "\n")
-                written.append(answer)
-                totals["tokens"] += len(toks[j])
-                if acc:
-                    committed += sum(acc["accepted_per_round"][j])
-                    rounds_total += rounds
-            out.flush()
-            totals["decoded"] += len(idx)
-            totals["seconds"] += secs
-            if on_batch is not None:
-                on_batch(written)
-            bar.update(len(idx))
-            post = {"tok/s": f"{totals['tokens'] / max(totals['seconds'], 1e-9):.1f}"}
-            if rounds_total:
-                post["tau"] = f"{committed / rounds_total:.2f}"
-            bar.set_postfix(post)
+    with (Path(output_path).open("a", encoding="utf-8") if main else contextlib.nullcontext()) as out:
+        for first in range(0, len(batches), procs):
+            mine = first + me
+            finished = [decode_batch(*batches[mine])] if mine < len(batches) else []
+            # This round's batches, in batch order, in every process; process 0 writes them.
+            for b in (dist.gather_json(finished) if procs > 1 else finished):
+                if not main:
+                    continue
+                for answer in b["rows"]:
+                    out.write(json.dumps(answer) + "\n")
+                out.flush()
+                totals["decoded"] += len(b["rows"])
+                totals["tokens"] += sum(a["num_tokens"] for a in b["rows"])
+                totals["seconds"] += b["seconds"]
+                committed += b["committed"]
+                rounds_total += b["rounds"]
+                if on_batch is not None:
+                    on_batch(b["rows"])
+                bar.update(len(b["rows"]))
+                post = {"tok/s": f"{totals['tokens'] / max(totals['seconds'], 1e-9):.1f}"}
+                if rounds_total:
+                    post["tau"] = f"{committed / rounds_total:.2f}"
+                bar.set_postfix(post)
     bar.close()
     return {**totals, "compile_seconds": compiled.compile_seconds, "programs": len(compiled.programs),
             "tau": committed / rounds_total if rounds_total else None}

@@ -45,10 +45,10 @@ def _bytes(n: float) -> str:
 
 
 def memory_available() -> int:
-    """Bytes the first device can hold: the accelerator's limit, or the host's RAM on CPU."""
+    """Bytes this process's first device can hold: the accelerator's limit, or the host's RAM on CPU."""
     import os
 
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"])
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -24,15 +24,26 @@ by exp(-(k-1)/gamma) (gamma 7 for bs 16), rows past the end of the response mask
 target's embedding and LM head are frozen (they are not in the trained pytree: only
 `DraftParams` is). Master weights are float32; the loss casts them to `compute_dtype`
 (bfloat16 on GPU). Target taps are computed on the fly, see `train_data`'s docstring, by a
-dense target (Qwen3, Llama) or a Qwen3.5 / Qwen3.6 hybrid alike (`target_taps`).
+dense target (Qwen3, Llama) or a Qwen3.5 / Qwen3.6 hybrid alike (`target_taps`), or written
+once to disk (`write_taps`, `dflash-jax make-taps`) and read back with each batch
+(`TappedSequences`, `train --taps`): bytes on disk per token against the target's forward per
+step (`bench/train_step.py` measures both).
 
 Data parallelism (`train(..., dp=N)`, `dflash-jax train --dp N`): one SPMD program over a
 ("dp", "tp") = (N, 1) mesh. Each step's global batch of `batch_size` rows is split over "dp"
 on its leading axis; the frozen target, the float32 masters and the AdamW state are
-replicated; XLA's partitioner all-reduces the gradients and the metric sums. The anchors are
-drawn from the same key over the global [batch, seq_len] shape (threefry bits do not depend
-on the sharding), so dp = N trains the same drafter as dp = 1 up to float32 reduction order.
+replicated. Each device computes the gradient and metric sums of its rows and the devices'
+sums are added in a fixed order (`data_parallel_sums`). The anchors are drawn from the same
+key over the global [batch, seq_len] shape (threefry bits do not depend on the sharding), so
+dp = N trains the same drafter as dp = 1 up to float32 summation order.
 Checkpoints hold whole (replicated) arrays: a run may be resumed with another dp.
+
+Multi-process (`dflash_jax.distributed`, BUILD.md's multi-host recipe): the mesh spans every
+device of every process, each process loads only its rows of each batch (`load_batch`), and
+process 0 alone writes the log, the run record, plots and the export; all of them take part in
+orbax's checkpoint saves and restores. The fixed summation order makes a run over the same
+devices bitwise equal whether they sit in one process or several, and a checkpoint resumes
+with another process count.
 """
 from __future__ import annotations
 
@@ -51,6 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from dflash_jax import distributed as dist
 from dflash_jax import drafter as dr
 from dflash_jax import sharding as sh
 from dflash_jax.config import ModelConfig, default_tap_layers
@@ -66,7 +78,7 @@ from dflash_jax.speculative import HYBRID, target_family
 # A frozen target is dense (Qwen3, Llama) or a Qwen3.5 / Qwen3.6 hybrid; only `target_taps` tells them apart.
 TargetConfig = ModelConfig | Qwen35Config
 TargetParams = ModelParams | Qwen35Params
-from dflash_jax.train_data import SequenceSet, batch_indices, split_by_prompt
+from dflash_jax.train_data import SequenceSet, TapStore, batch_indices, split_by_prompt
 
 # Token texts tried, in order, for the drafter's MASK token (the target's embedding of it is used).
 MASK_TOKEN_CANDIDATES = ("<|mask|>", "<mask>", "[MASK]", "<|MASK|>", "<empty_output>", "<filename>")
@@ -406,11 +418,13 @@ def position_weights(block_size: int, gamma: float) -> jax.Array:
 
 
 def block_scores(dparams: dr.DraftParams, target: TargetParams, taps: jax.Array, batch: dict[str, jax.Array],
-                 key: jax.Array, *, dcfg: dr.DraftConfig, tc: TrainConfig,
-                 source: jax.Array | None = None) -> dict[str, jax.Array]:
+                 key: jax.Array | None, *, dcfg: dr.DraftConfig, tc: TrainConfig,
+                 source: jax.Array | None = None, anchors: tuple[jax.Array, jax.Array] | None = None
+                 ) -> dict[str, jax.Array]:
     """Per block row: cross-entropy, loss weight, mask and correctness, per block: valid and chain run.
 
-    dparams are float32 masters, cast here. The anchors are drawn with `key`. `source`: what
+    dparams are float32 masters, cast here. The anchors are drawn with `key`, or given as
+    `anchors` = (anchors, valid) [B, N] (`sample_anchors` over the global batch). `source`: what
     `target_taps` gives for tc.labels (greedy tokens [B, T], or logits [B, T, vocab] for
     "target-soft"). Keys: ce (for "target-soft", KL(target || drafter)), w (position weight x
     mask), m (mask, float), correct [B, N, bs-1] (against the target's greedy token for target
@@ -420,7 +434,7 @@ def block_scores(dparams: dr.DraftParams, target: TargetParams, taps: jax.Array,
     tokens, prompt_lens, total_lens = batch["tokens"], batch["prompt_lens"], batch["total_lens"]
     bs = dcfg.block_size
     params = cast_floating(dparams, jnp.dtype(tc.compute_dtype))
-    anchors, valid = sample_anchors(key, prompt_lens, total_lens, tokens.shape[1], tc.num_blocks)
+    anchors, valid = anchors or sample_anchors(key, prompt_lens, total_lens, tokens.shape[1], tc.num_blocks)
     hidden = packed_forward(params, dcfg, target, taps, tokens, anchors, remat=tc.remat)
     b, n = anchors.shape
     logits = dr.draft_logits(params, dcfg, target, hidden.reshape(b * n, bs, -1)).reshape(b, n, bs - 1, -1)
@@ -441,21 +455,54 @@ def loss_fn(dparams: dr.DraftParams, target: TargetParams, taps: jax.Array, batc
             key: jax.Array, *, dcfg: dr.DraftConfig, tc: TrainConfig,
             source: jax.Array | None = None) -> tuple[jax.Array, dict[str, Any]]:
     """Weighted block cross-entropy (or KL) and metrics. dparams are float32 masters, cast here."""
-    s = block_scores(dparams, target, taps, batch, key, dcfg=dcfg, tc=tc, source=source)
-    ce, w, m, correct, valid = s["ce"], s["w"], s["m"], s["correct"], s["valid"]
-    loss = jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1e-6)
-    per_pos = jnp.maximum(jnp.sum(m, (0, 1)), 1.0)
-    # Mean accepted length of greedy chain drafting on these blocks: 1 + leading correct rows.
-    n_valid = jnp.maximum(jnp.sum(valid), 1)
-    metrics = {
-        "loss": loss,
-        "ce": jnp.sum(ce * m) / jnp.maximum(jnp.sum(m), 1.0),
-        "acc_by_pos": jnp.sum(correct, (0, 1)) / per_pos,
-        "tokens_by_pos": jnp.sum(m, (0, 1)),
-        "tau_estimate": 1.0 + jnp.sum(jnp.where(valid, s["run"], 0)) / n_valid,
-        "blocks": jnp.sum(valid),
-    }
-    return loss, metrics
+    metrics = metrics_of(score_sums(block_scores(dparams, target, taps, batch, key, dcfg=dcfg, tc=tc, source=source)))
+    return metrics["loss"], metrics
+
+
+def score_sums(s: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """The sums over a batch's blocks behind every metric (`block_scores` -> scalars and [bs-1] vectors).
+
+    Sums, not means: the sums of the shards of a batch are the batch's sums.
+    """
+    return {"loss_sum": jnp.sum(s["ce"] * s["w"]), "weight_sum": jnp.sum(s["w"]),
+            "ce_sum": jnp.sum(s["ce"] * s["m"]), "mask_sum": jnp.sum(s["m"]),
+            "correct_by_pos": jnp.sum(s["correct"], (0, 1)).astype(jnp.float32),
+            "tokens_by_pos": jnp.sum(s["m"], (0, 1)),
+            "run_sum": jnp.sum(jnp.where(s["valid"], s["run"], 0)), "blocks": jnp.sum(s["valid"])}
+
+
+def metrics_of(sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """loss = sum(ce x w) / sum(w); ce per masked row; accuracy per block row; tau estimate =
+    1 + leading correct rows per valid block (the mean accepted length of greedy chain drafting)."""
+    return {"loss": sums["loss_sum"] / jnp.maximum(sums["weight_sum"], 1e-6),
+            "ce": sums["ce_sum"] / jnp.maximum(sums["mask_sum"], 1.0),
+            "acc_by_pos": sums["correct_by_pos"] / jnp.maximum(sums["tokens_by_pos"], 1.0),
+            "tokens_by_pos": sums["tokens_by_pos"],
+            "tau_estimate": 1.0 + sums["run_sum"] / jnp.maximum(sums["blocks"], 1),
+            "blocks": sums["blocks"]}
+
+
+def data_parallel_sums(fn: Any, replicated: tuple[Any, ...], split: tuple[Any, ...]) -> Any:
+    """fn(*replicated, *split) -> a tree of sums over the batch rows it was given, summed over "dp".
+
+    Under a data-parallel mesh each device runs `fn` on its own rows (`split`, leading axis over
+    "dp"; `replicated` whole everywhere), and the per-device sums are added in one fixed order
+    (`distributed.ordered_sum`) rather than by XLA's all-reduce, whose order depends on the
+    collectives' implementation: a run over 4 devices then gives the same bits in one process or
+    in several. Without a mesh: fn(*replicated, *split).
+    """
+    mesh = sh.active_mesh()
+    dp, _ = sh.mesh_sizes(mesh)
+    if mesh is None or dp == 1:
+        return fn(*replicated, *split)
+    P = jax.sharding.PartitionSpec
+
+    def local(*args: Any) -> Any:
+        return dist.ordered_sum(fn(*args), sh.DP, dp)
+
+    specs = tuple(jax.tree.map(lambda _: P(), r) for r in replicated) + tuple(
+        jax.tree.map(lambda x: P(sh.DP, *(None,) * (x.ndim - 1)), t) for t in split)
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(*replicated, *split)
 
 
 # ----------------------------------------------------------------------------- the step
@@ -478,22 +525,47 @@ def init_state(dparams: dr.DraftParams, tc: TrainConfig) -> TrainState:
 @functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "tc"))
 def train_step(state: TrainState, target: TargetParams, batch: dict[str, jax.Array], *, cfg: TargetConfig,
                dcfg: dr.DraftConfig, tc: TrainConfig) -> tuple[TrainState, dict[str, Any]]:
-    """One optimiser step: target taps (on the fly) -> packed drafter pass -> loss -> AdamW.
+    """One optimiser step: target taps -> packed drafter pass -> loss -> AdamW.
 
-    target: the frozen target, already in compute dtype; batch: tokens [B, T] int32,
-    prompt_lens / total_lens [B] int32. Pure: the result depends only on the arguments.
+    target: the frozen target, already in compute dtype (only its embedding and LM head are used
+    when the taps are given); batch: tokens [B, T] int32, prompt_lens / total_lens [B] int32, and
+    optionally taps [B, T, taps*embed] read back from disk (`TapStore`; "response" labels only),
+    else the target computes them here. Pure: the result depends only on the arguments.
     """
-    taps, source = target_taps(target, cfg, batch["tokens"], dcfg.target_layer_ids, tc.attn_impl,
-                               labels=tc.labels)
     key = jax.random.fold_in(state.rng, state.step)
-    grad_fn = jax.value_and_grad(functools.partial(loss_fn, dcfg=dcfg, tc=tc, source=source), has_aux=True)
-    (_, metrics), grads = grad_fn(state.params, target, taps, batch, key)
+    tokens = batch["tokens"]
+    # Drawn over the global batch (threefry bits do not depend on the sharding), then split with it.
+    anchors = sample_anchors(key, batch["prompt_lens"], batch["total_lens"], tokens.shape[1], tc.num_blocks)
+
+    def sums_and_grads(params: Any, target: TargetParams, batch: dict[str, jax.Array], anchors: Any) -> Any:
+        if "taps" in batch:
+            taps, source = batch["taps"].astype(target.embed.dtype), None
+        else:
+            taps, source = target_taps(target, cfg, batch["tokens"], dcfg.target_layer_ids, tc.attn_impl,
+                                       labels=tc.labels)
+
+        def numerator(p: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+            sums = score_sums(block_scores(p, target, taps, batch, None, dcfg=dcfg, tc=tc, source=source,
+                                           anchors=anchors))
+            return sums["loss_sum"], sums
+
+        (_, sums), grads = jax.value_and_grad(numerator, has_aux=True)(params)
+        return sums, grads
+
+    if "taps" in batch and tc.labels != "response":
+        raise ValueError(f"taps read from disk serve --labels response only; --labels {tc.labels} needs the "
+                         f"target's logits, computed in the step")
+    sums, grads = data_parallel_sums(sums_and_grads, (state.params, target), (batch, anchors))
+    # The loss is sum(ce x w) / sum(w) over the whole batch and the weights hold no parameter.
+    grads = jax.tree.map(lambda g: g / jnp.maximum(sums["weight_sum"], 1e-6), grads)
+    metrics = metrics_of(sums)
     updates, opt_state = make_optimizer(tc).update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics["grad_norm"] = _tree_norm(grads)
     metrics["lr"] = learning_rate_schedule(tc)(state.step)
-    # Under a data-parallel mesh the new state stays whole on every device (a no-op without one).
-    return sh.replicate(TrainState(params, opt_state, state.step + 1, state.rng)), metrics
+    # Under a data-parallel mesh the new state and the metrics stay whole on every device (a no-op
+    # without one): every process then reads its metrics from a local copy.
+    return sh.replicate((TrainState(params, opt_state, state.step + 1, state.rng), metrics))
 
 
 # optax >= 0.2.5 has optax.tree.norm and deprecates optax.global_norm.
@@ -503,10 +575,17 @@ _tree_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global
 # ----------------------------------------------------------------------------- data parallelism
 
 def check_data_parallel(dp: int, batch_size: int) -> None:
-    """Raises one ValueError naming the flags unless `dp` devices exist and split `batch_size` evenly."""
+    """Raises one ValueError naming the flags unless `dp` devices exist and split `batch_size` evenly.
+
+    A multi-process run must use every device of every process (each process holds a share of
+    the batch): dp = jax.device_count().
+    """
     if dp < 1:
         raise ValueError(f"dp (--dp) must be >= 1, got {dp}")
     devices = jax.device_count()
+    if dist.multi_process() and dp != devices:
+        raise ValueError(f"dp (--dp) = {dp}: a run of {jax.process_count()} processes trains over all their "
+                         f"{devices} devices; pass --dp {devices} or leave it out")
     if dp > devices:
         raise ValueError(f"dp (--dp) = {dp} needs {dp} devices, but only {devices} {jax.default_backend()} "
                          f"device(s) are available; pass --dp {devices} or fewer")
@@ -522,7 +601,7 @@ def data_parallel_mesh(dp: int, batch_size: int) -> jax.sharding.Mesh | None:
     compiled step do not change.
     """
     check_data_parallel(dp, batch_size)
-    return None if dp == 1 else sh.make_mesh(dp, 1)
+    return None if dp == 1 else sh.make_mesh(dp, 1, dist.process_devices())
 
 
 def place_replicated(tree: Any, mesh: jax.sharding.Mesh | None) -> Any:
@@ -531,8 +610,9 @@ def place_replicated(tree: Any, mesh: jax.sharding.Mesh | None) -> Any:
     The state, the best-so-far and the frozen target live this way; committing a fresh state
     as well as a restored one means both hit the same compiled train_step.
     """
-    where = jax.devices()[0] if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    return jax.device_put(tree, where)
+    if mesh is None:
+        return jax.device_put(tree, jax.devices()[0])
+    return dist.put_replicated(tree, mesh)
 
 
 def place_batch(batch: dict[str, Any], mesh: jax.sharding.Mesh | None) -> dict[str, jax.Array]:
@@ -542,7 +622,88 @@ def place_batch(batch: dict[str, Any], mesh: jax.sharding.Mesh | None) -> dict[s
     """
     if mesh is None:
         return {k: jnp.asarray(v) for k, v in batch.items()}
-    return {k: jax.device_put(v, sh.batch_sharding(mesh, np.shape(v))) for k, v in batch.items()}
+    host = {k: np.asarray(v) for k, v in batch.items()}
+    count = len(next(iter(host.values())))
+    return dist.put_rows(lambda rows: {k: v[rows] for k, v in host.items()}, count, mesh,
+                         lambda shape: sh.batch_sharding(mesh, shape), {k: v.shape for k, v in host.items()})
+
+
+def load_batch(data: SequenceSet, indices: np.ndarray, mesh: jax.sharding.Mesh | None) -> dict[str, jax.Array]:
+    """`place_batch(data.batch(indices), mesh)`, except that each process reads only the rows its
+    devices hold: the global batch is the same rows whatever the number of processes."""
+    if mesh is None:
+        return place_batch(data.batch(indices), mesh)
+    shapes = {k: (len(indices),) + v.shape[1:] for k, v in data.batch(indices[:1]).items()}
+    return dist.put_rows(lambda rows: data.batch(indices[rows]), len(indices), mesh,
+                         lambda shape: sh.batch_sharding(mesh, shape), shapes)
+
+
+# ----------------------------------------------------------------------------- taps from disk
+
+@dataclasses.dataclass
+class TappedSequences:
+    """Training rows whose batches carry their taps, read from a `TapStore` written by `write_taps`:
+    `train` on it never runs the target's forward (only its embedding and LM head)."""
+
+    seqs: SequenceSet
+    store: TapStore
+
+    def __post_init__(self) -> None:
+        if (self.store.rows, self.store.seq_len) != (len(self.seqs), self.seqs.seq_len):
+            raise ValueError(f"taps (--taps) {self.store.path}: {self.store.rows} rows of {self.store.seq_len} "
+                             f"tokens, the training data has {len(self.seqs)} rows of {self.seqs.seq_len}; "
+                             f"write them again with make-taps for this data and --seq-len")
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def seq_len(self) -> int:
+        return self.seqs.seq_len
+
+    @property
+    def prompt_ids(self) -> np.ndarray:
+        return self.seqs.prompt_ids
+
+    def batch(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        return {**self.seqs.batch(indices), "taps": self.store.read(indices)}
+
+
+def check_taps(store: TapStore, dcfg: dr.DraftConfig, tc: TrainConfig) -> None:
+    """Raises one ValueError naming --taps unless the stored taps are the ones this run's drafter reads."""
+    if tuple(store.tap_layers) != tuple(dcfg.target_layer_ids):
+        raise ValueError(f"taps (--taps) {store.path} hold target layers {list(store.tap_layers)}, the drafter taps "
+                         f"{list(dcfg.target_layer_ids)}")
+    if tc.labels != "response":
+        raise ValueError(f"taps (--taps) serve --labels response only; --labels {tc.labels} needs the target's "
+                         f"logits, computed in the step")
+
+
+def write_taps(target: TargetParams, cfg: TargetConfig, seqs: SequenceSet, tap_layers: tuple[int, ...],
+               directory: str | Path, *, batch_size: int, dtype: str, progress: bool = True) -> TapStore:
+    """The target's taps of every row of `seqs`, written once to a `TapStore` in `directory`.
+
+    In a multi-process run process p computes batches p, p + N, ... on its own first device and
+    writes their rows into the one file (process 0 creates it first): `directory` must be shared.
+    """
+    from tqdm.auto import tqdm
+
+    features = len(tap_layers) * cfg.hidden_size
+    if dist.is_main():
+        TapStore.create(directory, len(seqs), seqs.seq_len, features, dtype, tap_layers)
+    dist.barrier("make-taps: file created")
+    store = TapStore.open(directory)
+    target = cast_floating(target, jnp.dtype(dtype))
+    taps_fn = jax.jit(target_taps, static_argnums=(1, 3))
+    starts = list(range(0, len(seqs), batch_size))
+    mine = starts[jax.process_index()::jax.process_count()]
+    for start in tqdm(mine, desc="taps", unit="batch", disable=not (progress and dist.is_main())):
+        idx = np.arange(start, min(start + batch_size, len(seqs)))
+        padded = np.concatenate([idx, np.full(batch_size - len(idx), idx[-1])])  # one compiled shape
+        taps, _ = taps_fn(target, cfg, jnp.asarray(seqs.batch(padded)["tokens"]), tuple(tap_layers))
+        store.write(start, np.asarray(taps)[:len(idx)])
+    dist.barrier("make-taps: every row written")
+    return store
 
 
 # ----------------------------------------------------------------------------- validation
@@ -557,15 +718,22 @@ def eval_step(params: dr.DraftParams, target: TargetParams, batch: dict[str, jax
               cfg: TargetConfig, dcfg: dr.DraftConfig, tc: TrainConfig) -> dict[str, jax.Array]:
     """Sums over one validation batch, no gradient: the numerators and denominators of `evaluate`.
 
-    The same blocks, loss and chain-acceptance rules as `loss_fn`; the anchors come from `key`.
+    The same blocks, loss and chain-acceptance rules as `loss_fn` (`score_sums`); the anchors come
+    from `key`, drawn over the global batch as in `train_step`.
     """
-    taps, source = target_taps(target, cfg, batch["tokens"], dcfg.target_layer_ids, tc.attn_impl,
-                               labels=tc.labels)
-    s = block_scores(params, target, taps, batch, key, dcfg=dcfg, tc=tc, source=source)
-    return {"loss_sum": jnp.sum(s["ce"] * s["w"]), "weight_sum": jnp.sum(s["w"]),
-            "correct_by_pos": jnp.sum(s["correct"], (0, 1)).astype(jnp.float32),
-            "tokens_by_pos": jnp.sum(s["m"], (0, 1)),
-            "run_sum": jnp.sum(jnp.where(s["valid"], s["run"], 0)), "blocks": jnp.sum(s["valid"])}
+    tokens = batch["tokens"]
+    anchors = sample_anchors(key, batch["prompt_lens"], batch["total_lens"], tokens.shape[1], tc.num_blocks)
+
+    def sums(params: Any, target: TargetParams, batch: dict[str, jax.Array], anchors: Any) -> dict[str, jax.Array]:
+        if "taps" in batch:
+            taps, source = batch["taps"].astype(target.embed.dtype), None
+        else:
+            taps, source = target_taps(target, cfg, batch["tokens"], dcfg.target_layer_ids, tc.attn_impl,
+                                       labels=tc.labels)
+        return score_sums(block_scores(params, target, taps, batch, None, dcfg=dcfg, tc=tc, source=source,
+                                       anchors=anchors))
+
+    return sh.replicate(data_parallel_sums(sums, (params, target), (batch, anchors)))
 
 
 @dataclasses.dataclass
@@ -648,7 +816,7 @@ def evaluate(params: dr.DraftParams, target: TargetParams, vset: ValidationSet, 
     total: dict[str, np.ndarray] = {}
     for batch, key in zip(vset.batches, vset.keys):
         sums = eval_step(params, target, batch, key, cfg=cfg, dcfg=dcfg, tc=tc)
-        for k, v in jax.device_get(sums).items():
+        for k, v in dist.to_host(sums).items():
             total[k] = total.get(k, 0.0) + np.asarray(v, np.float64)
     return {"val_loss": float(total["loss_sum"] / max(total["weight_sum"], 1e-6)),
             "val_acc_by_pos": (total["correct_by_pos"] / np.maximum(total["tokens_by_pos"], 1.0)).tolist(),
@@ -708,7 +876,7 @@ def _read_log(path: Path, upto: int | None = None) -> list[dict[str, Any]]:
 
 def _host_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
     out = {}
-    for k, v in jax.device_get(metrics).items():
+    for k, v in dist.to_host(metrics).items():
         v = np.asarray(v)
         out[k] = v.tolist() if v.ndim else float(v)
     return out
@@ -764,8 +932,9 @@ def _restore_latest(ckpt_dir: Path, options: Any, state: TrainState, best: dict[
             # A manager for each attempt: one whose restore failed fails every later one too.
             with ocp.CheckpointManager(ckpt_dir, options=options) as mngr:
                 restored = mngr.restore(step, args=ocp.args.Composite(**items))
-            if int(restored["state"].step) != step:
-                raise ValueError(f"it holds step {int(restored['state'].step)}")
+            held = int(dist.to_host(restored["state"].step))
+            if held != step:
+                raise ValueError(f"it holds step {held}")
         except Exception as err:  # orbax and tensorstore raise many types for a damaged checkpoint
             why = " ".join(str(err).split()).split(" See full TensorStore details")[0]
             damaged.append((step, why[:160]))
@@ -774,7 +943,7 @@ def _restore_latest(ckpt_dir: Path, options: Any, state: TrainState, best: dict[
     else:
         raise ValueError(f"{ckpt_dir}: no checkpoint restores (" +
                          "; ".join(f"step {s}: {e}" for s, e in damaged) + ")")
-    for bad, why in damaged:
+    for bad, why in damaged if dist.is_main() else ():  # one process moves them
         aside = ckpt_dir / f"{bad}.damaged"
         shutil.rmtree(aside, ignore_errors=True)
         (ckpt_dir / str(bad)).rename(aside)
@@ -788,7 +957,8 @@ def _tau32(tau: float) -> float:
     return float(np.float32(tau))
 
 
-def train(target: TargetParams, cfg: TargetConfig, dcfg: dr.DraftConfig, data: SequenceSet, tc: TrainConfig,
+def train(target: TargetParams, cfg: TargetConfig, dcfg: dr.DraftConfig, data: SequenceSet | TappedSequences,
+          tc: TrainConfig,
           out_dir: str | Path, *, init_params: dr.DraftParams | None = None, resume: bool = False,
           save_every: int = 500, keep: int = 3, log_every: int = 10, stop_at: int | None = None,
           time_limit: float | None = None, export: bool = True, export_dtype: str = "float32",
@@ -819,6 +989,8 @@ def train(target: TargetParams, cfg: TargetConfig, dcfg: dr.DraftConfig, data: S
     evaluation of a call that ends early competes only for that call's export, so a resumed
     run keeps the same best as an uninterrupted one.
 
+    `data` as `TappedSequences` reads each batch's taps from disk instead of running the target.
+
     `dp` > 1 splits every batch (training and validation) over that many devices, with the
     target, the state and the best-so-far replicated (module docstring). `tc.batch_size` stays
     the global batch and must divide by dp. train_run.json's "dp" is this call's; the
@@ -830,6 +1002,8 @@ def train(target: TargetParams, cfg: TargetConfig, dcfg: dr.DraftConfig, data: S
     out_dir = Path(out_dir).absolute()
     ckpt_dir, log_path, run_path = out_dir / "checkpoints", out_dir / LOG_FILE, out_dir / RUN_FILE
     check_sizes(cfg, dcfg, tc)
+    if isinstance(data, TappedSequences):
+        check_taps(data.store, dcfg, tc)
     if data.seq_len != tc.seq_len:
         raise ValueError(f"training rows have seq_len {data.seq_len}, TrainConfig.seq_len is {tc.seq_len}")
     mesh = data_parallel_mesh(dp, tc.batch_size)  # before anything is written
@@ -859,6 +1033,10 @@ def train(target: TargetParams, cfg: TargetConfig, dcfg: dr.DraftConfig, data: S
         if ckpt_dir.exists() and any(ckpt_dir.iterdir()):
             raise ValueError(f"{out_dir}: holds checkpoints of an earlier run; pass resume=True "
                              f"(--resume) or use a fresh directory")
+    # Every process has checked the directory before any process writes to it.
+    dist.barrier("train: run directory checked")
+    main = dist.is_main()  # the one process that writes the log, the record, plots and the export
+    if main and not resume:
         atomic_write_text(run_path, json.dumps(record, indent=2) + "\n")
 
     target = cast_floating(target, jnp.dtype(tc.compute_dtype))
@@ -883,10 +1061,10 @@ def train(target: TargetParams, cfg: TargetConfig, dcfg: dr.DraftConfig, data: S
         # Restored arrays are committed to a device; commit a fresh state too, so that a fresh and
         # a resumed run hit the same compiled train_step.
         state, best = place_replicated((state, best), mesh)
-        best_step, best_tau = int(best["step"]), float(best["tau"])
+        best_step, best_tau = int(dist.to_host(best["step"])), float(dist.to_host(best["tau"]))
         history = _read_log(log_path, upto=start)
-        # Drop the steps after the checkpoint.
-        atomic_write_text(log_path, "".join(json.dumps(r) + "\n" for r in history))
+        if main:  # drop the steps after the checkpoint
+            atomic_write_text(log_path, "".join(json.dumps(r) + "\n" for r in history))
         end = tc.steps if stop_at is None else min(stop_at, tc.steps)
         last_eval: tuple[int, float, Any] | None = None  # (step, tau, params) of this call's last evaluation
 
@@ -898,18 +1076,20 @@ def train(target: TargetParams, cfg: TargetConfig, dcfg: dr.DraftConfig, data: S
 
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=tc.steps, initial=start, desc="train", disable=not progress, unit="step")
+        bar = tqdm(total=tc.steps, initial=start, desc="train", disable=not (progress and main), unit="step")
         t_last, step, logged, eval_s = time.perf_counter(), start, start, 0.0
         t_start, timed_out = t_last, False
         try:
             # The mesh is part of the trace context: train_step and eval_step compile for it.
-            with log_path.open("a") as log, sh.use_mesh(mesh):
+            with open(log_path if main else os.devnull, "a") as log, sh.use_mesh(mesh):
                 for step in range(start, end):
                     idx = train_rows[batch_indices(len(train_rows), tc.batch_size, step, tc.seed)]
-                    batch = place_batch(data.batch(idx), mesh)
+                    batch = load_batch(data, idx, mesh)
                     new_state, metrics = train_step(state, target, batch, cfg=cfg, dcfg=dcfg, tc=tc)
                     done = step + 1
-                    if done < end and time_limit is not None and time.perf_counter() - t_start > time_limit:
+                    # Process 0's clock decides for all: every process must stop at the same step.
+                    if done < end and time_limit is not None and dist.agree(
+                            int(time.perf_counter() - t_start > time_limit)):
                         end, timed_out = done, True
                         print(f"train: time limit {time_limit:.0f} s reached at step {done} of {tc.steps}",
                               file=sys.stderr)
@@ -950,7 +1130,7 @@ def train(target: TargetParams, cfg: TargetConfig, dcfg: dr.DraftConfig, data: S
                         save(done)  # the manager saves only every save_every steps
                 step = end
         except KeyboardInterrupt:
-            save(int(state.step), force=True)
+            save(int(dist.to_host(state.step)), force=True)
             bounded(mngr.wait_until_finished, SAVE_TIMEOUT_S, f"saving a checkpoint in {ckpt_dir}")
             bar.close()
             raise
@@ -969,15 +1149,15 @@ def train(target: TargetParams, cfg: TargetConfig, dcfg: dr.DraftConfig, data: S
             kept_step, kept_params = last_eval[0], last_eval[2]
         if kept_step is None:  # no finite evaluation: fall back to the last parameters
             kept_params = state.params
-    if plots:
+    if plots and main:
         plot_history(history, out_dir / "plots", block_size=dcfg.block_size, kept_step=kept_step)
     export_dir = None
-    if export and (end == tc.steps or timed_out):
+    if export and main and (end == tc.steps or timed_out):
         from convert.dflash_drafter import export_drafter
 
         # Written beside, then renamed into place: a crash leaves the previous export or the new one.
         export_dir = out_dir / "drafter"
-        partial = export_drafter(dcfg, cast_floating(kept_params, jnp.dtype(export_dtype)),
+        partial = export_drafter(dcfg, cast_floating(dist.to_host(kept_params), jnp.dtype(export_dtype)),
                                  out_dir / f".drafter.{os.getpid()}.partial")
         old = out_dir / f".drafter.{os.getpid()}.old"
         if export_dir.exists():
@@ -985,7 +1165,8 @@ def train(target: TargetParams, cfg: TargetConfig, dcfg: dr.DraftConfig, data: S
         partial.rename(export_dir)
         shutil.rmtree(old, ignore_errors=True)
     summary = {**_summary(history, end, tc, export_dir, keep_best, kept_step, validation), "dp": dp}
-    atomic_write_text(run_path, json.dumps({**record, "result": summary}, indent=2) + "\n")
+    if main:
+        atomic_write_text(run_path, json.dumps({**record, "result": summary}, indent=2) + "\n")
     return TrainResult(state=state, out_dir=out_dir, export_dir=export_dir, history=history, best_step=kept_step,
                        summary=summary)
 
@@ -1027,7 +1208,7 @@ def time_step_parts(target: TargetParams, cfg: TargetConfig, dcfg: dr.DraftConfi
     state = init_state(dparams if dparams is not None else dr.init_draft_params(dcfg, jax.random.key(0), training=True), tc)
     if mesh is not None:
         target, state = place_replicated((target, state), mesh)
-    batch = place_batch(data.batch(batch_indices(len(data), tc.batch_size, 0, tc.seed)), mesh)
+    batch = load_batch(data, batch_indices(len(data), tc.batch_size, 0, tc.seed), mesh)
     taps_fn = jax.jit(functools.partial(target_taps, labels=tc.labels), static_argnums=(1, 3, 4))
     out: dict[str, float] = {}
     for name, fn in (("taps_s", lambda: taps_fn(target, cfg, batch["tokens"], dcfg.target_layer_ids, tc.attn_impl)),

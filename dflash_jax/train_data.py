@@ -257,7 +257,12 @@ def generate_responses(params: Any, cfg: Any, prompts: Sequence[Sequence[int]], 
     c * len(prompts) + i is copy c of prompt i. Copy 0 is the greedy / sampled mix above (the
     same responses as N = 1); copies 1..N-1 are all sampled at `temperature`, batch b of copy c
     with its own key (key b of copy 0 folded with c), so no two copies share a random stream.
+
+    In a multi-process run (`dflash_jax.distributed`) process p decodes batches p, p + N, ... of
+    that list on its own first device, and every process ends with every response: the same
+    responses as one process.
     """
+    from dflash_jax import distributed as dist
     from dflash_jax.evaluate import ar_program
     from dflash_jax.generate import check_prompts
     from dflash_jax.pipeline import default_max_len, pad_prompts, padded_width
@@ -282,26 +287,37 @@ def generate_responses(params: Any, cfg: Any, prompts: Sequence[Sequence[int]], 
                   cfg=cfg,
                   itemsize=int(np.dtype(jax.tree.leaves(params)[0].dtype).itemsize))
     generate, extra = ar_program(cfg)  # dense or hybrid target
-    bar = _progress(n * samples_per_prompt, "generate", progress)
+    # Every job's sampling mode is drawn in every process, in order: the seeded stream stays one.
+    jobs = []
     for copy in range(samples_per_prompt):
-        for b, idx in enumerate(batches):
-            chunk = [list(prompts[i]) for i in idx]
-            chunk += [chunk[-1]] * (batch_size - len(chunk))  # one compiled batch shape
-            arr, lens = pad_prompts(chunk, width=width)
-            key = jax.random.key(seed * 100003 + b)
-            if copy == 0:
-                sampled = bool(rng.random() < sample_fraction)
-            else:
-                sampled, key = True, jax.random.fold_in(key, copy)
-            sp = SamplingParams(temperature=temperature) if sampled else SamplingParams()
-            gen = generate(params, cfg, jnp.asarray(arr), jnp.asarray(lens), key,
-                           max_new_tokens=max_new_tokens, max_len=max_len, sampling=sp,
-                           stop_tokens=tuple(stop_tokens), **extra)
-            toks, num = np.asarray(gen.tokens), np.asarray(gen.num_tokens)
-            for row, i in enumerate(idx):
-                responses[copy * n + i] = toks[row, :num[row]].tolist()
-                temps[copy * n + i] = sp.temperature
-            bar.update(len(idx))
+        for b in range(len(batches)):
+            sampled = bool(rng.random() < sample_fraction) if copy == 0 else True
+            jobs.append((copy, b, sampled))
+
+    def run(copy: int, b: int, sampled: bool) -> dict[str, Any]:
+        idx = batches[b]
+        chunk = [list(prompts[i]) for i in idx]
+        chunk += [chunk[-1]] * (batch_size - len(chunk))  # one compiled batch shape
+        arr, lens = pad_prompts(chunk, width=width)
+        key = jax.random.key(seed * 100003 + b)
+        if copy:
+            key = jax.random.fold_in(key, copy)
+        sp = SamplingParams(temperature=temperature) if sampled else SamplingParams()
+        gen = generate(params, cfg, jnp.asarray(arr), jnp.asarray(lens), key,
+                       max_new_tokens=max_new_tokens, max_len=max_len, sampling=sp,
+                       stop_tokens=tuple(stop_tokens), **extra)
+        toks, num = np.asarray(gen.tokens), np.asarray(gen.num_tokens)
+        return {"rows": [copy * n + int(i) for i in idx], "temperature": sp.temperature,
+                "tokens": [toks[row, :num[row]].tolist() for row in range(len(idx))]}
+
+    procs, me = jax.process_count(), jax.process_index()
+    bar = _progress(n * samples_per_prompt, "generate", progress and dist.is_main())
+    for first in range(0, len(jobs), procs):
+        mine = [run(*jobs[first + me])] if first + me < len(jobs) else []
+        for done in (dist.gather_json(mine) if procs > 1 else mine):
+            for r, toks in zip(done["rows"], done["tokens"]):
+                responses[r], temps[r] = toks, done["temperature"]
+            bar.update(len(done["rows"]))
     bar.close()
     return responses, temps
 
@@ -476,3 +492,72 @@ def _progress(total: int, desc: str, enabled: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc=desc, disable=not enabled, unit="seq")
+
+
+# ----------------------------------------------------------------------------- taps on disk
+
+TAPS_FILE, TAPS_META = "taps.bin", "taps.json"
+
+
+@dataclasses.dataclass
+class TapStore:
+    """The target's tap features of every training row, written once and read back by rows.
+
+    One raw file, `taps.bin`, of [rows, seq_len, features] in `dtype` (a memory map: a batch
+    reads only its rows), and `taps.json` with the shape, dtype and the tap layers they came from.
+    Costs features x itemsize bytes per token on disk (Qwen3.6-27B, 5 taps of 5120 in bf16: 51 KB).
+    """
+
+    path: Path
+    rows: int
+    seq_len: int
+    features: int
+    dtype: str
+    tap_layers: tuple[int, ...]
+
+    @classmethod
+    def create(cls, directory: str | Path, rows: int, seq_len: int, features: int, dtype: str,
+               tap_layers: Sequence[int]) -> "TapStore":
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        store = cls(directory, rows, seq_len, features, str(jnp.dtype(dtype)), tuple(int(t) for t in tap_layers))
+        np.memmap(directory / TAPS_FILE, dtype=jnp.dtype(dtype), mode="w+", shape=store.shape).flush()
+        (directory / TAPS_META).write_text(json.dumps({"rows": rows, "seq_len": seq_len, "features": features,
+                                                       "dtype": store.dtype, "tap_layers": list(store.tap_layers)}))
+        return store
+
+    @classmethod
+    def open(cls, directory: str | Path) -> "TapStore":
+        directory = Path(directory)
+        meta_path = directory / TAPS_META
+        try:
+            meta = json.loads(meta_path.read_text())
+            store = cls(directory, int(meta["rows"]), int(meta["seq_len"]), int(meta["features"]), str(meta["dtype"]),
+                        tuple(int(t) for t in meta["tap_layers"]))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{meta_path}: no taps here (written by TapStore.create)") from None
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{meta_path}: not a taps record ({type(err).__name__}: {err})") from None
+        need = int(np.prod(store.shape)) * jnp.dtype(store.dtype).itemsize
+        have = (directory / TAPS_FILE).stat().st_size if (directory / TAPS_FILE).is_file() else -1
+        if have != need:
+            raise ValueError(f"{directory / TAPS_FILE}: {have} bytes, {meta_path} says {store.shape} "
+                             f"{store.dtype} = {need} bytes")
+        return store
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.rows, self.seq_len, self.features)
+
+    def _map(self, mode: str) -> np.memmap:
+        return np.memmap(self.path / TAPS_FILE, dtype=jnp.dtype(self.dtype), mode=mode, shape=self.shape)
+
+    def write(self, start: int, taps: np.ndarray) -> None:
+        """Rows start .. start + len(taps) - 1."""
+        m = self._map("r+")
+        m[start:start + len(taps)] = np.asarray(taps, dtype=m.dtype)
+        m.flush()
+
+    def read(self, indices: np.ndarray) -> np.ndarray:
+        """[len(indices), seq_len, features] (a copy: the rows are read from disk or page cache here)."""
+        return np.asarray(self._map("r")[np.asarray(indices)])

@@ -4,7 +4,7 @@
 #   bash dflash_jax/bench/gpu_runbook.sh PHASE[,PHASE...] [OUT_DIR]   (OUT_DIR defaults to $OUT)
 #
 # Several phases joined by commas run one after another. LIMIT=seconds caps each benchmark step
-# of the ar / decode / rounds / rounds-split / hybrid / kernel / top-k / tp phases (default 560).
+# of the ar / decode / rounds / rounds-split / hybrid / kernel / top-k / train-step / tp phases (default 560).
 #
 # Phases:
 #   ar            AR decode vs the roofline: Qwen3-8B shape and SmolLM2, ctx 1K/8K, with profiles
@@ -58,6 +58,9 @@
 #   mtp-rounds    the Qwen3.6-27B hybrid shape (random bf16 weights) at ctx 4K, in one command: the AR
 #                 step, the DFlash round, DDTree(64), MTP chains of 1-4 steps and an MTP tree (4 steps,
 #                 16 nodes) of a random MTP head (draft + verify + commit); no per-stage split
+#   train-step    drafter training-step tokens/s, 5-layer drafter against the Qwen3.6-27B shape (random
+#                 bf16, tp=1, batch 4 x 2048): taps computed in the step vs streamed from a taps file;
+#                 target GFLOP per step against bytes per token on disk (TS_BATCH, TS_SEQ override)
 #   collectives   the all-reduce alone, by size and dtype: NCCL with XLA's CUDA graphs as they are, with
 #                 the collectives recorded into them, and with graphs off
 #   tp            tensor parallelism, tp=1 vs tp=2 (on a 2-GPU machine). TP_MODELS picks the shapes
@@ -444,6 +447,11 @@ mtp-rounds)
         set -- --model qwen3.6-27b --ctx 4096 --budgets 64 --ddtree-ctx 4096 --mtp-steps 1 2 3 4 --mtp-budgets 16
     fi
     step mtp_rounds "$limit" python -m dflash_jax.bench.spec_round "$@" --no-profile --out "$out/mtp_rounds.json" ;;
+train-step)
+    if [ "$dry" = 1 ]; then set -- --model tiny-hybrid --layers 2 --batch 2 --seq-len 64 --blocks 4 --block-size 4 --batches 2 --iters 2
+    else set -- --model qwen3.6-27b --layers 5 --batch "${TS_BATCH:-4}" --seq-len "${TS_SEQ:-2048}" --blocks 32 --iters 10; fi
+    step train_step "$limit" python -m dflash_jax.bench.train_step "$@" --taps-dir "$out/taps" --out "$out/train_step.json"
+    rm -rf "$out/taps" ;;
 collectives)
     # One all-reduce at the tp shapes: NCCL, NCCL on the compute stream, XLA's one-shot kernel
     # 136 rows: half of a budget-256 tree, the chunk one-shot-split all-reduces at the 32B width.
@@ -455,6 +463,6 @@ collectives)
 *)
     echo "unknown phase: $phase (ar, decode, rounds, rounds-split, kernel, kernel-tests, gdn-verify, lossless, top-k," \
         "kernel-sweep, hybrid, mtp-rounds, drafter, drafter-ab, eval-ab, eval-pick, eval, eval-gsm8k, eval-spec-bench," \
-        "speed, drafter-mix, eval-mix, collectives, tp)" >&2
+        "speed, drafter-mix, eval-mix, train-step, collectives, tp)" >&2
     exit 2 ;;
 esac
