@@ -250,8 +250,8 @@ def tree_verify(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
     G(t) = sum of g over visible[t]; D[t, s] = exp(G(t) - G(s)) where visible, else 0;
     (I + A) U = beta * (V - exp(G) * (K S0)) with A[t, s] = beta_t (k_t . k_s) D[t, s] on strict
     ancestors (one W x W unit lower triangular solve per head); O = exp(G) * (Q S0) + ((Q K^T) * D) U.
-    impl: `pallas_kernels.tree_gdn.tree_gdn`'s, for everything from K S0 to O ("auto": the Pallas
-    kernel on a GPU without a mesh, for head sizes it takes; the jnp reference elsewhere).
+    impl: `pallas_kernels.tree_gdn.tree_gdn`'s, for everything from K S0 to O ("auto": the jnp
+    reference, which XLA runs faster than the Pallas kernel; "pallas" asks for the kernel).
     Returns (out [B, W, Hv, dv] in state0.dtype, kept for `commit_state`).
     """
     _check_rule_inputs("tree_verify", q, k, v, g, beta, state0)
