@@ -17,10 +17,9 @@ Which hidden state (`MTPConfig.hidden_source`):
   Qwen3.5 / Qwen3.6 checkpoints get "post_norm": it is how the heads are served, and a head
   served so is what published acceptance figures measure.
 - "pre_norm": the residual stream before the final norm (descriptions of MTP training, DeepSeek-V3's
-  among them, are read this way too); chained steps would feed the head's layer output before
-  `mtp.norm`. The targets' verify returns the last layer's state after the final norm only
-  (`model.forward`, `qwen3_5.forward` taps), so `MTPConfig` refuses "pre_norm" until a target
-  exposes its pre-norm state.
+  among them, are read this way too); chained steps feed the head's layer output before
+  `mtp.norm`. The targets' prefill and verify then return the last layer's state before the
+  final norm (`last_tap_pre_norm`, asked for by `speculative.taps_pre_norm`).
 
 Chained drafting of k tokens (`draft_chain`): step 1 is position L - 1 with the target's hidden
 state there (kept in `MTPCache.hidden`) and the root (token L); step j > 1 is position L + j - 2
@@ -79,10 +78,6 @@ class MTPConfig:
         is_hybrid(self.target)
         if self.hidden_source not in HIDDEN_SOURCES:
             raise ValueError(f"hidden_source must be one of {HIDDEN_SOURCES}, got {self.hidden_source!r}")
-        if self.hidden_source != "post_norm":
-            raise ValueError(f"hidden_source {self.hidden_source!r}: the targets' verify returns the last layer's "
-                             "state after the final norm only; use 'post_norm' (what Qwen3.5 / Qwen3.6 heads are "
-                             "served with)")
 
     @property
     def target_layer_ids(self) -> tuple[int, ...]:
