@@ -169,3 +169,42 @@ def test_mtp_pre_norm_refuses_stored_taps(target, tmp_path):
     tr.check_taps(Store(), mtp.MTPConfig(cfg), TC)
     with pytest.raises(ValueError, match="--taps.*pre_norm"):
         tr.check_taps(Store(), mtp.MTPConfig(cfg, hidden_source="pre_norm"), TC)
+
+
+def test_runbook_mtp_phases_dry(tmp_path):
+    """DRY=1 runs mtp-train then eval-mtp on the CPU with SmolLM2 (a few prompts written here):
+    `train --drafter-kind mtp` from make-data's token file, the head exported in parts small
+    enough to copy back with the run's record, then one bench of every method on it, each
+    method's output equal to AR's."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    data = tmp_path / "data"
+    rows = {"gsm8k/train.jsonl": [{"question": f"Tom has {n} apples and buys {n + 3} more. How many now?"}
+                                  for n in range(3)],
+            "alpaca_eval/instructions.jsonl": [{"instruction": "Name three colours."}],
+            "gsm8k/test.jsonl": [{"question": "A box holds 4 pens. How many pens are in 3 boxes?"}] * 2,
+            "spec_bench/question.jsonl": [{"question_id": 1, "category": "writing", "turns": ["Write a haiku."]}] * 2}
+    for name, lines in rows.items():
+        (data / name).parent.mkdir(parents=True, exist_ok=True)
+        (data / name).write_text("".join(json.dumps(r) + "\n" for r in lines))
+    out = tmp_path / "out"
+    env = {**os.environ, "DRY": "1", "JAX_PLATFORMS": "cpu", "DATA": str(data),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run(["bash", "dflash_jax/bench/gpu_runbook.sh", "mtp-train,eval-mtp", str(out)], cwd=repo,
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:] + done.stdout[-2000:]
+    parts = sorted(out.glob("mtp.safetensors.part_*"))
+    assert parts and all(p.stat().st_size <= 16 * 2 ** 20 for p in parts)
+    head = out / "run" / "mtp" / "mtp" / FILE
+    assert b"".join(p.read_bytes() for p in parts) == head.read_bytes()
+    record = json.loads((out / "run" / "mtp" / tr.RUN_FILE).read_text())
+    assert record["drafter_config"]["kind"] == "mtp" and record["result"]["finished"]
+    assert record["train_config"]["labels"] == "target-soft" and record["init"] == {"mtp_init": "target"}
+    report = json.loads((out / "eval_mtp" / "report.json").read_text())
+    names = set(report["methods"])
+    assert {"ar", "mtp(k=1)", "mtp(k=2)", "mtp(k=2,budget=8)", "dflash(bs=16)", "ddtree(bs=16,budget=16)"} <= names
+    assert all(m["matches_ar"] == 1.0 for k, m in report["methods"].items() if k != "ar")
