@@ -182,7 +182,7 @@ def _load_drafter_for(path: str, cfg: Any, dtype: Any, mesh: Any = None) -> tupl
 def _load_mtp_head_for(path: str | None, model: str, cfg: Any, dtype: Any) -> tuple[Any, Any]:
     """(MTPConfig, MTPParams) of the head in `path` (default: the target checkpoint `model`)."""
     from convert import resolve_source
-    from convert.mtp import load_mtp
+    from convert.mtp import hidden_source_of, load_mtp
     from dflash_jax.mtp import MTPConfig
 
     kind, where = resolve_source(path or model)
@@ -190,7 +190,7 @@ def _load_mtp_head_for(path: str | None, model: str, cfg: Any, dtype: Any) -> tu
         raise ValueError(f"{'--draft/--mtp-head' if path else '--model'} {path or model}: an MTP head is read from "
                          "safetensors mtp.* tensors (a Qwen3.5 / Qwen3.6 checkpoint, or a directory written by "
                          f"convert.mtp.export_mtp), not from a {kind} file")
-    return MTPConfig(cfg), load_mtp(where, cfg, dtype)
+    return MTPConfig(cfg, hidden_source=hidden_source_of(where)), load_mtp(where, cfg, dtype)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

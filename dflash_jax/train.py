@@ -1258,7 +1258,7 @@ def train(target: TargetParams, cfg: TargetConfig, dcfg: DrafterConfig, data: Se
             from convert.mtp import export_mtp
 
             name = "mtp"
-            partial = export_mtp(kept, cfg, out_dir / f".{name}.{os.getpid()}.partial").parent
+            partial = export_mtp(kept, cfg, out_dir / f".{name}.{os.getpid()}.partial", dcfg.hidden_source).parent
         else:
             from convert.dflash_drafter import export_drafter
 

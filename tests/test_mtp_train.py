@@ -160,6 +160,28 @@ def test_exported_head_loads_and_drafts_losslessly(runs, target):
     assert np.asarray(g.accepted).max() >= 2
 
 
+def test_pre_norm_head_trains_and_loads_as_pre_norm(target, tmp_path):
+    """A pre_norm run takes the target's state before its final norm and exports that setting,
+    so `bench --mtp-head` drafts with it; a head without the metadata is post_norm."""
+    from dflash_jax.cli import _load_mtp_head_for
+
+    _, cfg, params = target
+    mcfg = mtp.MTPConfig(cfg, hidden_source="pre_norm")
+    run = tr.train(params, cfg, mcfg, toy_sequences(), dataclasses.replace(TC, steps=2), tmp_path / "run",
+                   log_every=1, progress=False, plots=False)
+    assert json.loads((run.out_dir / tr.RUN_FILE).read_text())["drafter_config"]["hidden_source"] == "pre_norm"
+    loaded_cfg, _ = _load_mtp_head_for(str(run.export_dir), "unused", cfg, jnp.float32)
+    assert loaded_cfg == mcfg
+    # The two settings train on different states: the same start and data give other losses.
+    post = tr.train(params, cfg, mtp.MTPConfig(cfg), toy_sequences(), dataclasses.replace(TC, steps=2),
+                    tmp_path / "post", log_every=1, progress=False, plots=False, export=False)
+    assert abs(post.history[0]["loss"] - run.history[0]["loss"]) > 1e-3
+    from safetensors.numpy import load_file, save_file
+
+    save_file(load_file(str(run.export_dir / FILE)), str(tmp_path / FILE))  # no metadata
+    assert _load_mtp_head_for(str(tmp_path), "unused", cfg, jnp.float32)[0].hidden_source == "post_norm"
+
+
 def test_mtp_pre_norm_refuses_stored_taps(target, tmp_path):
     _, cfg, _ = target
 
