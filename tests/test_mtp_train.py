@@ -230,3 +230,18 @@ def test_runbook_mtp_phases_dry(tmp_path):
     names = set(report["methods"])
     assert {"ar", "mtp(k=1)", "mtp(k=2)", "mtp(k=2,budget=8)", "dflash(bs=16)", "ddtree(bs=16,budget=16)"} <= names
     assert all(m["matches_ar"] == 1.0 for k, m in report["methods"].items() if k != "ar")
+
+
+def test_cli_refuses_dflash_settings_and_another_kind_before_loading(runs, tmp_path, capsys, monkeypatch):
+    import convert
+    from dflash_jax.cli import main
+
+    def no_load(*a, **k):
+        raise AssertionError("the target was loaded before the flags were checked")
+
+    monkeypatch.setattr(convert, "load_model", no_load)
+    assert main(["train", "--drafter-kind", "mtp", "--out", str(tmp_path), "--layers", "2"]) == 2
+    assert "--layers is a DFlash drafter's setting; --drafter-kind mtp" in capsys.readouterr().err
+    _, _, full, _ = runs
+    assert main(["train", "--out", str(full.out_dir), "--resume", "--drafter-kind", "dflash"]) == 2
+    assert f"--drafter-kind dflash disagrees with the run in {full.out_dir} (mtp)" in capsys.readouterr().err
