@@ -91,7 +91,7 @@ from dflash_jax.speculative import HYBRID, target_family, taps_pre_norm
 # A frozen target is dense (Qwen3, Llama) or a Qwen3.5 / Qwen3.6 hybrid; only `target_taps` tells them apart.
 TargetConfig = ModelConfig | Qwen35Config
 TargetParams = ModelParams | Qwen35Params
-# What a run trains: a DFlash drafter, or an MTP head (`train_mtp` in the module docstring).
+# What a run trains: a DFlash drafter, or an MTP head (the module docstring's "MTP heads").
 DrafterConfig = dr.DraftConfig | mtp.MTPConfig
 from dflash_jax.train_data import SequenceSet, TapStore, batch_indices, split_by_prompt
 

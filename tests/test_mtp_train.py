@@ -138,6 +138,19 @@ def test_head_from_target_copies_the_last_layer(target, tmp_path):
         np.testing.assert_array_equal(head[f"mtp.layers.0.{name}"], value, err_msg=name)
 
 
+def test_hybrid_head_from_target_copies_the_last_full_attention_layer():
+    cfg, params = hybrid_target("interval4")
+    head = mtp.head_from_target(params, cfg, jax.random.key(1))
+    common, attn = head.layer
+    for got, want in ((common, jax.tree.map(lambda a: a[-1], params.layers)),
+                      (attn, jax.tree.map(lambda a: a[-1], params.attn))):
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(g[0]), np.asarray(w))
+    cfg5, params5 = hybrid_target("aperiodic")  # its last layer is a GDN layer
+    with pytest.raises(ValueError, match="layer 4 is 'linear_attention'"):
+        mtp.head_from_target(params5, cfg5, jax.random.key(1))
+
+
 def test_exported_head_loads_and_drafts_losslessly(runs, target):
     """export -> load_mtp gives the trained weights, and greedy MTP with it == greedy AR, with
     drafted tokens accepted."""
