@@ -516,9 +516,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="dflash (default): a block-diffusion drafter; mtp: a one-layer MTP head for "
                         "`bench --method mtp --mtp-head OUT/mtp` (--layers, --block-size, --mask-token-id, "
                         "--blocks, --gamma and --init are DFlash's)")
-    p.add_argument("--mtp-init", choices=("target", "random"), default="target",
+    p.add_argument("--mtp-init", choices=("target", "random"), default=None,
                    help="mtp: the head's layer starts as a copy of the target's last layer (default) or random")
-    p.add_argument("--hidden-source", choices=("post_norm", "pre_norm"), default="post_norm",
+    p.add_argument("--hidden-source", choices=("post_norm", "pre_norm"), default=None,
                    help="mtp: the target's last state after (default) or before its final norm")
     p.add_argument("--init", default=None, metavar="DRAFTER",
                    help="start from this trained drafter (directory or shipped name) instead of random "
@@ -680,6 +680,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         dcfg = None
         val = {"fraction": 0.02, "eval_every": None, "val_batches": 32, "keep_best": False}
     mtp_head = args.drafter_kind == "mtp"
+    mtp_flags = [flag for flag, v in (("--mtp-init", args.mtp_init), ("--hidden-source", args.hidden_source))
+                 if v is not None]
+    if mtp_flags and not mtp_head:
+        raise ValueError(f"{mtp_flags[0]} is an MTP head's setting: pass --drafter-kind mtp")
+    if mtp_flags and args.resume:
+        raise ValueError(f"{mtp_flags[0]} starts a run; --resume continues {out} with its own (drop it)")
     if mtp_head:
         dflash_only = [flag for flag, v in (("--init", args.init), ("--layers", args.layers),
                                             ("--block-size", args.block_size), ("--mask-token-id", args.mask_token_id),
@@ -714,10 +720,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         else:
             from dflash_jax import mtp
 
-            dcfg = mtp.MTPConfig(cfg, hidden_source=args.hidden_source)
-            if args.mtp_init == "target":
+            dcfg = mtp.MTPConfig(cfg, hidden_source=args.hidden_source or "post_norm")
+            mtp_init = args.mtp_init or "target"
+            if mtp_init == "target":
                 init_params = mtp.head_from_target(params, cfg, jax.random.key(tc.seed + 1))
-            init = {"mtp_init": args.mtp_init}
+            init = {"mtp_init": mtp_init}
     elif args.init:
         dcfg, init_params = tr.drafter_from_init(args.init, cfg, num_layers=args.layers, block_size=args.block_size,
                                                  mask_token_id=args.mask_token_id)

@@ -258,3 +258,7 @@ def test_cli_refuses_dflash_settings_and_another_kind_before_loading(runs, tmp_p
     _, _, full, _ = runs
     assert main(["train", "--out", str(full.out_dir), "--resume", "--drafter-kind", "dflash"]) == 2
     assert f"--drafter-kind dflash disagrees with the run in {full.out_dir} (mtp)" in capsys.readouterr().err
+    assert main(["train", "--out", str(tmp_path), "--hidden-source", "pre_norm"]) == 2
+    assert "--hidden-source is an MTP head's setting: pass --drafter-kind mtp" in capsys.readouterr().err
+    assert main(["train", "--out", str(full.out_dir), "--resume", "--mtp-init", "random"]) == 2
+    assert "--mtp-init starts a run; --resume continues" in capsys.readouterr().err
