@@ -25,7 +25,7 @@ import numpy as np
 from convert.hf_safetensors import checkpoint_files, open_safetensors
 from convert.layout import ConversionError
 from dflash_jax.config import ModelConfig
-from dflash_jax.mtp import MTPParams, is_hybrid, mtp_specs
+from dflash_jax.mtp import HIDDEN_SOURCES, MTPParams, is_hybrid, mtp_specs
 from dflash_jax.params import is_spec
 from dflash_jax.qwen3_5 import Qwen35Config
 
@@ -161,11 +161,15 @@ def load_mtp(path: str | Path, cfg: ModelConfig | Qwen35Config, dtype: Any = jnp
     return jax.tree_util.tree_map_with_path(build, specs, is_leaf=is_spec)
 
 
-def export_mtp(mparams: MTPParams, cfg: ModelConfig | Qwen35Config, directory: str | Path) -> Path:
+def export_mtp(mparams: MTPParams, cfg: ModelConfig | Qwen35Config, directory: str | Path,
+               hidden_source: str = "post_norm") -> Path:
     """Writes the head as `mtp.*` float32 tensors in `directory/mtp.safetensors` (what `load_mtp`
-    and `--draft` read for a dense target's head). Returns the file."""
+    and `--draft` read for a dense target's head), its hidden source in the file's metadata
+    (`hidden_source_of`). Returns the file."""
     from safetensors.numpy import save_file
 
+    if hidden_source not in HIDDEN_SOURCES:
+        raise ValueError(f"hidden_source must be one of {HIDDEN_SOURCES}, got {hidden_source!r}")
     out = {}
     for name, _, where, _, to_stored in _entries(cfg):
         if to_stored is None:
@@ -175,5 +179,19 @@ def export_mtp(mparams: MTPParams, cfg: ModelConfig | Qwen35Config, directory: s
         out[PREFIX + name] = np.ascontiguousarray(to_stored(np.asarray(_get(mparams, where), np.float32)))
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    save_file(out, str(directory / FILE))
+    save_file(out, str(directory / FILE), metadata={"hidden_source": hidden_source})
     return directory / FILE
+
+
+def hidden_source_of(path: str | Path) -> str:
+    """The hidden source a head was trained with: `export_mtp`'s metadata in path/mtp.safetensors
+    (or path itself), else "post_norm" (Qwen3.5 / Qwen3.6 checkpoints; `dflash_jax.mtp`'s docstring)."""
+    path = Path(path)
+    file = path / FILE if path.is_dir() else path
+    if file.name != FILE or not file.is_file():
+        return "post_norm"
+    with open_safetensors(file) as f:
+        source = (f.metadata() or {}).get("hidden_source", "post_norm")
+    if source not in HIDDEN_SOURCES:
+        raise ConversionError(f"{file}: metadata hidden_source {source!r}, expected one of {HIDDEN_SOURCES}")
+    return source

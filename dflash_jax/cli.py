@@ -182,7 +182,7 @@ def _load_drafter_for(path: str, cfg: Any, dtype: Any, mesh: Any = None) -> tupl
 def _load_mtp_head_for(path: str | None, model: str, cfg: Any, dtype: Any) -> tuple[Any, Any]:
     """(MTPConfig, MTPParams) of the head in `path` (default: the target checkpoint `model`)."""
     from convert import resolve_source
-    from convert.mtp import load_mtp
+    from convert.mtp import hidden_source_of, load_mtp
     from dflash_jax.mtp import MTPConfig
 
     kind, where = resolve_source(path or model)
@@ -190,7 +190,7 @@ def _load_mtp_head_for(path: str | None, model: str, cfg: Any, dtype: Any) -> tu
         raise ValueError(f"{'--draft/--mtp-head' if path else '--model'} {path or model}: an MTP head is read from "
                          "safetensors mtp.* tensors (a Qwen3.5 / Qwen3.6 checkpoint, or a directory written by "
                          f"convert.mtp.export_mtp), not from a {kind} file")
-    return MTPConfig(cfg), load_mtp(where, cfg, dtype)
+    return MTPConfig(cfg, hidden_source=hidden_source_of(where)), load_mtp(where, cfg, dtype)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -473,10 +473,12 @@ def cmd_make_taps(args: argparse.Namespace) -> int:
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train a DFlash drafter for a target",
+    p = sub.add_parser("train", help="train a DFlash drafter (or an MTP head) for a target",
                        description="Train a DFlash block-diffusion drafter (DFlash recipe: random anchors, "
                                    "packed blocks, decayed block loss, AdamW + cosine). Writes checkpoints, "
-                                   "log.jsonl, plots/ and the z-lab export drafter/ under OUT.")
+                                   "log.jsonl, plots/ and the z-lab export drafter/ under OUT. With "
+                                   "--drafter-kind mtp, an MTP head (next-next-token prediction from the "
+                                   "target's last state) with the same data and schedule, exported to OUT/mtp/.")
     p.add_argument("--target", default="smollm2", help="target model (as `generate --model`)")
     p.add_argument("--out", required=True, help="run directory")
     p.add_argument("--data", default=None, help="token file from make-data (default: OUT/train_tokens.npz)")
@@ -510,6 +512,14 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                         "drafter and optimizer state replicated (--batch must divide by it; default 1, "
                         "with --resume the run's; a resumed run may change it)")
     # Drafter shape (fresh runs only; --resume reads it from the run, --init from its drafter).
+    p.add_argument("--drafter-kind", choices=("dflash", "mtp"), default=None,
+                   help="dflash (default): a block-diffusion drafter; mtp: a one-layer MTP head for "
+                        "`bench --method mtp --mtp-head OUT/mtp` (--layers, --block-size, --mask-token-id, "
+                        "--blocks, --gamma and --init are DFlash's)")
+    p.add_argument("--mtp-init", choices=("target", "random"), default=None,
+                   help="mtp: the head's layer starts as a copy of the target's last layer (default) or random")
+    p.add_argument("--hidden-source", choices=("post_norm", "pre_norm"), default=None,
+                   help="mtp: the target's last state after (default) or before its final norm")
     p.add_argument("--init", default=None, metavar="DRAFTER",
                    help="start from this trained drafter (directory or shipped name) instead of random "
                         "weights: its shape, taps and mask token; the optimizer and schedule start afresh")
@@ -625,6 +635,7 @@ def _train_dp(given: int | None, saved: dict[str, Any] | None) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     import dataclasses
 
+    import jax
     import jax.numpy as jnp
 
     from convert import load_model
@@ -654,7 +665,12 @@ def cmd_train(args: argparse.Namespace) -> int:
             drafter_config = saved["drafter_config"]
         except (ValueError, KeyError, TypeError) as err:
             raise ValueError(f"{run_file}: not a readable run record ({type(err).__name__}: {err})") from None
-        dcfg = draft_config_from_dict(drafter_config, source=str(run_file))
+        saved_kind = "mtp" if drafter_config.get("kind") == "mtp" else "dflash"
+        if args.drafter_kind not in (None, saved_kind):
+            raise ValueError(f"--drafter-kind {args.drafter_kind} disagrees with the run in {out} ({saved_kind})")
+        args.drafter_kind = saved_kind
+        # An MTP head's config holds the target's: built once the target is loaded.
+        dcfg = None if saved_kind == "mtp" else draft_config_from_dict(drafter_config, source=str(run_file))
         args.data = args.data or saved.get("data")
         args.taps = args.taps or saved.get("taps")
         val = saved.get("validation") or {"fraction": 0.0, "eval_every": None, "val_batches": 32, "keep_best": False}
@@ -663,6 +679,20 @@ def cmd_train(args: argparse.Namespace) -> int:
         tc = dataclasses.replace(tr.TrainConfig(), **given)
         dcfg = None
         val = {"fraction": 0.02, "eval_every": None, "val_batches": 32, "keep_best": False}
+    mtp_head = args.drafter_kind == "mtp"
+    mtp_flags = [flag for flag, v in (("--mtp-init", args.mtp_init), ("--hidden-source", args.hidden_source))
+                 if v is not None]
+    if mtp_flags and not mtp_head:
+        raise ValueError(f"{mtp_flags[0]} is an MTP head's setting: pass --drafter-kind mtp")
+    if mtp_flags and args.resume:
+        raise ValueError(f"{mtp_flags[0]} starts a run; --resume continues {out} with its own (drop it)")
+    if mtp_head:
+        dflash_only = [flag for flag, v in (("--init", args.init), ("--layers", args.layers),
+                                            ("--block-size", args.block_size), ("--mask-token-id", args.mask_token_id),
+                                            ("--blocks", args.blocks), ("--gamma", args.gamma)) if v is not None]
+        if dflash_only:
+            raise ValueError(f"{dflash_only[0]} is a DFlash drafter's setting; --drafter-kind mtp trains a "
+                             f"one-layer head on every response position")
     val_fraction = val["fraction"] if args.val_fraction is None else args.val_fraction
     eval_every = val["eval_every"] if args.eval_every is None else args.eval_every
     val_batches = val["val_batches"] if args.val_batches is None else args.val_batches
@@ -684,7 +714,18 @@ def cmd_train(args: argparse.Namespace) -> int:
         _make_token_file(args, cfg, params, tokenizer, data_path)
     data = TokenData.load(data_path)
     init_params = init = None
-    if args.init:
+    if mtp_head:
+        if saved is not None:
+            dcfg = tr.drafter_config_from_dict(saved["drafter_config"], cfg, str(run_file))
+        else:
+            from dflash_jax import mtp
+
+            dcfg = mtp.MTPConfig(cfg, hidden_source=args.hidden_source or "post_norm")
+            mtp_init = args.mtp_init or "target"
+            if mtp_init == "target":
+                init_params = mtp.head_from_target(params, cfg, jax.random.key(tc.seed + 1))
+            init = {"mtp_init": mtp_init}
+    elif args.init:
         dcfg, init_params = tr.drafter_from_init(args.init, cfg, num_layers=args.layers, block_size=args.block_size,
                                                  mask_token_id=args.mask_token_id)
         init = tr.init_record(args.init)
@@ -702,8 +743,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(json.dumps({**tr.time_step_parts(params, cfg, dcfg, seqs, tc, dp=dp), "train_config": tc.to_dict(),
                           "dp": dp}))
         return 0
-    print(f"training a {dcfg.num_layers}-layer block-{dcfg.block_size} drafter (taps {list(dcfg.target_layer_ids)}, "
-          f"mask token {dcfg.mask_token_id}) on {len(seqs)} sequences from {data_path}"
+    what = (f"an MTP head ({dcfg.hidden_source} states)" if mtp_head else
+            f"a {dcfg.num_layers}-layer block-{dcfg.block_size} drafter (taps {list(dcfg.target_layer_ids)}, "
+            f"mask token {dcfg.mask_token_id})")
+    print(f"training {what} on {len(seqs)} sequences from {data_path}"
           + (f", batch split over {dp} devices" if dp > 1 else ""), file=sys.stderr)
     result = tr.train(params, cfg, dcfg, seqs, tc, out, init_params=init_params, resume=args.resume,
                       save_every=args.save_every, stop_at=args.stop_at,

@@ -107,9 +107,9 @@ def check_prompts(prompt_lens: np.ndarray, prompt_width: int, max_new_tokens: in
 
 
 def prefill(params: ModelParams, cfg: ModelConfig, prompts: jax.Array, prompt_lens: jax.Array,
-            cache: KVCache, tap_layers: tuple[int, ...] = (), attn_impl: str = "auto"
-            ) -> tuple[jax.Array, jax.Array | None, KVCache]:
-    """Runs the right-padded prompts [batch, P] through the target.
+            cache: KVCache, tap_layers: tuple[int, ...] = (), attn_impl: str = "auto",
+            last_tap_pre_norm: bool = False) -> tuple[jax.Array, jax.Array | None, KVCache]:
+    """Runs the right-padded prompts [batch, P] through the target (taps as `model.forward`'s).
 
     Returns logits at each prompt's last token [batch, vocab], the tap features of all P
     rows [batch, P, taps*embed] (rows past a prompt's length are garbage), and the cache
@@ -119,7 +119,7 @@ def prefill(params: ModelParams, cfg: ModelConfig, prompts: jax.Array, prompt_le
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
     cache = dataclasses.replace(cache, lengths=jnp.zeros((batch,), jnp.int32))
     out = forward(params, cfg, prompts, positions, cache, None, tap_layers=tap_layers,
-                  logit_rows=(prompt_lens - 1)[:, None], attn_impl=attn_impl)
+                  logit_rows=(prompt_lens - 1)[:, None], attn_impl=attn_impl, last_tap_pre_norm=last_tap_pre_norm)
     cache = dataclasses.replace(out.cache, lengths=prompt_lens.astype(jnp.int32))
     return out.logits[:, 0], out.taps, cache
 

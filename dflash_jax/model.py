@@ -469,7 +469,8 @@ class ForwardOutput:
 def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
             cache: KVCache, visible: jax.Array | None = None, *, tap_layers: tuple[int, ...] = (),
             logit_rows: jax.Array | None = None, compute_logits: bool = True,
-            return_hidden: bool = False, attn_impl: str = "auto") -> ForwardOutput:
+            return_hidden: bool = False, attn_impl: str = "auto", last_tap_pre_norm: bool = False
+            ) -> ForwardOutput:
     """Runs W new tokens per sequence through the target.
 
     tokens, positions: [batch, W] int32. The new K/V go to cache slots
@@ -477,6 +478,8 @@ def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions:
     new slot s where visible[b, t, s] (default: s <= t, i.e. causal).
     tap_layers: decoder layer ids whose outputs are returned (HF `hidden_states[id + 1]`, which
         for the last layer is the final-normed output).
+    last_tap_pre_norm: the last layer's tap is its output before the final norm instead (an MTP
+        head with hidden_source "pre_norm"); static, and free either way.
     logit_rows: optional [batch, R] row indices; logits are computed only for those rows.
     Where the Hopper tree-attention kernel runs (`epilogue_schedule`), each layer takes the
     fused path of `attend_fused`, and where `residual_splits` allows, the o and down products
@@ -514,8 +517,8 @@ def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions:
         if i in tap_layers:
             taps[i] = x
     hidden = h  # the last layer's output through the final norm
-    # HF's hidden_states[-1] is the final-normed output; keep that meaning for the last layer.
-    taps[cfg.num_layers - 1] = hidden
+    if not last_tap_pre_norm:  # HF's hidden_states[-1] is the final-normed output: its meaning by default
+        taps[cfg.num_layers - 1] = hidden
     tap_out = jnp.concatenate([taps[t] for t in tap_layers], -1) if tap_layers else None
     logits = None
     if compute_logits:
@@ -527,4 +530,5 @@ def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions:
 
 
 # `forward` as one compiled program (configs and flags static); the decoders jit whole loops instead.
-forward_jit = jax.jit(forward, static_argnames=("cfg", "tap_layers", "compute_logits", "return_hidden", "attn_impl"))
+forward_jit = jax.jit(forward, static_argnames=("cfg", "tap_layers", "compute_logits", "return_hidden", "attn_impl",
+                                               "last_tap_pre_norm"))

@@ -17,10 +17,9 @@ Which hidden state (`MTPConfig.hidden_source`):
   Qwen3.5 / Qwen3.6 checkpoints get "post_norm": it is how the heads are served, and a head
   served so is what published acceptance figures measure.
 - "pre_norm": the residual stream before the final norm (descriptions of MTP training, DeepSeek-V3's
-  among them, are read this way too); chained steps would feed the head's layer output before
-  `mtp.norm`. The targets' verify returns the last layer's state after the final norm only
-  (`model.forward`, `qwen3_5.forward` taps), so `MTPConfig` refuses "pre_norm" until a target
-  exposes its pre-norm state.
+  among them, are read this way too); chained steps feed the head's layer output before
+  `mtp.norm`. The targets' prefill and verify then return the last layer's state before the
+  final norm (`last_tap_pre_norm`, asked for by `speculative.taps_pre_norm`).
 
 Chained drafting of k tokens (`draft_chain`): step 1 is position L - 1 with the target's hidden
 state there (kept in `MTPCache.hidden`) and the root (token L); step j > 1 is position L + j - 2
@@ -79,10 +78,6 @@ class MTPConfig:
         is_hybrid(self.target)
         if self.hidden_source not in HIDDEN_SOURCES:
             raise ValueError(f"hidden_source must be one of {HIDDEN_SOURCES}, got {self.hidden_source!r}")
-        if self.hidden_source != "post_norm":
-            raise ValueError(f"hidden_source {self.hidden_source!r}: the targets' verify returns the last layer's "
-                             "state after the final norm only; use 'post_norm' (what Qwen3.5 / Qwen3.6 heads are "
-                             "served with)")
 
     @property
     def target_layer_ids(self) -> tuple[int, ...]:
@@ -139,8 +134,39 @@ def mtp_specs(target_cfg: ModelConfig | Qwen35Config) -> MTPParams:
 
 
 def init_mtp_params(target_cfg: ModelConfig | Qwen35Config, key: jax.Array, dtype: Any = jnp.float32) -> MTPParams:
-    """A random head (tests and benchmarks; real ones come from `convert.mtp`)."""
+    """A random head (tests, benchmarks, and training from scratch; real ones come from `convert.mtp`)."""
     return init_from_specs(mtp_specs(target_cfg), key, dtype)
+
+
+def head_from_target(target: Any, target_cfg: ModelConfig | Qwen35Config, key: jax.Array,
+                     dtype: Any = jnp.float32) -> MTPParams:
+    """A head to train from: its decoder layer a copy of the target's last layer (a common start
+    for MTP heads: that layer already maps the last states towards the LM head), fc random and
+    the norms at identity. A dense target's fused qkv / gate_up are split into the checkpoint
+    layout the head keeps; a hybrid target's last layer must be a full-attention layer."""
+    mp = init_mtp_params(target_cfg, key, dtype)
+    if is_hybrid(target_cfg):
+        if target_cfg.layer_types[-1] != "full_attention":
+            raise ValueError(f"init from the target's last layer: layer {target_cfg.num_layers - 1} is "
+                             f"{target_cfg.layer_types[-1]!r}, the head's layer is full attention; init it randomly")
+        layer = (jax.tree.map(lambda a: a[-1:], target.layers), jax.tree.map(lambda a: a[-1:], target.attn))
+    else:
+        last = target.layers[-1]
+        attn, mlp = last.attn, last.mlp
+        if attn.qkv is not None:  # [embed, kv_heads, group + 2, head_dim]: per kv head its q heads, k, v
+            e, kvh, rows, hd = attn.qkv.shape
+            group = rows - 2
+            q = attn.qkv[:, :, :group].reshape(e, kvh * group, hd)
+            attn = dataclasses.replace(attn, q=q, k=attn.qkv[:, :, group], v=attn.qkv[:, :, group + 1], qkv=None)
+        if attn.kv is not None:
+            attn = dataclasses.replace(attn, k=attn.kv[:, :, 0], v=attn.kv[:, :, 1], kv=None)
+        if mlp.gate_up is not None:
+            mlp = dataclasses.replace(mlp, gate=mlp.gate_up[:, 0], up=mlp.gate_up[:, 1], gate_up=None)
+        if attn.qkv_bias is not None or attn.kv_bias is not None:
+            raise ValueError("init from the target's last layer: fused attention biases are not supported")
+        layer = dataclasses.replace(last, attn=attn, mlp=mlp)
+    layer = jax.tree.map(lambda want, have: jnp.asarray(have, dtype).reshape(want.shape), mp.layer, layer)
+    return dataclasses.replace(mp, layer=layer)
 
 
 @jax.tree_util.register_dataclass
@@ -173,7 +199,8 @@ def _norm(target_cfg: ModelConfig | Qwen35Config, x: jax.Array, w: jax.Array) ->
 
 
 def _layer(mp: MTPParams, target_cfg: ModelConfig | Qwen35Config, x: jax.Array, positions: jax.Array,
-           k_buf: jax.Array, v_buf: jax.Array, starts: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+           k_buf: jax.Array, v_buf: jax.Array, starts: jax.Array, attn_impl: str
+           ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The head's decoder layer over x [B, T, embed] at positions [B, T], causal over its cache;
     the T new K/V go to slots starts .. starts + T - 1. Returns (x, k_buf, v_buf)."""
     if is_hybrid(target_cfg):
@@ -181,7 +208,8 @@ def _layer(mp: MTPParams, target_cfg: ModelConfig | Qwen35Config, x: jax.Array, 
         eps = target_cfg.rms_norm_eps
         cos, sin = rope_tables(positions, target_cfg.rope, target_cfg.rotary_dim)
         h = qwen3_5.zero_centred_rms_norm(x, common.input_norm, eps)
-        out, k_buf, v_buf = qwen3_5.attention_mixer(attn, target_cfg, h, cos, sin, k_buf, v_buf, starts)
+        out, k_buf, v_buf = qwen3_5.attention_mixer(attn, target_cfg, h, cos, sin, k_buf, v_buf, starts,
+                                                    attn_impl=attn_impl)
         x = x + out
         return x + qwen3_5.mlp(common, qwen3_5.zero_centred_rms_norm(x, common.post_norm, eps)), k_buf, v_buf
     lp = mp.layer
@@ -189,28 +217,30 @@ def _layer(mp: MTPParams, target_cfg: ModelConfig | Qwen35Config, x: jax.Array, 
     q, k, v = dense.project_qkv(lp.attn, target_cfg, dense.rms_norm(x, lp.attn_norm, target_cfg.rms_norm_eps))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_buf, v_buf = write_rows(k_buf, k, starts), write_rows(v_buf, v, starts)
-    attn = tree_attention(q, k_buf, v_buf, starts, None, impl="auto")
+    attn = tree_attention(q, k_buf, v_buf, starts, None, impl=attn_impl)
     x = x + dense.output_projection(lp.attn, attn)
     return x + dense.mlp(lp.mlp, dense.rms_norm(x, lp.mlp_norm, target_cfg.rms_norm_eps)), k_buf, v_buf
 
 
 def step(mp: MTPParams, mcfg: MTPConfig, target: Any, tokens: jax.Array,
-         hidden: jax.Array, positions: jax.Array, k_buf: jax.Array, v_buf: jax.Array, starts: jax.Array
-         ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+         hidden: jax.Array, positions: jax.Array, k_buf: jax.Array, v_buf: jax.Array, starts: jax.Array,
+         attn_impl: str = "auto") -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The head over T rows: tokens [B, T] (token t + 1), hidden [B, T, embed] (state at t),
     positions [B, T] (t). Returns (the state a next step takes [B, T, embed], the normed output
-    the LM head takes [B, T, embed], k_buf, v_buf)."""
+    the LM head takes [B, T, embed], k_buf, v_buf). Training passes attn_impl "reference" (the
+    attention kernels have no backward pass)."""
     target_cfg = mcfg.target
     emb = _norm(target_cfg, dense.embed_tokens(target, tokens), mp.norm_embed)
     hid = _norm(target_cfg, hidden.astype(emb.dtype), mp.norm_hidden)
     x = (jnp.einsum("bte,ef->btf", emb, mp.fc[0], preferred_element_type=jnp.float32)
          + jnp.einsum("bte,ef->btf", hid, mp.fc[1], preferred_element_type=jnp.float32)).astype(emb.dtype)
-    x, k_buf, v_buf = _layer(mp, target_cfg, x, positions, k_buf, v_buf, starts)
+    x, k_buf, v_buf = _layer(mp, target_cfg, x, positions, k_buf, v_buf, starts, attn_impl)
     out = _norm(target_cfg, x, mp.final_norm)
     return (out if mcfg.hidden_source == "post_norm" else x), out, k_buf, v_buf
 
 
-def _logits(target: Any, target_cfg: ModelConfig | Qwen35Config, out: jax.Array) -> jax.Array:
+def logits(target: Any, target_cfg: ModelConfig | Qwen35Config, out: jax.Array) -> jax.Array:
+    """The target's LM head over the head's normed output [..., embed] -> float32 [..., vocab]."""
     if is_hybrid(target_cfg):
         return qwen3_5.logits_from_hidden(target, out)
     return dense.logits_from_hidden(target, out)
@@ -243,23 +273,23 @@ def draft_chain(mp: MTPParams, mcfg: MTPConfig, target: Any, cache: MTPCache, ro
     steps' K/V sit in scratch slots of a copy; `commit` writes the kept entries).
     """
     tokens, hidden, k_buf, v_buf = root, cache.hidden, cache.k, cache.v
-    logits, drafted, probs = [], [], []
+    per_step, drafted, probs = [], [], []
     keys = jax.random.split(key, steps)
     for j in range(steps):  # k is small (1-8) and static: an unrolled loop
         pos = (cache.lengths + j)[:, None]
         nxt_hidden, out, k_buf, v_buf = step(mp, mcfg, target, tokens[:, None], hidden[:, None], pos,
                                              k_buf, v_buf, cache.lengths + j)
-        lg = _logits(target, mcfg.target, out[:, 0])
+        lg = logits(target, mcfg.target, out[:, 0])
         if sample_chain:
             p = sampling_probs(lg, sampling)
             tok = sample_from_probs(keys[j], p)
             probs.append(p)
         else:
             tok = jnp.argmax(lg, -1).astype(jnp.int32)
-        logits.append(lg)
+        per_step.append(lg)
         drafted.append(tok)
         tokens, hidden = tok, nxt_hidden[:, 0]
-    return (jnp.stack(logits, 1), jnp.stack(drafted, 1), jnp.stack(probs, 1) if sample_chain else None)
+    return (jnp.stack(per_step, 1), jnp.stack(drafted, 1), jnp.stack(probs, 1) if sample_chain else None)
 
 
 def commit(mp: MTPParams, mcfg: MTPConfig, target: Any, cache: MTPCache,

@@ -643,7 +643,7 @@ def _check_step(fn: str, cfg: Qwen35Config, tokens: jax.Array, positions: jax.Ar
 
 def _run_layers(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, positions: jax.Array,
                 cache: HybridCache, lengths: jax.Array | None, tap_layers: tuple[int, ...],
-                tree: tuple[jax.Array, jax.Array] | None, attn_impl: str) -> tuple:
+                tree: tuple[jax.Array, jax.Array] | None, attn_impl: str, last_tap_pre_norm: bool = False) -> tuple:
     """The decoder stack, shared by `forward` (tree None: GDN states advance) and `verify`
     (tree = (visible, parents): GDN layers run `gdn_tree_mixer` and keep their states).
 
@@ -710,16 +710,18 @@ def _run_layers(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, posi
     hidden = zero_centred_rms_norm(x, params.final_norm, cfg.rms_norm_eps)
     tap_out = None
     if tap_layers:
-        # HF's hidden_states[-1] is the final-normed output; the last layer's tap keeps that meaning.
-        tap_out = jnp.concatenate([hidden if t == cfg.num_layers - 1 else taps[n] for n, t in enumerate(tap_layers)],
-                                  axis=-1)
+        # HF's hidden_states[-1] is the final-normed output; the last layer's tap keeps that meaning
+        # unless `last_tap_pre_norm` asks for its state before the final norm.
+        last = cfg.num_layers - 1
+        tap_out = jnp.concatenate([hidden if t == last and not last_tap_pre_norm else taps[n]
+                                   for n, t in enumerate(tap_layers)], axis=-1)
     return hidden, tap_out, k_all, v_all, conv_all, state_all, ys
 
 
 def forward(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, positions: jax.Array,
             cache: HybridCache, lengths: jax.Array | None = None, *, tap_layers: tuple[int, ...] = (),
-            logit_rows: jax.Array | None = None, compute_logits: bool = True, attn_impl: str = "auto"
-            ) -> Qwen35Output:
+            logit_rows: jax.Array | None = None, compute_logits: bool = True, attn_impl: str = "auto",
+            last_tap_pre_norm: bool = False) -> Qwen35Output:
     """Runs T new tokens per sequence through the hybrid and commits them: prefill and AR steps.
 
     tokens, positions: [B, T] int32 (positions only rotate the attention layers' q/k).
@@ -730,6 +732,7 @@ def forward(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, position
         sequence's state as it was); default T for all.
     tap_layers: decoder layer ids whose outputs are returned (HF `hidden_states[id + 1]`; for the
         last layer that is the final-normed output, as the dense target's taps).
+    last_tap_pre_norm: the last layer's tap is its state before the final norm instead (static).
     logit_rows: optional [B, R] row indices; logits only for those rows.
     attn_impl: the attention layers' core (`pallas_kernels.tree_attention.IMPLS`, `Impl.attention`).
     Returns logits, taps and the cache with lengths += the valid new tokens. Rows past a
@@ -740,7 +743,8 @@ def forward(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, position
     if lengths is not None and lengths.shape != (batch,):
         raise ValueError(f"forward: lengths must be [batch] = ({batch},), got {lengths.shape}")
     hidden, tap_out, k_all, v_all, conv_all, state_all, _ = _run_layers(params, cfg, tokens, positions, cache,
-                                                                        lengths, tap_layers, None, attn_impl)
+                                                                        lengths, tap_layers, None, attn_impl,
+                                                                        last_tap_pre_norm)
     logits = None
     if compute_logits:
         rows = hidden if logit_rows is None else jax.vmap(lambda hb, rb: hb[rb])(hidden, logit_rows)
@@ -771,7 +775,8 @@ class Qwen35Verified:
 
 def verify(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, positions: jax.Array,
            visible: jax.Array, parents: jax.Array, cache: HybridCache, *, tap_layers: tuple[int, ...] = (),
-           attn_impl: str = "auto") -> tuple[jax.Array, jax.Array | None, Qwen35Verified]:
+           attn_impl: str = "auto", last_tap_pre_norm: bool = False
+           ) -> tuple[jax.Array, jax.Array | None, Qwen35Verified]:
     """One target pass over the W nodes of a draft tree (a chain for DFlash) from the committed
     cache, committing nothing.
 
@@ -782,6 +787,7 @@ def verify(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, positions
     run the conv over each node's own path and the rule from the committed state (`gdn_tree_mixer`),
     so every node's logits are those of a plain forward over its root..node path.
     attn_impl: the attention layers' core (`pallas_kernels.tree_attention.IMPLS`, `Impl.attention`).
+    last_tap_pre_norm: as `forward`'s.
     Returns (logits [B, W, vocab] float32, taps [B, W, len(tap_layers) * embed] or None,
     what `commit` needs).
     """
@@ -793,7 +799,7 @@ def verify(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, positions
     if parents.shape != (batch, width):
         raise ValueError(f"verify: parents must be [batch, W] = {(batch, width)}, got {parents.shape}")
     hidden, tap_out, k_all, v_all, _, _, ys = _run_layers(params, cfg, tokens, positions, cache, None, tap_layers,
-                                                          (visible, parents), attn_impl)
+                                                          (visible, parents), attn_impl, last_tap_pre_norm)
     kept, conv_in = (None, None) if ys is None else ys  # None: no GDN layers
     written = dataclasses.replace(cache, k=k_all, v=v_all)
     return (logits_from_hidden(params, hidden), tap_out,
@@ -843,7 +849,7 @@ def commit(verified: Qwen35Verified, path: jax.Array, accepted: jax.Array) -> Hy
     return constrain_cache(HybridCache(k=k, v=v, conv=conv, state=state, lengths=starts + accepted))
 
 
-forward_jit = jax.jit(forward, static_argnames=("cfg", "tap_layers", "compute_logits", "attn_impl"),
+forward_jit = jax.jit(forward, static_argnames=("cfg", "tap_layers", "compute_logits", "attn_impl", "last_tap_pre_norm"),
                       donate_argnames=("cache",))
 
 

@@ -153,12 +153,14 @@ def _block_limit(state: SpecState, s: SpecSettings) -> jax.Array:
 class TargetFamily:
     """What the round does differently for one family of targets (see `target_family`).
 
-    prefill(target, cfg, prompts [B, P], prompt_lens [B], max_len, tap_layers, impl)
+    prefill(target, cfg, prompts [B, P], prompt_lens [B], max_len, tap_layers, impl, last_pre_norm)
         -> (logits at each prompt's last token [B, vocab], taps [B, P, taps * embed], a new cache
         holding the prompts, lengths = prompt_lens)
-    verify(target, cfg, tree, positions [B, W], cache, tap_layers, impl)
+    verify(target, cfg, tree, positions [B, W], cache, tap_layers, impl, last_pre_norm)
         -> (logits [B, W, vocab], taps [B, W, taps * embed], verified: the tree's K/V written at
         L..L+W-1, nothing committed)
+    last_pre_norm (default False): the last layer's tap is taken before the final norm
+    (`taps_pre_norm`).
     commit(verified, start [B], path [B, bs], m [B], active [B] bool, impl)
         -> the cache after the accepted path (lengths start + m + 1; unchanged where not active)
     """
@@ -169,17 +171,20 @@ class TargetFamily:
 
 
 def _dense_prefill(target: ModelParams, cfg: ModelConfig, prompts: jax.Array, prompt_lens: jax.Array,
-                   max_len: int, tap_layers: tuple[int, ...], impl: Impl) -> tuple[jax.Array, jax.Array, KVCache]:
+                   max_len: int, tap_layers: tuple[int, ...], impl: Impl, last_pre_norm: bool = False
+                   ) -> tuple[jax.Array, jax.Array, KVCache]:
     batch = prompts.shape[0]
     dtype = target.embed.dtype
     cache = KVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, dtype)
-    return prefill(target, cfg, prompts, prompt_lens, cache, tap_layers=tap_layers, attn_impl=impl.attention)
+    return prefill(target, cfg, prompts, prompt_lens, cache, tap_layers=tap_layers, attn_impl=impl.attention,
+                   last_tap_pre_norm=last_pre_norm)
 
 
 def _dense_verify(target: ModelParams, cfg: ModelConfig, tree: Tree, positions: jax.Array, cache: KVCache,
-                  tap_layers: tuple[int, ...], impl: Impl) -> tuple[jax.Array, jax.Array, KVCache]:
+                  tap_layers: tuple[int, ...], impl: Impl, last_pre_norm: bool = False
+                  ) -> tuple[jax.Array, jax.Array, KVCache]:
     out = forward(target, cfg, tree.tokens, positions, cache, tree.visible,
-                  tap_layers=tap_layers, attn_impl=impl.attention)
+                  tap_layers=tap_layers, attn_impl=impl.attention, last_tap_pre_norm=last_pre_norm)
     return out.logits, out.taps, out.cache
 
 
@@ -198,22 +203,22 @@ def _dense_commit(cache: KVCache, start: jax.Array, path: jax.Array, m: jax.Arra
 
 
 def _hybrid_prefill(target: Qwen35Params, cfg: Qwen35Config, prompts: jax.Array, prompt_lens: jax.Array,
-                    max_len: int, tap_layers: tuple[int, ...], impl: Impl
+                    max_len: int, tap_layers: tuple[int, ...], impl: Impl, last_pre_norm: bool = False
                     ) -> tuple[jax.Array, jax.Array, HybridCache]:
     batch, width = prompts.shape
     cache = HybridCache.create(cfg, batch, max_len, target.embed.dtype)
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
     lens = prompt_lens.astype(jnp.int32)
     out = qwen3_5.forward(target, cfg, prompts, positions, cache, lens, tap_layers=tap_layers,
-                          logit_rows=(lens - 1)[:, None], attn_impl=impl.attention)
+                          logit_rows=(lens - 1)[:, None], attn_impl=impl.attention, last_tap_pre_norm=last_pre_norm)
     return out.logits[:, 0], out.taps, out.cache
 
 
 def _hybrid_verify(target: Qwen35Params, cfg: Qwen35Config, tree: Tree, positions: jax.Array,
-                   cache: HybridCache, tap_layers: tuple[int, ...], impl: Impl
+                   cache: HybridCache, tap_layers: tuple[int, ...], impl: Impl, last_pre_norm: bool = False
                    ) -> tuple[jax.Array, jax.Array, Qwen35Verified]:
     return qwen3_5.verify(target, cfg, tree.tokens, positions, tree.visible, tree.parents, cache,
-                          tap_layers=tap_layers, attn_impl=impl.attention)
+                          tap_layers=tap_layers, attn_impl=impl.attention, last_tap_pre_norm=last_pre_norm)
 
 
 def _hybrid_commit(verified: Qwen35Verified, start: jax.Array, path: jax.Array, m: jax.Array,
@@ -224,6 +229,12 @@ def _hybrid_commit(verified: Qwen35Verified, start: jax.Array, path: jax.Array, 
 
 DENSE = TargetFamily(prefill=_dense_prefill, verify=_dense_verify, commit=_dense_commit)
 HYBRID = TargetFamily(prefill=_hybrid_prefill, verify=_hybrid_verify, commit=_hybrid_commit)
+
+
+def taps_pre_norm(dcfg: Any) -> bool:
+    """Whether the drafter takes the target's last layer before its final norm: an MTP head with
+    hidden_source "pre_norm" (a DFlash drafter's taps keep HF's meaning, after the norm)."""
+    return isinstance(dcfg, mtp.MTPConfig) and dcfg.hidden_source == "pre_norm"
 
 
 def target_family(cfg: ModelConfig | Qwen35Config) -> TargetFamily:
@@ -306,7 +317,8 @@ def verify_stage(state: SpecState, draft: Draft, target: ModelParams | Qwen35Par
     Returns (logits [batch, W, vocab], taps [batch, W, taps * embed], what `commit_stage` takes)."""
     tree = draft.tree
     positions = state.cache.lengths[:, None] + tree.depths
-    return target_family(cfg).verify(target, cfg, tree, positions, state.cache, tuple(dcfg.target_layer_ids), impl)
+    return target_family(cfg).verify(target, cfg, tree, positions, state.cache, tuple(dcfg.target_layer_ids), impl,
+                                     taps_pre_norm(dcfg))
 
 
 def accept_stage(key: jax.Array, draft: Draft, logits: jax.Array, s: SpecSettings
@@ -420,7 +432,7 @@ def start_state(target: ModelParams | Qwen35Params, cfg: ModelConfig | Qwen35Con
                          f"{s.max_new_tokens} + {s.cache_slack()} scratch slots need {need}")
     dtype = target.embed.dtype
     logits, taps, cache = target_family(cfg).prefill(target, cfg, prompts, prompt_lens, max_len,
-                                                     tuple(dcfg.target_layer_ids), impl)
+                                                     tuple(dcfg.target_layer_ids), impl, taps_pre_norm(dcfg))
     key, sub = jax.random.split(key)
     first = sample(sub, logits, s.sampling)
     if s.method == "mtp":

@@ -29,6 +29,18 @@ once to disk (`write_taps`, `dflash-jax make-taps`) and read back with each batc
 (`TappedSequences`, `train --taps`): bytes on disk per token against the target's forward per
 step (`bench/train_step.py` measures both).
 
+MTP heads (`train` with an `mtp.MTPConfig` for dcfg, `dflash-jax train --drafter-kind mtp`): the
+same data, optimizer, schedule, validation, checkpoints and record; only the loss differs
+(`mtp_scores`). For every position t of a response the head takes [embed(token t+1), the target's
+last state at t] and predicts token t+2, its one attention layer causal over the whole sequence:
+at inference the head's cache holds exactly such entries (made from the target's states) and its
+first chained step is the row at the last committed position, so one causal pass over a sequence
+is the first draft step at every position at once (tested against `mtp.step`). Chained steps
+(step j > 1 from step j-1's own state) are not trained. "Blocks" in the metrics are positions:
+acc_by_pos has one entry and tau_estimate = 1 + accuracy, the expected tokens a round of a
+one-step chain commits. The export is `convert.mtp.export_mtp` (out_dir/mtp/), what
+`bench --mtp-head` loads.
+
 Data parallelism (`train(..., dp=N)`, `dflash-jax train --dp N`): one SPMD program over a
 ("dp", "tp") = (N, 1) mesh. Each step's global batch of `batch_size` rows is split over "dp"
 on its leading axis; the frozen target, the float32 masters and the AdamW state are
@@ -64,6 +76,7 @@ import optax
 
 from dflash_jax import distributed as dist
 from dflash_jax import drafter as dr
+from dflash_jax import mtp
 from dflash_jax import sharding as sh
 from dflash_jax.config import ModelConfig, default_tap_layers
 from dflash_jax.files import atomic_write_text, bounded, check_writable
@@ -73,11 +86,13 @@ from dflash_jax.params import cast_floating
 from dflash_jax.qwen3_5 import HybridCache, Qwen35Config, Qwen35Params
 from dflash_jax.qwen3_5 import forward as qwen35_forward
 from dflash_jax.rope import rope_tables
-from dflash_jax.speculative import HYBRID, target_family
+from dflash_jax.speculative import HYBRID, target_family, taps_pre_norm
 
 # A frozen target is dense (Qwen3, Llama) or a Qwen3.5 / Qwen3.6 hybrid; only `target_taps` tells them apart.
 TargetConfig = ModelConfig | Qwen35Config
 TargetParams = ModelParams | Qwen35Params
+# What a run trains: a DFlash drafter, or an MTP head (the module docstring's "MTP heads").
+DrafterConfig = dr.DraftConfig | mtp.MTPConfig
 from dflash_jax.train_data import SequenceSet, TapStore, batch_indices, split_by_prompt
 
 # Token texts tried, in order, for the drafter's MASK token (the target's embedding of it is used).
@@ -225,7 +240,7 @@ def choose_mask_token(tokenizer: Any, vocab_size: int) -> int:
 # ----------------------------------------------------------------------------- the packed pass
 
 def target_taps(target: TargetParams, cfg: TargetConfig, tokens: jax.Array, tap_layers: tuple[int, ...],
-                attn_impl: str = "auto", *, labels: str = "response"
+                attn_impl: str = "auto", *, labels: str = "response", last_pre_norm: bool = False
                 ) -> tuple[jax.Array, jax.Array | None]:
     """The target's tap features of every position, and what `labels` needs from the target.
 
@@ -235,6 +250,7 @@ def target_taps(target: TargetParams, cfg: TargetConfig, tokens: jax.Array, tap_
     causal target forward, dense or hybrid (`speculative.target_family` picks by the config;
     `attn_impl` is the attention's implementation for either);
     the LM head runs only for target labels. Constant for the drafter (stop_gradient).
+    last_pre_norm: the last layer's tap before the final norm (an MTP head's "pre_norm").
     """
     batch, seq = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
@@ -242,11 +258,11 @@ def target_taps(target: TargetParams, cfg: TargetConfig, tokens: jax.Array, tap_
     if target_family(cfg) is HYBRID:
         cache = HybridCache.create(cfg, batch, seq, target.embed.dtype)
         out = qwen35_forward(target, cfg, tokens, positions, cache, tap_layers=tuple(tap_layers),
-                             compute_logits=compute_logits, attn_impl=attn_impl)
+                             compute_logits=compute_logits, attn_impl=attn_impl, last_tap_pre_norm=last_pre_norm)
     else:
         cache = KVCache.create(cfg.num_layers, batch, seq, cfg.num_kv_heads, cfg.head_dim, target.embed.dtype)
         out = forward(target, cfg, tokens, positions, cache, None, tap_layers=tuple(tap_layers),
-                      compute_logits=compute_logits, attn_impl=attn_impl)
+                      compute_logits=compute_logits, attn_impl=attn_impl, last_tap_pre_norm=last_pre_norm)
     source = None
     if labels == "target":
         source = jnp.argmax(out.logits, -1).astype(jnp.int32)
@@ -418,7 +434,7 @@ def position_weights(block_size: int, gamma: float) -> jax.Array:
 
 
 def block_scores(dparams: dr.DraftParams, target: TargetParams, taps: jax.Array, batch: dict[str, jax.Array],
-                 key: jax.Array | None, *, dcfg: dr.DraftConfig, tc: TrainConfig,
+                 key: jax.Array | None, *, dcfg: DrafterConfig, tc: TrainConfig,
                  source: jax.Array | None = None, anchors: tuple[jax.Array, jax.Array] | None = None
                  ) -> dict[str, jax.Array]:
     """Per block row: cross-entropy, loss weight, mask and correctness, per block: valid and chain run.
@@ -431,6 +447,8 @@ def block_scores(dparams: dr.DraftParams, target: TargetParams, taps: jax.Array,
     labels); valid, run [B, N] (run = leading correct rows of the block: the greedy chain's
     accepted draft tokens).
     """
+    if isinstance(dcfg, mtp.MTPConfig):
+        return mtp_scores(dparams, target, taps, batch, mcfg=dcfg, tc=tc, source=source)
     tokens, prompt_lens, total_lens = batch["tokens"], batch["prompt_lens"], batch["total_lens"]
     bs = dcfg.block_size
     params = cast_floating(dparams, jnp.dtype(tc.compute_dtype))
@@ -449,6 +467,52 @@ def block_scores(dparams: dr.DraftParams, target: TargetParams, taps: jax.Array,
     correct = (jnp.argmax(logits, -1) == targets) & mask
     return {"ce": ce, "w": position_weights(bs, tc.gamma or default_gamma(bs)) * m, "m": m, "correct": correct,
             "valid": valid, "run": jnp.sum(jnp.cumprod(correct, axis=-1), axis=-1)}
+
+
+def mtp_packed_logits(mparams: mtp.MTPParams, mcfg: mtp.MTPConfig, target: TargetParams, taps: jax.Array,
+                      tokens: jax.Array) -> jax.Array:
+    """The head's first draft step at every position at once -> float32 logits [B, T, vocab].
+
+    Row t takes token t+1 (tokens [B, T]; the last row wraps around and is for no loss) and the
+    target's state taps[:, t] [B, T, embed], at position t, attending to rows <= t: `mtp.step` over
+    an empty cache of T slots, in mparams' dtype, with the reference attention (differentiable).
+    """
+    b, seq = tokens.shape
+    dtype = jax.tree.leaves(mparams)[0].dtype
+    positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (b, seq))
+    kv = jnp.zeros((b, seq, mcfg.target.num_kv_heads, mcfg.target.head_dim), dtype)
+    _, out, _, _ = mtp.step(mparams, mcfg, target, jnp.roll(tokens, -1, 1), taps.astype(dtype), positions, kv, kv,
+                            jnp.zeros((b,), jnp.int32), attn_impl="reference")
+    return mtp.logits(target, mcfg.target, out)
+
+
+def mtp_scores(mparams: mtp.MTPParams, target: TargetParams, taps: jax.Array, batch: dict[str, jax.Array], *,
+               mcfg: mtp.MTPConfig, tc: TrainConfig, source: jax.Array | None = None) -> dict[str, jax.Array]:
+    """`block_scores` for an MTP head: every position t is a "block" of one row.
+
+    taps [B, T, embed]: the target's last state (before or after its final norm, as
+    mcfg.hidden_source). Row t: `mtp.step` over [token t+1, state t] at position t, causal over
+    rows <= t (the head's cache at inference), -> logits of token t+2, learned from the response's
+    token t+2, or with target labels the target's greedy token / distribution after positions <= t+1.
+    Rows count from the last prompt position (the first draft step of a generation) while t+2 is
+    inside the response. Returns the keys of `block_scores`, with a row axis of 1.
+    """
+    tokens, prompt_lens, total_lens = batch["tokens"], batch["prompt_lens"], batch["total_lens"]
+    params = cast_floating(mparams, jnp.dtype(tc.compute_dtype))
+    logits = mtp_packed_logits(params, mcfg, target, taps, tokens)
+    positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+    valid = (positions >= prompt_lens[:, None] - 1) & (positions + 2 < total_lens[:, None])
+    if tc.labels == "target-soft":
+        ahead = jnp.roll(source, -1, 1)  # the target's logits after positions <= t+1
+        targets = jnp.argmax(ahead, -1).astype(jnp.int32)
+        ce = soft_label_kl(logits, ahead)
+    else:
+        targets = jnp.roll(tokens, -2, 1) if tc.labels == "response" else jnp.roll(source, -1, 1)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    m = valid.astype(jnp.float32)
+    correct = (jnp.argmax(logits, -1) == targets) & valid
+    return {"ce": ce[..., None], "w": m[..., None], "m": m[..., None], "correct": correct[..., None],
+            "valid": valid, "run": correct.astype(jnp.int32)}
 
 
 def loss_fn(dparams: dr.DraftParams, target: TargetParams, taps: jax.Array, batch: dict[str, jax.Array],
@@ -524,7 +588,7 @@ def init_state(dparams: dr.DraftParams, tc: TrainConfig) -> TrainState:
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "tc"))
 def train_step(state: TrainState, target: TargetParams, batch: dict[str, jax.Array], *, cfg: TargetConfig,
-               dcfg: dr.DraftConfig, tc: TrainConfig) -> tuple[TrainState, dict[str, Any]]:
+               dcfg: DrafterConfig, tc: TrainConfig) -> tuple[TrainState, dict[str, Any]]:
     """One optimiser step: target taps -> packed drafter pass -> loss -> AdamW.
 
     target: the frozen target, already in compute dtype (only its embedding and LM head are used
@@ -542,7 +606,7 @@ def train_step(state: TrainState, target: TargetParams, batch: dict[str, jax.Arr
             taps, source = batch["taps"].astype(target.embed.dtype), None
         else:
             taps, source = target_taps(target, cfg, batch["tokens"], dcfg.target_layer_ids, tc.attn_impl,
-                                       labels=tc.labels)
+                                       labels=tc.labels, last_pre_norm=taps_pre_norm(dcfg))
 
         def numerator(p: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
             sums = score_sums(block_scores(p, target, taps, batch, None, dcfg=dcfg, tc=tc, source=source,
@@ -669,8 +733,11 @@ class TappedSequences:
         return {**self.seqs.batch(indices), "taps": self.store.read(indices)}
 
 
-def check_taps(store: TapStore, dcfg: dr.DraftConfig, tc: TrainConfig) -> None:
+def check_taps(store: TapStore, dcfg: DrafterConfig, tc: TrainConfig) -> None:
     """Raises one ValueError naming --taps unless the stored taps are the ones this run's drafter reads."""
+    if taps_pre_norm(dcfg):
+        raise ValueError(f"taps (--taps) {store.path}: make-taps writes the last layer after the final norm; an MTP "
+                         f"head with hidden_source pre_norm takes it before, computed in the step (drop --taps)")
     if tuple(store.tap_layers) != tuple(dcfg.target_layer_ids):
         raise ValueError(f"taps (--taps) {store.path} hold target layers {list(store.tap_layers)}, the drafter taps "
                          f"{list(dcfg.target_layer_ids)}")
@@ -715,7 +782,7 @@ _EVAL_STREAM = 0x5EEDEA1
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "tc"))
 def eval_step(params: dr.DraftParams, target: TargetParams, batch: dict[str, jax.Array], key: jax.Array, *,
-              cfg: TargetConfig, dcfg: dr.DraftConfig, tc: TrainConfig) -> dict[str, jax.Array]:
+              cfg: TargetConfig, dcfg: DrafterConfig, tc: TrainConfig) -> dict[str, jax.Array]:
     """Sums over one validation batch, no gradient: the numerators and denominators of `evaluate`.
 
     The same blocks, loss and chain-acceptance rules as `loss_fn` (`score_sums`); the anchors come
@@ -729,7 +796,7 @@ def eval_step(params: dr.DraftParams, target: TargetParams, batch: dict[str, jax
             taps, source = batch["taps"].astype(target.embed.dtype), None
         else:
             taps, source = target_taps(target, cfg, batch["tokens"], dcfg.target_layer_ids, tc.attn_impl,
-                                       labels=tc.labels)
+                                       labels=tc.labels, last_pre_norm=taps_pre_norm(dcfg))
         return score_sums(block_scores(params, target, taps, batch, None, dcfg=dcfg, tc=tc, source=source,
                                        anchors=anchors))
 
@@ -745,7 +812,7 @@ class ValidationSet:
     keys: list[jax.Array]  # the anchor key of each batch
 
 
-def check_sizes(cfg: TargetConfig, dcfg: dr.DraftConfig, tc: TrainConfig) -> None:
+def check_sizes(cfg: TargetConfig, dcfg: DrafterConfig, tc: TrainConfig) -> None:
     """Refuses rows longer than the target's positions, and a step whose largest activations
     alone exceed the device's memory (an absurd --batch or --seq-len otherwise fails deep in XLA)."""
     from dflash_jax.generate import memory_available
@@ -756,8 +823,9 @@ def check_sizes(cfg: TargetConfig, dcfg: dr.DraftConfig, tc: TrainConfig) -> Non
     item = jnp.dtype(tc.compute_dtype).itemsize
     # The target's hidden states over every row, and the drafter's logits over every block row:
     # a lower bound of what a step holds at once.
+    rows = tc.seq_len if isinstance(dcfg, mtp.MTPConfig) else tc.num_blocks * dcfg.block_size  # logit rows
     need = (tc.batch_size * tc.seq_len * cfg.hidden_size * (len(dcfg.target_layer_ids) + 2) * item
-            + tc.batch_size * tc.num_blocks * dcfg.block_size * cfg.vocab_size * 4)
+            + tc.batch_size * rows * cfg.vocab_size * 4)
     have = memory_available()
     if need > have:
         raise ValueError(f"batch_size (--batch) {tc.batch_size} x seq_len (--seq-len) {tc.seq_len} x num_blocks "
@@ -806,7 +874,7 @@ def validation_set(data: SequenceSet, val_rows: np.ndarray, tc: TrainConfig, max
 
 
 def evaluate(params: dr.DraftParams, target: TargetParams, vset: ValidationSet, *, cfg: TargetConfig,
-             dcfg: dr.DraftConfig, tc: TrainConfig) -> dict[str, Any]:
+             dcfg: DrafterConfig, tc: TrainConfig) -> dict[str, Any]:
     """val_loss, val_acc_by_pos and val_tau_estimate over every block of the validation set.
 
     The training metrics' formulas (`loss_fn`), summed over all validation blocks rather than
@@ -840,8 +908,38 @@ class TrainResult:
     summary: dict[str, Any] = dataclasses.field(default_factory=dict)  # train_run.json's "result"
 
 
-def _run_record(tc: TrainConfig, dcfg: dr.DraftConfig, extra: dict[str, Any]) -> dict[str, Any]:
-    return {"train_config": tc.to_dict(), "drafter_config": dr.draft_config_to_dict(dcfg), **extra}
+def drafter_config_to_dict(dcfg: DrafterConfig) -> dict[str, Any]:
+    """The drafter_config of train_run.json: a DFlash drafter's config.json, or an MTP head's kind
+    and hidden source (the rest of its shape is the target's)."""
+    if isinstance(dcfg, mtp.MTPConfig):
+        return {"kind": "mtp", "hidden_source": dcfg.hidden_source}
+    return dr.draft_config_to_dict(dcfg)
+
+
+def drafter_config_from_dict(d: dict[str, Any], cfg: TargetConfig, source: str) -> DrafterConfig:
+    """`drafter_config_to_dict`'s inverse for the target `cfg`; errors name `source`."""
+    if d.get("kind") == "mtp":
+        try:
+            return mtp.MTPConfig(cfg, hidden_source=d["hidden_source"])
+        except (KeyError, ValueError) as err:
+            raise ValueError(f"{source}: drafter_config of an MTP head: {err}") from None
+    return dr.draft_config_from_dict(d, source=source)
+
+
+def fresh_params(dcfg: DrafterConfig, key: jax.Array) -> Any:
+    """Random float32 weights of the drafter (`init_params` left out of `train`)."""
+    if isinstance(dcfg, mtp.MTPConfig):
+        return mtp.init_mtp_params(dcfg.target, key)
+    return dr.init_draft_params(dcfg, key, training=True)
+
+
+def _rows_per_block(dcfg: DrafterConfig) -> int:
+    """Rows of a block (the plots' positions + 1): an MTP head trains one step."""
+    return 2 if isinstance(dcfg, mtp.MTPConfig) else dcfg.block_size
+
+
+def _run_record(tc: TrainConfig, dcfg: DrafterConfig, extra: dict[str, Any]) -> dict[str, Any]:
+    return {"train_config": tc.to_dict(), "drafter_config": drafter_config_to_dict(dcfg), **extra}
 
 
 def _abstract(tree: Any) -> Any:
@@ -957,7 +1055,7 @@ def _tau32(tau: float) -> float:
     return float(np.float32(tau))
 
 
-def train(target: TargetParams, cfg: TargetConfig, dcfg: dr.DraftConfig, data: SequenceSet | TappedSequences,
+def train(target: TargetParams, cfg: TargetConfig, dcfg: DrafterConfig, data: SequenceSet | TappedSequences,
           tc: TrainConfig,
           out_dir: str | Path, *, init_params: dr.DraftParams | None = None, resume: bool = False,
           save_every: int = 500, keep: int = 3, log_every: int = 10, stop_at: int | None = None,
@@ -971,6 +1069,7 @@ def train(target: TargetParams, cfg: TargetConfig, dcfg: dr.DraftConfig, data: S
     out_dir/log.jsonl     one JSON record per `log_every` steps (and per evaluation)
     out_dir/plots/        loss.png, accuracy_by_position.png
     out_dir/drafter/      config.json + model.safetensors (z-lab layout), when training finished
+                          (an MTP head: out_dir/mtp/mtp.safetensors, `convert.mtp`'s layout)
     out_dir/train_run.json  the configs, checked on --resume, and the run's "result"
     `resume` continues from the newest checkpoint that restores (a damaged one is moved aside
     with a warning; none finished is an error) with the same data order and anchors, so the
@@ -1043,7 +1142,7 @@ def train(target: TargetParams, cfg: TargetConfig, dcfg: dr.DraftConfig, data: S
     if mesh is not None:
         target = place_replicated(target, mesh)  # frozen: a whole copy on every device
     if init_params is None:
-        init_params = dr.init_draft_params(dcfg, jax.random.key(tc.seed + 1), training=True)
+        init_params = fresh_params(dcfg, jax.random.key(tc.seed + 1))
     state = init_state(init_params, tc)
     # The best scheduled evaluation so far (keep_best): checkpointed with the state. step 0 = none yet.
     best = {"params": state.params, "step": jnp.zeros((), jnp.int32), "tau": jnp.zeros((), jnp.float32)}
@@ -1150,16 +1249,23 @@ def train(target: TargetParams, cfg: TargetConfig, dcfg: dr.DraftConfig, data: S
         if kept_step is None:  # no finite evaluation: fall back to the last parameters
             kept_params = state.params
     if plots and main:
-        plot_history(history, out_dir / "plots", block_size=dcfg.block_size, kept_step=kept_step)
+        plot_history(history, out_dir / "plots", block_size=_rows_per_block(dcfg), kept_step=kept_step)
     export_dir = None
     if export and main and (end == tc.steps or timed_out):
-        from convert.dflash_drafter import export_drafter
-
         # Written beside, then renamed into place: a crash leaves the previous export or the new one.
-        export_dir = out_dir / "drafter"
-        partial = export_drafter(dcfg, cast_floating(dist.to_host(kept_params), jnp.dtype(export_dtype)),
-                                 out_dir / f".drafter.{os.getpid()}.partial")
-        old = out_dir / f".drafter.{os.getpid()}.old"
+        kept = cast_floating(dist.to_host(kept_params), jnp.dtype(export_dtype))
+        if isinstance(dcfg, mtp.MTPConfig):
+            from convert.mtp import export_mtp
+
+            name = "mtp"
+            partial = export_mtp(kept, cfg, out_dir / f".{name}.{os.getpid()}.partial", dcfg.hidden_source).parent
+        else:
+            from convert.dflash_drafter import export_drafter
+
+            name = "drafter"
+            partial = export_drafter(dcfg, kept, out_dir / f".{name}.{os.getpid()}.partial")
+        export_dir = out_dir / name
+        old = out_dir / f".{name}.{os.getpid()}.old"
         if export_dir.exists():
             export_dir.rename(old)
         partial.rename(export_dir)
@@ -1195,7 +1301,7 @@ def _summary(history: list[dict[str, Any]], end: int, tc: TrainConfig, export_di
     return out
 
 
-def time_step_parts(target: TargetParams, cfg: TargetConfig, dcfg: dr.DraftConfig, data: SequenceSet,
+def time_step_parts(target: TargetParams, cfg: TargetConfig, dcfg: DrafterConfig, data: SequenceSet,
                     tc: TrainConfig, dparams: dr.DraftParams | None = None, repeats: int = 10,
                     dp: int = 1) -> dict[str, float]:
     """Median seconds of the taps forward alone and of a whole train_step (compile excluded).
@@ -1205,11 +1311,12 @@ def time_step_parts(target: TargetParams, cfg: TargetConfig, dcfg: dr.DraftConfi
     """
     mesh = data_parallel_mesh(dp, tc.batch_size)
     target = cast_floating(target, jnp.dtype(tc.compute_dtype))
-    state = init_state(dparams if dparams is not None else dr.init_draft_params(dcfg, jax.random.key(0), training=True), tc)
+    state = init_state(dparams if dparams is not None else fresh_params(dcfg, jax.random.key(0)), tc)
     if mesh is not None:
         target, state = place_replicated((target, state), mesh)
     batch = load_batch(data, batch_indices(len(data), tc.batch_size, 0, tc.seed), mesh)
-    taps_fn = jax.jit(functools.partial(target_taps, labels=tc.labels), static_argnums=(1, 3, 4))
+    taps_fn = jax.jit(functools.partial(target_taps, labels=tc.labels, last_pre_norm=taps_pre_norm(dcfg)),
+                      static_argnums=(1, 3, 4))
     out: dict[str, float] = {}
     for name, fn in (("taps_s", lambda: taps_fn(target, cfg, batch["tokens"], dcfg.target_layer_ids, tc.attn_impl)),
                      ("step_s", lambda: train_step(state, target, batch, cfg=cfg, dcfg=dcfg, tc=tc))):
@@ -1260,7 +1367,7 @@ def plot_history(history: list[dict[str, Any]], out_dir: str | Path, block_size:
     ax2.set_ylabel("tau estimate (greedy chain)")
     lines = ax.get_lines() + ax2.get_lines()
     ax.legend(lines, [l.get_label() for l in lines], loc="upper right", fontsize="small")
-    ax.set_title("DFlash drafter training")
+    ax.set_title("Drafter training")
     fig.tight_layout()
     loss_png = out_dir / "loss.png"
     fig.savefig(loss_png, dpi=120)

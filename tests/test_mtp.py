@@ -78,12 +78,14 @@ def test_greedy_mtp_equals_greedy_ar(dense, kind, steps, budget, batch):
     assert np.concatenate(accepted, None).max() >= 2
 
 
-def test_head_cache_holds_the_entries_of_the_target_states(dense):
+@pytest.mark.parametrize("source", mtp.HIDDEN_SOURCES)
+def test_head_cache_holds_the_entries_of_the_target_states(dense, source):
     """After a few rounds, the head's K/V for every committed entry t and its carried state equal
-    a from-scratch pass of the head over the target's own final-normed states of the emitted
-    sequence (entry t: state t with token t + 1): the draft's own entries are never kept."""
+    a from-scratch pass of the head over the target's own states of the emitted sequence (entry t:
+    state t with token t + 1), final-normed or not as `hidden_source` says: the draft's own entries
+    are never kept, and the verify hands the head the state it asked for."""
     cfg, params = dense
-    mcfg, mparams = head(cfg)
+    mcfg, mparams = mtp.MTPConfig(cfg, hidden_source=source), mtp.init_mtp_params(cfg, jax.random.key(3))
     s = SpecSettings(method="mtp", mtp_steps=3, budget=5, max_new_tokens=NEW)
     arr, lens = pad_prompts(PROMPTS[:3], multiple=16)
     arr, lens = jnp.asarray(arr), jnp.asarray(lens)
@@ -102,14 +104,15 @@ def test_head_cache_holds_the_entries_of_the_target_states(dense):
         width = len(seq) - 1
         positions = jnp.arange(width)[None]
         ref = forward(params, cfg, tokens[:, :width], positions,
-                      KVCache.create(cfg.num_layers, 1, width, cfg.num_kv_heads, cfg.head_dim), return_hidden=True)
+                      KVCache.create(cfg.num_layers, 1, width, cfg.num_kv_heads, cfg.head_dim),
+                      tap_layers=(cfg.num_layers - 1,), last_tap_pre_norm=source == "pre_norm").taps
         empty = mtp.MTPCache.create(cfg, 1, width)
-        _, _, k, v = mtp.step(mparams, mcfg, params, tokens[:, 1:], ref.hidden, positions, empty.k, empty.v,
+        _, _, k, v = mtp.step(mparams, mcfg, params, tokens[:, 1:], ref, positions, empty.k, empty.v,
                               jnp.zeros((1,), jnp.int32))
         n = width - 1  # committed entries; entry `width - 1` is the next draft's first step
         np.testing.assert_allclose(np.asarray(cache.k[b, :n]), np.asarray(k[0, :n]), rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(np.asarray(cache.v[b, :n]), np.asarray(v[0, :n]), rtol=1e-4, atol=1e-5)
-        np.testing.assert_allclose(np.asarray(cache.hidden[b]), np.asarray(ref.hidden[0, -1]), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(cache.hidden[b]), np.asarray(ref[0, -1]), rtol=1e-4, atol=1e-5)
 
 
 PROMPT = [1, 5, 2, 6, 0]
@@ -169,5 +172,75 @@ def test_bad_mtp_settings(dense):
     assert not SpecSettings(method="mtp", mtp_steps=3, budget=8).is_chain
     with pytest.raises(ValueError, match="hidden_source"):
         mtp.MTPConfig(cfg, hidden_source="after")
-    with pytest.raises(ValueError, match="pre_norm"):
-        mtp.MTPConfig(cfg, hidden_source="pre_norm")
+
+
+# ----------------------------------------------------------------------------- hidden_source "pre_norm"
+
+@pytest.mark.parametrize("kind,steps,budget,batch", [("dense", 3, 0, 3), ("dense", 2, 5, 1), ("hybrid", 3, 0, 3),
+                                                     ("hybrid", 2, 5, 3)])
+def test_greedy_pre_norm_mtp_equals_greedy_ar(dense, kind, steps, budget, batch):
+    cfg, params = dense if kind == "dense" else hybrid_target("interval4")
+    mcfg, mparams = mtp.MTPConfig(cfg, hidden_source="pre_norm"), mtp.init_mtp_params(cfg, jax.random.key(3))
+    want = ar_tokens(kind, cfg, params, PROMPTS)
+    s = SpecSettings(method="mtp", mtp_steps=steps, budget=budget, max_new_tokens=NEW)
+    got, accepted = [], []
+    for n, arr, lens in batches(PROMPTS, batch):
+        g = generate_speculative(params, cfg, mparams, mcfg, arr, lens, jax.random.key(0), settings=s, max_len=128)
+        toks, count = np.asarray(g.tokens), np.asarray(g.num_tokens)
+        got += [toks[b, :count[b]].tolist() for b in range(n)]
+        accepted.append(np.asarray(g.accepted)[:n])
+    assert got == want
+    assert np.concatenate(accepted, None).max() >= 2
+
+
+def _final_norm_input(model, tokens: list[int]) -> np.ndarray:
+    """transformers' residual stream entering the final norm (a forward hook): [T, embed]."""
+    import torch
+
+    seen = {}
+    hook = model.model.norm.register_forward_hook(lambda mod, args, out: seen.setdefault("x", args[0]))
+    with torch.no_grad():
+        model(torch.tensor([tokens]))
+    hook.remove()
+    return seen["x"][0].numpy()
+
+
+def test_pre_norm_head_takes_the_state_before_the_final_norm_and_drafts_differently(dense):
+    """The carried state after the prefill is transformers' residual stream before the final norm
+    (pre_norm) or the final-normed one (post_norm), and the two settings draft differently."""
+    cfg, params = dense
+    mparams = mtp.init_mtp_params(cfg, jax.random.key(3))
+    prompt = PROMPTS[2]
+    arr, lens = pad_prompts([prompt], multiple=16)
+    arr, lens = jnp.asarray(arr), jnp.asarray(lens)
+    pre_ref = _final_norm_input(target_model(vocab=VOCAB), prompt)[-1]
+    states, logits = {}, {}
+    for source in mtp.HIDDEN_SOURCES:
+        mcfg = mtp.MTPConfig(cfg, hidden_source=source)
+        s = SpecSettings(method="mtp", mtp_steps=3, max_new_tokens=NEW)
+        state = speculative.start_state(params, cfg, mparams, mcfg, arr, lens, jax.random.key(0), 64, s)
+        states[source] = np.asarray(state.draft_cache.hidden[0])
+        logits[source], _, _ = mtp.draft_chain(mparams, mcfg, params, state.draft_cache, state.root, 3,
+                                               jax.random.key(0), SamplingParams(0.0), False)
+    np.testing.assert_allclose(states["pre_norm"], pre_ref, rtol=1e-4, atol=1e-4)
+    w = np.asarray(params.final_norm)
+    normed = pre_ref / np.sqrt(np.mean(pre_ref ** 2) + cfg.rms_norm_eps) * w
+    np.testing.assert_allclose(states["post_norm"], normed, rtol=1e-4, atol=1e-4)
+    assert np.abs(states["pre_norm"] - states["post_norm"]).max() > 0.1
+    assert np.abs(np.asarray(logits["pre_norm"]) - np.asarray(logits["post_norm"])).max() > 1e-2
+
+
+def test_hybrid_last_tap_pre_norm_is_the_state_the_final_norm_takes():
+    """qwen3_5.forward and verify: the last layer's tap with last_tap_pre_norm, put through the
+    final norm, is the default (final-normed) tap, and differs from it."""
+    cfg, params = hybrid_target("interval4")
+    tokens = jnp.asarray([[1, 5, 2, 6, 0, 3]])
+    positions = jnp.arange(6)[None]
+    last = (cfg.num_layers - 1,)
+    taps = {}
+    for pre in (False, True):
+        cache = q35.HybridCache.create(cfg, 1, 16)
+        taps[pre] = q35.forward(params, cfg, tokens, positions, cache, tap_layers=last, last_tap_pre_norm=pre).taps
+    np.testing.assert_allclose(np.asarray(q35.zero_centred_rms_norm(taps[True], params.final_norm, cfg.rms_norm_eps)),
+                               np.asarray(taps[False]), rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(taps[True] - taps[False])).max() > 0.1

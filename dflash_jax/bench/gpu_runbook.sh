@@ -58,6 +58,13 @@
 #   mtp-rounds    the Qwen3.6-27B hybrid shape (random bf16 weights) at ctx 4K, in one command: the AR
 #                 step, the DFlash round, DDTree(64), MTP chains of 1-4 steps and an MTP tree (4 steps,
 #                 16 nodes) of a random MTP head (draft + verify + commit); no per-stage split
+#   mtp-train     SmolLM2 MTP head (`train --drafter-kind mtp`, its layer from the target's last) from the
+#                 drafter phase's token file (RUN_DIR/tokens.npz, made if missing): the shipped drafter's
+#                 schedule (STEPS 13500, batch 32, seq 512, LABELS target-soft) within TRAIN_S (330) s, 2%
+#                 validation, the best exported to RUN_DIR/mtp/mtp (float32, ~17 MB); calling it again resumes
+#   eval-mtp      one bench over gsm8k test (128) + spec_bench (480), greedy, batch 64: AR, MTP chains of
+#                 MTP_STEPS (1 2 3 4) steps and an MTP tree (4 steps, MTP_BUDGET 16 nodes) of the mtp-train
+#                 head (MTP=dir), DFlash and DDTree(64) of the shipped drafter (DRAFT=dir); ~8 min on an H200
 #   train-step    drafter training-step tokens/s, 5-layer drafter against the Qwen3.6-27B shape (random
 #                 bf16, tp=1, batch 4 x 2048): taps computed in the step vs streamed from a taps file;
 #                 target GFLOP per step against bytes per token on disk (TS_BATCH, TS_SEQ override)
@@ -447,6 +454,33 @@ mtp-rounds)
         set -- --model qwen3.6-27b --ctx 4096 --budgets 64 --ddtree-ctx 4096 --mtp-steps 1 2 3 4 --mtp-budgets 16
     fi
     step mtp_rounds "$limit" python -m dflash_jax.bench.spec_round "$@" --no-profile --out "$out/mtp_rounds.json" ;;
+mtp-train)
+    # The token file and schedule of the shipped DFlash drafter (its train_run.json): an MTP head
+    # trained on the same data, labels and steps, for TRAIN_S seconds of GPU time.
+    drafter_args
+    make_tokens || exit 1
+    if [ "$dry" = 1 ]; then set -- --steps 4 --batch 2 --seq-len 128 --log-every 2 --val-fraction 0.25 --eval-every 2
+    else set -- --steps "${STEPS:-13500}" --batch 32 --seq-len 512 --log-every 50 --val-fraction 0.02; fi
+    mtp_run=$run_dir/mtp
+    start=()
+    [ -f "$mtp_run/train_run.json" ] && start=(--resume)
+    step mtp_train "$(( ${TRAIN_S:-330} + 60 ))" python -m dflash_jax.cli train --drafter-kind mtp --target "$gguf" \
+        --data "$run_dir/tokens.npz" --out "$mtp_run" --time-limit "${TRAIN_S:-330}" --labels "${LABELS:-target-soft}" \
+        --keep-best --no-progress "${start[@]}" "$@" || exit 1
+    # The transfer back takes files of at most 16 MiB: the weights come in parts.
+    split -b 15M "$mtp_run/mtp/mtp.safetensors" "$out/mtp.safetensors.part_"
+    tar czf "$out/mtp_run.tgz" -C "$mtp_run" train_run.json log.jsonl plots ;;
+eval-mtp)
+    # One command: every method on the same prompts in one report (tau, tokens/s, speedup over AR).
+    if [ "$dry" = 1 ]; then sets=("$data/gsm8k/test.jsonl:2" "$data/spec_bench/question.jsonl:2")
+                            ev=(--max-new-tokens 16 --batch 2 --budget 16) mtp_steps=(1 2) mtp_budget=(8)
+    else sets=("$data/gsm8k/test.jsonl:128" "$data/spec_bench/question.jsonl")
+         ev=(--max-new-tokens 256 --batch 64 --budget 64)
+         read -r -a mtp_steps <<< "${MTP_STEPS:-1 2 3 4}"
+         mtp_budget=("${MTP_BUDGET:-16}"); fi
+    step eval_mtp "$limit" python -m dflash_jax.cli bench --target "$gguf" --draft "${DRAFT:-smollm2}" \
+        --mtp-head "${MTP:-$run_dir/mtp/mtp}" --method ar mtp dflash ddtree --mtp-steps "${mtp_steps[@]}" \
+        --mtp-budget "${mtp_budget[@]}" --prompts "${sets[@]}" --no-progress "${ev[@]}" --out "$out/eval_mtp" ;;
 train-step)
     if [ "$dry" = 1 ]; then set -- --model tiny-hybrid --layers 2 --batch 2 --seq-len 64 --blocks 4 --block-size 4 --batches 2 --iters 2
     else set -- --model qwen3.6-27b --layers 5 --batch "${TS_BATCH:-4}" --seq-len "${TS_SEQ:-2048}" --blocks 32 --iters 10; fi
@@ -463,6 +497,6 @@ collectives)
 *)
     echo "unknown phase: $phase (ar, decode, rounds, rounds-split, kernel, kernel-tests, gdn-verify, lossless, top-k," \
         "kernel-sweep, hybrid, mtp-rounds, drafter, drafter-ab, eval-ab, eval-pick, eval, eval-gsm8k, eval-spec-bench," \
-        "speed, drafter-mix, eval-mix, train-step, collectives, tp)" >&2
+        "speed, drafter-mix, eval-mix, mtp-train, eval-mtp, train-step, collectives, tp)" >&2
     exit 2 ;;
 esac

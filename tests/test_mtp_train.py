@@ -1,0 +1,264 @@
+"""Training MTP heads (`train` with an `mtp.MTPConfig`, `dflash-jax train --drafter-kind mtp`): the
+packed training pass is the inference draft step, a few steps lower the loss, a run resumes to
+the same weights, and the exported head loads and drafts losslessly."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from convert.hf_safetensors import load_hf
+from convert.mtp import FILE, export_mtp, load_mtp
+from dflash_jax import mtp
+from dflash_jax import train as tr
+from dflash_jax.generate import generate_ar
+from dflash_jax.impl import Impl
+from dflash_jax.pipeline import pad_prompts
+from dflash_jax.sampling import SamplingParams
+from dflash_jax.speculative import SpecSettings, generate_speculative, target_family
+from tests.spec_models import target_model
+from tests.test_qwen3_5_speculative import target as hybrid_target
+from tests.test_train import SEQ, VOCAB, toy_sequences
+
+TC = tr.TrainConfig(steps=10, batch_size=4, seq_len=SEQ, learning_rate=1e-2, warmup_fraction=0.1,
+                    compute_dtype="float32", seed=3)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    model = target_model(seed=0, vocab=VOCAB)
+    directory = tmp_path_factory.mktemp("target")
+    model.save_pretrained(directory)
+    cfg, params = load_hf(directory)
+    return model, cfg, params
+
+
+@pytest.mark.parametrize("kind,source", [("dense", "post_norm"), ("dense", "pre_norm"), ("hybrid", "post_norm")])
+def test_packed_training_rows_equal_the_inference_draft_step(target, kind, source):
+    """Row t of the training pass == the first chained step of a generation whose committed prefix
+    is tokens[: t + 1] and whose root is token t + 1 (the head's cache seeded by `mtp.prefill` from
+    the target's prefill), at every t: what is trained is what drafts."""
+    cfg, params = target[1:] if kind == "dense" else hybrid_target("interval4")
+    mcfg = mtp.MTPConfig(cfg, hidden_source=source)
+    mparams = mtp.init_mtp_params(cfg, jax.random.key(5))
+    seq = toy_sequences(1).tokens[0, :20] % cfg.vocab_size
+    tokens = jnp.asarray(seq)[None]
+    taps, _ = tr.target_taps(params, cfg, tokens, mcfg.target_layer_ids, last_pre_norm=source == "pre_norm")
+    packed = np.asarray(tr.mtp_packed_logits(mparams, mcfg, params, taps, tokens))
+    family = target_family(cfg)
+    for t in (0, 3, 11, 17):
+        prompt = jnp.asarray(seq[:t + 1])[None]
+        lens = jnp.asarray([t + 1], jnp.int32)
+        _, ptaps, _ = family.prefill(params, cfg, prompt, lens, 32, mcfg.target_layer_ids, Impl(), source == "pre_norm")
+        cache = mtp.prefill(mparams, mcfg, params, mtp.MTPCache.create(cfg, 1, 32), prompt, lens, ptaps,
+                            jnp.asarray([seq[t + 1]]))
+        logits, _, _ = mtp.draft_chain(mparams, mcfg, params, cache, jnp.asarray([seq[t + 1]], jnp.int32), 1,
+                                       jax.random.key(0), SamplingParams(0.0), False)
+        np.testing.assert_allclose(packed[0, t], np.asarray(logits[0, 0]), rtol=1e-4, atol=1e-4, err_msg=f"t={t}")
+
+
+def test_mtp_scores_take_the_token_two_ahead_inside_the_response(target):
+    """Rows from the last prompt position while t + 2 is a response token; the label is token t + 2
+    (response labels) or the target's argmax after t + 1 (target labels); the cross-entropy is
+    that of the packed logits."""
+    _, cfg, params = target
+    mcfg = mtp.MTPConfig(cfg)
+    mparams = mtp.init_mtp_params(cfg, jax.random.key(5))
+    data = toy_sequences(2)
+    batch = {k: jnp.asarray(v) for k, v in data.batch(np.arange(2)).items()}
+    taps, greedy = tr.target_taps(params, cfg, batch["tokens"], mcfg.target_layer_ids, labels="target")
+    logits = np.asarray(tr.mtp_packed_logits(mparams, mcfg, params, taps, batch["tokens"]))
+    log_q = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1,
+                                                                                                          keepdims=True)
+    tokens, greedy = np.asarray(batch["tokens"]), np.asarray(greedy)
+    for labels, label_of in (("response", lambda b, t: tokens[b, t + 2]), ("target", lambda b, t: greedy[b, t + 1])):
+        s = tr.mtp_scores(mparams, params, taps, batch, mcfg=mcfg, tc=dataclasses.replace(TC, labels=labels),
+                          source=None if labels == "response" else jnp.asarray(greedy))
+        for b in range(2):
+            p, n = int(data.prompt_lens[b]), int(data.total_lens[b])
+            want = np.zeros(SEQ, bool)
+            want[p - 1:n - 2] = True
+            np.testing.assert_array_equal(np.asarray(s["valid"][b]), want)
+            for t in (p - 1, p + 4, n - 3):
+                np.testing.assert_allclose(float(s["ce"][b, t, 0]), -log_q[b, t, label_of(b, t)], rtol=1e-4,
+                                           err_msg=labels)
+
+
+@pytest.fixture(scope="module")
+def runs(target, tmp_path_factory):
+    """A run from the target's last layer, and the same run stopped at step 4 and resumed."""
+    _, cfg, params = target
+    mcfg = mtp.MTPConfig(cfg)
+    init = mtp.head_from_target(params, cfg, jax.random.key(1))
+    data = toy_sequences()
+    kw = dict(init_params=init, log_every=1, save_every=3, progress=False, val_fraction=0.2, eval_every=5)
+    full = tr.train(params, cfg, mcfg, data, TC, tmp_path_factory.mktemp("full"), **kw)
+    part_dir = tmp_path_factory.mktemp("resumed")
+    tr.train(params, cfg, mcfg, data, TC, part_dir, stop_at=4, plots=False, **kw)
+    resumed = tr.train(params, cfg, mcfg, data, TC, part_dir, resume=True, plots=False, **kw)
+    return mcfg, init, full, resumed
+
+
+def test_training_an_mtp_head_reduces_the_loss_and_records_the_run(runs):
+    _, _, full, _ = runs
+    losses = [r["loss"] for r in full.history]
+    assert len(losses) == TC.steps and all(np.isfinite(losses))
+    assert np.mean(losses[-3:]) < 0.7 * np.mean(losses[:3]), losses
+    last = full.history[-1]
+    assert len(last["acc_by_pos"]) == 1 and last["tau_estimate"] == pytest.approx(1 + last["acc_by_pos"][0])
+    assert any("val_loss" in r for r in full.history)
+    record = json.loads((full.out_dir / tr.RUN_FILE).read_text())
+    assert record["drafter_config"] == {"kind": "mtp", "hidden_source": "post_norm"}
+    assert record["result"]["export"] == str(full.out_dir / "mtp")
+    assert (full.out_dir / "plots" / "loss.png").stat().st_size > 0
+    assert (full.out_dir / "mtp" / FILE).is_file()
+
+
+def test_resumed_mtp_training_equals_uninterrupted(runs):
+    _, _, full, resumed = runs
+    assert int(resumed.state.step) == TC.steps
+    for a, b in zip(jax.tree.leaves(resumed.state.params), jax.tree.leaves(full.state.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_head_from_target_copies_the_last_layer(target, tmp_path):
+    """The exported initial head's layer tensors are transformers' last layer's, name for name."""
+    model, cfg, params = target
+    export_mtp(mtp.head_from_target(params, cfg, jax.random.key(1)), cfg, tmp_path)
+    from safetensors.numpy import load_file
+
+    head = load_file(str(tmp_path / FILE))
+    last = {n: p.detach().numpy() for n, p in model.model.layers[-1].named_parameters()}
+    assert len(last) == 11  # q, k, v, o, q_norm, k_norm, gate, up, down, two norms
+    for name, value in last.items():
+        np.testing.assert_array_equal(head[f"mtp.layers.0.{name}"], value, err_msg=name)
+
+
+def test_hybrid_head_from_target_copies_the_last_full_attention_layer():
+    cfg, params = hybrid_target("interval4")
+    head = mtp.head_from_target(params, cfg, jax.random.key(1))
+    common, attn = head.layer
+    for got, want in ((common, jax.tree.map(lambda a: a[-1], params.layers)),
+                      (attn, jax.tree.map(lambda a: a[-1], params.attn))):
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(g[0]), np.asarray(w))
+    cfg5, params5 = hybrid_target("aperiodic")  # its last layer is a GDN layer
+    with pytest.raises(ValueError, match="layer 4 is 'linear_attention'"):
+        mtp.head_from_target(params5, cfg5, jax.random.key(1))
+
+
+def test_exported_head_loads_and_drafts_losslessly(runs, target):
+    """export -> load_mtp gives the trained weights, and greedy MTP with it == greedy AR, with
+    drafted tokens accepted."""
+    _, cfg, params = target
+    mcfg, _, full, _ = runs
+    loaded = load_mtp(full.out_dir / "mtp", cfg)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(full.state.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    data = toy_sequences(3, seed=7)
+    prompts = [data.tokens[i, :data.prompt_lens[i] + 3].tolist() for i in range(3)]
+    arr, lens = pad_prompts(prompts, multiple=16)
+    arr, lens = jnp.asarray(arr), jnp.asarray(lens)
+    ar = generate_ar(params, cfg, arr, lens, jax.random.key(0), max_new_tokens=16, max_len=96)
+    s = SpecSettings(method="mtp", mtp_steps=2, max_new_tokens=16)
+    g = generate_speculative(params, cfg, loaded, mcfg, arr, lens, jax.random.key(0), settings=s, max_len=96)
+    np.testing.assert_array_equal(np.asarray(g.num_tokens), np.asarray(ar.num_tokens))
+    for b in range(3):
+        n = int(ar.num_tokens[b])
+        np.testing.assert_array_equal(np.asarray(g.tokens[b, :n]), np.asarray(ar.tokens[b, :n]))
+    assert np.asarray(g.accepted).max() >= 2
+
+
+def test_pre_norm_head_trains_and_loads_as_pre_norm(target, tmp_path):
+    """A pre_norm run takes the target's state before its final norm and exports that setting,
+    so `bench --mtp-head` drafts with it; a head without the metadata is post_norm."""
+    from dflash_jax.cli import _load_mtp_head_for
+
+    _, cfg, params = target
+    mcfg = mtp.MTPConfig(cfg, hidden_source="pre_norm")
+    run = tr.train(params, cfg, mcfg, toy_sequences(), dataclasses.replace(TC, steps=2), tmp_path / "run",
+                   log_every=1, progress=False, plots=False)
+    assert json.loads((run.out_dir / tr.RUN_FILE).read_text())["drafter_config"]["hidden_source"] == "pre_norm"
+    loaded_cfg, _ = _load_mtp_head_for(str(run.export_dir), "unused", cfg, jnp.float32)
+    assert loaded_cfg == mcfg
+    # The two settings train on different states: the same start and data give other losses.
+    post = tr.train(params, cfg, mtp.MTPConfig(cfg), toy_sequences(), dataclasses.replace(TC, steps=2),
+                    tmp_path / "post", log_every=1, progress=False, plots=False, export=False)
+    assert abs(post.history[0]["loss"] - run.history[0]["loss"]) > 1e-3
+    from safetensors.numpy import load_file, save_file
+
+    save_file(load_file(str(run.export_dir / FILE)), str(tmp_path / FILE))  # no metadata
+    assert _load_mtp_head_for(str(tmp_path), "unused", cfg, jnp.float32)[0].hidden_source == "post_norm"
+
+
+def test_mtp_pre_norm_refuses_stored_taps(target, tmp_path):
+    _, cfg, _ = target
+
+    class Store:
+        path, tap_layers = tmp_path, (cfg.num_layers - 1,)
+
+    tr.check_taps(Store(), mtp.MTPConfig(cfg), TC)
+    with pytest.raises(ValueError, match="--taps.*pre_norm"):
+        tr.check_taps(Store(), mtp.MTPConfig(cfg, hidden_source="pre_norm"), TC)
+
+
+def test_runbook_mtp_phases_dry(tmp_path):
+    """DRY=1 runs mtp-train then eval-mtp on the CPU with SmolLM2 (a few prompts written here):
+    `train --drafter-kind mtp` from make-data's token file, the head exported in parts small
+    enough to copy back with the run's record, then one bench of every method on it, each
+    method's output equal to AR's."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    data = tmp_path / "data"
+    rows = {"gsm8k/train.jsonl": [{"question": f"Tom has {n} apples and buys {n + 3} more. How many now?"}
+                                  for n in range(3)],
+            "alpaca_eval/instructions.jsonl": [{"instruction": "Name three colours."}],
+            "gsm8k/test.jsonl": [{"question": "A box holds 4 pens. How many pens are in 3 boxes?"}] * 2,
+            "spec_bench/question.jsonl": [{"question_id": 1, "category": "writing", "turns": ["Write a haiku."]}] * 2}
+    for name, lines in rows.items():
+        (data / name).parent.mkdir(parents=True, exist_ok=True)
+        (data / name).write_text("".join(json.dumps(r) + "\n" for r in lines))
+    out = tmp_path / "out"
+    env = {**os.environ, "DRY": "1", "JAX_PLATFORMS": "cpu", "DATA": str(data),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run(["bash", "dflash_jax/bench/gpu_runbook.sh", "mtp-train,eval-mtp", str(out)], cwd=repo,
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:] + done.stdout[-2000:]
+    parts = sorted(out.glob("mtp.safetensors.part_*"))
+    assert parts and all(p.stat().st_size <= 16 * 2 ** 20 for p in parts)
+    head = out / "run" / "mtp" / "mtp" / FILE
+    assert b"".join(p.read_bytes() for p in parts) == head.read_bytes()
+    record = json.loads((out / "run" / "mtp" / tr.RUN_FILE).read_text())
+    assert record["drafter_config"]["kind"] == "mtp" and record["result"]["finished"]
+    assert record["train_config"]["labels"] == "target-soft" and record["init"] == {"mtp_init": "target"}
+    report = json.loads((out / "eval_mtp" / "report.json").read_text())
+    names = set(report["methods"])
+    assert {"ar", "mtp(k=1)", "mtp(k=2)", "mtp(k=2,budget=8)", "dflash(bs=16)", "ddtree(bs=16,budget=16)"} <= names
+    assert all(m["matches_ar"] == 1.0 for k, m in report["methods"].items() if k != "ar")
+
+
+def test_cli_refuses_dflash_settings_and_another_kind_before_loading(runs, tmp_path, capsys, monkeypatch):
+    import convert
+    from dflash_jax.cli import main
+
+    def no_load(*a, **k):
+        raise AssertionError("the target was loaded before the flags were checked")
+
+    monkeypatch.setattr(convert, "load_model", no_load)
+    assert main(["train", "--drafter-kind", "mtp", "--out", str(tmp_path), "--layers", "2"]) == 2
+    assert "--layers is a DFlash drafter's setting; --drafter-kind mtp" in capsys.readouterr().err
+    _, _, full, _ = runs
+    assert main(["train", "--out", str(full.out_dir), "--resume", "--drafter-kind", "dflash"]) == 2
+    assert f"--drafter-kind dflash disagrees with the run in {full.out_dir} (mtp)" in capsys.readouterr().err
+    assert main(["train", "--out", str(tmp_path), "--hidden-source", "pre_norm"]) == 2
+    assert "--hidden-source is an MTP head's setting: pass --drafter-kind mtp" in capsys.readouterr().err
+    assert main(["train", "--out", str(full.out_dir), "--resume", "--mtp-init", "random"]) == 2
+    assert "--mtp-init starts a run; --resume continues" in capsys.readouterr().err
