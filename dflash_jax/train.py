@@ -1065,8 +1065,8 @@ def train(target: TargetParams, cfg: TargetConfig, dcfg: dr.DraftConfig, data: S
         check_taps(data.store, dcfg, tc)
     if data.seq_len != tc.seq_len:
         raise ValueError(f"training rows have seq_len {data.seq_len}, TrainConfig.seq_len is {tc.seq_len}")
-    check_target_tp(cfg, tp)
     mesh = data_parallel_mesh(dp, tc.batch_size, tp)  # before anything is written
+    check_target_tp(cfg, tp)
     eval_every = eval_every if eval_every is not None else 10 * log_every
     check_validation(val_fraction, eval_every, val_batches, keep_best)
     train_rows, val_rows = split_by_prompt(data.prompt_ids, val_fraction, tc.seed)
@@ -1263,8 +1263,8 @@ def time_step_parts(target: TargetParams, cfg: TargetConfig, dcfg: dr.DraftConfi
     The measurement behind "taps on the fly or cached": caching would save at most `taps_s`
     per step. Run it on the training device(s) with the real shapes (`dp`, `tp` as `train`'s).
     """
-    check_target_tp(cfg, tp)
     mesh = data_parallel_mesh(dp, tc.batch_size, tp)
+    check_target_tp(cfg, tp)
     target = cast_floating(target, jnp.dtype(tc.compute_dtype))
     state = init_state(dparams if dparams is not None else dr.init_draft_params(dcfg, jax.random.key(0), training=True), tc)
     if mesh is not None:
