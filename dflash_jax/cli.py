@@ -641,6 +641,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from convert import load_model
     from dflash_jax import train as tr
     from dflash_jax.drafter import draft_config_from_dict
+    from dflash_jax.sharding import ShardingError
     from dflash_jax.train_data import TokenData, build_sequences
 
     out = Path(args.out)
@@ -686,9 +687,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     check_writable(out, "--out")  # before the target is loaded
     if (out / "checkpoints").exists():
         check_writable(out / "checkpoints", "--out's checkpoints")
-    # Frozen target: loaded in float32 (master copy), cast to compute dtype inside `train`.
-    cfg, params, tokenizer = load_model(args.target, dtype=jnp.float32)
-    tr.check_target_tp(cfg, tp)
+    # Frozen target: loaded in float32 (master copy), cast to compute dtype inside `train`. Under
+    # --tp each weight goes straight to its tp shards: a target no single device holds still loads.
+    mesh = tr.data_parallel_mesh(dp, tc.batch_size, tp) if tp > 1 else None
+    try:
+        cfg, params, tokenizer = load_model(args.target, dtype=jnp.float32, mesh=mesh)
+    except ShardingError as err:
+        raise ShardingError(f"tp (--tp) = {tp} does not fit the target {args.target}: {err}") from None
     data_path = Path(args.data) if args.data else out / "train_tokens.npz"
     if not data_path.is_file():
         if not args.data_gen:

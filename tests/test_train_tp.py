@@ -131,3 +131,19 @@ def test_cli_tp_default_on_resume():
     assert _train_tp(None, {"tp": 2}) == 2
     assert _train_tp(4, {"tp": 2}) == 4
     assert _train_dp(None, {"dp": 2}, tp=2) == 2
+
+
+def test_cli_tp_that_does_not_split_the_heads_is_one_error(tmp_path, capsys):
+    """6 q heads over --tp 4: refused while the target is read onto its shards, naming --tp and the heads."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(Qwen3Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+                                 max_position_embeddings=64)).save_pretrained(tmp_path / "six_heads")
+    argv = ["train", "--target", str(tmp_path / "six_heads"), "--out", str(tmp_path / "run"), "--tp", "4",
+            "--batch", "4", "--data", str(tmp_path / "absent.npz")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("error") == 1 and "tp (--tp) = 4 does not fit the target" in err and "=6" in err, err
