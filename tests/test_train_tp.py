@@ -147,3 +147,16 @@ def test_cli_tp_that_does_not_split_the_heads_is_one_error(tmp_path, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("error") == 1 and "tp (--tp) = 4 does not fit the target" in err and "=6" in err, err
+
+
+def test_train_step_bench_at_tp2(tmp_path):
+    """`bench/train_step.py --tp 2` (runbook phase train-step with TS_TP=2) on the tiny hybrid:
+    both ways timed with the target split over 2 devices."""
+    from dflash_jax.bench import train_step as bench
+
+    record = bench.run("tiny-hybrid", 2, 2, 64, 4, 4, 2, 2, str(tmp_path / "taps"), ("in-step", "disk"), tp=2)
+    assert record["tp"] == 2 and sorted(record["modes"]) == ["disk", "in-step"]
+    assert all(r["tokens_per_s"] > 0 for r in record["modes"].values())
+    assert "at tp 2" in bench.table(record)
+    with pytest.raises(ValueError, match=r"tp \(--tp\) = 3 does not divide"):
+        bench.run("tiny-hybrid", 2, 2, 64, 4, 4, 2, 2, None, ("in-step",), tp=3)
