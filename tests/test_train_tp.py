@@ -160,3 +160,11 @@ def test_train_step_bench_at_tp2(tmp_path):
     assert "at tp 2" in bench.table(record)
     with pytest.raises(ValueError, match=r"tp \(--tp\) = 3 does not divide"):
         bench.run("tiny-hybrid", 2, 2, 64, 4, 4, 2, 2, None, ("in-step",), tp=3)
+
+
+def test_measure_taps_at_tp2(target):
+    """`train --measure-taps --tp 2`'s timing (`time_step_parts`) with the target split over 2 devices."""
+    _, cfg, params = target
+    times = tr.time_step_parts(params, cfg, make_dcfg(cfg), paired_sequences(), TC, numpy_init(make_dcfg(cfg)),
+                               repeats=1, tp=2)
+    assert times["taps_s"] > 0 and times["step_s"] > 0
