@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -77,7 +78,7 @@ def test_tp2_splits_the_target_and_replicates_the_drafter(tp_runs):
     assert layer.attn_norm.sharding.is_fully_replicated
     qkv_shards = {s.data.shape for s in layer.attn.qkv.addressable_shards}
     assert qkv_shards == {(cfg.hidden_size, cfg.num_kv_heads // 2, cfg.group_size + 2, cfg.head_dim)}
-    for leaf in __import__("jax").tree.leaves(seen["state_in"]):
+    for leaf in jax.tree.leaves(seen["state_in"]):
         assert len(leaf.sharding.device_set) == 4 and leaf.sharding.is_fully_replicated, leaf.sharding
     record = json.loads((tp_runs["tp2"].out_dir / tr.RUN_FILE).read_text())
     assert (record["dp"], record["tp"]) == (2, 2) and record["result"]["tp"] == 2
