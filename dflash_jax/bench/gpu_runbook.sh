@@ -451,7 +451,8 @@ mtp-rounds)
 train-step)
     if [ "$dry" = 1 ]; then set -- --model tiny-hybrid --layers 2 --batch 2 --seq-len 64 --blocks 4 --block-size 4 --batches 2 --iters 2
     else set -- --model qwen3.6-27b --layers 5 --batch "${TS_BATCH:-4}" --seq-len "${TS_SEQ:-2048}" --blocks 32 --iters 10; fi
-    step train_step "$limit" python -m dflash_jax.bench.train_step "$@" --tp "${TS_TP:-1}" --taps-dir "$out/taps" --out "$out/train_step.json"
+    step train_step "$limit" python -m dflash_jax.bench.train_step "$@" --tp "${TS_TP:-1}" --taps-dir "$out/taps" \
+        --out "$out/train_step.json"
     rm -rf "$out/taps" ;;
 collectives)
     # One all-reduce at the tp shapes: NCCL, NCCL on the compute stream, XLA's one-shot kernel

@@ -76,7 +76,8 @@ def run(model: str, layers: int, batch: int, seq_len: int, blocks: int, block_si
 
     features = len(dcfg.target_layer_ids) * cfg.hidden_size
     record: dict[str, Any] = {
-        "model": model, "tp": tp, "layers": layers, "taps": list(dcfg.target_layer_ids), "batch": batch, "seq_len": seq_len,
+        "model": model, "tp": tp, "layers": layers, "taps": list(dcfg.target_layer_ids), "batch": batch,
+        "seq_len": seq_len,
         "blocks": blocks, "block_size": block_size, "tokens_per_step": batch * seq_len,
         "target_gflop_per_step": target_flops(target, batch * seq_len) / 1e9,
         "disk_bytes_per_token": features * jnp.dtype(dtype).itemsize, "modes": {}}
@@ -126,7 +127,8 @@ def run(model: str, layers: int, batch: int, seq_len: int, blocks: int, block_si
 
 
 def table(record: dict[str, Any]) -> str:
-    lines = [f"{record['model']} at tp {record['tp']}, {record['layers']}-layer drafter, batch {record['batch']} x {record['seq_len']}: "
+    lines = [f"{record['model']} at tp {record['tp']}, {record['layers']}-layer drafter, "
+             f"batch {record['batch']} x {record['seq_len']}: "
              f"target {record['target_gflop_per_step']:.4g} GFLOP/step in the step, or "
              f"{record['disk_bytes_per_token'] / 1e3:.1f} KB/token on disk",
              "", "| taps | step ms (median) | tokens/s | host read ms |", "|---|---|---|---|"]
