@@ -511,6 +511,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="data-parallel devices: each step's --batch sequences are split over them, the "
                         "drafter and optimizer state replicated (--batch must divide by it; default 1, "
                         "with --resume the run's; a resumed run may change it)")
+    p.add_argument("--tp", type=POSITIVE, default=None,
+                   help="tensor-parallel devices inside each process (host): the frozen target is split over "
+                        "them, dp runs over the rest (must divide each process's devices and the target's "
+                        "heads; default 1, with --resume the run's; a resumed run may change it)")
     # Drafter shape (fresh runs only; --resume reads it from the run, --init from its drafter).
     p.add_argument("--drafter-kind", choices=("dflash", "mtp"), default=None,
                    help="dflash (default): a block-diffusion drafter; mtp: a one-layer MTP head for "
@@ -620,15 +624,22 @@ def cmd_make_data(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train_dp(given: int | None, saved: dict[str, Any] | None) -> int:
-    """--dp if given, else every device of a multi-process run, else the resumed run's dp (1 for a
-    run recorded before --dp existed), else 1."""
+def _train_tp(given: int | None, saved: dict[str, Any] | None) -> int:
+    """--tp if given, else the resumed run's tp (1 for a run recorded before --tp existed), else 1."""
+    if given is not None:
+        return given
+    return int(saved.get("tp", 1)) if saved is not None else 1
+
+
+def _train_dp(given: int | None, saved: dict[str, Any] | None, tp: int = 1) -> int:
+    """--dp if given, else every device of a multi-process run over tp, else the resumed run's dp
+    (1 for a run recorded before --dp existed), else 1."""
     if given is not None:
         return given
     import jax
 
     if jax.process_count() > 1:
-        return jax.device_count()
+        return max(jax.device_count() // tp, 1)
     return int(saved.get("dp", 1)) if saved is not None else 1
 
 
@@ -641,6 +652,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from convert import load_model
     from dflash_jax import train as tr
     from dflash_jax.drafter import draft_config_from_dict
+    from dflash_jax.sharding import ShardingError
     from dflash_jax.train_data import TokenData, build_sequences
 
     out = Path(args.out)
@@ -698,14 +710,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     val_batches = val["val_batches"] if args.val_batches is None else args.val_batches
     keep_best = val["keep_best"] if args.keep_best is None else args.keep_best
     tr.check_validation(val_fraction, eval_every, val_batches, keep_best)  # before the target is loaded
-    dp = _train_dp(args.dp, saved)
-    tr.check_data_parallel(dp, tc.batch_size)  # before the target is loaded
+    tp = _train_tp(args.tp, saved)
+    dp = _train_dp(args.dp, saved, tp)
+    tr.check_data_parallel(dp, tc.batch_size, tp)  # before the target is loaded
     _check_data_gen_args(args)
     check_writable(out, "--out")  # before the target is loaded
     if (out / "checkpoints").exists():
         check_writable(out / "checkpoints", "--out's checkpoints")
-    # Frozen target: loaded in float32 (master copy), cast to compute dtype inside `train`.
-    cfg, params, tokenizer = load_model(args.target, dtype=jnp.float32)
+    # Frozen target: loaded in float32 (master copy), cast to compute dtype inside `train`. Under
+    # --tp each weight goes straight to its tp shards: a target no single device holds still loads.
+    mesh = tr.data_parallel_mesh(dp, tc.batch_size, tp) if tp > 1 else None
+    try:
+        cfg, params, tokenizer = load_model(args.target, dtype=jnp.float32, mesh=mesh)
+    except ShardingError as err:
+        raise ShardingError(f"tp (--tp) = {tp} does not fit the target {args.target}: {err}") from None
     data_path = Path(args.data) if args.data else out / "train_tokens.npz"
     if not data_path.is_file():
         if not args.data_gen:
@@ -740,19 +758,20 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         seqs = tr.TappedSequences(seqs, TapStore.open(args.taps))
     if args.measure_taps:
-        print(json.dumps({**tr.time_step_parts(params, cfg, dcfg, seqs, tc, dp=dp), "train_config": tc.to_dict(),
-                          "dp": dp}))
+        print(json.dumps({**tr.time_step_parts(params, cfg, dcfg, seqs, tc, dp=dp, tp=tp),
+                          "train_config": tc.to_dict(), "dp": dp, "tp": tp}))
         return 0
     what = (f"an MTP head ({dcfg.hidden_source} states)" if mtp_head else
             f"a {dcfg.num_layers}-layer block-{dcfg.block_size} drafter (taps {list(dcfg.target_layer_ids)}, "
             f"mask token {dcfg.mask_token_id})")
     print(f"training {what} on {len(seqs)} sequences from {data_path}"
-          + (f", batch split over {dp} devices" if dp > 1 else ""), file=sys.stderr)
+          + (f", batch split over {dp} dp groups" if dp > 1 else "")
+          + (f", target split over {tp} devices" if tp > 1 else ""), file=sys.stderr)
     result = tr.train(params, cfg, dcfg, seqs, tc, out, init_params=init_params, resume=args.resume,
                       save_every=args.save_every, stop_at=args.stop_at,
                       log_every=args.log_every, time_limit=args.time_limit, export_dtype=args.export_dtype,
                       val_fraction=val_fraction, eval_every=eval_every, val_batches=val_batches,
-                      keep_best=keep_best, progress=not args.no_progress, dp=dp,
+                      keep_best=keep_best, progress=not args.no_progress, dp=dp, tp=tp,
                       extra_record={"target": str(args.target), "data": str(data_path), "taps": args.taps,
                                     "init": saved.get("init") if saved else init})
     print(json.dumps({"out": str(result.out_dir), **result.summary}))

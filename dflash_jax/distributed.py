@@ -131,14 +131,19 @@ def agree(value: int) -> int:
 def put_replicated(tree: Any, mesh: jax.sharding.Mesh) -> Any:
     """Every array of `tree` whole on every device of `mesh` (the same value in every process)."""
     sharding = NamedSharding(mesh, PartitionSpec())
+    return put_sharded(tree, jax.tree.map(lambda _: sharding, tree))
 
-    def one(x: Any) -> jax.Array:
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            return jax.device_put(x, sharding)  # already global (a restored state): a relayout at most
+
+def put_sharded(tree: Any, shardings: Any) -> Any:
+    """Every array of `tree` laid out as the matching leaf of `shardings` says (the same value in
+    every process): each process fills only the shards its own devices hold."""
+    def one(x: Any, sharding: NamedSharding) -> jax.Array:
+        if isinstance(x, jax.Array) and (not x.is_fully_addressable or x.sharding == sharding):
+            return jax.device_put(x, sharding)  # already global or in place: a relayout at most
         host = np.asarray(x)
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
-    return jax.tree.map(one, tree)
+    return jax.tree.map(one, tree, shardings)
 
 
 def put_rows(rows: Callable[[np.ndarray], Mapping[str, np.ndarray]], count: int, mesh: jax.sharding.Mesh,

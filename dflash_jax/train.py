@@ -41,14 +41,17 @@ acc_by_pos has one entry and tau_estimate = 1 + accuracy, the expected tokens a 
 one-step chain commits. The export is `convert.mtp.export_mtp` (out_dir/mtp/), what
 `bench --mtp-head` loads.
 
-Data parallelism (`train(..., dp=N)`, `dflash-jax train --dp N`): one SPMD program over a
-("dp", "tp") = (N, 1) mesh. Each step's global batch of `batch_size` rows is split over "dp"
-on its leading axis; the frozen target, the float32 masters and the AdamW state are
-replicated. Each device computes the gradient and metric sums of its rows and the devices'
-sums are added in a fixed order (`data_parallel_sums`). The anchors are drawn from the same
-key over the global [batch, seq_len] shape (threefry bits do not depend on the sharding), so
-dp = N trains the same drafter as dp = 1 up to float32 summation order.
-Checkpoints hold whole (replicated) arrays: a run may be resumed with another dp.
+Data and tensor parallelism (`train(..., dp=N, tp=T)`, `dflash-jax train --dp N --tp T`): one
+SPMD program over a ("dp", "tp") = (N, T) mesh, each "tp" group of T devices inside one process
+(host). Each step's global batch of `batch_size` rows is split over "dp" on its leading axis;
+the frozen target is split over "tp" with the decoding side's tensor-parallel layout (heads, MLP
+and vocabulary; `place_target`), so a target too large for one device fits a host; the float32
+masters and the AdamW state are replicated. Each dp group computes the gradient and metric sums
+of its rows (the target's tp collectives inside, placed by XLA) and the groups' sums are added
+in a fixed order (`data_parallel_sums`). The anchors are drawn from the same key over the global
+[batch, seq_len] shape (threefry bits do not depend on the sharding), so dp = N, tp = T trains
+the same drafter as one device up to float32 summation order.
+Checkpoints hold whole (replicated) arrays: a run may be resumed with another dp or tp.
 
 Multi-process (`dflash_jax.distributed`, BUILD.md's multi-host recipe): the mesh spans every
 device of every process, each process loads only its rows of each batch (`load_batch`), and
@@ -81,10 +84,12 @@ from dflash_jax import sharding as sh
 from dflash_jax.config import ModelConfig, default_tap_layers
 from dflash_jax.files import atomic_write_text, bounded, check_writable
 from dflash_jax.kv_cache import KVCache
-from dflash_jax.model import ModelParams, forward, rms_norm
-from dflash_jax.params import cast_floating
+from dflash_jax.model import ModelParams, checkpoint_specs, forward, model_specs, rms_norm
+from dflash_jax.params import cast_floating, is_spec
 from dflash_jax.qwen3_5 import HybridCache, Qwen35Config, Qwen35Params
+from dflash_jax.qwen3_5 import check_tp as qwen35_check_tp
 from dflash_jax.qwen3_5 import forward as qwen35_forward
+from dflash_jax.qwen3_5 import model_specs as qwen35_model_specs
 from dflash_jax.rope import rope_tables
 from dflash_jax.speculative import HYBRID, target_family, taps_pre_norm
 
@@ -549,11 +554,12 @@ def metrics_of(sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
 def data_parallel_sums(fn: Any, replicated: tuple[Any, ...], split: tuple[Any, ...]) -> Any:
     """fn(*replicated, *split) -> a tree of sums over the batch rows it was given, summed over "dp".
 
-    Under a data-parallel mesh each device runs `fn` on its own rows (`split`, leading axis over
-    "dp"; `replicated` whole everywhere), and the per-device sums are added in one fixed order
+    Under a data-parallel mesh each dp group runs `fn` on its own rows (`split`, leading axis over
+    "dp"; `replicated` whole over "dp"), and the per-group sums are added in one fixed order
     (`distributed.ordered_sum`) rather than by XLA's all-reduce, whose order depends on the
     collectives' implementation: a run over 4 devices then gives the same bits in one process or
-    in several. Without a mesh: fn(*replicated, *split).
+    in several. Only "dp" is manual: inside `fn` the "tp" axis stays XLA's, so a target split
+    over "tp" keeps its layout and its collectives. Without a mesh: fn(*replicated, *split).
     """
     mesh = sh.active_mesh()
     dp, _ = sh.mesh_sizes(mesh)
@@ -566,7 +572,8 @@ def data_parallel_sums(fn: Any, replicated: tuple[Any, ...], split: tuple[Any, .
 
     specs = tuple(jax.tree.map(lambda _: P(), r) for r in replicated) + tuple(
         jax.tree.map(lambda x: P(sh.DP, *(None,) * (x.ndim - 1)), t) for t in split)
-    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(*replicated, *split)
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(), axis_names=frozenset({sh.DP}),
+                         check_vma=False)(*replicated, *split)
 
 
 # ----------------------------------------------------------------------------- the step
@@ -638,34 +645,82 @@ _tree_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global
 
 # ----------------------------------------------------------------------------- data parallelism
 
-def check_data_parallel(dp: int, batch_size: int) -> None:
-    """Raises one ValueError naming the flags unless `dp` devices exist and split `batch_size` evenly.
+def check_data_parallel(dp: int, batch_size: int, tp: int = 1) -> None:
+    """Raises one ValueError naming the flags unless dp x tp devices exist, each tp group fits in
+    one process, and dp splits `batch_size` evenly.
 
     A multi-process run must use every device of every process (each process holds a share of
-    the batch): dp = jax.device_count().
+    the batch): dp x tp = jax.device_count().
     """
     if dp < 1:
         raise ValueError(f"dp (--dp) must be >= 1, got {dp}")
+    if tp < 1:
+        raise ValueError(f"tp (--tp) must be >= 1, got {tp}")
+    local = jax.local_device_count()
+    if local % tp:
+        raise ValueError(f"tp (--tp) = {tp} does not divide this process's {local} {jax.default_backend()} "
+                         f"device(s): a tp group stays inside one process (host); pass a --tp that divides {local}")
     devices = jax.device_count()
-    if dist.multi_process() and dp != devices:
-        raise ValueError(f"dp (--dp) = {dp}: a run of {jax.process_count()} processes trains over all their "
-                         f"{devices} devices; pass --dp {devices} or leave it out")
-    if dp > devices:
-        raise ValueError(f"dp (--dp) = {dp} needs {dp} devices, but only {devices} {jax.default_backend()} "
-                         f"device(s) are available; pass --dp {devices} or fewer")
+    if dist.multi_process() and dp * tp != devices:
+        raise ValueError(f"dp (--dp) = {dp} x tp (--tp) = {tp}: a run of {jax.process_count()} processes trains "
+                         f"over all their {devices} devices; pass --dp {devices // tp} or leave it out")
+    if dp * tp > devices:
+        raise ValueError(f"dp (--dp) = {dp}" + (f" x tp (--tp) = {tp}" if tp > 1 else "") + f" needs {dp * tp} "
+                         f"devices, but only {devices} {jax.default_backend()} device(s) are available; pass "
+                         f"--dp {max(devices // tp, 1)} or fewer")
     if batch_size % dp:
         raise ValueError(f"batch_size (--batch) = {batch_size} is not divisible by dp (--dp) = {dp}: "
-                         f"each device takes batch / dp sequences of every step")
+                         f"each dp group takes batch / dp sequences of every step")
 
 
-def data_parallel_mesh(dp: int, batch_size: int) -> jax.sharding.Mesh | None:
-    """The (dp, tp=1) mesh of a dp-way run, after `check_data_parallel`; None at dp = 1.
+def check_target_tp(cfg: TargetConfig, tp: int) -> None:
+    """Raises one ValueError (a `sharding.ShardingError`) naming --tp and the target's numbers
+    when its heads, MLP or GDN heads cannot be split over `tp` devices."""
+    try:
+        if target_family(cfg) is HYBRID:
+            qwen35_check_tp(cfg, tp)
+        else:
+            sh.check_model(cfg, tp)
+    except sh.ShardingError as err:
+        raise sh.ShardingError(f"tp (--tp) = {tp} does not fit the target: {err}") from None
 
-    None keeps a one-device run exactly as it was (no mesh, device 0): its numerics and its
-    compiled step do not change.
+
+def data_parallel_mesh(dp: int, batch_size: int, tp: int = 1) -> jax.sharding.Mesh | None:
+    """The (dp, tp) mesh of a run, after `check_data_parallel`; None at dp = tp = 1.
+
+    The devices are ordered by process (`distributed.process_devices`), so each tp group of
+    consecutive devices sits in one process and dp spans the processes. None keeps a one-device
+    run exactly as it was (no mesh, device 0): its numerics and its compiled step do not change.
     """
-    check_data_parallel(dp, batch_size)
-    return None if dp == 1 else sh.make_mesh(dp, 1, dist.process_devices())
+    check_data_parallel(dp, batch_size, tp)
+    return None if dp * tp == 1 else sh.make_mesh(dp, tp, dist.process_devices())
+
+
+def target_specs(target: TargetParams, cfg: TargetConfig, tp: int = 1) -> Any:
+    """The Spec tree whose layout `target` has: the hybrid's `model_specs`, or for a dense
+    target the decoding layout at tp = 1 or at `tp` (`load_model(mesh=)`'s) or the checkpoint
+    one, whichever matches leaf for leaf (paths and shapes). Raises a ValueError otherwise."""
+    if target_family(cfg) is HYBRID:
+        candidates = [qwen35_model_specs(cfg)]
+    else:
+        candidates = [model_specs(cfg, 1), model_specs(cfg, tp), checkpoint_specs(cfg)]
+    got = jax.tree_util.tree_flatten_with_path(target)[0]
+    for specs in candidates:
+        flat, _ = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
+        if [p for p, _ in flat] == [p for p, _ in got] and all(
+                tuple(s.shape) == tuple(x.shape) for (_, s), (_, x) in zip(flat, got)):
+            return specs
+    raise ValueError(f"the target's params ({len(got)} arrays) match none of {type(cfg).__name__}'s layouts "
+                     f"(decoding or checkpoint); load it with convert.load_model")
+
+
+def place_target(target: TargetParams, cfg: TargetConfig, mesh: jax.sharding.Mesh | None) -> TargetParams:
+    """The frozen target on `mesh`, every weight split over "tp" as its declared logical axes say
+    (`sharding.specs_shardings`: heads, MLP and vocabulary; norms whole) and whole over "dp".
+    Without a mesh: committed to device 0."""
+    if mesh is None:
+        return jax.device_put(target, jax.devices()[0])
+    return dist.put_sharded(target, sh.specs_shardings(target_specs(target, cfg, sh.mesh_sizes(mesh)[1]), mesh))
 
 
 def place_replicated(tree: Any, mesh: jax.sharding.Mesh | None) -> Any:
@@ -1062,7 +1117,7 @@ def train(target: TargetParams, cfg: TargetConfig, dcfg: DrafterConfig, data: Se
           time_limit: float | None = None, export: bool = True, export_dtype: str = "float32",
           val_fraction: float = 0.0, eval_every: int | None = None, val_batches: int = 32,
           keep_best: bool = False, plots: bool = True, progress: bool = True,
-          extra_record: dict[str, Any] | None = None, dp: int = 1) -> TrainResult:
+          extra_record: dict[str, Any] | None = None, dp: int = 1, tp: int = 1) -> TrainResult:
     """Trains a drafter; checkpoints, logs, plots and the z-lab export go under `out_dir`.
 
     out_dir/checkpoints/  orbax CheckpointManager (async saves every `save_every` steps + last)
@@ -1095,6 +1150,10 @@ def train(target: TargetParams, cfg: TargetConfig, dcfg: DrafterConfig, data: Se
     the global batch and must divide by dp. train_run.json's "dp" is this call's; the
     checkpoints do not depend on it, so `resume` may use another dp (a record without "dp" is
     a dp = 1 run).
+
+    `tp` > 1 splits the frozen target over that many devices inside each process (`place_target`;
+    the drafter and its optimizer state stay whole), with dp x tp devices in all; like "dp",
+    train_run.json's "tp" is this call's and a resume may change it.
     """
     import orbax.checkpoint as ocp
 
@@ -1105,7 +1164,8 @@ def train(target: TargetParams, cfg: TargetConfig, dcfg: DrafterConfig, data: Se
         check_taps(data.store, dcfg, tc)
     if data.seq_len != tc.seq_len:
         raise ValueError(f"training rows have seq_len {data.seq_len}, TrainConfig.seq_len is {tc.seq_len}")
-    mesh = data_parallel_mesh(dp, tc.batch_size)  # before anything is written
+    mesh = data_parallel_mesh(dp, tc.batch_size, tp)  # before anything is written
+    check_target_tp(cfg, tp)
     eval_every = eval_every if eval_every is not None else 10 * log_every
     check_validation(val_fraction, eval_every, val_batches, keep_best)
     train_rows, val_rows = split_by_prompt(data.prompt_ids, val_fraction, tc.seed)
@@ -1119,8 +1179,8 @@ def train(target: TargetParams, cfg: TargetConfig, dcfg: DrafterConfig, data: Se
         "fraction": val_fraction, "eval_every": eval_every, "val_batches": val_batches, "keep_best": keep_best,
         "prompts": int(len(np.unique(data.prompt_ids[val_rows]))), "rows": int(len(val_rows)),
         "rows_evaluated": int(len(vset.rows)), "train_rows": int(len(train_rows))}
-    # "dp" sits beside the checked parts, not in them: a resume may change it.
-    record = _run_record(tc, dcfg, {"validation": validation, "dp": dp, **(extra_record or {})})
+    # "dp" and "tp" sit beside the checked parts, not in them: a resume may change them.
+    record = _run_record(tc, dcfg, {"validation": validation, "dp": dp, "tp": tp, **(extra_record or {})})
     check_writable(out_dir, "out_dir (--out)")  # orbax, failing to write, would leave the run hanging
     if ckpt_dir.exists():
         check_writable(ckpt_dir, "checkpoint directory")
@@ -1140,7 +1200,7 @@ def train(target: TargetParams, cfg: TargetConfig, dcfg: DrafterConfig, data: Se
 
     target = cast_floating(target, jnp.dtype(tc.compute_dtype))
     if mesh is not None:
-        target = place_replicated(target, mesh)  # frozen: a whole copy on every device
+        target = place_target(target, cfg, mesh)  # frozen: split over tp, a copy per dp group
     if init_params is None:
         init_params = fresh_params(dcfg, jax.random.key(tc.seed + 1))
     state = init_state(init_params, tc)
@@ -1270,7 +1330,7 @@ def train(target: TargetParams, cfg: TargetConfig, dcfg: DrafterConfig, data: Se
             export_dir.rename(old)
         partial.rename(export_dir)
         shutil.rmtree(old, ignore_errors=True)
-    summary = {**_summary(history, end, tc, export_dir, keep_best, kept_step, validation), "dp": dp}
+    summary = {**_summary(history, end, tc, export_dir, keep_best, kept_step, validation), "dp": dp, "tp": tp}
     if main:
         atomic_write_text(run_path, json.dumps({**record, "result": summary}, indent=2) + "\n")
     return TrainResult(state=state, out_dir=out_dir, export_dir=export_dir, history=history, best_step=kept_step,
@@ -1303,17 +1363,18 @@ def _summary(history: list[dict[str, Any]], end: int, tc: TrainConfig, export_di
 
 def time_step_parts(target: TargetParams, cfg: TargetConfig, dcfg: DrafterConfig, data: SequenceSet,
                     tc: TrainConfig, dparams: dr.DraftParams | None = None, repeats: int = 10,
-                    dp: int = 1) -> dict[str, float]:
+                    dp: int = 1, tp: int = 1) -> dict[str, float]:
     """Median seconds of the taps forward alone and of a whole train_step (compile excluded).
 
     The measurement behind "taps on the fly or cached": caching would save at most `taps_s`
-    per step. Run it on the training device(s) with the real shapes (`dp` as `train`'s).
+    per step. Run it on the training device(s) with the real shapes (`dp`, `tp` as `train`'s).
     """
-    mesh = data_parallel_mesh(dp, tc.batch_size)
+    mesh = data_parallel_mesh(dp, tc.batch_size, tp)
+    check_target_tp(cfg, tp)
     target = cast_floating(target, jnp.dtype(tc.compute_dtype))
     state = init_state(dparams if dparams is not None else fresh_params(dcfg, jax.random.key(0)), tc)
     if mesh is not None:
-        target, state = place_replicated((target, state), mesh)
+        target, state = place_target(target, cfg, mesh), place_replicated(state, mesh)
     batch = load_batch(data, batch_indices(len(data), tc.batch_size, 0, tc.seed), mesh)
     taps_fn = jax.jit(functools.partial(target_taps, labels=tc.labels, last_pre_norm=taps_pre_norm(dcfg)),
                       static_argnums=(1, 3, 4))

@@ -120,6 +120,27 @@ def test_two_processes_train_bitwise_as_one(targets, tmp_path, kind):
     assert record["dp"] == 4 and record["result"]["finished"]
 
 
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_two_processes_tp2_train_bitwise_as_one(targets, tmp_path, kind):
+    """--tp 2 inside each of 2 processes (dp = 2 across them) == 1 process x 4 devices at
+    --dp 2 --tp 2, bitwise (weights and every logged loss): the same mesh, each tp pair on one
+    process either way, the dp sums added in `ordered_sum`'s fixed order, and each of XLA's tp
+    all-reduces adds two operands, whose sum is the same bits in either order."""
+    target, vocab = targets[kind]
+    data = token_file(tmp_path / "tokens.npz", vocab)
+    one, two = tmp_path / "one", tmp_path / "two"
+    launch(train_argv(target, vocab, data, one) + ["--dp", "2", "--tp", "2"], processes=1, devices=4)
+    launch(train_argv(target, vocab, data, two) + ["--tp", "2"], processes=2, devices=2)
+    assert len(losses(one)) == STEPS and np.all(np.isfinite(losses(one)))
+    assert losses(two) == losses(one)
+    ref, got = exported(one), exported(two)
+    assert sorted(got) == sorted(ref)
+    for name in ref:
+        np.testing.assert_array_equal(got[name], ref[name], err_msg=name)
+    record = json.loads((two / "train_run.json").read_text())
+    assert (record["dp"], record["tp"]) == (2, 2)
+
+
 @pytest.mark.parametrize("environ,message", [
     ({dist.ENV_PROCESSES: "2"}, "need --coordinator"),
     ({dist.ENV_ADDRESS: "127.0.0.1:1234", dist.ENV_PROCESSES: "2"}, "needs --num-processes N and --process-id I"),

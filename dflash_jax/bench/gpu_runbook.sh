@@ -67,7 +67,8 @@
 #                 head (MTP=dir), DFlash and DDTree(64) of the shipped drafter (DRAFT=dir); ~8 min on an H200
 #   train-step    drafter training-step tokens/s, 5-layer drafter against the Qwen3.6-27B shape (random
 #                 bf16, tp=1, batch 4 x 2048): taps computed in the step vs streamed from a taps file;
-#                 target GFLOP per step against bytes per token on disk (TS_BATCH, TS_SEQ override)
+#                 target GFLOP per step against bytes per token on disk (TS_BATCH, TS_SEQ override;
+#                 TS_TP=2 splits the target over 2 GPUs as train --tp 2 does)
 #   collectives   the all-reduce alone, by size and dtype: NCCL with XLA's CUDA graphs as they are, with
 #                 the collectives recorded into them, and with graphs off
 #   tp            tensor parallelism, tp=1 vs tp=2 (on a 2-GPU machine). TP_MODELS picks the shapes
@@ -484,7 +485,8 @@ eval-mtp)
 train-step)
     if [ "$dry" = 1 ]; then set -- --model tiny-hybrid --layers 2 --batch 2 --seq-len 64 --blocks 4 --block-size 4 --batches 2 --iters 2
     else set -- --model qwen3.6-27b --layers 5 --batch "${TS_BATCH:-4}" --seq-len "${TS_SEQ:-2048}" --blocks 32 --iters 10; fi
-    step train_step "$limit" python -m dflash_jax.bench.train_step "$@" --taps-dir "$out/taps" --out "$out/train_step.json"
+    step train_step "$limit" python -m dflash_jax.bench.train_step "$@" --tp "${TS_TP:-1}" --taps-dir "$out/taps" \
+        --out "$out/train_step.json"
     rm -rf "$out/taps" ;;
 collectives)
     # One all-reduce at the tp shapes: NCCL, NCCL on the compute stream, XLA's one-shot kernel

@@ -2,7 +2,8 @@
 
     python -m dflash_jax.bench.train_step --model qwen3.6-27b --layers 5 --batch 4 --seq-len 2048 --out R.json
 
-Random bf16 weights of a named target shape (dense or hybrid) on one device, a drafter of
+Random bf16 weights of a named target shape (dense or hybrid) on one device (`--tp T`: split over
+T devices, as `train --tp T` places them; the drafter replicated, the batch whole), a drafter of
 `--layers` layers shaped for it, random token rows. Two ways to feed the taps to `train_step`:
   in-step  the target runs its forward over each batch inside the step (`train.target_taps`);
   disk     the taps were written once (`train_data.TapStore`); each step reads its rows back
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import drafter as dr
+from dflash_jax import sharding as sh
 from dflash_jax import train as tr
 from dflash_jax.bench.common import SHAPES, environment, log, time_fn, write_json
 from dflash_jax.qwen3_5 import Qwen35Config
@@ -40,23 +42,28 @@ def target_flops(params: Any, tokens: int) -> float:
     return 2.0 * (total - skipped) * tokens
 
 
-def init_target(cfg: Any, dtype: Any) -> Any:
+def init_target(cfg: Any, dtype: Any, mesh: Any = None) -> Any:
+    """Random weights drawn straight into their tp shards under `mesh` (a 27B target fits no one GPU of 48 GB)."""
     if isinstance(cfg, Qwen35Config):
         from dflash_jax.qwen3_5 import init_params
     else:
         from dflash_jax.model import init_params
-    return init_params(cfg, jax.random.key(0), dtype)
+    return init_params(cfg, jax.random.key(0), dtype, mesh=mesh)
 
 
 def run(model: str, layers: int, batch: int, seq_len: int, blocks: int, block_size: int, batches: int,
-        iters: int, taps_dir: str | None, modes: tuple[str, ...]) -> dict[str, Any]:
+        iters: int, taps_dir: str | None, modes: tuple[str, ...], tp: int = 1) -> dict[str, Any]:
     cfg = SHAPES[model]
     dtype = jnp.bfloat16
     tc = tr.TrainConfig(steps=1000, batch_size=batch, seq_len=seq_len, num_blocks=blocks, compute_dtype="bfloat16")
     dcfg = tr.drafter_config_for(cfg, num_layers=layers, block_size=block_size, mask_token_id=cfg.vocab_size - 1)
-    log(f"target {model}, drafter {layers} layers (taps {list(dcfg.target_layer_ids)}), batch {batch} x {seq_len}")
-    target = init_target(cfg, dtype)
-    state = tr.init_state(dr.init_draft_params(dcfg, jax.random.key(1), training=True), tc)
+    log(f"target {model} at tp {tp}, drafter {layers} layers (taps {list(dcfg.target_layer_ids)}), "
+        f"batch {batch} x {seq_len}")
+    mesh = tr.data_parallel_mesh(1, batch, tp)  # None at tp = 1: one device, as before
+    tr.check_target_tp(cfg, tp)
+    target = init_target(cfg, dtype, mesh)
+    state = tr.place_replicated(tr.init_state(dr.init_draft_params(dcfg, jax.random.key(1), training=True), tc),
+                                mesh)
     rng = np.random.default_rng(0)
     rows = batch * batches
     tokens = rng.integers(0, cfg.vocab_size - 1, (rows, seq_len), dtype=np.int32)
@@ -69,7 +76,8 @@ def run(model: str, layers: int, batch: int, seq_len: int, blocks: int, block_si
 
     features = len(dcfg.target_layer_ids) * cfg.hidden_size
     record: dict[str, Any] = {
-        "model": model, "layers": layers, "taps": list(dcfg.target_layer_ids), "batch": batch, "seq_len": seq_len,
+        "model": model, "tp": tp, "layers": layers, "taps": list(dcfg.target_layer_ids), "batch": batch,
+        "seq_len": seq_len,
         "blocks": blocks, "block_size": block_size, "tokens_per_step": batch * seq_len,
         "target_gflop_per_step": target_flops(target, batch * seq_len) / 1e9,
         "disk_bytes_per_token": features * jnp.dtype(dtype).itemsize, "modes": {}}
@@ -79,7 +87,7 @@ def run(model: str, layers: int, batch: int, seq_len: int, blocks: int, block_si
     def in_step() -> Any:
         b, _ = host_batch(counter["i"])
         counter["i"] += 1
-        return step(state, target, {k: jnp.asarray(v) for k, v in b.items()}, cfg=cfg, dcfg=dcfg, tc=tc)
+        return step(state, target, tr.place_batch(b, mesh), cfg=cfg, dcfg=dcfg, tc=tc)
 
     store = None
     if "disk" in modes:
@@ -89,7 +97,8 @@ def run(model: str, layers: int, batch: int, seq_len: int, blocks: int, block_si
         t0 = time.perf_counter()
         for i in range(batches):
             b, idx = host_batch(i)
-            taps, _ = taps_fn(target, cfg, jnp.asarray(b["tokens"]), dcfg.target_layer_ids)
+            with sh.use_mesh(mesh):
+                taps, _ = taps_fn(target, cfg, tr.place_batch(b, mesh)["tokens"], dcfg.target_layer_ids)
             store.write(int(idx[0]), np.asarray(taps))
         record["write_seconds"] = time.perf_counter() - t0
         record["taps_file_gb"] = rows * seq_len * record["disk_bytes_per_token"] / 1e9
@@ -102,13 +111,12 @@ def run(model: str, layers: int, batch: int, seq_len: int, blocks: int, block_si
         t0 = time.perf_counter()
         taps = store.read(idx)
         reads.append((time.perf_counter() - t0) * 1e3)
-        dev = {k: jnp.asarray(v) for k, v in b.items()}
-        dev["taps"] = jnp.asarray(taps)
-        return step(state, target, dev, cfg=cfg, dcfg=dcfg, tc=tc)
+        return step(state, target, tr.place_batch({**b, "taps": taps}, mesh), cfg=cfg, dcfg=dcfg, tc=tc)
 
     for mode in modes:
         reads.clear()
-        t = time_fn(in_step if mode == "in-step" else from_disk, warmup=2, iters=iters)
+        with sh.use_mesh(mesh):  # the step compiles for the mesh it is traced under
+            t = time_fn(in_step if mode == "in-step" else from_disk, warmup=2, iters=iters)
         out = {**t, "tokens_per_s": batch * seq_len / (t["median_ms"] * 1e-3)}
         if mode == "disk":
             out["read_ms"] = float(np.median(reads[2:] or reads))
@@ -119,7 +127,8 @@ def run(model: str, layers: int, batch: int, seq_len: int, blocks: int, block_si
 
 
 def table(record: dict[str, Any]) -> str:
-    lines = [f"{record['model']}, {record['layers']}-layer drafter, batch {record['batch']} x {record['seq_len']}: "
+    lines = [f"{record['model']} at tp {record['tp']}, {record['layers']}-layer drafter, "
+             f"batch {record['batch']} x {record['seq_len']}: "
              f"target {record['target_gflop_per_step']:.4g} GFLOP/step in the step, or "
              f"{record['disk_bytes_per_token'] / 1e3:.1f} KB/token on disk",
              "", "| taps | step ms (median) | tokens/s | host read ms |", "|---|---|---|---|"]
@@ -141,13 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--taps-dir", default=None, help="where the taps file goes (default: a temporary directory)")
+    p.add_argument("--tp", type=int, default=1, help="devices the target is split over (tensor parallel)")
     p.add_argument("--out", default=None, help="JSON results")
     a = p.parse_args(argv)
-    for flag in ("layers", "batch", "seq_len", "blocks", "batches", "iters"):
+    for flag in ("layers", "batch", "seq_len", "blocks", "batches", "iters", "tp"):
         if getattr(a, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
     record = run(a.model, a.layers, a.batch, a.seq_len, a.blocks, a.block_size, a.batches, a.iters, a.taps_dir,
-                 tuple(a.modes))
+                 tuple(a.modes), a.tp)
     record["environment"] = environment()
     write_json(a.out, record)
     print(table(record))
