@@ -8,6 +8,7 @@ model, and greedy AR tokens against transformers' `generate`.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import jax
@@ -334,3 +335,34 @@ def test_qwen36_27b_shape_declares_every_weight():
     assert count(specs.attn) == hf["attn"]
     assert count(specs.gdn) == hf["gdn"]
     assert count(specs) - count(specs.attn) - count(specs.gdn) == hf["rest"]
+
+
+def test_layer_scan_slices_no_weight_statically():
+    """The compiled AR step and tree verify hold no static `slice` of a layer's weights: XLA
+    materialises such a slice inside the layer loop as a copy of the weights on every step. A
+    batch of 3 keeps activation shapes apart from weight shapes (weights carry no batch axis)."""
+    cfg = q35.qwen35_config_from_dict(text_config(hidden_size=40, intermediate_size=56))
+    params = jax.eval_shape(lambda: q35.init_params(cfg, jax.random.key(0)))
+    # A layer's weight shapes with size-1 axes dropped (as a slice's result would show them);
+    # 1-D weights (norms, a_log) are left out: activation slices of that size are common.
+    weights = {tuple(d for d in a.shape[1:] if d != 1) for a in jax.tree.leaves((params.layers, params.attn,
+                                                                                 params.gdn))}
+    weights = {w for w in weights if len(w) >= 2}
+    assert (40, 2, 56) in weights and (40, 2, 28) in weights
+    cache = jax.eval_shape(lambda: q35.HybridCache.create(cfg, 3, 32))
+    tok = jax.ShapeDtypeStruct((3, 1), jnp.int32)
+    step = jax.jit(lambda p, t, c: q35.forward(p, cfg, t, t, c).logits)
+    width = 4
+    tree = (jax.ShapeDtypeStruct((3, width), jnp.int32), jax.ShapeDtypeStruct((3, width), jnp.int32),
+            jax.ShapeDtypeStruct((3, width, width), jnp.bool_), jax.ShapeDtypeStruct((3, width), jnp.int32))
+    verify = jax.jit(lambda p, t, pos, vis, par, c: q35.verify(p, cfg, t, pos, vis, par, c)[0])
+    texts = {"AR step": step.lower(params, tok, cache).compile().as_text(),
+             "verify": verify.lower(params, tree[0], tree[1], tree[2], tree[3], cache).compile().as_text()}
+    for what, text in texts.items():
+        assert "while" in text, f"{what}: no layer loop in the compiled HLO"
+        found = []
+        for line in text.splitlines():
+            m = re.search(r"= \w+\[([\d,]*)\]\S* slice\(", line)
+            if m and tuple(int(d) for d in m.group(1).split(",") if d and int(d) != 1) in weights:
+                found.append(line.strip()[:160])
+        assert not found, f"{what}: static slices of layer weights:\n" + "\n".join(found)
