@@ -34,7 +34,7 @@ demo: .venv/.base
 		"Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
 
 test: .venv-test/.test
-	.venv-test/bin/python -m pytest -q tests
+	.venv-test/bin/python -m pytest -q --durations=15 tests
 
 clean:
 	rm -rf .venv .venv-test
