@@ -82,7 +82,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mtp-steps", type=POSITIVE, default=3, help="mtp: chained head steps per round")
     p.add_argument("--stage-times", action="store_true",
                    help="dflash/ddtree: also run the rounds stage by stage (each stage its own jitted "
-                        "program) and print the median ms per stage")
+                        "program) and print the median ms per stage; a hybrid target's verify also split "
+                        "into its attention, GDN and other layers' work (by a profile of the verify)")
     p.add_argument("--compare-ar", action="store_true",
                    help="also decode with plain AR: print the speedup and whether the tokens agree")
     p.add_argument("--block-size", type=BLOCK_SIZE, default=None, help="drafter block size (default: drafter's)")
@@ -274,7 +275,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                         "tokens_per_second": ar.tokens_per_second, "speedup": run.tokens_per_second / ar.tokens_per_second,
                         "same_tokens": run.token_lists() == ar.token_lists()}
     if stages is not None:
-        record["stage_ms"] = {**stages.ms, "rounds_timed": stages.rounds}
+        record["stage_ms"] = {**stages.ms, **{f"verify/{k}": v for k, v in stages.verify_parts.items()},
+                              "rounds_timed": stages.rounds}
     if args.json:
         print(json.dumps(record))
         return 0
@@ -287,9 +289,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(f"{args.method + ':':<{width}} {run.total_tokens} tokens in {run.seconds:.2f} s = "
           f"{run.tokens_per_second:.1f} tokens/s{tau} (compiling, {run.compile_seconds:.1f} s, not counted)")
     if stages is not None and stages.rounds:
-        split = ", ".join(f"{k} {v:.2f}" for k, v in stages.ms.items())
-        print(f"stages: median ms over {stages.rounds} rounds, each stage its own program: {split} "
-              f"(sum {stages.round_ms:.2f}; the fused round pays no per-stage launch)")
+        print(stages.summary())
     if ar is not None:
         a = record["ar"]
         same = ("the same tokens as ar (lossless)" if a["same_tokens"]

@@ -341,6 +341,7 @@ def test_cli_generate_speculative_on_the_hybrid_matches_ar(saved, hybrid_drafter
     assert re.search(rf"^{method} is [\d.]+x as fast as ar; the same tokens as ar \(lossless\)$", out.out, re.M)
     if "--stage-times" in extra:
         assert re.search(r"^stages: median ms over [1-9]\d* rounds", out.out, re.M), out.out
+        assert re.search(r", verify [\d.]+ \(attention [\d.]+, gdn [\d.]+, rest [\d.]+\), accept ", out.out), out.out
 
 
 @pytest.mark.parametrize("argv", [["--tp", "2"], ["--method", "dflash", "--dp", "2", "--tp", "2"]])

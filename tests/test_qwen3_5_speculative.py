@@ -334,8 +334,9 @@ def test_lossless_check_catches_a_state_that_keeps_rejected_drafts(monkeypatch):
 
 def test_stage_times_run_hybrid_rounds():
     """Stage by stage (`stage_times.time_stages`, each stage its own program), a hybrid target's
-    rounds give the fused generation's tokens and acceptance, and every stage is timed."""
-    from dflash_jax.stage_times import STAGES, time_stages
+    rounds give the fused generation's tokens and acceptance, every stage is timed, and the verify
+    is split into its attention, GDN and other work, parts that sum to the verify."""
+    from dflash_jax.stage_times import STAGES, VERIFY_PARTS, time_stages
 
     cfg, params = target("interval4")
     s = SpecSettings(method="ddtree", block_size=8, budget=8, max_new_tokens=16)
@@ -348,6 +349,36 @@ def test_stage_times_run_hybrid_rounds():
     np.testing.assert_array_equal(np.asarray(staged.state.out), np.asarray(fused.tokens))
     np.testing.assert_array_equal(np.asarray(staged.state.accepted), np.asarray(fused.accepted))
     assert set(staged.ms) == set(STAGES) and all(v > 0 for v in staged.ms.values())
+    parts = staged.verify_parts
+    assert tuple(parts) == VERIFY_PARTS == ("attention", "gdn", "rest")
+    assert all(v > 0 for v in parts.values()), parts
+    assert sum(parts.values()) == pytest.approx(staged.ms["verify"], rel=1e-2)
+    assert staged.round_ms == pytest.approx(sum(staged.ms.values()))  # the parts are not counted twice
+    verify = ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
+    assert f"verify {staged.ms['verify']:.2f} ({verify}), accept " in staged.summary()
+
+
+def test_verify_split_follows_the_scopes_work():
+    """`stage_times.split_verify` on a program whose "gdn" scope does ~4 large matmuls, its
+    "attention" scope one small add, and the rest one matmul: the parts rank by that work and sum
+    to the given ms; a profile that maps nothing to HLO instructions is refused."""
+    from dflash_jax.stage_times import split_verify
+
+    def f(x, small):
+        with jax.named_scope(q35.GDN_SCOPE):
+            for _ in range(4):
+                x = jnp.tanh(x @ x)
+        with jax.named_scope(q35.ATTENTION_SCOPE):
+            small = small + 1.0
+        return jnp.tanh(x @ x), small
+
+    x, small = jnp.ones((384, 384)) / 384, jnp.ones((8,))
+    compiled = jax.jit(f).lower(x, small).compile()
+    parts = split_verify(10.0, lambda: compiled(x, small), compiled.as_text())
+    assert sum(parts.values()) == pytest.approx(10.0, rel=1e-2)
+    assert parts["gdn"] > 2 * parts["rest"] > 0 and parts["rest"] > 10 * parts["attention"], parts
+    with pytest.raises(RuntimeError, match="hybrid verify's profile gives no split"):
+        split_verify(10.0, lambda: compiled(x, small), "")
 
 
 # ----------------------------------------------------------------------------- lossless, oracle drafter

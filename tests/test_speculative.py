@@ -302,6 +302,11 @@ def test_stage_times_run_the_same_rounds_as_the_fused_generation(pair, method, t
     assert staged.rounds == int(np.asarray(fused.rounds).max()) - 1  # the warm-up round is not timed
     assert set(staged.ms) == set(STAGES) and all(v > 0 for v in staged.ms.values())
     assert staged.round_ms == pytest.approx(sum(staged.ms.values()))
+    # A dense target's verify is one stage: no parts, and the summary line names the five stages only.
+    assert staged.verify_parts == {}
+    split = ", ".join(f"{k} {staged.ms[k]:.2f}" for k in STAGES)
+    assert staged.summary() == (f"stages: median ms over {staged.rounds} rounds, each stage its own program: "
+                                f"{split} (sum {staged.round_ms:.2f}; the fused round pays no per-stage launch)")
 
 
 def test_stage_times_bad_arguments(pair):
