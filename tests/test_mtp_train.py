@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from convert.hf_safetensors import load_hf
 from convert.mtp import FILE, export_mtp, load_mtp
 from dflash_jax import mtp
 from dflash_jax import train as tr
@@ -20,21 +19,12 @@ from dflash_jax.impl import Impl
 from dflash_jax.pipeline import pad_prompts
 from dflash_jax.sampling import SamplingParams
 from dflash_jax.speculative import SpecSettings, generate_speculative, target_family
-from tests.spec_models import target_model
 from tests.test_qwen3_5_speculative import target as hybrid_target
-from tests.test_train import SEQ, VOCAB, toy_sequences
+from tests.test_train import (target,  # noqa: F401 (a fixture)
+                              SEQ, assert_loss_falls, forbid_loading, full_and_resumed, toy_sequences)
 
 TC = tr.TrainConfig(steps=10, batch_size=4, seq_len=SEQ, learning_rate=1e-2, warmup_fraction=0.1,
                     compute_dtype="float32", seed=3)
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    model = target_model(seed=0, vocab=VOCAB)
-    directory = tmp_path_factory.mktemp("target")
-    model.save_pretrained(directory)
-    cfg, params = load_hf(directory)
-    return model, cfg, params
 
 
 @pytest.mark.parametrize("kind,source", [("dense", "post_norm"), ("dense", "pre_norm"), ("hybrid", "post_norm")])
@@ -96,18 +86,13 @@ def runs(target, tmp_path_factory):
     init = mtp.head_from_target(params, cfg, jax.random.key(1))
     data = toy_sequences()
     kw = dict(init_params=init, log_every=1, save_every=3, progress=False, val_fraction=0.2, eval_every=5)
-    full = tr.train(params, cfg, mcfg, data, TC, tmp_path_factory.mktemp("full"), **kw)
-    part_dir = tmp_path_factory.mktemp("resumed")
-    tr.train(params, cfg, mcfg, data, TC, part_dir, stop_at=4, plots=False, **kw)
-    resumed = tr.train(params, cfg, mcfg, data, TC, part_dir, resume=True, plots=False, **kw)
+    full, _, resumed = full_and_resumed(params, cfg, mcfg, data, TC, tmp_path_factory, 4, **kw)
     return mcfg, init, full, resumed
 
 
 def test_training_an_mtp_head_reduces_the_loss_and_records_the_run(runs):
     _, _, full, _ = runs
-    losses = [r["loss"] for r in full.history]
-    assert len(losses) == TC.steps and all(np.isfinite(losses))
-    assert np.mean(losses[-3:]) < 0.7 * np.mean(losses[:3]), losses
+    assert_loss_falls(full.history, TC.steps)
     last = full.history[-1]
     assert len(last["acc_by_pos"]) == 1 and last["tau_estimate"] == pytest.approx(1 + last["acc_by_pos"][0])
     assert any("val_loss" in r for r in full.history)
@@ -246,13 +231,9 @@ def test_runbook_mtp_phases_dry(tmp_path):
 
 
 def test_cli_refuses_dflash_settings_and_another_kind_before_loading(runs, tmp_path, capsys, monkeypatch):
-    import convert
     from dflash_jax.cli import main
 
-    def no_load(*a, **k):
-        raise AssertionError("the target was loaded before the flags were checked")
-
-    monkeypatch.setattr(convert, "load_model", no_load)
+    forbid_loading(monkeypatch, "the flags")
     assert main(["train", "--drafter-kind", "mtp", "--out", str(tmp_path), "--layers", "2"]) == 2
     assert "--layers is a DFlash drafter's setting; --drafter-kind mtp" in capsys.readouterr().err
     _, _, full, _ = runs

@@ -1,9 +1,12 @@
 """Drafter training (dflash_jax.train): the packed pass, the loss going down, exact resume, export.
 
 CPU, float32, tiny shapes. One TrainConfig is shared by every run so `train_step` compiles once.
+The other training tests (test_mtp_train, test_train_dp, test_train_tp) take their target, data
+and run helpers from here.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 
@@ -69,6 +72,51 @@ def toy_sequences(n=12, seed=0) -> SequenceSet:
             t = (5 * t + 3) % 30
         plens[i], tlens[i] = p, p + r
     return SequenceSet(tokens, plens, tlens)
+
+
+def stop_and_resume(params, cfg, dcfg, data, tc, directory, stop_at, resume_with=None, **kw):
+    """A run in `directory` stopped at step `stop_at`, then resumed there to the end, both with
+    plots off -> (stopped, resumed). resume_with: keyword arguments of `train` that the resumed
+    call changes (another dp or tp)."""
+    kw = {**kw, "plots": False}
+    part = tr.train(params, cfg, dcfg, data, tc, directory, stop_at=stop_at, **kw)
+    resumed = tr.train(params, cfg, dcfg, data, tc, directory, resume=True, **{**kw, **(resume_with or {})})
+    return part, resumed
+
+
+def full_and_resumed(params, cfg, dcfg, data, tc, tmp_path_factory, stop_at, **kw):
+    """An uninterrupted run, and the same run in another directory stopped at step `stop_at` then
+    resumed (`stop_and_resume`) -> (full, stopped, resumed)."""
+    full = tr.train(params, cfg, dcfg, data, tc, tmp_path_factory.mktemp("full"), **kw)
+    return (full, *stop_and_resume(params, cfg, dcfg, data, tc, tmp_path_factory.mktemp("resumed"), stop_at, **kw))
+
+
+def assert_loss_falls(history: list[dict], steps: int) -> list[float]:
+    """A run's log holds `steps` finite losses, and the last 3 average under 0.7 x the first 3 -> the losses."""
+    losses = [r["loss"] for r in history]
+    assert len(losses) == steps and all(np.isfinite(losses)), losses
+    assert np.mean(losses[-3:]) < 0.7 * np.mean(losses[:3]), losses
+    return losses
+
+
+def time_boxed(target, directory, data, **kw):
+    """A run of the make_dcfg drafter with a time limit of 0 (it stops after its first step), log
+    every 100 steps and plots off."""
+    _, cfg, params = target
+    dcfg = make_dcfg(cfg)
+    return tr.train(params, cfg, dcfg, data, TC, directory, init_params=numpy_init(dcfg), log_every=100,
+                    time_limit=0.0, plots=False, progress=False, **kw)
+
+
+def forbid_loading(monkeypatch, checked: str) -> None:
+    """Loading a target (`convert.load_model`) fails the test: the CLI must refuse what `checked`
+    names before it loads anything."""
+    import convert
+
+    def no_load(*a, **k):
+        raise AssertionError(f"the target was loaded before checking {checked}")
+
+    monkeypatch.setattr(convert, "load_model", no_load)
 
 
 # ----------------------------------------------------------------------------- the packed mask
@@ -175,18 +223,13 @@ def runs(target, tmp_path_factory):
     init = numpy_init(dcfg)
     data = toy_sequences()
     kw = dict(init_params=init, log_every=1, save_every=4, progress=False)
-    full = tr.train(params, cfg, dcfg, data, TC, tmp_path_factory.mktemp("full"), **kw)
-    part_dir = tmp_path_factory.mktemp("resumed")
-    part = tr.train(params, cfg, dcfg, data, TC, part_dir, stop_at=5, plots=False, **kw)
-    resumed = tr.train(params, cfg, dcfg, data, TC, part_dir, resume=True, plots=False, **kw)
+    full, part, resumed = full_and_resumed(params, cfg, dcfg, data, TC, tmp_path_factory, 5, **kw)
     return dcfg, full, part, resumed
 
 
 def test_training_reduces_the_loss(runs):
     _, full, _, _ = runs
-    losses = [r["loss"] for r in full.history]
-    assert len(losses) == TC.steps and all(np.isfinite(losses))
-    assert np.mean(losses[-3:]) < 0.7 * np.mean(losses[:3]), losses
+    assert_loss_falls(full.history, TC.steps)
     last = full.history[-1]
     assert len(last["acc_by_pos"]) == BS - 1 and last["tau_estimate"] >= 1.0
     assert (full.out_dir / "plots" / "loss.png").stat().st_size > 0
@@ -254,10 +297,7 @@ def test_export_loads_in_dflash_and_equals_our_forward(runs, target):
 
 def test_time_limit_stops_saves_and_exports(target, tmp_path):
     """A time-boxed run ends at the first step past the limit, logs it, and still exports."""
-    _, cfg, params = target
-    dcfg = make_dcfg(cfg)
-    out = tr.train(params, cfg, dcfg, toy_sequences(), TC, tmp_path, init_params=numpy_init(dcfg),
-                   log_every=100, time_limit=0.0, plots=False, progress=False)
+    out = time_boxed(target, tmp_path, toy_sequences())
     assert int(out.state.step) == 1 < TC.steps
     assert [r["step"] for r in out.history] == [1]  # the last step is logged even off log_every
     assert out.export_dir is not None and (out.export_dir / "model.safetensors").is_file()
@@ -309,10 +349,7 @@ def val_runs(target, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(tr, "train_step", recording_step)
         mp.setattr(tr, "evaluate", scripted_eval)
-        full = tr.train(params, cfg, dcfg, data, TC, tmp_path_factory.mktemp("val_full"), **kw)
-        part_dir = tmp_path_factory.mktemp("val_resumed")
-        part = tr.train(params, cfg, dcfg, data, TC, part_dir, stop_at=5, plots=False, **kw)
-        resumed = tr.train(params, cfg, dcfg, data, TC, part_dir, resume=True, plots=False, **kw)
+        full, part, resumed = full_and_resumed(params, cfg, dcfg, data, TC, tmp_path_factory, 5, **kw)
     return dcfg, data, full, part, resumed, np.concatenate(seen_tokens)
 
 
@@ -412,10 +449,7 @@ def test_evaluate_uses_the_training_formulas(target):
 
 
 def test_time_limit_with_keep_best_exports_its_last_evaluation(target, tmp_path):
-    _, cfg, params = target
-    dcfg = make_dcfg(cfg)
-    out = tr.train(params, cfg, dcfg, paired_sequences(), TC, tmp_path, init_params=numpy_init(dcfg),
-                   log_every=100, time_limit=0.0, plots=False, progress=False, **VAL)
+    out = time_boxed(target, tmp_path, paired_sequences(), **VAL)
     assert int(out.state.step) == 1 and out.best_step == 1
     assert "val_loss" in out.history[-1] and out.summary["exported_step"] == 1
     _, exported = load_drafter(out.export_dir, training=True)
@@ -574,13 +608,69 @@ def test_init_refuses_a_drafter_that_does_not_fit(runs, target):
 
 
 def test_cli_init_with_resume_is_refused_before_loading(tmp_path, capsys, monkeypatch):
-    import convert
     from dflash_jax.cli import main
 
-    def no_load(*a, **k):
-        raise AssertionError("the target was loaded before --init / --resume was checked")
-
-    monkeypatch.setattr(convert, "load_model", no_load)
+    forbid_loading(monkeypatch, "--init / --resume")
     assert main(["train", "--out", str(tmp_path), "--resume", "--init", "smollm2"]) == 2
     err = capsys.readouterr().err
     assert err.count("error") == 1 and "--init starts a run; --resume continues" in err
+
+
+# ----------------------------------------------------------------------------- shared by the dp and tp tests
+
+def mesh_run_setup(cfg):
+    """The drafter, data and `train` keywords of test_train_dp's and test_train_tp's runs: the
+    make_dcfg drafter from numpy_init, paired_sequences, validation and keep-best on, plots off
+    -> (dcfg, data, kw)."""
+    dcfg = make_dcfg(cfg)
+    kw = dict(init_params=numpy_init(dcfg), log_every=1, save_every=4, plots=False, progress=False, **VAL)
+    return dcfg, paired_sequences(), kw
+
+
+@contextlib.contextmanager
+def recording_first_inputs(seen: dict):
+    """Inside: `train` runs as it does, and `seen` gets what its first train_step call receives
+    ("state_in", "target", "batch") and the first validation batch ("val_batch")."""
+    real_step, real_eval = tr.train_step, tr.evaluate
+
+    def recording_step(state, target, batch, **k):
+        seen.setdefault("state_in", state)
+        seen.setdefault("target", target)
+        seen.setdefault("batch", batch)
+        return real_step(state, target, batch, **k)
+
+    def recording_eval(params, target, vset, **k):
+        seen.setdefault("val_batch", vset.batches[0])
+        return real_eval(params, target, vset, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tr, "train_step", recording_step)
+        mp.setattr(tr, "evaluate", recording_eval)
+        yield seen
+
+
+def assert_refused_before_writing(target, directory, message, tc=TC, cfg=None, **mesh) -> None:
+    """`train` (the make_dcfg drafter on paired_sequences, with dp / tp in `mesh`) raises one
+    ValueError matching `message` and writes nothing. cfg: the target's config as train is told it
+    (default: the target's own)."""
+    _, own_cfg, params = target
+    with pytest.raises(ValueError, match=message):
+        tr.train(params, cfg or own_cfg, make_dcfg(own_cfg), paired_sequences(), tc, directory, progress=False, **mesh)
+    assert not directory.exists()
+
+
+def max_rel_diff(a, b) -> float:
+    """max |a - b| / max |b| of one array (0 when both are all zero)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = np.max(np.abs(b)) if b.size else 0.0
+    diff = np.max(np.abs(a - b)) if a.size else 0.0
+    return float(diff / scale) if scale > 0 else float(diff)
+
+
+def assert_states_close(got: tr.TrainState, ref: tr.TrainState, rel: float) -> None:
+    """Every leaf (params, AdamW moments, step, rng) within `rel` of the reference, relative to its scale."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(got)
+    assert len(flat) == len(jax.tree.leaves(ref))
+    for (path, a), b in zip(flat, jax.tree.leaves(ref)):
+        assert np.shape(a) == np.shape(b), jax.tree_util.keystr(path)
+        assert max_rel_diff(a, b) <= rel, (jax.tree_util.keystr(path), max_rel_diff(a, b))

@@ -14,24 +14,10 @@ import pytest
 
 from dflash_jax import train as tr
 from dflash_jax.cli import _train_dp, main
-from tests.test_train import TC, VAL, make_dcfg, numpy_init, paired_sequences, target  # noqa: F401 (fixture)
-
-
-def max_rel_diff(a, b) -> float:
-    """max |a - b| / max |b| of one array (0 when both are all zero)."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    scale = np.max(np.abs(b)) if b.size else 0.0
-    diff = np.max(np.abs(a - b)) if a.size else 0.0
-    return float(diff / scale) if scale > 0 else float(diff)
-
-
-def assert_states_close(got: tr.TrainState, ref: tr.TrainState, rel: float) -> None:
-    """Every leaf (params, AdamW moments, step, rng) within `rel` of the reference, relative to its scale."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(got)
-    assert len(flat) == len(jax.tree.leaves(ref))
-    for (path, a), b in zip(flat, jax.tree.leaves(ref)):
-        assert np.shape(a) == np.shape(b), jax.tree_util.keystr(path)
-        assert max_rel_diff(a, b) <= rel, (jax.tree_util.keystr(path), max_rel_diff(a, b))
+from tests.test_train import (target,  # noqa: F401 (a fixture)
+                              TC, VAL, assert_loss_falls, assert_refused_before_writing, assert_states_close,
+                              forbid_loading, mesh_run_setup, paired_sequences, recording_first_inputs,
+                              stop_and_resume, time_boxed)
 
 
 @pytest.fixture(scope="module")
@@ -43,29 +29,13 @@ def dp_runs(target, tmp_path_factory):
     train_step receives, and of the first validation batch.
     """
     _, cfg, params = target
-    dcfg = make_dcfg(cfg)
-    data = paired_sequences()
-    kw = dict(init_params=numpy_init(dcfg), log_every=1, save_every=4, plots=False, progress=False, **VAL)
+    dcfg, data, kw = mesh_run_setup(cfg)
     seen: dict[str, object] = {}
-    real_step, real_eval = tr.train_step, tr.evaluate
-
-    def recording_step(state, target, batch, **k):
-        seen.setdefault("batch", batch)
-        seen.setdefault("state_in", state)
-        return real_step(state, target, batch, **k)
-
-    def recording_eval(params, target, vset, **k):
-        seen.setdefault("val_batch", vset.batches[0])
-        return real_eval(params, target, vset, **k)
-
     one = tr.train(params, cfg, dcfg, data, TC, tmp_path_factory.mktemp("dp1"), dp=1, **kw)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tr, "train_step", recording_step)
-        mp.setattr(tr, "evaluate", recording_eval)
+    with recording_first_inputs(seen):
         two = tr.train(params, cfg, dcfg, data, TC, tmp_path_factory.mktemp("dp2"), dp=2, **kw)
-    part_dir = tmp_path_factory.mktemp("dp2_resumed")
-    part = tr.train(params, cfg, dcfg, data, TC, part_dir, dp=2, stop_at=5, **kw)
-    resumed = tr.train(params, cfg, dcfg, data, TC, part_dir, dp=2, resume=True, **kw)
+    part, resumed = stop_and_resume(params, cfg, dcfg, data, TC, tmp_path_factory.mktemp("dp2_resumed"), 5,
+                                    dp=2, **kw)
     switch_dir = tmp_path_factory.mktemp("dp1_then_dp2")
     tr.train(params, cfg, dcfg, data, TC, switch_dir, dp=1, stop_at=5, **kw)
     run_file = switch_dir / tr.RUN_FILE
@@ -81,9 +51,8 @@ def test_dp2_trains_the_same_drafter_as_dp1(dp_runs):
     assert int(two.state.step) == TC.steps
     # Same anchors and data order; only the float32 reduction order of the batch sums differs.
     assert_states_close(two.state, one.state, rel=1e-5)
-    losses = [r["loss"] for r in two.history]
+    losses = assert_loss_falls(two.history, TC.steps)
     np.testing.assert_allclose(losses, [r["loss"] for r in one.history], rtol=1e-5)
-    assert np.mean(losses[-3:]) < 0.7 * np.mean(losses[:3]), losses
     # Validation under dp: the same metrics at the same steps, and the same kept step.
     v1 = {r["step"]: r for r in one.history if "val_loss" in r}
     v2 = {r["step"]: r for r in two.history if "val_loss" in r}
@@ -133,10 +102,7 @@ def test_resume_at_another_dp_from_an_old_record(dp_runs):
 
 
 def test_time_limit_under_dp(target, tmp_path):
-    _, cfg, params = target
-    dcfg = make_dcfg(cfg)
-    out = tr.train(params, cfg, dcfg, paired_sequences(), TC, tmp_path, init_params=numpy_init(dcfg), dp=2,
-                   log_every=100, time_limit=0.0, plots=False, progress=False, **VAL)
+    out = time_boxed(target, tmp_path, paired_sequences(), dp=2, **VAL)
     assert int(out.state.step) == 1 and out.best_step == 1 and out.summary["exported_step"] == 1
 
 
@@ -146,11 +112,8 @@ def test_time_limit_under_dp(target, tmp_path):
     (0, 4, r"dp \(--dp\) must be >= 1, got 0"),
 ])
 def test_bad_dp_gives_one_clear_error(target, tmp_path, dp, batch, message):
-    _, cfg, params = target
     tc = tr.TrainConfig(**{**TC.to_dict(), "batch_size": batch})
-    with pytest.raises(ValueError, match=message):
-        tr.train(params, cfg, make_dcfg(cfg), paired_sequences(), tc, tmp_path / "run", dp=dp, progress=False)
-    assert not (tmp_path / "run").exists()  # refused before anything is written
+    assert_refused_before_writing(target, tmp_path / "run", message, tc, dp=dp)
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -158,12 +121,7 @@ def test_bad_dp_gives_one_clear_error(target, tmp_path, dp, batch, message):
     (["--dp", "8", "--batch", "8"], "(--dp) = 8 needs 8 devices, but only 4 cpu device(s)"),
 ])
 def test_cli_bad_dp_is_refused_before_loading(argv, message, tmp_path, capsys, monkeypatch):
-    import convert
-
-    def no_load(*a, **k):
-        raise AssertionError("the target was loaded before --dp was checked")
-
-    monkeypatch.setattr(convert, "load_model", no_load)
+    forbid_loading(monkeypatch, "--dp")
     assert main(["train", "--out", str(tmp_path), *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("error") == 1 and message in err

@@ -15,8 +15,10 @@ from jax.sharding import PartitionSpec as P
 
 from dflash_jax import train as tr
 from dflash_jax.cli import _train_dp, _train_tp, main
-from tests.test_train import TC, VAL, make_dcfg, numpy_init, paired_sequences, target  # noqa: F401 (fixture)
-from tests.test_train_dp import assert_states_close
+from tests.test_train import (target,  # noqa: F401 (a fixture)
+                              TC, assert_loss_falls, assert_refused_before_writing, assert_states_close,
+                              forbid_loading, make_dcfg, mesh_run_setup, numpy_init, paired_sequences,
+                              recording_first_inputs, stop_and_resume)
 
 # tp splits each row-parallel product (o_proj, down, the vocab-parallel embedding and LM head)
 # into partial sums that an all-reduce adds: only the float32 summation order differs.
@@ -28,33 +30,21 @@ def tp_runs(target, tmp_path_factory):
     """From the same seed: dp = 2 x tp = 2 (recording the target train_step receives), dp = 2 x
     tp = 1 and dp = 4; and dp = 2 x tp = 2 stopped at step 5, resumed at dp = 4 x tp = 1."""
     _, cfg, params = target
-    dcfg = make_dcfg(cfg)
-    data = paired_sequences()
-    kw = dict(init_params=numpy_init(dcfg), log_every=1, save_every=4, plots=False, progress=False, **VAL)
+    dcfg, data, kw = mesh_run_setup(cfg)
     seen: dict[str, object] = {}
-    real_step = tr.train_step
-
-    def recording_step(state, target, batch, **k):
-        seen.setdefault("target", target)
-        seen.setdefault("state_in", state)
-        return real_step(state, target, batch, **k)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tr, "train_step", recording_step)
+    with recording_first_inputs(seen):
         tp2 = tr.train(params, cfg, dcfg, data, TC, tmp_path_factory.mktemp("dp2tp2"), dp=2, tp=2, **kw)
     tp1 = tr.train(params, cfg, dcfg, data, TC, tmp_path_factory.mktemp("dp2tp1"), dp=2, tp=1, **kw)
     dp4 = tr.train(params, cfg, dcfg, data, TC, tmp_path_factory.mktemp("dp4"), dp=4, **kw)
-    switch_dir = tmp_path_factory.mktemp("tp2_then_dp4")
-    part = tr.train(params, cfg, dcfg, data, TC, switch_dir, dp=2, tp=2, stop_at=5, **kw)
-    switched = tr.train(params, cfg, dcfg, data, TC, switch_dir, dp=4, tp=1, resume=True, **kw)
+    part, switched = stop_and_resume(params, cfg, dcfg, data, TC, tmp_path_factory.mktemp("tp2_then_dp4"), 5,
+                                     resume_with=dict(dp=4, tp=1), dp=2, tp=2, **kw)
     return dict(tp2=tp2, tp1=tp1, dp4=dp4, part=part, switched=switched, seen=seen, cfg=cfg)
 
 
 def test_tp2_trains_the_same_drafter_as_tp1(tp_runs):
     tp2 = tp_runs["tp2"]
     assert int(tp2.state.step) == TC.steps
-    losses = [r["loss"] for r in tp2.history]
-    assert np.mean(losses[-3:]) < 0.7 * np.mean(losses[:3]), losses
+    losses = assert_loss_falls(tp2.history, TC.steps)
     for ref in (tp_runs["tp1"], tp_runs["dp4"]):
         assert_states_close(tp2.state, ref.state, rel=REL)
         np.testing.assert_allclose(losses, [r["loss"] for r in ref.history], rtol=REL)
@@ -98,29 +88,19 @@ def test_resume_a_tp2_run_at_dp4(tp_runs):
     (1, 0, r"tp \(--tp\) must be >= 1, got 0"),
 ])
 def test_bad_tp_gives_one_clear_error(target, tmp_path, dp, tp, message):
-    _, cfg, params = target
-    with pytest.raises(ValueError, match=message):
-        tr.train(params, cfg, make_dcfg(cfg), paired_sequences(), TC, tmp_path / "run", dp=dp, tp=tp, progress=False)
-    assert not (tmp_path / "run").exists()  # refused before anything is written
+    assert_refused_before_writing(target, tmp_path / "run", message, dp=dp, tp=tp)
 
 
 def test_tp_that_does_not_split_the_heads_is_refused(target, tmp_path):
     import dataclasses
 
-    _, cfg, params = target
-    wide = dataclasses.replace(cfg, num_heads=6)  # 6 q heads over tp = 4
-    with pytest.raises(ValueError, match=r"tp \(--tp\) = 4 does not fit the target: .*num_heads=6"):
-        tr.train(params, wide, make_dcfg(cfg), paired_sequences(), TC, tmp_path / "run", tp=4, progress=False)
-    assert not (tmp_path / "run").exists()
+    wide = dataclasses.replace(target[1], num_heads=6)  # 6 q heads over tp = 4
+    assert_refused_before_writing(target, tmp_path / "run", r"tp \(--tp\) = 4 does not fit the target: .*num_heads=6",
+                                  cfg=wide, tp=4)
 
 
 def test_cli_bad_tp_is_refused_before_loading(tmp_path, capsys, monkeypatch):
-    import convert
-
-    def no_load(*a, **k):
-        raise AssertionError("the target was loaded before --tp was checked")
-
-    monkeypatch.setattr(convert, "load_model", no_load)
+    forbid_loading(monkeypatch, "--tp")
     assert main(["train", "--out", str(tmp_path), "--tp", "3"]) == 2
     err = capsys.readouterr().err
     assert err.count("error") == 1 and "tp (--tp) = 3 does not divide this process's 4 cpu device(s)" in err
