@@ -94,6 +94,28 @@ def losses(run: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run / "log.jsonl").read_text().splitlines()]
 
 
+def assert_bitwise_same_run(got: Path, ref: Path) -> dict:
+    """The training run in `got` logged the losses of the one in `ref` (STEPS of them, finite) and
+    exported its weights, every bit equal -> the record (train_run.json) of `got`."""
+    assert len(losses(ref)) == STEPS and np.all(np.isfinite(losses(ref)))
+    assert losses(got) == losses(ref)  # floats from JSON: every bit
+    ref_weights, got_weights = exported(ref), exported(got)
+    assert sorted(got_weights) == sorted(ref_weights)
+    for name in ref_weights:
+        np.testing.assert_array_equal(got_weights[name], ref_weights[name], err_msg=name)
+    return json.loads((got / "train_run.json").read_text())
+
+
+def word_target(directory: Path) -> Path:
+    """The tiny dense target with test_bad_input's word tokenizer, saved in `directory`."""
+    from tests.spec_models import target_model
+    from tests.test_bad_input import VOCAB, WORDS, save_tokenizer
+
+    target_model(vocab=VOCAB).save_pretrained(directory)
+    save_tokenizer(directory, WORDS)
+    return directory
+
+
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])
 def test_two_processes_train_bitwise_as_one(targets, tmp_path, kind):
     """2 processes x 2 devices for STOP steps, then 1 process x 4 devices resuming to the end ==
@@ -109,14 +131,7 @@ def test_two_processes_train_bitwise_as_one(targets, tmp_path, kind):
     assert losses(switched) == losses(one)[:STOP]  # floats from JSON: every bit
     assert str(STOP) in os.listdir(switched / "checkpoints") and not (switched / "drafter").exists()
     launch(train_argv(target, vocab, data, switched) + ["--resume"], processes=1, devices=4)
-
-    assert len(losses(one)) == STEPS and np.all(np.isfinite(losses(one)))
-    assert losses(switched) == losses(one)
-    ref, got = exported(one), exported(switched)
-    assert sorted(got) == sorted(ref)
-    for name in ref:
-        np.testing.assert_array_equal(got[name], ref[name], err_msg=name)
-    record = json.loads((switched / "train_run.json").read_text())
+    record = assert_bitwise_same_run(switched, one)
     assert record["dp"] == 4 and record["result"]["finished"]
 
 
@@ -131,13 +146,7 @@ def test_two_processes_tp2_train_bitwise_as_one(targets, tmp_path, kind):
     one, two = tmp_path / "one", tmp_path / "two"
     launch(train_argv(target, vocab, data, one) + ["--dp", "2", "--tp", "2"], processes=1, devices=4)
     launch(train_argv(target, vocab, data, two) + ["--tp", "2"], processes=2, devices=2)
-    assert len(losses(one)) == STEPS and np.all(np.isfinite(losses(one)))
-    assert losses(two) == losses(one)
-    ref, got = exported(one), exported(two)
-    assert sorted(got) == sorted(ref)
-    for name in ref:
-        np.testing.assert_array_equal(got[name], ref[name], err_msg=name)
-    record = json.loads((two / "train_run.json").read_text())
+    record = assert_bitwise_same_run(two, one)
     assert (record["dp"], record["tp"]) == (2, 2)
 
 
@@ -168,12 +177,8 @@ def test_two_processes_decode_every_row_once(tmp_path):
 
     from convert import load_model
     from dflash_jax.decode import decode_file
-    from tests.spec_models import target_model
-    from tests.test_bad_input import VOCAB, WORDS, save_tokenizer
 
-    model_dir = tmp_path / "target"
-    target_model(vocab=VOCAB).save_pretrained(model_dir)
-    save_tokenizer(model_dir, WORDS)
+    model_dir = word_target(tmp_path / "target")
     prompts = tmp_path / "prompts.jsonl"
     texts = ["w1 w2", "w3", "w4 w5 w6", "w7 w8", "w9", "w10 w11 w12 w13", "w14"]
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": t}) + "\n" for i, t in enumerate(texts)))
@@ -198,12 +203,8 @@ def test_two_processes_make_data_as_one(tmp_path):
 
     from convert import load_model
     from dflash_jax.train_data import make_token_data
-    from tests.spec_models import target_model
-    from tests.test_bad_input import VOCAB, WORDS, save_tokenizer
 
-    model_dir = tmp_path / "target"
-    target_model(vocab=VOCAB).save_pretrained(model_dir)
-    save_tokenizer(model_dir, WORDS)
+    model_dir = word_target(tmp_path / "target")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"w{i} w{i + 1}" + " w3" * (i % 3)}) + "\n" for i in range(5)))
     out = tmp_path / "tokens.npz"
