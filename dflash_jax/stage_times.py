@@ -76,7 +76,7 @@ def _timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
     return out, (time.perf_counter() - t0) * 1e3
 
 
-def split_verify(verify_ms: float, fn: Callable[[], Any], hlo_text: str) -> dict[str, float]:
+def profile_verify_parts(verify_ms: float, fn: Callable[[], Any], hlo_text: str) -> dict[str, float]:
     """`verify_ms` split by VERIFY_PARTS in proportion to the device time a profile of `fn()` (a
     hybrid verify's compiled program, whose HLO is `hlo_text`) spends under each mixer scope; the
     rest is all else. A profile that fails, or maps under half its time to HLO instructions, is
@@ -100,7 +100,7 @@ def time_stages(target: ModelParams, cfg: ModelConfig, dparams: Any, dcfg: Any, 
     done. The stages, and the PRNG keys they use, are those of `spec_round`, so the tokens equal
     the fused generation's. impl: as `generate_speculative` takes it (its `rounds_per_check`
     does not apply: every round is run and timed on its own). A hybrid target's verify is also
-    split by kind of layer (`split_verify`; the module's docstring says how).
+    split by kind of layer (`profile_verify_parts`; the module's docstring says how).
     """
     if rounds < 1 or warmup < 0:
         raise ValueError(f"rounds must be >= 1 and warmup >= 0, got rounds={rounds}, warmup={warmup}")
@@ -142,5 +142,5 @@ def time_stages(target: ModelParams, cfg: ModelConfig, dparams: Any, dcfg: Any, 
     parts: dict[str, float] = {}
     if timed and isinstance(cfg, Qwen35Config):
         traced = jax.jit(verify, compiler_options=COMMAND_BUFFERS_OFF).lower(*verified_inputs).compile()
-        parts = split_verify(ms["verify"], lambda: traced(*verified_inputs), traced.as_text())
+        parts = profile_verify_parts(ms["verify"], lambda: traced(*verified_inputs), traced.as_text())
     return StageTimes(ms=ms, rounds=timed, state=state, verify_parts=parts)

@@ -359,10 +359,10 @@ def test_stage_times_run_hybrid_rounds():
 
 
 def test_verify_split_follows_the_scopes_work():
-    """`stage_times.split_verify` on a program whose "gdn" scope does ~4 large matmuls, its
+    """`stage_times.profile_verify_parts` on a program whose "gdn" scope does ~4 large matmuls, its
     "attention" scope one small add, and the rest one matmul: the parts rank by that work and sum
     to the given ms; a profile that maps nothing to HLO instructions is refused."""
-    from dflash_jax.stage_times import split_verify
+    from dflash_jax.stage_times import profile_verify_parts
 
     def f(x, small):
         with jax.named_scope(q35.GDN_SCOPE):
@@ -374,11 +374,11 @@ def test_verify_split_follows_the_scopes_work():
 
     x, small = jnp.ones((384, 384)) / 384, jnp.ones((8,))
     compiled = jax.jit(f).lower(x, small).compile()
-    parts = split_verify(10.0, lambda: compiled(x, small), compiled.as_text())
+    parts = profile_verify_parts(10.0, lambda: compiled(x, small), compiled.as_text())
     assert sum(parts.values()) == pytest.approx(10.0, rel=1e-2)
     assert parts["gdn"] > 2 * parts["rest"] > 0 and parts["rest"] > 10 * parts["attention"], parts
     with pytest.raises(RuntimeError, match="hybrid verify's profile gives no split"):
-        split_verify(10.0, lambda: compiled(x, small), "")
+        profile_verify_parts(10.0, lambda: compiled(x, small), "")
 
 
 # ----------------------------------------------------------------------------- lossless, oracle drafter
