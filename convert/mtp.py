@@ -32,6 +32,19 @@ from dflash_jax.qwen3_5 import Qwen35Config
 PREFIX = "mtp."
 FILE = "mtp.safetensors"  # `export_mtp`'s file
 
+# MTP heads trained by this project and shipped inside the package, by short name.
+SHIPPED_MTP_HEADS = {"smollm2": "smollm2-135m-instruct-mtp"}
+
+
+def mtp_head_path(path: str | Path) -> Path:
+    """`path` itself, or the directory of the shipped head a short name stands for."""
+    import dflash_jax
+
+    name = str(path)
+    if name in SHIPPED_MTP_HEADS:
+        return Path(dflash_jax.__file__).parent / "drafters" / SHIPPED_MTP_HEADS[name]
+    return Path(path)
+
 def _t(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x.T)
 

@@ -183,9 +183,12 @@ def _load_drafter_for(path: str, cfg: Any, dtype: Any, mesh: Any = None) -> tupl
 def _load_mtp_head_for(path: str | None, model: str, cfg: Any, dtype: Any) -> tuple[Any, Any]:
     """(MTPConfig, MTPParams) of the head in `path` (default: the target checkpoint `model`)."""
     from convert import resolve_source
-    from convert.mtp import hidden_source_of, load_mtp
+    from convert.mtp import SHIPPED_MTP_HEADS, hidden_source_of, load_mtp, mtp_head_path
     from dflash_jax.mtp import MTPConfig
 
+    if path in SHIPPED_MTP_HEADS:
+        where = mtp_head_path(path)
+        return MTPConfig(cfg, hidden_source=hidden_source_of(where)), load_mtp(where, cfg, dtype)
     kind, where = resolve_source(path or model)
     if kind != "hf":
         raise ValueError(f"{'--draft/--mtp-head' if path else '--model'} {path or model}: an MTP head is read from "
@@ -566,7 +569,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts", required=True, nargs="+", metavar="JSONL[:N]",
                    help="JSONL prompt files, decoded together; FILE:N takes the first N rows of one")
     p.add_argument("--draft", help="DFlash drafter directory")
-    p.add_argument("--mtp-head", help="mtp: a checkpoint with the head's mtp.* tensors (default: --model itself)")
+    p.add_argument("--mtp-head", help="mtp: a checkpoint with the head's mtp.* tensors, or smollm2 (the head "
+                   "shipped for SmolLM2); default: --model itself")
     p.add_argument("--budget", type=POSITIVE, nargs="+", default=[64], help="DDTree budgets")
     p.add_argument("--mtp-steps", type=POSITIVE, nargs="+", default=[1, 2, 3, 4],
                    help="mtp: a chain for each number of chained head steps")

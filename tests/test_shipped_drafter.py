@@ -101,3 +101,26 @@ def test_speculative_with_the_shipped_drafter_is_lossless_and_accepts(smollm2_an
         assert run.token_lists() == ar.token_lists(), method
         # A trained drafter: well over one token per round on math prompts (random weights give 1.0).
         assert run.acceptance()["tau"] > 1.5, (method, run.acceptance()["tau"])
+
+
+def test_shipped_mtp_head_is_small_lossless_and_accepts(smollm2_and_drafter):
+    """The MTP head shipped beside the drafter: at most 30 MB, read by its short name, and a
+    greedy MTP chain and MTP tree with it give AR's tokens with drafts accepted."""
+    from convert.mtp import FILE, hidden_source_of, load_mtp, mtp_head_path
+    from dflash_jax.mtp import MTPConfig
+
+    cfg, params, tok, _, _ = smollm2_and_drafter
+    where = mtp_head_path("smollm2")
+    assert (where / FILE).stat().st_size <= 30e6
+    mcfg = MTPConfig(cfg, hidden_source=hidden_source_of(where))
+    mparams = load_mtp(where, cfg, jnp.float32)
+    questions = [json.loads(l)["question"] for l in (DATA / "gsm8k" / "test.jsonl").open()][2:4]
+    prompts, lens = pad_prompts(encode_prompts(tok, questions))
+    stop = stop_tokens_for(tok, cfg)
+    ar = run_ar(params, cfg, prompts, lens, max_new_tokens=NEW, sampling=SamplingParams(), stop_tokens=stop)
+    for steps, budget in ((2, 0), (3, 8)):
+        s = SpecSettings(method="mtp", mtp_steps=steps, budget=budget, max_new_tokens=NEW, stop_tokens=stop)
+        run = run_speculative(params, cfg, mparams, mcfg, prompts, lens, s)
+        assert run.token_lists() == ar.token_lists(), (steps, budget)
+        # Trained: more than one token a round on math prompts (a random head gives about 1.0).
+        assert run.acceptance()["tau"] > 1.3, (steps, budget, run.acceptance()["tau"])
