@@ -6,6 +6,7 @@ Prompt files (JSONL, see ../shared/data/README.md), several at once (`load_bench
   spec_bench   `turns[0]` (the first turn), grouped by `category`;
   otherwise    `instruction` / `prompt` / `question`, grouped by `category` (make-prompts'
                held-out code set: "code"), else by the file's folder name.
+A category that two files share is qualified by each file's set ("gsm8k/math", "spec_bench/math").
 Every report is broken down by category (`by_category`, `category_table`).
 Prompts are wrapped in the target's chat template. Every method decodes the same prompts
 with the same settings; tokens/s excludes compilation (each program is compiled ahead of
@@ -101,15 +102,25 @@ def load_bench_prompts(path: str | Path, limit: int | None = None, math_suffix: 
 def load_bench_files(specs: Sequence[str | Path], limit: int | None = None, math_suffix: str = "auto"
                      ) -> list[BenchPrompt]:
     """The prompts of several files, in the order given. A spec is "FILE" or "FILE:N" (its first
-    N rows, `jsonl.file_and_limit`); `limit` caps every file (the smaller cap wins)."""
+    N rows, `jsonl.file_and_limit`); `limit` caps every file (the smaller cap wins).
+
+    A category found in more than one file is named "SET/category" in each (SET: the file's
+    folder name, else its stem), so that gsm8k's "math" and spec_bench's own "math" prompts are
+    reported apart rather than pooled.
+    """
     if not specs:
         raise ValueError("--prompts: no prompt file given")
-    out: list[BenchPrompt] = []
+    per_file: list[tuple[str, list[BenchPrompt]]] = []
     for spec in specs:
         path, cap = file_and_limit(spec)
         cap = cap if limit is None else limit if cap is None else min(cap, limit)
-        out += load_bench_prompts(path, limit=cap, math_suffix=math_suffix)
-    return out
+        per_file.append((path.parent.name or path.stem, load_bench_prompts(path, limit=cap, math_suffix=math_suffix)))
+    files_of: dict[str, set[int]] = {}
+    for i, (_, rows) in enumerate(per_file):
+        for r in rows:
+            files_of.setdefault(r.category, set()).add(i)
+    return [BenchPrompt(r.text, f"{name}/{r.category}" if len(files_of[r.category]) > 1 else r.category)
+            for name, rows in per_file for r in rows]
 
 
 def category_table(report: dict[str, Any]) -> str:

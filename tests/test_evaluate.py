@@ -46,6 +46,15 @@ def test_load_bench_files_takes_several_files_and_row_limits(tmp_path):
     assert [(r.text, r.category) for r in rows] == [("q0", "math"), ("q1", "math"), ("c0", "code"),
                                                     ("c1", "code"), ("c2", "code"), ("hello", "chat")]
     assert [r.text for r in ev.load_bench_files([gsm, f"{code}:3"], limit=1, math_suffix="never")] == ["q0", "c0"]
+    # A category two files share is reported per file, not pooled.
+    bench = tmp_path / "spec_bench" / "question.jsonl"
+    bench.parent.mkdir()
+    bench.write_text(json.dumps({"turns": ["m"], "category": "math"}) + "\n"
+                     + json.dumps({"turns": ["w"], "category": "writing"}) + "\n")
+    rows = ev.load_bench_files([f"{gsm}:1", bench, code], math_suffix="never")
+    assert [(r.text, r.category) for r in rows] == [("q0", "gsm8k/math"), ("m", "spec_bench/math"),
+                                                    ("w", "writing"), ("c0", "code"), ("c1", "code"),
+                                                    ("c2", "code")]
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
         ev.load_bench_files([tmp_path / "missing.jsonl:4"])
     with pytest.raises(ValueError, match="no prompt file"):
