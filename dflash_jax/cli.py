@@ -179,17 +179,30 @@ def _load_drafter_for(path: str, cfg: Any, dtype: Any, mesh: Any = None) -> tupl
     return dcfg, dparams
 
 
-def _load_mtp_head_for(path: str | None, model: str, cfg: Any, dtype: Any) -> tuple[Any, Any]:
-    """(MTPConfig, MTPParams) of the head in `path` (default: the target checkpoint `model`)."""
+def _mtp_head_source(path: str | None, model: str, flag: str = "--draft") -> Path:
+    """Where the MTP head's `mtp.*` tensors are: `path` (given as `flag`) or the target checkpoint
+    `model`. The commands check it before the target loads, so that a wrong path costs no load."""
     from convert import resolve_source
+
+    given, name = (path, flag) if path else (model, "--model")
+    try:
+        kind, where = resolve_source(given)
+    except ValueError as err:
+        raise ValueError(f"{name}: {err}") from None
+    if kind != "hf":
+        raise ValueError(f"{name} {given}: an MTP head is read from safetensors mtp.* tensors (a Qwen3.5 / Qwen3.6 "
+                         "checkpoint, or a directory written by convert.mtp.export_mtp), not from a "
+                         f"{kind} {'file' if kind == 'gguf' else 'directory'}")
+    return where
+
+
+def _load_mtp_head_for(path: str | None, model: str, cfg: Any, dtype: Any, flag: str = "--draft"
+                       ) -> tuple[Any, Any]:
+    """(MTPConfig, MTPParams) of the head in `path` (default: the target checkpoint `model`)."""
     from convert.mtp import hidden_source_of, load_mtp
     from dflash_jax.mtp import MTPConfig
 
-    kind, where = resolve_source(path or model)
-    if kind != "hf":
-        raise ValueError(f"{'--draft/--mtp-head' if path else '--model'} {path or model}: an MTP head is read from "
-                         "safetensors mtp.* tensors (a Qwen3.5 / Qwen3.6 checkpoint, or a directory written by "
-                         f"convert.mtp.export_mtp), not from a {kind} file")
+    where = _mtp_head_source(path, model, flag)
     return MTPConfig(cfg, hidden_source=hidden_source_of(where)), load_mtp(where, cfg, dtype)
 
 
@@ -212,6 +225,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--budget must be >= 1, got {args.budget}")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.method == "mtp":
+        _mtp_head_source(args.draft, args.model, "--draft")  # before the target loads
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     dtype = jnp.dtype(args.dtype or _default_dtype())
     mesh = sh.make_mesh(args.dp, args.tp) if args.dp * args.tp > 1 else None
@@ -239,7 +254,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
             if args.method == "mtp":
                 progress.begin(f"loading the MTP head of {args.draft or args.model}")
-                dcfg, dparams = _load_mtp_head_for(args.draft, args.model, cfg, dtype)
+                dcfg, dparams = _load_mtp_head_for(args.draft, args.model, cfg, dtype, "--draft")
                 settings = SpecSettings(method="mtp", mtp_steps=args.mtp_steps, budget=args.mtp_budget,
                                         sampling=sampling, max_new_tokens=args.max_new_tokens, stop_tokens=stop)
             else:
@@ -792,6 +807,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     dtype = jnp.dtype(args.dtype or _default_dtype())
     prompts = ev.load_bench_files(args.prompts, limit=args.limit, math_suffix=args.math_suffix)
     out = check_writable(args.out, "--out") if args.out else None  # before minutes of decoding
+    if "mtp" in spec_methods:
+        _mtp_head_source(args.mtp_head, args.model, "--mtp-head")  # before the target loads
     cfg, params, tokenizer = _load_target(args.model, dtype)
     dcfg = dparams = None
     block_size = args.block_size or 16
@@ -800,7 +817,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         block_size = args.block_size or dcfg.block_size
     mtp_cfg = mtp_params = None
     if "mtp" in spec_methods:
-        mtp_cfg, mtp_params = _load_mtp_head_for(args.mtp_head, args.model, cfg, dtype)
+        mtp_cfg, mtp_params = _load_mtp_head_for(args.mtp_head, args.model, cfg, dtype, "--mtp-head")
     specs = ev.method_specs(spec_methods, args.budget, block_size, args.mtp_steps, args.mtp_budget)
     where = {"prompts_files": [str(p) for p in args.prompts], "model": str(args.model), "draft": args.draft,
              "mtp_head": args.mtp_head}

@@ -207,3 +207,24 @@ def test_loaded_head_step_matches_transformers_decoder_layer(hybrid_with_head):
     with torch.no_grad():
         ref = ref_model(inputs_embeds=torch.from_numpy(x.astype(np.float32))).logits.numpy()
     np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["bench", "--method", "mtp", "--mtp-head", "no/such/head", "--prompts", "PROMPTS"], "--mtp-head"),
+    (["generate", "--method", "mtp", "--draft", "no/such/head", "hi"], "--draft"),
+    (["generate", "--method", "mtp", "--model", "smollm2", "hi"], "--model"),
+])
+def test_cli_mtp_head_path_is_checked_before_the_target_loads(argv, flag, tmp_path, monkeypatch, capsys):
+    """A wrong head path (or a target that cannot hold a head) is one error naming the flag that
+    gave it, before minutes of target loading."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"question": "hi"}) + "\n")
+    argv = [str(prompts) if a == "PROMPTS" else a for a in argv]
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target was loaded before the MTP head's path was checked")
+
+    monkeypatch.setattr(cli, "_load_target", no_target)
+    code = cli.main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"error: {flag} " in err or f"error: {flag}:" in err, err
