@@ -883,9 +883,10 @@ def check_sizes(cfg: TargetConfig, dcfg: DrafterConfig, tc: TrainConfig) -> None
             + tc.batch_size * rows * cfg.vocab_size * 4)
     have = memory_available()
     if need > have:
-        raise ValueError(f"batch_size (--batch) {tc.batch_size} x seq_len (--seq-len) {tc.seq_len} x num_blocks "
-                         f"(--blocks) {tc.num_blocks} needs at least {need / 1e9:.1f} GB of activations a step, "
-                         f"more than the device's {have / 1e9:.1f} GB")
+        # An MTP head has no blocks (--blocks is refused for it): its logit rows are the sequence's.
+        blocks = "" if isinstance(dcfg, mtp.MTPConfig) else f" x num_blocks (--blocks) {tc.num_blocks}"
+        raise ValueError(f"batch_size (--batch) {tc.batch_size} x seq_len (--seq-len) {tc.seq_len}{blocks} needs at "
+                         f"least {need / 1e9:.1f} GB of activations a step, more than the device's {have / 1e9:.1f} GB")
 
 
 def check_validation(val_fraction: float, eval_every: int | None, val_batches: int, keep_best: bool) -> None:

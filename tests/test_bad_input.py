@@ -389,3 +389,16 @@ def test_absurd_training_sizes_are_refused_with_their_memory(tiny, tmp_path, cap
     one_error(capsys, "seq_len (--seq-len) 4096 exceeds the target's max_position_embeddings 512")
     assert main([*common, "--out", str(tmp_path / "b"), "--batch", "1000000000000"]) == 2
     one_error(capsys, "batch_size (--batch) 1000000000000", "GB of activations a step, more than the device's")
+
+
+def test_absurd_mtp_training_sizes_name_only_flags_an_mtp_run_takes(tiny, tmp_path, capsys):
+    """An MTP head has no blocks (train refuses --blocks for it): the error must not ask for them."""
+    from dflash_jax.train_data import TokenData
+
+    data = TokenData.from_lists([[1, 2, 3]] * 4, [[4, 5, 6, 7]] * 4, [0.0] * 4, [0] * 4, {})
+    tokens = data.save(tmp_path / "tokens.npz")
+    assert main(["train", "--drafter-kind", "mtp", "--target", str(tiny), "--data", str(tokens), "--no-progress",
+                 "--seq-len", "32", "--batch", "1000000000000", "--out", str(tmp_path / "run")]) == 2
+    line = one_error(capsys, "batch_size (--batch) 1000000000000 x seq_len (--seq-len) 32 needs",
+                     "GB of activations a step, more than the device's")
+    assert "--blocks" not in line
