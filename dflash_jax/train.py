@@ -788,14 +788,20 @@ class TappedSequences:
         return {**self.seqs.batch(indices), "taps": self.store.read(indices)}
 
 
-def check_taps(store: TapStore, dcfg: DrafterConfig, tc: TrainConfig) -> None:
-    """Raises one ValueError naming --taps unless the stored taps are the ones this run's drafter reads."""
+def check_taps(store: TapStore, dcfg: DrafterConfig, tc: TrainConfig, cfg: TargetConfig | None = None) -> None:
+    """Raises one ValueError naming --taps unless the stored taps are the ones this run's drafter reads
+    (with the target's `cfg`, also their width: taps of another target's layers of the same ids)."""
     if taps_pre_norm(dcfg):
         raise ValueError(f"taps (--taps) {store.path}: make-taps writes the last layer after the final norm; an MTP "
                          f"head with hidden_source pre_norm takes it before, computed in the step (drop --taps)")
     if tuple(store.tap_layers) != tuple(dcfg.target_layer_ids):
         raise ValueError(f"taps (--taps) {store.path} hold target layers {list(store.tap_layers)}, the drafter taps "
                          f"{list(dcfg.target_layer_ids)}")
+    want = None if cfg is None else len(dcfg.target_layer_ids) * cfg.hidden_size
+    if want is not None and store.features != want:
+        raise ValueError(f"taps (--taps) {store.path} hold {store.features} features a token, this target's "
+                         f"{len(dcfg.target_layer_ids)} taps of {cfg.hidden_size} are {want}: written for another "
+                         f"target; write them again with make-taps --target for this one")
     if tc.labels != "response":
         raise ValueError(f"taps (--taps) serve --labels response only; --labels {tc.labels} needs the target's "
                          f"logits, computed in the step")
@@ -1162,7 +1168,7 @@ def train(target: TargetParams, cfg: TargetConfig, dcfg: DrafterConfig, data: Se
     ckpt_dir, log_path, run_path = out_dir / "checkpoints", out_dir / LOG_FILE, out_dir / RUN_FILE
     check_sizes(cfg, dcfg, tc)
     if isinstance(data, TappedSequences):
-        check_taps(data.store, dcfg, tc)
+        check_taps(data.store, dcfg, tc, cfg)
     if data.seq_len != tc.seq_len:
         raise ValueError(f"training rows have seq_len {data.seq_len}, TrainConfig.seq_len is {tc.seq_len}")
     mesh = data_parallel_mesh(dp, tc.batch_size, tp)  # before anything is written

@@ -402,3 +402,21 @@ def test_absurd_mtp_training_sizes_name_only_flags_an_mtp_run_takes(tiny, tmp_pa
     line = one_error(capsys, "batch_size (--batch) 1000000000000 x seq_len (--seq-len) 32 needs",
                      "GB of activations a step, more than the device's")
     assert "--blocks" not in line
+
+
+def test_taps_of_another_targets_width_are_refused_naming_taps(tiny, tmp_path, capsys):
+    """Taps of the right layer ids and rows but another target's width fail as one --taps error,
+    before the run directory is written (not as an einsum's shape error inside the step)."""
+    from dflash_jax.train_data import TapStore, TokenData, build_sequences
+
+    data = TokenData.from_lists([[1, 2, 3]] * 4, [[4, 5, 6, 7]] * 4, [0.0] * 4, [0] * 4, {})
+    tokens = data.save(tmp_path / "tokens.npz")
+    last = json.loads((tiny / "config.json").read_text())["num_hidden_layers"] - 1
+    rows = len(build_sequences(TokenData.load(tokens), 32))
+    TapStore.create(tmp_path / "taps", rows, 32, 7, "float32", (last,))
+    out = tmp_path / "run"
+    assert main(["train", "--drafter-kind", "mtp", "--target", str(tiny), "--data", str(tokens), "--no-progress",
+                 "--seq-len", "32", "--batch", "2", "--steps", "2", "--val-fraction", "0", "--taps",
+                 str(tmp_path / "taps"), "--out", str(out)]) == 2
+    one_error(capsys, "taps (--taps)", "hold 7 features a token", "make-taps --target")
+    assert not (out / "train_run.json").exists()
