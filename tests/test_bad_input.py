@@ -420,3 +420,27 @@ def test_taps_of_another_targets_width_are_refused_naming_taps(tiny, tmp_path, c
                  str(tmp_path / "taps"), "--out", str(out)]) == 2
     one_error(capsys, "taps (--taps)", "hold 7 features a token", "make-taps --target")
     assert not (out / "train_run.json").exists()
+
+
+@pytest.mark.parametrize("environ,message", [
+    ({"JAX_NUM_PROCESSES": "0"}, "--num-processes (JAX_NUM_PROCESSES) must be >= 1, got 0"),
+    ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"}, "--process-id (JAX_PROCESS_ID) must be in 0..1"),
+    ({"JAX_PROCESS_ID": "-1"}, "--process-id (JAX_PROCESS_ID) must be >= 0, got -1"),
+])
+def test_coordinator_auto_checks_the_counts_it_is_given(environ, message, monkeypatch, capsys):
+    """With --coordinator auto a given process count or id overrides jax's detection, so it is
+    checked as with an address, before jax.distributed is asked to join anything."""
+    from dflash_jax import distributed as dist
+
+    def no_join(cluster):
+        raise AssertionError(f"jax.distributed would be initialized with {cluster}")
+
+    monkeypatch.setattr(dist, "initialize", no_join)
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert main(["decode", "--coordinator", "auto", "--input", "in.jsonl", "--output", "out.jsonl",
+                 "--batch", "1"]) == 2
+    one_error(capsys, message)
+
