@@ -570,7 +570,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="tau, tokens/s and speedup over AR on prompt files, by category",
-                       description="Benchmark AR, DFlash and DDTree on JSONL prompt files (gsm8k test "
+                       description="Benchmark AR, DFlash, DDTree and MTP on JSONL prompt files (gsm8k test "
                                    "`question` as category math, spec_bench `turns[0]` by `category`, "
                                    "make-prompts' code_heldout.jsonl as code). Prints a JSON report on stdout "
                                    "and tau by category as a table on stderr; with --out also writes "
