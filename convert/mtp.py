@@ -32,6 +32,7 @@ from dflash_jax.qwen3_5 import Qwen35Config
 PREFIX = "mtp."
 FILE = "mtp.safetensors"  # `export_mtp`'s file
 
+
 def _t(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x.T)
 
@@ -101,11 +102,6 @@ def _get(tree: Any, path: tuple) -> Any:
     for p in path:
         tree = tree[p] if isinstance(p, int) else getattr(tree, p)
     return tree
-
-
-def expected_names(cfg: ModelConfig | Qwen35Config) -> list[str]:
-    """Every `mtp.*` tensor a head for this target has, in declaration order."""
-    return [PREFIX + name for name, *_ in _entries(cfg)]
 
 
 def load_mtp(path: str | Path, cfg: ModelConfig | Qwen35Config, dtype: Any = jnp.float32) -> MTPParams:
