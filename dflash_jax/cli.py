@@ -690,9 +690,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             saved = json.loads(run_file.read_text())
             tc = tr.TrainConfig(**{**saved["train_config"], **given})
             drafter_config = saved["drafter_config"]
-        except (ValueError, KeyError, TypeError) as err:
+            saved_kind = "mtp" if drafter_config.get("kind") == "mtp" else "dflash"
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"{run_file}: not a readable run record ({type(err).__name__}: {err})") from None
-        saved_kind = "mtp" if drafter_config.get("kind") == "mtp" else "dflash"
         if args.drafter_kind not in (None, saved_kind):
             raise ValueError(f"--drafter-kind {args.drafter_kind} disagrees with the run in {out} ({saved_kind})")
         args.drafter_kind = saved_kind

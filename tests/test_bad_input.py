@@ -444,3 +444,12 @@ def test_coordinator_auto_checks_the_counts_it_is_given(environ, message, monkey
                  "--batch", "1"]) == 2
     one_error(capsys, message)
 
+
+@pytest.mark.parametrize("drafter_config", [[1, 2], "mtp", None])
+def test_resume_of_a_run_record_whose_drafter_config_is_no_object_is_one_error(drafter_config, tmp_path, capsys):
+    out = tmp_path / "run"
+    (out / "checkpoints" / "5").mkdir(parents=True)
+    (out / "train_run.json").write_text(json.dumps({"train_config": {}, "drafter_config": drafter_config}))
+    assert main(["train", "--resume", "--out", str(out)]) == 2
+    one_error(capsys, "train_run.json: not a readable run record")
+
