@@ -472,14 +472,18 @@ def cmd_make_taps(args: argparse.Namespace) -> int:
 
     check_writable(Path(args.out).absolute().parent, "--out")
     data = TokenData.load(args.data)
-    cfg, params, _ = load_model(args.target, dtype=jnp.float32)
+    dtype = args.dtype or _default_dtype()
+    # Loaded straight in the taps' dtype, as `train` loads its frozen target: the same rounding as
+    # a float32 load cast afterwards, without the float32 copy (a 27B target is 108 GB in float32,
+    # and its bf16 cast beside it would not fit one 141 GB H200). No tokenizer: tokens are given.
+    cfg, params, _ = load_model(args.target, dtype=jnp.dtype(dtype), tokenizer=False)
     taps = tuple(args.tap_layers) if args.tap_layers else tuple(default_tap_layers(cfg.num_layers, args.layers))
     bad = [t for t in taps if t >= cfg.num_layers]
     if bad:
         raise ValueError(f"--tap-layers {bad}: the target has layers 0..{cfg.num_layers - 1}")
     seqs = build_sequences(data, args.seq_len)
     store = tr.write_taps(params, cfg, seqs, taps, args.out, batch_size=args.batch,
-                          dtype=args.dtype or _default_dtype(), progress=not args.no_progress)
+                          dtype=dtype, progress=not args.no_progress)
     if jax.process_index() == 0:
         print(json.dumps({"out": str(store.path), "rows": store.rows, "seq_len": store.seq_len, "tap_layers": list(taps),
                           "dtype": store.dtype, "gb": store.rows * store.seq_len * store.features

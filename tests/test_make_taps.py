@@ -1,0 +1,41 @@
+"""`dflash-jax make-taps` loads the target straight in the taps' dtype (no float32 copy of a large
+target beside its cast), and writes the same taps as a float32 load cast to that dtype."""
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+
+import convert
+from dflash_jax import train as tr
+from dflash_jax.cli import main
+from dflash_jax.train_data import TapStore, TokenData, build_sequences
+from tests.spec_models import VOCAB, target_model
+
+
+def test_make_taps_loads_the_target_in_the_taps_dtype(tmp_path, monkeypatch, capsys):
+    target_model(vocab=VOCAB).save_pretrained(tmp_path / "target")
+    data = TokenData.from_lists([[1, 2, 3]] * 3, [[4, 5, 6, 7, 8, 9]] * 3, [0.0] * 3, [0] * 3, {})
+    tokens = data.save(tmp_path / "tokens.npz")
+    loads = []
+    real = convert.load_model
+
+    def recording(*args, **kwargs):
+        loads.append(jnp.dtype(kwargs["dtype"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(convert, "load_model", recording)
+    assert main(["make-taps", "--target", str(tmp_path / "target"), "--data", str(tokens), "--out",
+                 str(tmp_path / "taps"), "--seq-len", "16", "--layers", "1", "--batch", "2", "--dtype", "bfloat16",
+                 "--no-progress"]) == 0, capsys.readouterr().err
+    assert loads == [jnp.dtype(jnp.bfloat16)]
+    made = TapStore.open(tmp_path / "taps")
+    monkeypatch.undo()
+    cfg, params, _ = real(tmp_path / "target", dtype=jnp.float32, tokenizer=False)
+    seqs = build_sequences(TokenData.load(tokens), 16)
+    ref = tr.write_taps(params, cfg, seqs, made.tap_layers, tmp_path / "ref", batch_size=2, dtype="bfloat16",
+                        progress=False)
+    rows = np.arange(made.rows)
+    np.testing.assert_array_equal(made.read(rows).astype(np.float32), ref.read(rows).astype(np.float32))
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["dtype"] == "bfloat16"
