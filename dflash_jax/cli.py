@@ -627,10 +627,14 @@ def _make_token_file(args: argparse.Namespace, cfg, params, tokenizer, out) -> N
 
 
 def _check_data_gen_args(args: argparse.Namespace) -> None:
-    """Refuses bad generation flags before any model is loaded."""
-    from dflash_jax.train_data import check_samples
+    """Refuses bad generation flags, and --prompts files that are evaluation sets, before any
+    model is loaded (`make_token_data` checks them again, after minutes of loading a large target)."""
+    from dflash_jax.jsonl import file_and_limit
+    from dflash_jax.train_data import check_samples, check_training_source
 
     check_samples(args.samples_per_prompt, args.gen_temperature)
+    for spec in args.prompts or ():
+        check_training_source(file_and_limit(spec)[0])
 
 
 def cmd_make_data(args: argparse.Namespace) -> int:

@@ -453,3 +453,15 @@ def test_resume_of_a_run_record_whose_drafter_config_is_no_object_is_one_error(d
     assert main(["train", "--resume", "--out", str(out)]) == 2
     one_error(capsys, "train_run.json: not a readable run record")
 
+
+@pytest.mark.parametrize("name,needle", [("code_heldout.jsonl:5", "a held-out set"),
+                                         ("gsm8k/test.jsonl", "evaluation")])
+def test_make_data_refuses_evaluation_prompt_files_before_the_target_loads(name, needle, tmp_path, capsys,
+                                                                           monkeypatch):
+    (tmp_path / "gsm8k").mkdir()
+    for path in (tmp_path / "code_heldout.jsonl", tmp_path / "gsm8k" / "test.jsonl"):
+        path.write_text(json.dumps({"question": "1 + 1?", "answer": "2"}) + "\n")
+    refuse_loading(monkeypatch)
+    assert main(["make-data", "--out", str(tmp_path / "t.npz"), "--prompts", str(tmp_path / name)]) == 2
+    one_error(capsys, needle)
+
