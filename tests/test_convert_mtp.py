@@ -132,6 +132,20 @@ def test_dense_head_export_loads_back(tmp_path):
     for a, b in zip(jax.tree.leaves(head), jax.tree.leaves(back)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert load_mtp(tmp_path / "head", cfg, jnp.bfloat16).fc.dtype == jnp.bfloat16
+    assert {x.dtype for x in stored.values()} == {np.dtype(np.float32)}
+
+
+def test_dense_head_export_keeps_a_bfloat16_heads_dtype(tmp_path):
+    """`train --export-dtype bfloat16` hands export_mtp a bfloat16 head: it is stored as such
+    (half the bytes), and loads back to the same values."""
+    target_model(vocab=16).save_pretrained(tmp_path / "target")
+    cfg, _ = load_hf(tmp_path / "target")
+    head = jax.tree.map(lambda x: x.astype(jnp.bfloat16), mtp.init_mtp_params(cfg, jax.random.key(5)))
+    stored = load_file(str(export_mtp(head, cfg, tmp_path / "head")))
+    assert {x.dtype.name for x in stored.values()} == {"bfloat16"}
+    back = load_mtp(tmp_path / "head", cfg)
+    for a, b in zip(jax.tree.leaves(head), jax.tree.leaves(back)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b))
 
 
 def test_cli_generate_with_the_checkpoints_own_head_equals_ar(hybrid_with_head, capsys):
