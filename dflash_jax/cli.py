@@ -740,6 +740,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     check_writable(out, "--out")  # before the target is loaded
     if (out / "checkpoints").exists():
         check_writable(out / "checkpoints", "--out's checkpoints")
+    store = None
+    if args.taps:  # read before the target loads: a wrong directory costs no load
+        from dflash_jax.train_data import TapStore
+
+        try:
+            store = TapStore.open(args.taps)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"--taps: {err}; write them with `dflash-jax make-taps --out {args.taps}`") from None
     # Frozen target: loaded straight in the compute dtype, which is all `train` keeps of it (the
     # same rounding as a float32 load cast afterwards, at half the memory: a 27B target in bf16 is
     # 54 GB, in float32 108). Under --tp each weight goes straight to its tp shards.
@@ -777,10 +785,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                                      block_size=16 if args.block_size is None else args.block_size,
                                      mask_token_id=mask)
     seqs = build_sequences(data, tc.seq_len)
-    if args.taps:
-        from dflash_jax.train_data import TapStore
-
-        seqs = tr.TappedSequences(seqs, TapStore.open(args.taps))
+    if store is not None:
+        seqs = tr.TappedSequences(seqs, store)
     if args.measure_taps:
         print(json.dumps({**tr.time_step_parts(params, cfg, dcfg, seqs, tc, dp=dp, tp=tp),
                           "train_config": tc.to_dict(), "dp": dp, "tp": tp}))

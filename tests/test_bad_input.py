@@ -465,3 +465,10 @@ def test_make_data_refuses_evaluation_prompt_files_before_the_target_loads(name,
     assert main(["make-data", "--out", str(tmp_path / "t.npz"), "--prompts", str(tmp_path / name)]) == 2
     one_error(capsys, needle)
 
+
+def test_train_with_a_taps_directory_that_holds_none_is_refused_before_loading(tmp_path, capsys, monkeypatch):
+    refuse_loading(monkeypatch)
+    (tmp_path / "empty").mkdir()
+    assert main(["train", "--out", str(tmp_path / "run"), "--taps", str(tmp_path / "empty")]) == 2
+    one_error(capsys, "--taps: ", "taps.json", "make-taps --out")
+
