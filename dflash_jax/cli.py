@@ -740,6 +740,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     check_writable(out, "--out")  # before the target is loaded
     if (out / "checkpoints").exists():
         check_writable(out / "checkpoints", "--out's checkpoints")
+    data_path = Path(args.data) if args.data else out / "train_tokens.npz"
+    if not data_path.is_file() and not args.data_gen:  # before the target is loaded
+        raise FileNotFoundError(f"{data_path}: no token file; run `dflash-jax make-data --out {data_path}` "
+                                f"or pass --data-gen")
     store = None
     if args.taps:  # read before the target loads: a wrong directory costs no load
         from dflash_jax.train_data import TapStore
@@ -756,11 +760,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg, params, tokenizer = load_model(args.target, dtype=jnp.dtype(tc.compute_dtype), mesh=mesh)
     except ShardingError as err:
         raise ShardingError(f"tp (--tp) = {tp} does not fit the target {args.target}: {err}") from None
-    data_path = Path(args.data) if args.data else out / "train_tokens.npz"
-    if not data_path.is_file():
-        if not args.data_gen:
-            raise FileNotFoundError(f"{data_path}: no token file; run `dflash-jax make-data --out {data_path}` "
-                                    f"or pass --data-gen")
+    if not data_path.is_file():  # --data-gen
         _make_token_file(args, cfg, params, tokenizer, data_path)
     data = TokenData.load(data_path)
     init_params = init = None

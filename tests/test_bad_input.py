@@ -467,8 +467,20 @@ def test_make_data_refuses_evaluation_prompt_files_before_the_target_loads(name,
 
 
 def test_train_with_a_taps_directory_that_holds_none_is_refused_before_loading(tmp_path, capsys, monkeypatch):
+    from dflash_jax.train_data import TokenData
+
     refuse_loading(monkeypatch)
     (tmp_path / "empty").mkdir()
-    assert main(["train", "--out", str(tmp_path / "run"), "--taps", str(tmp_path / "empty")]) == 2
+    tokens = TokenData.from_lists([[1, 2]], [[3, 4, 5]], [0.0], [0], {}).save(tmp_path / "tokens.npz")
+    assert main(["train", "--out", str(tmp_path / "run"), "--data", str(tokens), "--taps",
+                 str(tmp_path / "empty")]) == 2
     one_error(capsys, "--taps: ", "taps.json", "make-taps --out")
+
+
+@pytest.mark.parametrize("kind", ["dflash", "mtp"])
+def test_train_without_its_token_file_is_refused_before_loading(kind, tmp_path, capsys, monkeypatch):
+    refuse_loading(monkeypatch)
+    missing = tmp_path / "tokens.npz"
+    assert main(["train", "--drafter-kind", kind, "--out", str(tmp_path / "run"), "--data", str(missing)]) == 2
+    one_error(capsys, f"{missing}: no token file", "--data-gen")
 
