@@ -752,6 +752,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             store = TapStore.open(args.taps)
         except (OSError, ValueError) as err:
             raise ValueError(f"--taps: {err}; write them with `dflash-jax make-taps --out {args.taps}`") from None
+        if not store.complete:
+            raise ValueError(f"--taps {args.taps}: incomplete (make-taps stopped before it wrote every row; its "
+                             f"missing rows read as zeros); run make-taps again")
     # Frozen target: loaded straight in the compute dtype, which is all `train` keeps of it (the
     # same rounding as a float32 load cast afterwards, at half the memory: a 27B target in bf16 is
     # 54 GB, in float32 108). Under --tp each weight goes straight to its tp shards.

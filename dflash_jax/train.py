@@ -813,6 +813,7 @@ def write_taps(target: TargetParams, cfg: TargetConfig, seqs: SequenceSet, tap_l
 
     In a multi-process run process p computes batches p, p + N, ... on its own first device and
     writes their rows into the one file (process 0 creates it first): `directory` must be shared.
+    Process 0 marks the store complete once every process has written its rows.
     """
     from tqdm.auto import tqdm
 
@@ -831,6 +832,8 @@ def write_taps(target: TargetParams, cfg: TargetConfig, seqs: SequenceSet, tap_l
         taps, _ = taps_fn(target, cfg, jnp.asarray(seqs.batch(padded)["tokens"]), tuple(tap_layers))
         store.write(start, np.asarray(taps)[:len(idx)])
     dist.barrier("make-taps: every row written")
+    if dist.is_main():  # only now may `train --taps` read them
+        store.mark_complete()
     return store
 
 

@@ -413,7 +413,7 @@ def test_taps_of_another_targets_width_are_refused_naming_taps(tiny, tmp_path, c
     tokens = data.save(tmp_path / "tokens.npz")
     last = json.loads((tiny / "config.json").read_text())["num_hidden_layers"] - 1
     rows = len(build_sequences(TokenData.load(tokens), 32))
-    TapStore.create(tmp_path / "taps", rows, 32, 7, "float32", (last,))
+    TapStore.create(tmp_path / "taps", rows, 32, 7, "float32", (last,)).mark_complete()
     out = tmp_path / "run"
     assert main(["train", "--drafter-kind", "mtp", "--target", str(tiny), "--data", str(tokens), "--no-progress",
                  "--seq-len", "32", "--batch", "2", "--steps", "2", "--val-fraction", "0", "--taps",

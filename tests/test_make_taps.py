@@ -1,5 +1,6 @@
 """`dflash-jax make-taps` loads the target straight in the taps' dtype (no float32 copy of a large
-target beside its cast), and writes the same taps as a float32 load cast to that dtype."""
+target beside its cast), writes the same taps as a float32 load cast to that dtype, and marks
+them complete only when every row is written: `train --taps` refuses a store left halfway."""
 from __future__ import annotations
 
 import json
@@ -31,6 +32,7 @@ def test_make_taps_loads_the_target_in_the_taps_dtype(tmp_path, monkeypatch, cap
                  "--no-progress"]) == 0, capsys.readouterr().err
     assert loads == [jnp.dtype(jnp.bfloat16)]
     made = TapStore.open(tmp_path / "taps")
+    assert made.complete
     monkeypatch.undo()
     cfg, params, _ = real(tmp_path / "target", dtype=jnp.float32, tokenizer=False)
     seqs = build_sequences(TokenData.load(tokens), 16)
@@ -39,3 +41,24 @@ def test_make_taps_loads_the_target_in_the_taps_dtype(tmp_path, monkeypatch, cap
     rows = np.arange(made.rows)
     np.testing.assert_array_equal(made.read(rows).astype(np.float32), ref.read(rows).astype(np.float32))
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["dtype"] == "bfloat16"
+
+
+def test_train_refuses_taps_that_make_taps_did_not_finish(tmp_path, monkeypatch, capsys):
+    """A store created and partly written (make-taps killed halfway) has the full file size, its
+    missing rows zeros: train refuses it before loading anything."""
+    store = TapStore.create(tmp_path / "taps", 4, 16, 8, "float32", (1,))
+    store.write(0, np.ones((2, 16, 8), np.float32))
+    assert not TapStore.open(tmp_path / "taps").complete
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the target was loaded before --taps was checked")
+
+    monkeypatch.setattr(convert, "load_model", no_load)
+    tokens = TokenData.from_lists([[1, 2]], [[3, 4, 5]], [0.0], [0], {}).save(tmp_path / "tokens.npz")
+    assert main(["train", "--out", str(tmp_path / "run"), "--data", str(tokens), "--taps",
+                 str(tmp_path / "taps")]) == 2
+    err = capsys.readouterr().err
+    assert "--taps" in err and "incomplete" in err and "Traceback" not in err, err
+    store.mark_complete()
+    assert TapStore.open(tmp_path / "taps").complete
+
