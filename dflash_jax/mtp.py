@@ -151,7 +151,8 @@ def head_from_target(target: Any, target_cfg: ModelConfig | Qwen35Config, key: j
     if is_hybrid(target_cfg):
         if target_cfg.layer_types[-1] != "full_attention":
             raise ValueError(f"init from the target's last layer: layer {target_cfg.num_layers - 1} is "
-                             f"{target_cfg.layer_types[-1]!r}, the head's layer is full attention; init it randomly")
+                             f"{target_cfg.layer_types[-1]!r}, the head's layer is full attention; init it randomly "
+                             f"(train --mtp-init random)")
         layer = (jax.tree.map(lambda a: a[-1:], target.layers), jax.tree.map(lambda a: a[-1:], target.attn))
     else:
         last = target.layers[-1]
