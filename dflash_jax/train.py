@@ -747,12 +747,18 @@ def place_batch(batch: dict[str, Any], mesh: jax.sharding.Mesh | None) -> dict[s
                          lambda shape: sh.batch_sharding(mesh, shape), {k: v.shape for k, v in host.items()})
 
 
-def load_batch(data: SequenceSet, indices: np.ndarray, mesh: jax.sharding.Mesh | None) -> dict[str, jax.Array]:
+def load_batch(data: SequenceSet | TappedSequences, indices: np.ndarray, mesh: jax.sharding.Mesh | None
+               ) -> dict[str, jax.Array]:
     """`place_batch(data.batch(indices), mesh)`, except that each process reads only the rows its
     devices hold: the global batch is the same rows whatever the number of processes."""
     if mesh is None:
         return place_batch(data.batch(indices), mesh)
-    shapes = {k: (len(indices),) + v.shape[1:] for k, v in data.batch(indices[:1]).items()}
+    # The global shapes come from one row of the token arrays; a row of stored taps is not read
+    # for them (its shape is the store's; for a 27B target at 2K tokens a row is 100 MB).
+    tapped = isinstance(data, TappedSequences)
+    shapes = {k: (len(indices),) + v.shape[1:] for k, v in (data.seqs if tapped else data).batch(indices[:1]).items()}
+    if tapped:
+        shapes["taps"] = (len(indices), data.store.seq_len, data.store.features)
     return dist.put_rows(lambda rows: data.batch(indices[rows]), len(indices), mesh,
                          lambda shape: sh.batch_sharding(mesh, shape), shapes)
 

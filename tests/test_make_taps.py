@@ -62,3 +62,27 @@ def test_train_refuses_taps_that_make_taps_did_not_finish(tmp_path, monkeypatch,
     store.mark_complete()
     assert TapStore.open(tmp_path / "taps").complete
 
+
+def test_a_mesh_batch_reads_each_stored_taps_row_once(tmp_path):
+    """Under a dp mesh `load_batch` reads each row's taps once (one read per dp shard), with no
+    extra row read only to learn the batch's shapes: a row of a 27B target's taps is 100 MB."""
+    from dflash_jax import sharding as sh
+
+    data = TokenData.from_lists([[1, 2]] * 4, [[3, 4, 5, 6]] * 4, [0.0] * 4, [0] * 4, {})
+    seqs = build_sequences(data, 8)
+    store = TapStore.create(tmp_path / "taps", len(seqs), 8, 3, "float32", (0,))
+    store.write(0, np.arange(4 * 8 * 3, dtype=np.float32).reshape(4, 8, 3))
+    read = []
+    real_read = store.read
+
+    def counting(indices):
+        read.extend(np.asarray(indices).tolist())
+        return real_read(indices)
+
+    store.read = counting
+    tapped = tr.TappedSequences(seqs, store)
+    batch = tr.load_batch(tapped, np.array([3, 1, 0, 2]), sh.make_mesh(2, 1))
+    assert sorted(read) == [0, 1, 2, 3]
+    np.testing.assert_array_equal(np.asarray(batch["taps"]), real_read(np.array([3, 1, 0, 2])))
+    np.testing.assert_array_equal(np.asarray(batch["tokens"]), seqs.batch(np.array([3, 1, 0, 2]))["tokens"])
+
