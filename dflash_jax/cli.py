@@ -193,7 +193,18 @@ def _mtp_head_source(path: str | None, model: str, flag: str = "--draft") -> Pat
         raise ValueError(f"{name} {given}: an MTP head is read from safetensors mtp.* tensors (a Qwen3.5 / Qwen3.6 "
                          "checkpoint, or a directory written by convert.mtp.export_mtp), not from a "
                          f"{kind} {'file' if kind == 'gguf' else 'directory'}")
-    return where
+    from convert.hf_safetensors import checkpoint_files, open_safetensors
+    from convert.mtp import PREFIX
+
+    # Headers only: a checkpoint without any head tensor is named now, not after the target loads
+    # (`load_mtp` names a missing one of a head that is there).
+    files, source = checkpoint_files(where)
+    for file in files:
+        with open_safetensors(file) as f:
+            if any(key.startswith(PREFIX) for key in f.keys()):
+                return where
+    raise ValueError(f"{name} {given}: {source} holds no {PREFIX}* tensors, so no MTP head"
+                     + ("" if path else f"; pass {flag} with a head (train --drafter-kind mtp exports one)"))
 
 
 def _load_mtp_head_for(path: str | None, model: str, cfg: Any, dtype: Any, flag: str = "--draft"

@@ -173,11 +173,23 @@ def test_cli_bench_reports_mtp_chains_and_trees_beside_ar(hybrid_with_head, tmp_
         assert methods[name]["matches_ar"] == 1.0 and methods[name]["tau"] >= 1.0
 
 
-def test_cli_mtp_without_a_head_is_one_error(tmp_path, capsys):
+def test_cli_mtp_without_a_head_is_one_error_before_the_target_loads(tmp_path, capsys, monkeypatch):
     path, _ = build_causal(tmp_path, "plain")
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target was loaded before the checkpoint was found to hold no head")
+
+    monkeypatch.setattr(cli, "_load_target", no_target)
     code = cli.main(["generate", "--model", str(path), "--method", "mtp", "--quiet", "hi"])
     err = capsys.readouterr().err
-    assert code != 0 and "missing MTP tensor 'mtp.fc.weight'" in err
+    assert code == 2 and "holds no mtp.* tensors" in err and "pass --draft" in err, err
+    code = cli.main(["bench", "--model", str(path), "--method", "mtp", "--prompts", str(tmp_path / "p.jsonl")])
+    assert code == 2  # the prompt file is missing: checked first, still before any load
+    (tmp_path / "p.jsonl").write_text(json.dumps({"question": "hi"}) + "\n")
+    capsys.readouterr()
+    code = cli.main(["bench", "--model", str(path), "--method", "mtp", "--prompts", str(tmp_path / "p.jsonl")])
+    err = capsys.readouterr().err
+    assert code == 2 and "holds no mtp.* tensors" in err and "pass --mtp-head" in err, err
 
 
 def test_loaded_head_step_matches_transformers_decoder_layer(hybrid_with_head):
