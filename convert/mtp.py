@@ -116,11 +116,6 @@ def _get(tree: Any, path: tuple) -> Any:
     return tree
 
 
-def expected_names(cfg: ModelConfig | Qwen35Config) -> list[str]:
-    """Every `mtp.*` tensor a head for this target has, in declaration order."""
-    return [PREFIX + name for name, *_ in _entries(cfg)]
-
-
 def load_mtp(path: str | Path, cfg: ModelConfig | Qwen35Config, dtype: Any = jnp.float32) -> MTPParams:
     """Reads the `mtp.*` tensors of a checkpoint (a Qwen3.5 / Qwen3.6 one, or a directory written
     by `export_mtp`) into the head for target `cfg`; other tensors are ignored.
@@ -176,8 +171,9 @@ def load_mtp(path: str | Path, cfg: ModelConfig | Qwen35Config, dtype: Any = jnp
 
 def export_mtp(mparams: MTPParams, cfg: ModelConfig | Qwen35Config, directory: str | Path,
                hidden_source: str = "post_norm") -> Path:
-    """Writes the head as `mtp.*` float32 tensors in `directory/mtp.safetensors` (what `load_mtp`
-    and `--draft` read for a dense target's head), its hidden source in the file's metadata
+    """Writes the head as `mtp.*` tensors in `directory/mtp.safetensors` (what `load_mtp` and
+    `--draft` read for a dense target's head), in the head's own floating dtype (float32, or
+    bfloat16 after `train --export-dtype bfloat16`), its hidden source in the file's metadata
     (`hidden_source_of`). Returns the file."""
     from safetensors.numpy import save_file
 
@@ -186,10 +182,10 @@ def export_mtp(mparams: MTPParams, cfg: ModelConfig | Qwen35Config, directory: s
     out = {}
     for name, _, where, _, to_stored in _entries(cfg):
         if to_stored is None:
-            gate_up = np.asarray(_get(mparams, where[:-1]), np.float32)[0]  # [embed, 2, mlp]
+            gate_up = np.asarray(_get(mparams, where[:-1]))[0]  # [embed, 2, mlp]
             out[PREFIX + name] = np.ascontiguousarray(gate_up[:, 0 if where[-1] == "gate" else 1].T)
             continue
-        out[PREFIX + name] = np.ascontiguousarray(to_stored(np.asarray(_get(mparams, where), np.float32)))
+        out[PREFIX + name] = np.ascontiguousarray(to_stored(np.asarray(_get(mparams, where))))
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     save_file(out, str(directory / FILE), metadata={"hidden_source": hidden_source})

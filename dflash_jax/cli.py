@@ -180,20 +180,42 @@ def _load_drafter_for(path: str, cfg: Any, dtype: Any, mesh: Any = None) -> tupl
     return dcfg, dparams
 
 
-def _load_mtp_head_for(path: str | None, model: str, cfg: Any, dtype: Any) -> tuple[Any, Any]:
-    """(MTPConfig, MTPParams) of the head in `path` (default: the target checkpoint `model`)."""
+def _mtp_head_source(path: str | None, model: str, flag: str = "--draft") -> Path:
+    """Where the MTP head's `mtp.*` tensors are: `path` (given as `flag`) or the target checkpoint
+    `model`. The commands check it before the target loads, so that a wrong path costs no load."""
     from convert import resolve_source
-    from convert.mtp import SHIPPED_MTP_HEADS, hidden_source_of, load_mtp, mtp_head_path
-    from dflash_jax.mtp import MTPConfig
+    from convert.hf_safetensors import checkpoint_files, open_safetensors
+    from convert.mtp import PREFIX, SHIPPED_MTP_HEADS, mtp_head_path
 
     if path in SHIPPED_MTP_HEADS:
-        where = mtp_head_path(path)
-        return MTPConfig(cfg, hidden_source=hidden_source_of(where)), load_mtp(where, cfg, dtype)
-    kind, where = resolve_source(path or model)
+        return mtp_head_path(path)
+    given, name = (path, flag) if path else (model, "--model")
+    try:
+        kind, where = resolve_source(given)
+    except ValueError as err:
+        raise ValueError(f"{name}: {err}") from None
     if kind != "hf":
-        raise ValueError(f"{'--draft/--mtp-head' if path else '--model'} {path or model}: an MTP head is read from "
-                         "safetensors mtp.* tensors (a Qwen3.5 / Qwen3.6 checkpoint, or a directory written by "
-                         f"convert.mtp.export_mtp), not from a {kind} file")
+        raise ValueError(f"{name} {given}: an MTP head is read from safetensors mtp.* tensors (a Qwen3.5 / Qwen3.6 "
+                         "checkpoint, or a directory written by convert.mtp.export_mtp), not from a "
+                         f"{kind} {'file' if kind == 'gguf' else 'directory'}")
+    # Headers only: a checkpoint without any head tensor is named now, not after the target loads
+    # (`load_mtp` names a missing one of a head that is there).
+    files, source = checkpoint_files(where)
+    for file in files:
+        with open_safetensors(file) as f:
+            if any(key.startswith(PREFIX) for key in f.keys()):
+                return where
+    raise ValueError(f"{name} {given}: {source} holds no {PREFIX}* tensors, so no MTP head"
+                     + ("" if path else f"; pass {flag} with a head (train --drafter-kind mtp exports one)"))
+
+
+def _load_mtp_head_for(path: str | None, model: str, cfg: Any, dtype: Any, flag: str = "--draft"
+                       ) -> tuple[Any, Any]:
+    """(MTPConfig, MTPParams) of the head in `path` (default: the target checkpoint `model`)."""
+    from convert.mtp import hidden_source_of, load_mtp
+    from dflash_jax.mtp import MTPConfig
+
+    where = _mtp_head_source(path, model, flag)
     return MTPConfig(cfg, hidden_source=hidden_source_of(where)), load_mtp(where, cfg, dtype)
 
 
@@ -216,6 +238,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--budget must be >= 1, got {args.budget}")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.method == "mtp":
+        _mtp_head_source(args.draft, args.model, "--draft")  # before the target loads
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     dtype = jnp.dtype(args.dtype or _default_dtype())
     mesh = sh.make_mesh(args.dp, args.tp) if args.dp * args.tp > 1 else None
@@ -243,7 +267,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
             if args.method == "mtp":
                 progress.begin(f"loading the MTP head of {args.draft or args.model}")
-                dcfg, dparams = _load_mtp_head_for(args.draft, args.model, cfg, dtype)
+                dcfg, dparams = _load_mtp_head_for(args.draft, args.model, cfg, dtype, "--draft")
                 settings = SpecSettings(method="mtp", mtp_steps=args.mtp_steps, budget=args.mtp_budget,
                                         sampling=sampling, max_new_tokens=args.max_new_tokens, stop_tokens=stop)
             else:
@@ -460,14 +484,18 @@ def cmd_make_taps(args: argparse.Namespace) -> int:
 
     check_writable(Path(args.out).absolute().parent, "--out")
     data = TokenData.load(args.data)
-    cfg, params, _ = load_model(args.target, dtype=jnp.float32)
+    dtype = args.dtype or _default_dtype()
+    # Loaded straight in the taps' dtype, as `train` loads its frozen target: the same rounding as
+    # a float32 load cast afterwards, without the float32 copy (a 27B target is 108 GB in float32,
+    # and its bf16 cast beside it would not fit one 141 GB H200). No tokenizer: tokens are given.
+    cfg, params, _ = load_model(args.target, dtype=jnp.dtype(dtype), tokenizer=False)
     taps = tuple(args.tap_layers) if args.tap_layers else tuple(default_tap_layers(cfg.num_layers, args.layers))
     bad = [t for t in taps if t >= cfg.num_layers]
     if bad:
         raise ValueError(f"--tap-layers {bad}: the target has layers 0..{cfg.num_layers - 1}")
     seqs = build_sequences(data, args.seq_len)
     store = tr.write_taps(params, cfg, seqs, taps, args.out, batch_size=args.batch,
-                          dtype=args.dtype or _default_dtype(), progress=not args.no_progress)
+                          dtype=dtype, progress=not args.no_progress)
     if jax.process_index() == 0:
         print(json.dumps({"out": str(store.path), "rows": store.rows, "seq_len": store.seq_len, "tap_layers": list(taps),
                           "dtype": store.dtype, "gb": store.rows * store.seq_len * store.features
@@ -558,7 +586,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="tau, tokens/s and speedup over AR on prompt files, by category",
-                       description="Benchmark AR, DFlash and DDTree on JSONL prompt files (gsm8k test "
+                       description="Benchmark AR, DFlash, DDTree and MTP on JSONL prompt files (gsm8k test "
                                    "`question` as category math, spec_bench `turns[0]` by `category`, "
                                    "make-prompts' code_heldout.jsonl as code). Prints a JSON report on stdout "
                                    "and tau by category as a table on stderr; with --out also writes "
@@ -612,10 +640,14 @@ def _make_token_file(args: argparse.Namespace, cfg, params, tokenizer, out) -> N
 
 
 def _check_data_gen_args(args: argparse.Namespace) -> None:
-    """Refuses bad generation flags before any model is loaded."""
-    from dflash_jax.train_data import check_samples
+    """Refuses bad generation flags, and --prompts files that are evaluation sets, before any
+    model is loaded (`make_token_data` checks them again, after minutes of loading a large target)."""
+    from dflash_jax.jsonl import file_and_limit
+    from dflash_jax.train_data import check_samples, check_training_source
 
     check_samples(args.samples_per_prompt, args.gen_temperature)
+    for spec in args.prompts or ():
+        check_training_source(file_and_limit(spec)[0])
 
 
 def cmd_make_data(args: argparse.Namespace) -> int:
@@ -679,9 +711,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             saved = json.loads(run_file.read_text())
             tc = tr.TrainConfig(**{**saved["train_config"], **given})
             drafter_config = saved["drafter_config"]
-        except (ValueError, KeyError, TypeError) as err:
+            saved_kind = "mtp" if drafter_config.get("kind") == "mtp" else "dflash"
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"{run_file}: not a readable run record ({type(err).__name__}: {err})") from None
-        saved_kind = "mtp" if drafter_config.get("kind") == "mtp" else "dflash"
         if args.drafter_kind not in (None, saved_kind):
             raise ValueError(f"--drafter-kind {args.drafter_kind} disagrees with the run in {out} ({saved_kind})")
         args.drafter_kind = saved_kind
@@ -721,6 +753,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     check_writable(out, "--out")  # before the target is loaded
     if (out / "checkpoints").exists():
         check_writable(out / "checkpoints", "--out's checkpoints")
+    data_path = Path(args.data) if args.data else out / "train_tokens.npz"
+    if not data_path.is_file() and not args.data_gen:  # before the target is loaded
+        raise FileNotFoundError(f"{data_path}: no token file; run `dflash-jax make-data --out {data_path}` "
+                                f"or pass --data-gen")
+    store = None
+    if args.taps:  # read before the target loads: a wrong directory costs no load
+        from dflash_jax.train_data import TapStore
+
+        try:
+            store = TapStore.open(args.taps)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"--taps: {err}; write them with `dflash-jax make-taps --out {args.taps}`") from None
+        if not store.complete:
+            raise ValueError(f"--taps {args.taps}: incomplete (make-taps stopped before it wrote every row; its "
+                             f"missing rows read as zeros); run make-taps again")
     # Frozen target: loaded straight in the compute dtype, which is all `train` keeps of it (the
     # same rounding as a float32 load cast afterwards, at half the memory: a 27B target in bf16 is
     # 54 GB, in float32 108). Under --tp each weight goes straight to its tp shards.
@@ -729,11 +776,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg, params, tokenizer = load_model(args.target, dtype=jnp.dtype(tc.compute_dtype), mesh=mesh)
     except ShardingError as err:
         raise ShardingError(f"tp (--tp) = {tp} does not fit the target {args.target}: {err}") from None
-    data_path = Path(args.data) if args.data else out / "train_tokens.npz"
-    if not data_path.is_file():
-        if not args.data_gen:
-            raise FileNotFoundError(f"{data_path}: no token file; run `dflash-jax make-data --out {data_path}` "
-                                    f"or pass --data-gen")
+    if not data_path.is_file():  # --data-gen
         _make_token_file(args, cfg, params, tokenizer, data_path)
     data = TokenData.load(data_path)
     init_params = init = None
@@ -758,10 +801,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                                      block_size=16 if args.block_size is None else args.block_size,
                                      mask_token_id=mask)
     seqs = build_sequences(data, tc.seq_len)
-    if args.taps:
-        from dflash_jax.train_data import TapStore
-
-        seqs = tr.TappedSequences(seqs, TapStore.open(args.taps))
+    if store is not None:
+        seqs = tr.TappedSequences(seqs, store)
     if args.measure_taps:
         print(json.dumps({**tr.time_step_parts(params, cfg, dcfg, seqs, tc, dp=dp, tp=tp),
                           "train_config": tc.to_dict(), "dp": dp, "tp": tp}))
@@ -796,6 +837,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     dtype = jnp.dtype(args.dtype or _default_dtype())
     prompts = ev.load_bench_files(args.prompts, limit=args.limit, math_suffix=args.math_suffix)
     out = check_writable(args.out, "--out") if args.out else None  # before minutes of decoding
+    if "mtp" in spec_methods:
+        _mtp_head_source(args.mtp_head, args.model, "--mtp-head")  # before the target loads
     cfg, params, tokenizer = _load_target(args.model, dtype)
     dcfg = dparams = None
     block_size = args.block_size or 16
@@ -804,7 +847,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         block_size = args.block_size or dcfg.block_size
     mtp_cfg = mtp_params = None
     if "mtp" in spec_methods:
-        mtp_cfg, mtp_params = _load_mtp_head_for(args.mtp_head, args.model, cfg, dtype)
+        mtp_cfg, mtp_params = _load_mtp_head_for(args.mtp_head, args.model, cfg, dtype, "--mtp-head")
     specs = ev.method_specs(spec_methods, args.budget, block_size, args.mtp_steps, args.mtp_budget)
     where = {"prompts_files": [str(p) for p in args.prompts], "model": str(args.model), "draft": args.draft,
              "mtp_head": args.mtp_head}

@@ -68,6 +68,12 @@ def cluster_from(coordinator: str | None = None, num_processes: int | None = Non
             raise ValueError(f"--num-processes / --process-id ({ENV_PROCESSES} / {ENV_ID}) need --coordinator "
                              f"ADDR:PORT ({ENV_ADDRESS}), the address of process 0")
         return None
+    # Checked for "auto" too: what is given there overrides jax's detection.
+    if count is not None and count < 1:
+        raise ValueError(f"--num-processes ({ENV_PROCESSES}) must be >= 1, got {count}")
+    if pid is not None and (pid < 0 or (count is not None and pid >= count)):
+        span = f"in 0..{count - 1} for {count} processes" if count is not None else ">= 0"
+        raise ValueError(f"--process-id ({ENV_ID}) must be {span}, got {pid}")
     if address == AUTO:
         return Cluster(AUTO, count, pid)
     if ":" not in address:
@@ -75,10 +81,6 @@ def cluster_from(coordinator: str | None = None, num_processes: int | None = Non
     if count is None or pid is None:
         raise ValueError(f"--coordinator {address} needs --num-processes N and --process-id I "
                          f"({ENV_PROCESSES}, {ENV_ID}); or pass --coordinator auto on a cluster jax detects")
-    if count < 1:
-        raise ValueError(f"--num-processes ({ENV_PROCESSES}) must be >= 1, got {count}")
-    if not 0 <= pid < count:
-        raise ValueError(f"--process-id ({ENV_ID}) must be in 0..{count - 1} for {count} processes, got {pid}")
     return Cluster(address, count, pid)
 
 

@@ -18,9 +18,11 @@ Which hidden state (`MTPConfig.hidden_source`):
   served so is what published acceptance figures measure.
 - "pre_norm": the residual stream before the final norm, which mlx-lm's Qwen3.5 MTP port feeds
   its head (and how descriptions of MTP training, DeepSeek-V3's among them, read); chained steps
-  feed the head's layer output before `mtp.norm`. Public sources disagree, hence the setting; the
-  τ of a checkpoint's head under each is a GPU measurement still to make. The targets' prefill and verify then return the last layer's state before the
-  final norm (`last_tap_pre_norm`, asked for by `speculative.taps_pre_norm`).
+  feed the head's layer output before `mtp.norm`. With it the targets' prefill and verify return
+  the last layer's state before the final norm (`last_tap_pre_norm`, asked for by
+  `speculative.taps_pre_norm`).
+Public sources disagree, hence the setting; the τ of a checkpoint's head under each is a GPU
+measurement still to make.
 
 Chained drafting of k tokens (`draft_chain`): step 1 is position L - 1 with the target's hidden
 state there (kept in `MTPCache.hidden`) and the root (token L); step j > 1 is position L + j - 2
@@ -149,7 +151,8 @@ def head_from_target(target: Any, target_cfg: ModelConfig | Qwen35Config, key: j
     if is_hybrid(target_cfg):
         if target_cfg.layer_types[-1] != "full_attention":
             raise ValueError(f"init from the target's last layer: layer {target_cfg.num_layers - 1} is "
-                             f"{target_cfg.layer_types[-1]!r}, the head's layer is full attention; init it randomly")
+                             f"{target_cfg.layer_types[-1]!r}, the head's layer is full attention; init it randomly "
+                             f"(train --mtp-init random)")
         layer = (jax.tree.map(lambda a: a[-1:], target.layers), jax.tree.map(lambda a: a[-1:], target.attn))
     else:
         last = target.layers[-1]

@@ -147,7 +147,7 @@ def stdlib_tasks(modules: tuple[str, ...] = STDLIB_MODULES) -> tuple[list[dict[s
     """Every qualifying function of `modules` as a prompt row -> (rows, the modules imported).
 
     Row: {"instruction", "category": "code", "source": "module.function", "module"}. Methods name
-    their class: "Implement this method of class `C` ...".
+    their class: "Implement this method of the Python class `C`: ...".
     """
     rows: list[dict[str, Any]] = []
     found: list[str] = []
@@ -165,9 +165,13 @@ def stdlib_tasks(modules: tuple[str, ...] = STDLIB_MODULES) -> tuple[list[dict[s
                 continue
             source = f"{module_name}.{name}"
             instruction = STDLIB_INSTRUCTIONS[zlib.crc32(source.encode()) % len(STDLIB_INSTRUCTIONS)]
-            if "." in name:
-                instruction = instruction.replace("Python function", f"method of the Python class "
-                                                  f"`{name.split('.')[0]}`")
+            if "." in name:  # a method: the instruction names its class
+                owner = f"the Python class `{name.split('.')[0]}`"
+                if "Python function" in instruction:
+                    instruction = instruction.replace("Python function", f"method of {owner}")
+                else:
+                    instruction = instruction.replace("Python implementation", f"implementation of this method of "
+                                                      f"{owner}")
             rows.append({"instruction": f"{instruction}\n\n{text}", "category": "code", "source": source,
                          "module": module_name})
     return rows, found

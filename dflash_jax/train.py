@@ -747,12 +747,18 @@ def place_batch(batch: dict[str, Any], mesh: jax.sharding.Mesh | None) -> dict[s
                          lambda shape: sh.batch_sharding(mesh, shape), {k: v.shape for k, v in host.items()})
 
 
-def load_batch(data: SequenceSet, indices: np.ndarray, mesh: jax.sharding.Mesh | None) -> dict[str, jax.Array]:
+def load_batch(data: SequenceSet | TappedSequences, indices: np.ndarray, mesh: jax.sharding.Mesh | None
+               ) -> dict[str, jax.Array]:
     """`place_batch(data.batch(indices), mesh)`, except that each process reads only the rows its
     devices hold: the global batch is the same rows whatever the number of processes."""
     if mesh is None:
         return place_batch(data.batch(indices), mesh)
-    shapes = {k: (len(indices),) + v.shape[1:] for k, v in data.batch(indices[:1]).items()}
+    # The global shapes come from one row of the token arrays; a row of stored taps is not read
+    # for them (its shape is the store's; for a 27B target at 2K tokens a row is 100 MB).
+    tapped = isinstance(data, TappedSequences)
+    shapes = {k: (len(indices),) + v.shape[1:] for k, v in (data.seqs if tapped else data).batch(indices[:1]).items()}
+    if tapped:
+        shapes["taps"] = (len(indices), data.store.seq_len, data.store.features)
     return dist.put_rows(lambda rows: data.batch(indices[rows]), len(indices), mesh,
                          lambda shape: sh.batch_sharding(mesh, shape), shapes)
 
@@ -788,14 +794,20 @@ class TappedSequences:
         return {**self.seqs.batch(indices), "taps": self.store.read(indices)}
 
 
-def check_taps(store: TapStore, dcfg: DrafterConfig, tc: TrainConfig) -> None:
-    """Raises one ValueError naming --taps unless the stored taps are the ones this run's drafter reads."""
+def check_taps(store: TapStore, dcfg: DrafterConfig, tc: TrainConfig, cfg: TargetConfig | None = None) -> None:
+    """Raises one ValueError naming --taps unless the stored taps are the ones this run's drafter reads
+    (with the target's `cfg`, also their width: taps of another target's layers of the same ids)."""
     if taps_pre_norm(dcfg):
         raise ValueError(f"taps (--taps) {store.path}: make-taps writes the last layer after the final norm; an MTP "
                          f"head with hidden_source pre_norm takes it before, computed in the step (drop --taps)")
     if tuple(store.tap_layers) != tuple(dcfg.target_layer_ids):
         raise ValueError(f"taps (--taps) {store.path} hold target layers {list(store.tap_layers)}, the drafter taps "
                          f"{list(dcfg.target_layer_ids)}")
+    want = None if cfg is None else len(dcfg.target_layer_ids) * cfg.hidden_size
+    if want is not None and store.features != want:
+        raise ValueError(f"taps (--taps) {store.path} hold {store.features} features a token, this target's "
+                         f"{len(dcfg.target_layer_ids)} taps of {cfg.hidden_size} are {want}: written for another "
+                         f"target; write them again with make-taps --target for this one")
     if tc.labels != "response":
         raise ValueError(f"taps (--taps) serve --labels response only; --labels {tc.labels} needs the target's "
                          f"logits, computed in the step")
@@ -807,6 +819,7 @@ def write_taps(target: TargetParams, cfg: TargetConfig, seqs: SequenceSet, tap_l
 
     In a multi-process run process p computes batches p, p + N, ... on its own first device and
     writes their rows into the one file (process 0 creates it first): `directory` must be shared.
+    Process 0 marks the store complete once every process has written its rows.
     """
     from tqdm.auto import tqdm
 
@@ -825,6 +838,8 @@ def write_taps(target: TargetParams, cfg: TargetConfig, seqs: SequenceSet, tap_l
         taps, _ = taps_fn(target, cfg, jnp.asarray(seqs.batch(padded)["tokens"]), tuple(tap_layers))
         store.write(start, np.asarray(taps)[:len(idx)])
     dist.barrier("make-taps: every row written")
+    if dist.is_main():  # only now may `train --taps` read them
+        store.mark_complete()
     return store
 
 
@@ -883,9 +898,10 @@ def check_sizes(cfg: TargetConfig, dcfg: DrafterConfig, tc: TrainConfig) -> None
             + tc.batch_size * rows * cfg.vocab_size * 4)
     have = memory_available()
     if need > have:
-        raise ValueError(f"batch_size (--batch) {tc.batch_size} x seq_len (--seq-len) {tc.seq_len} x num_blocks "
-                         f"(--blocks) {tc.num_blocks} needs at least {need / 1e9:.1f} GB of activations a step, "
-                         f"more than the device's {have / 1e9:.1f} GB")
+        # An MTP head has no blocks (--blocks is refused for it): its logit rows are the sequence's.
+        blocks = "" if isinstance(dcfg, mtp.MTPConfig) else f" x num_blocks (--blocks) {tc.num_blocks}"
+        raise ValueError(f"batch_size (--batch) {tc.batch_size} x seq_len (--seq-len) {tc.seq_len}{blocks} needs at "
+                         f"least {need / 1e9:.1f} GB of activations a step, more than the device's {have / 1e9:.1f} GB")
 
 
 def check_validation(val_fraction: float, eval_every: int | None, val_batches: int, keep_best: bool) -> None:
@@ -1161,7 +1177,7 @@ def train(target: TargetParams, cfg: TargetConfig, dcfg: DrafterConfig, data: Se
     ckpt_dir, log_path, run_path = out_dir / "checkpoints", out_dir / LOG_FILE, out_dir / RUN_FILE
     check_sizes(cfg, dcfg, tc)
     if isinstance(data, TappedSequences):
-        check_taps(data.store, dcfg, tc)
+        check_taps(data.store, dcfg, tc, cfg)
     if data.seq_len != tc.seq_len:
         raise ValueError(f"training rows have seq_len {data.seq_len}, TrainConfig.seq_len is {tc.seq_len}")
     mesh = data_parallel_mesh(dp, tc.batch_size, tp)  # before anything is written

@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.files import atomic_write_text
 from dflash_jax.jsonl import file_and_limit, iter_jsonl
 from dflash_jax.sampling import SamplingParams
 
@@ -506,6 +507,9 @@ class TapStore:
     One raw file, `taps.bin`, of [rows, seq_len, features] in `dtype` (a memory map: a batch
     reads only its rows), and `taps.json` with the shape, dtype and the tap layers they came from.
     Costs features x itemsize bytes per token on disk (Qwen3.6-27B, 5 taps of 5120 in bf16: 51 KB).
+    `complete` turns true once every row is written (`mark_complete`): `create` makes the whole
+    file of zeros first, so a writer stopped halfway leaves a file of the right size whose missing
+    rows would read as zeros.
     """
 
     path: Path
@@ -514,17 +518,28 @@ class TapStore:
     features: int
     dtype: str
     tap_layers: tuple[int, ...]
+    complete: bool = True
 
     @classmethod
     def create(cls, directory: str | Path, rows: int, seq_len: int, features: int, dtype: str,
                tap_layers: Sequence[int]) -> "TapStore":
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        store = cls(directory, rows, seq_len, features, str(jnp.dtype(dtype)), tuple(int(t) for t in tap_layers))
+        store = cls(directory, rows, seq_len, features, str(jnp.dtype(dtype)), tuple(int(t) for t in tap_layers),
+                    complete=False)
         np.memmap(directory / TAPS_FILE, dtype=jnp.dtype(dtype), mode="w+", shape=store.shape).flush()
-        (directory / TAPS_META).write_text(json.dumps({"rows": rows, "seq_len": seq_len, "features": features,
-                                                       "dtype": store.dtype, "tap_layers": list(store.tap_layers)}))
+        store._write_meta()
         return store
+
+    def _write_meta(self) -> None:
+        atomic_write_text(self.path / TAPS_META, json.dumps({
+            "rows": self.rows, "seq_len": self.seq_len, "features": self.features, "dtype": self.dtype,
+            "tap_layers": list(self.tap_layers), "complete": self.complete}))
+
+    def mark_complete(self) -> None:
+        """Records that every row is written (after the last `write`)."""
+        self.complete = True
+        self._write_meta()
 
     @classmethod
     def open(cls, directory: str | Path) -> "TapStore":
@@ -532,10 +547,11 @@ class TapStore:
         meta_path = directory / TAPS_META
         try:
             meta = json.loads(meta_path.read_text())
+            # A record without "complete" predates the flag; it was written whole or not at all.
             store = cls(directory, int(meta["rows"]), int(meta["seq_len"]), int(meta["features"]), str(meta["dtype"]),
-                        tuple(int(t) for t in meta["tap_layers"]))
+                        tuple(int(t) for t in meta["tap_layers"]), complete=bool(meta.get("complete", True)))
         except FileNotFoundError:
-            raise FileNotFoundError(f"{meta_path}: no taps here (written by TapStore.create)") from None
+            raise FileNotFoundError(f"{meta_path}: no taps here (make-taps writes them)") from None
         except (ValueError, KeyError, TypeError) as err:
             raise ValueError(f"{meta_path}: not a taps record ({type(err).__name__}: {err})") from None
         need = int(np.prod(store.shape)) * jnp.dtype(store.dtype).itemsize

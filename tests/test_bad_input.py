@@ -389,3 +389,98 @@ def test_absurd_training_sizes_are_refused_with_their_memory(tiny, tmp_path, cap
     one_error(capsys, "seq_len (--seq-len) 4096 exceeds the target's max_position_embeddings 512")
     assert main([*common, "--out", str(tmp_path / "b"), "--batch", "1000000000000"]) == 2
     one_error(capsys, "batch_size (--batch) 1000000000000", "GB of activations a step, more than the device's")
+
+
+def test_absurd_mtp_training_sizes_name_only_flags_an_mtp_run_takes(tiny, tmp_path, capsys):
+    """An MTP head has no blocks (train refuses --blocks for it): the error must not ask for them."""
+    from dflash_jax.train_data import TokenData
+
+    data = TokenData.from_lists([[1, 2, 3]] * 4, [[4, 5, 6, 7]] * 4, [0.0] * 4, [0] * 4, {})
+    tokens = data.save(tmp_path / "tokens.npz")
+    assert main(["train", "--drafter-kind", "mtp", "--target", str(tiny), "--data", str(tokens), "--no-progress",
+                 "--seq-len", "32", "--batch", "1000000000000", "--out", str(tmp_path / "run")]) == 2
+    line = one_error(capsys, "batch_size (--batch) 1000000000000 x seq_len (--seq-len) 32 needs",
+                     "GB of activations a step, more than the device's")
+    assert "--blocks" not in line
+
+
+def test_taps_of_another_targets_width_are_refused_naming_taps(tiny, tmp_path, capsys):
+    """Taps of the right layer ids and rows but another target's width fail as one --taps error,
+    before the run directory is written (not as an einsum's shape error inside the step)."""
+    from dflash_jax.train_data import TapStore, TokenData, build_sequences
+
+    data = TokenData.from_lists([[1, 2, 3]] * 4, [[4, 5, 6, 7]] * 4, [0.0] * 4, [0] * 4, {})
+    tokens = data.save(tmp_path / "tokens.npz")
+    last = json.loads((tiny / "config.json").read_text())["num_hidden_layers"] - 1
+    rows = len(build_sequences(TokenData.load(tokens), 32))
+    TapStore.create(tmp_path / "taps", rows, 32, 7, "float32", (last,)).mark_complete()
+    out = tmp_path / "run"
+    assert main(["train", "--drafter-kind", "mtp", "--target", str(tiny), "--data", str(tokens), "--no-progress",
+                 "--seq-len", "32", "--batch", "2", "--steps", "2", "--val-fraction", "0", "--taps",
+                 str(tmp_path / "taps"), "--out", str(out)]) == 2
+    one_error(capsys, "taps (--taps)", "hold 7 features a token", "make-taps --target")
+    assert not (out / "train_run.json").exists()
+
+
+@pytest.mark.parametrize("environ,message", [
+    ({"JAX_NUM_PROCESSES": "0"}, "--num-processes (JAX_NUM_PROCESSES) must be >= 1, got 0"),
+    ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"}, "--process-id (JAX_PROCESS_ID) must be in 0..1"),
+    ({"JAX_PROCESS_ID": "-1"}, "--process-id (JAX_PROCESS_ID) must be >= 0, got -1"),
+])
+def test_coordinator_auto_checks_the_counts_it_is_given(environ, message, monkeypatch, capsys):
+    """With --coordinator auto a given process count or id overrides jax's detection, so it is
+    checked as with an address, before jax.distributed is asked to join anything."""
+    from dflash_jax import distributed as dist
+
+    def no_join(cluster):
+        raise AssertionError(f"jax.distributed would be initialized with {cluster}")
+
+    monkeypatch.setattr(dist, "initialize", no_join)
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert main(["decode", "--coordinator", "auto", "--input", "in.jsonl", "--output", "out.jsonl",
+                 "--batch", "1"]) == 2
+    one_error(capsys, message)
+
+
+@pytest.mark.parametrize("drafter_config", [[1, 2], "mtp", None])
+def test_resume_of_a_run_record_whose_drafter_config_is_no_object_is_one_error(drafter_config, tmp_path, capsys):
+    out = tmp_path / "run"
+    (out / "checkpoints" / "5").mkdir(parents=True)
+    (out / "train_run.json").write_text(json.dumps({"train_config": {}, "drafter_config": drafter_config}))
+    assert main(["train", "--resume", "--out", str(out)]) == 2
+    one_error(capsys, "train_run.json: not a readable run record")
+
+
+@pytest.mark.parametrize("name,needle", [("code_heldout.jsonl:5", "a held-out set"),
+                                         ("gsm8k/test.jsonl", "evaluation")])
+def test_make_data_refuses_evaluation_prompt_files_before_the_target_loads(name, needle, tmp_path, capsys,
+                                                                           monkeypatch):
+    (tmp_path / "gsm8k").mkdir()
+    for path in (tmp_path / "code_heldout.jsonl", tmp_path / "gsm8k" / "test.jsonl"):
+        path.write_text(json.dumps({"question": "1 + 1?", "answer": "2"}) + "\n")
+    refuse_loading(monkeypatch)
+    assert main(["make-data", "--out", str(tmp_path / "t.npz"), "--prompts", str(tmp_path / name)]) == 2
+    one_error(capsys, needle)
+
+
+def test_train_with_a_taps_directory_that_holds_none_is_refused_before_loading(tmp_path, capsys, monkeypatch):
+    from dflash_jax.train_data import TokenData
+
+    refuse_loading(monkeypatch)
+    (tmp_path / "empty").mkdir()
+    tokens = TokenData.from_lists([[1, 2]], [[3, 4, 5]], [0.0], [0], {}).save(tmp_path / "tokens.npz")
+    assert main(["train", "--out", str(tmp_path / "run"), "--data", str(tokens), "--taps",
+                 str(tmp_path / "empty")]) == 2
+    one_error(capsys, "--taps: ", "taps.json", "make-taps --out")
+
+
+@pytest.mark.parametrize("kind", ["dflash", "mtp"])
+def test_train_without_its_token_file_is_refused_before_loading(kind, tmp_path, capsys, monkeypatch):
+    refuse_loading(monkeypatch)
+    missing = tmp_path / "tokens.npz"
+    assert main(["train", "--drafter-kind", kind, "--out", str(tmp_path / "run"), "--data", str(missing)]) == 2
+    one_error(capsys, f"{missing}: no token file", "--data-gen")
+

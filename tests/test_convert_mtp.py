@@ -132,6 +132,20 @@ def test_dense_head_export_loads_back(tmp_path):
     for a, b in zip(jax.tree.leaves(head), jax.tree.leaves(back)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert load_mtp(tmp_path / "head", cfg, jnp.bfloat16).fc.dtype == jnp.bfloat16
+    assert {x.dtype for x in stored.values()} == {np.dtype(np.float32)}
+
+
+def test_dense_head_export_keeps_a_bfloat16_heads_dtype(tmp_path):
+    """`train --export-dtype bfloat16` hands export_mtp a bfloat16 head: it is stored as such
+    (half the bytes), and loads back to the same values."""
+    target_model(vocab=16).save_pretrained(tmp_path / "target")
+    cfg, _ = load_hf(tmp_path / "target")
+    head = jax.tree.map(lambda x: x.astype(jnp.bfloat16), mtp.init_mtp_params(cfg, jax.random.key(5)))
+    stored = load_file(str(export_mtp(head, cfg, tmp_path / "head")))
+    assert {x.dtype.name for x in stored.values()} == {"bfloat16"}
+    back = load_mtp(tmp_path / "head", cfg)
+    for a, b in zip(jax.tree.leaves(head), jax.tree.leaves(back)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b))
 
 
 def test_cli_generate_with_the_checkpoints_own_head_equals_ar(hybrid_with_head, capsys):
@@ -159,11 +173,23 @@ def test_cli_bench_reports_mtp_chains_and_trees_beside_ar(hybrid_with_head, tmp_
         assert methods[name]["matches_ar"] == 1.0 and methods[name]["tau"] >= 1.0
 
 
-def test_cli_mtp_without_a_head_is_one_error(tmp_path, capsys):
+def test_cli_mtp_without_a_head_is_one_error_before_the_target_loads(tmp_path, capsys, monkeypatch):
     path, _ = build_causal(tmp_path, "plain")
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target was loaded before the checkpoint was found to hold no head")
+
+    monkeypatch.setattr(cli, "_load_target", no_target)
     code = cli.main(["generate", "--model", str(path), "--method", "mtp", "--quiet", "hi"])
     err = capsys.readouterr().err
-    assert code != 0 and "missing MTP tensor 'mtp.fc.weight'" in err
+    assert code == 2 and "holds no mtp.* tensors" in err and "pass --draft" in err, err
+    code = cli.main(["bench", "--model", str(path), "--method", "mtp", "--prompts", str(tmp_path / "p.jsonl")])
+    assert code == 2  # the prompt file is missing: checked first, still before any load
+    (tmp_path / "p.jsonl").write_text(json.dumps({"question": "hi"}) + "\n")
+    capsys.readouterr()
+    code = cli.main(["bench", "--model", str(path), "--method", "mtp", "--prompts", str(tmp_path / "p.jsonl")])
+    err = capsys.readouterr().err
+    assert code == 2 and "holds no mtp.* tensors" in err and "pass --mtp-head" in err, err
 
 
 def test_loaded_head_step_matches_transformers_decoder_layer(hybrid_with_head):
@@ -207,3 +233,36 @@ def test_loaded_head_step_matches_transformers_decoder_layer(hybrid_with_head):
     with torch.no_grad():
         ref = ref_model(inputs_embeds=torch.from_numpy(x.astype(np.float32))).logits.numpy()
     np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["bench", "--method", "mtp", "--mtp-head", "no/such/head", "--prompts", "PROMPTS"], "--mtp-head"),
+    (["generate", "--method", "mtp", "--draft", "no/such/head", "hi"], "--draft"),
+    (["generate", "--method", "mtp", "--model", "smollm2", "hi"], "--model"),
+])
+def test_cli_mtp_head_path_is_checked_before_the_target_loads(argv, flag, tmp_path, monkeypatch, capsys):
+    """A wrong head path (or a target that cannot hold a head) is one error naming the flag that
+    gave it, before minutes of target loading."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"question": "hi"}) + "\n")
+    argv = [str(prompts) if a == "PROMPTS" else a for a in argv]
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target was loaded before the MTP head's path was checked")
+
+    monkeypatch.setattr(cli, "_load_target", no_target)
+    code = cli.main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"error: {flag} " in err or f"error: {flag}:" in err, err
+
+
+def test_shipped_head_is_found_by_its_short_name():
+    """`--mtp-head smollm2` / `--draft smollm2` name the head shipped in the package, before any
+    target loads; another name is still read as a path."""
+    from convert.mtp import FILE, hidden_source_of
+    from dflash_jax.cli import _mtp_head_source
+
+    where = _mtp_head_source("smollm2", "unused-target")
+    assert (where / FILE).is_file() and hidden_source_of(where) == "post_norm"
+    with pytest.raises(ValueError, match="--draft"):
+        _mtp_head_source("smollm3", "unused-target")

@@ -178,6 +178,12 @@ def test_bad_mtp_settings(dense):
         mtp.MTPConfig(cfg, hidden_source="after")
 
 
+def test_head_from_a_target_whose_last_layer_is_gdn_names_the_flag_that_avoids_it():
+    cfg, params = hybrid_target("aperiodic")  # its last layer is a GDN layer
+    with pytest.raises(ValueError, match=r"layer 4 is 'linear_attention'.*\(train --mtp-init random\)"):
+        mtp.head_from_target(params, cfg, jax.random.key(1))
+
+
 # ----------------------------------------------------------------------------- hidden_source "pre_norm"
 
 @pytest.mark.parametrize("kind,steps,budget,batch", [("dense", 3, 0, 3), ("dense", 2, 5, 1), ("hybrid", 3, 0, 3),

@@ -68,8 +68,8 @@ from dflash_jax.stage_times import STAGES  # the round's named scopes
 
 # The hybrid target's mixer scopes (`qwen3_5._run_layers`); inside a round only the verify runs them.
 MIXER_SCOPES = (qwen3_5.ATTENTION_SCOPE, qwen3_5.GDN_SCOPE)
-# The issue's goal: the GDN layers' share of the verify time at most their share of the weight
-# bytes plus 20 percentage points.
+# The bar a hybrid's verify is held to: the GDN layers' share of its time at most their share of
+# the weight bytes it reads plus 20 percentage points (a memory-bound verify spends time as bytes).
 GDN_SHARE_SLACK = 0.20
 
 
@@ -165,7 +165,7 @@ def split_verify(by_scope: dict[str, float]) -> dict[str, float]:
 
 
 def gdn_verify_share(row: dict, cfg: Qwen35Config) -> dict[str, float] | None:
-    """The issue's goal for a hybrid row with a profile: the GDN layers' share of the verify time
+    """`GDN_SHARE_SLACK`'s bar for a hybrid row with a profile: the GDN layers' share of the verify time
     against their share of the weight bytes (`weight_shares`); None without the split."""
     split = (row.get("profile") or {}).get("by_scope", {})
     if not split.get("verify") or "verify/gdn" not in split:

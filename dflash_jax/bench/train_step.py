@@ -16,6 +16,7 @@ host read alone, so a slower disk can be judged by its bandwidth.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import tempfile
 import time
 from typing import Any
@@ -89,41 +90,44 @@ def run(model: str, layers: int, batch: int, seq_len: int, blocks: int, block_si
         counter["i"] += 1
         return step(state, target, tr.place_batch(b, mesh), cfg=cfg, dcfg=dcfg, tc=tc)
 
-    store = None
-    if "disk" in modes:
-        directory = taps_dir or tempfile.mkdtemp(prefix="taps-")
-        store = TapStore.create(directory, rows, seq_len, features, "bfloat16", dcfg.target_layer_ids)
-        taps_fn = jax.jit(tr.target_taps, static_argnums=(1, 3))
-        t0 = time.perf_counter()
-        for i in range(batches):
-            b, idx = host_batch(i)
-            with sh.use_mesh(mesh):
-                taps, _ = taps_fn(target, cfg, tr.place_batch(b, mesh)["tokens"], dcfg.target_layer_ids)
-            store.write(int(idx[0]), np.asarray(taps))
-        record["write_seconds"] = time.perf_counter() - t0
-        record["taps_file_gb"] = rows * seq_len * record["disk_bytes_per_token"] / 1e9
-        log(f"wrote {record['taps_file_gb']:.2f} GB of taps in {record['write_seconds']:.1f} s to {directory}")
-    reads: list[float] = []
+    # A taps file of the default temporary directory is removed when the run ends (it holds
+    # batches x batch x seq_len x features bytes: 1.7 GB at the defaults).
+    with contextlib.ExitStack() as cleanup:
+        store = None
+        if "disk" in modes:
+            directory = taps_dir or cleanup.enter_context(tempfile.TemporaryDirectory(prefix="taps-"))
+            store = TapStore.create(directory, rows, seq_len, features, "bfloat16", dcfg.target_layer_ids)
+            taps_fn = jax.jit(tr.target_taps, static_argnums=(1, 3))
+            t0 = time.perf_counter()
+            for i in range(batches):
+                b, idx = host_batch(i)
+                with sh.use_mesh(mesh):
+                    taps, _ = taps_fn(target, cfg, tr.place_batch(b, mesh)["tokens"], dcfg.target_layer_ids)
+                store.write(int(idx[0]), np.asarray(taps))
+            record["write_seconds"] = time.perf_counter() - t0
+            record["taps_file_gb"] = rows * seq_len * record["disk_bytes_per_token"] / 1e9
+            log(f"wrote {record['taps_file_gb']:.2f} GB of taps in {record['write_seconds']:.1f} s to {directory}")
+        reads: list[float] = []
 
-    def from_disk() -> Any:
-        b, idx = host_batch(counter["i"])
-        counter["i"] += 1
-        t0 = time.perf_counter()
-        taps = store.read(idx)
-        reads.append((time.perf_counter() - t0) * 1e3)
-        return step(state, target, tr.place_batch({**b, "taps": taps}, mesh), cfg=cfg, dcfg=dcfg, tc=tc)
+        def from_disk() -> Any:
+            b, idx = host_batch(counter["i"])
+            counter["i"] += 1
+            t0 = time.perf_counter()
+            taps = store.read(idx)
+            reads.append((time.perf_counter() - t0) * 1e3)
+            return step(state, target, tr.place_batch({**b, "taps": taps}, mesh), cfg=cfg, dcfg=dcfg, tc=tc)
 
-    for mode in modes:
-        reads.clear()
-        with sh.use_mesh(mesh):  # the step compiles for the mesh it is traced under
-            t = time_fn(in_step if mode == "in-step" else from_disk, warmup=2, iters=iters)
-        out = {**t, "tokens_per_s": batch * seq_len / (t["median_ms"] * 1e-3)}
-        if mode == "disk":
-            out["read_ms"] = float(np.median(reads[2:] or reads))
-            out["read_gb_per_s"] = batch * seq_len * record["disk_bytes_per_token"] / (out["read_ms"] * 1e-3) / 1e9
-        record["modes"][mode] = out
-        log(mode, f"{out['median_ms']:.1f} ms a step, {out['tokens_per_s']:.0f} tokens/s")
-    return record
+        for mode in modes:
+            reads.clear()
+            with sh.use_mesh(mesh):  # the step compiles for the mesh it is traced under
+                t = time_fn(in_step if mode == "in-step" else from_disk, warmup=2, iters=iters)
+            out = {**t, "tokens_per_s": batch * seq_len / (t["median_ms"] * 1e-3)}
+            if mode == "disk":
+                out["read_ms"] = float(np.median(reads[2:] or reads))
+                out["read_gb_per_s"] = batch * seq_len * record["disk_bytes_per_token"] / (out["read_ms"] * 1e-3) / 1e9
+            record["modes"][mode] = out
+            log(mode, f"{out['median_ms']:.1f} ms a step, {out['tokens_per_s']:.0f} tokens/s")
+        return record
 
 
 def table(record: dict[str, Any]) -> str:
