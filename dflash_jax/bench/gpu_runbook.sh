@@ -20,7 +20,8 @@
 #   kernel-tests  the GPU-only parity tests of the kernels against their references
 #   gdn-verify    the tree-GDN verify (gates, tree_verify, commit per GDN layer) and its chunk alone,
 #                 Pallas kernel against XLA, Qwen3.6-27B GDN shape, W 16/64/257 (GDN_WIDTHS); GDN_TILINGS
-#                 ("block,block_v,warps" ...) also times the chunk with those kernel tilings
+#                 ("block,block_v,warps" ...) also times the chunk with each of those kernel tilings, one
+#                 process and GDN_TILING_S seconds (120) each
 #   lossless      greedy DDTree and DFlash against greedy AR on the GPU (float32)
 #   top-k         the tree's vocabulary top-k alone, [15, 151936], k 16-512
 #   kernel-sweep  only the random tiling sweep, SWEEP_S seconds (default 300), at SWEEP_WIDTHS
@@ -249,12 +250,18 @@ kernel-tests)
     # Every kernel's GPU case is named test_gpu_*: the files are found, not listed.
     else JAX_PLATFORMS=cuda step kernel_tests "$limit" python -m pytest -q tests -k gpu_; fi ;;
 gdn-verify)
-    if [ "$dry" = 1 ]; then set -- --model tiny-hybrid --widths 5 17 --interpret --warmup 1 --iters 2 --tilings 16,16,4
+    if [ "$dry" = 1 ]; then set -- --model tiny-hybrid --widths 5 17 --interpret --warmup 1 --iters 2; tilings=16,16,4
     else
         # shellcheck disable=SC2086
-        set -- --model qwen3.6-27b --widths ${GDN_WIDTHS:-16 64 257} --tilings ${GDN_TILINGS:-}
+        set -- --model qwen3.6-27b --widths ${GDN_WIDTHS:-16 64 257}; tilings=${GDN_TILINGS:-}
     fi
-    step gdn_verify "$limit" python -m dflash_jax.bench.gdn_verify_bench "$@" --out "$out/gdn_verify.json" ;;
+    step gdn_verify "$limit" python -m dflash_jax.bench.gdn_verify_bench "$@" --out "$out/gdn_verify.json"
+    # Each tiling in its own process and time limit (GDN_TILING_S, default 120 s): a tiling whose
+    # Triton compile runs for minutes (large float32 tiles) costs its own limit, not the rest.
+    for t in $tilings; do
+        step "gdn_verify_${t//,/-}" "${GDN_TILING_S:-120}" python -m dflash_jax.bench.gdn_verify_bench "$@" --tilings "$t" \
+            --out "$out/gdn_verify_${t//,/-}.json"
+    done ;;
 lossless)
     if [ "$dry" = 1 ]; then echo "lossless: GPU only (make test runs the same tests on the CPU)"
     else JAX_PLATFORMS=cuda step lossless "$limit" python -m pytest -q tests/test_speculative.py \
