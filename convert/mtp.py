@@ -25,8 +25,9 @@ import numpy as np
 from convert.hf_safetensors import checkpoint_files, open_safetensors
 from convert.layout import ConversionError
 from dflash_jax.config import ModelConfig
-from dflash_jax.mtp import HIDDEN_SOURCES, MTPParams, is_hybrid, mtp_specs
-from dflash_jax.params import is_spec
+from dflash_jax.mtp import HIDDEN_SOURCES, MTPParams, check_tp, is_hybrid, mtp_specs
+from dflash_jax.params import is_spec, path_str
+from dflash_jax.sharding import mesh_sizes, spec_sharding
 from dflash_jax.qwen3_5 import Qwen35Config
 
 PREFIX = "mtp."
@@ -116,13 +117,19 @@ def _get(tree: Any, path: tuple) -> Any:
     return tree
 
 
-def load_mtp(path: str | Path, cfg: ModelConfig | Qwen35Config, dtype: Any = jnp.float32) -> MTPParams:
+def load_mtp(path: str | Path, cfg: ModelConfig | Qwen35Config, dtype: Any = jnp.float32, *,
+             mesh: Any = None) -> MTPParams:
     """Reads the `mtp.*` tensors of a checkpoint (a Qwen3.5 / Qwen3.6 one, or a directory written
     by `export_mtp`) into the head for target `cfg`; other tensors are ignored.
 
+    mesh: None (the default device) or a ("dp", "tp") mesh: each tensor goes straight to its
+        tensor-parallel shards, laid out by `mtp_specs`' logical axes like the target's layers
+        (a ShardingError naming the numbers, before anything is read, when tp does not fit).
     Raises ConversionError naming the tensor and the file for a missing, unexpected, duplicate or
     mis-shaped `mtp.*` tensor (one error, the first found).
     """
+    if mesh is not None:
+        check_tp(cfg, mesh_sizes(mesh)[1])
     files, source = checkpoint_files(Path(path))
     entries = {PREFIX + name: rest for name, *rest in _entries(cfg)}
     arrays: dict[str, np.ndarray] = {}
@@ -164,7 +171,9 @@ def load_mtp(path: str | Path, cfg: ModelConfig | Qwen35Config, dtype: Any = jnp
         x = leaves[key]
         if x.shape != spec.shape:
             raise ConversionError(f"{source}: MTP tensor for {key} assembles to {x.shape}, expected {spec.shape}")
-        return jnp.asarray(x, dtype)
+        if mesh is None:
+            return jnp.asarray(x, dtype)
+        return jax.device_put(np.asarray(x, jnp.dtype(dtype)), spec_sharding(spec, mesh, what="mtp." + path_str(path)))
 
     return jax.tree_util.tree_map_with_path(build, specs, is_leaf=is_spec)
 

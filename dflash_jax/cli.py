@@ -209,14 +209,15 @@ def _mtp_head_source(path: str | None, model: str, flag: str = "--draft") -> Pat
                      + ("" if path else f"; pass {flag} with a head (train --drafter-kind mtp exports one)"))
 
 
-def _load_mtp_head_for(path: str | None, model: str, cfg: Any, dtype: Any, flag: str = "--draft"
-                       ) -> tuple[Any, Any]:
-    """(MTPConfig, MTPParams) of the head in `path` (default: the target checkpoint `model`)."""
+def _load_mtp_head_for(path: str | None, model: str, cfg: Any, dtype: Any, flag: str = "--draft",
+                       mesh: Any = None) -> tuple[Any, Any]:
+    """(MTPConfig, MTPParams) of the head in `path` (default: the target checkpoint `model`), on
+    its tensor-parallel shards under a mesh."""
     from convert.mtp import hidden_source_of, load_mtp
     from dflash_jax.mtp import MTPConfig
 
     where = _mtp_head_source(path, model, flag)
-    return MTPConfig(cfg, hidden_source=hidden_source_of(where)), load_mtp(where, cfg, dtype)
+    return MTPConfig(cfg, hidden_source=hidden_source_of(where)), load_mtp(where, cfg, dtype, mesh=mesh)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -267,7 +268,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
             if args.method == "mtp":
                 progress.begin(f"loading the MTP head of {args.draft or args.model}")
-                dcfg, dparams = _load_mtp_head_for(args.draft, args.model, cfg, dtype, "--draft")
+                dcfg, dparams = _load_mtp_head_for(args.draft, args.model, cfg, dtype, "--draft", mesh)
                 settings = SpecSettings(method="mtp", mtp_steps=args.mtp_steps, budget=args.mtp_budget,
                                         sampling=sampling, max_new_tokens=args.max_new_tokens, stop_tokens=stop)
             else:
@@ -612,6 +613,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--math-suffix", choices=("auto", "always", "never"), default="auto")
     p.add_argument("--seed", type=NON_NEGATIVE, default=0)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
+    p.add_argument("--tp", type=POSITIVE, default=1,
+                   help="tensor-parallel devices for every method (must divide the q heads)")
     p.add_argument("--out", default=None, help="directory for report.json and plots")
     p.add_argument("--no-progress", action="store_true")
 
@@ -828,6 +831,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     from dflash_jax import evaluate as ev
+    from dflash_jax import sharding as sh
     from dflash_jax.sampling import SamplingParams
 
     spec_methods = [m for m in args.method if m != "ar"]
@@ -839,18 +843,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out = check_writable(args.out, "--out") if args.out else None  # before minutes of decoding
     if "mtp" in spec_methods:
         _mtp_head_source(args.mtp_head, args.model, "--mtp-head")  # before the target loads
-    cfg, params, tokenizer = _load_target(args.model, dtype)
+    mesh = sh.make_mesh(1, args.tp) if args.tp > 1 else None
+    cfg, params, tokenizer = _load_target(args.model, dtype, mesh=mesh)
     dcfg = dparams = None
     block_size = args.block_size or 16
     if dflash_methods:
-        dcfg, dparams = _load_drafter_for(args.draft, cfg, dtype)
+        dcfg, dparams = _load_drafter_for(args.draft, cfg, dtype, mesh)
         block_size = args.block_size or dcfg.block_size
     mtp_cfg = mtp_params = None
     if "mtp" in spec_methods:
-        mtp_cfg, mtp_params = _load_mtp_head_for(args.mtp_head, args.model, cfg, dtype, "--mtp-head")
+        mtp_cfg, mtp_params = _load_mtp_head_for(args.mtp_head, args.model, cfg, dtype, "--mtp-head", mesh)
     specs = ev.method_specs(spec_methods, args.budget, block_size, args.mtp_steps, args.mtp_budget)
     where = {"prompts_files": [str(p) for p in args.prompts], "model": str(args.model), "draft": args.draft,
-             "mtp_head": args.mtp_head}
+             "mtp_head": args.mtp_head, "tp": args.tp}
 
     def write(report: dict[str, Any]) -> None:
         # Each method's results are on disk as soon as it finishes: a later failure loses only
@@ -858,11 +863,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if out is not None:
             atomic_write_text(out / "report.json", json.dumps({**report, **where}, indent=2) + "\n")
 
-    report = ev.run_bench(params, cfg, tokenizer, prompts, specs, dparams=dparams, dcfg=dcfg,
-                          mtp_params=mtp_params, mtp_cfg=mtp_cfg, max_new_tokens=args.max_new_tokens,
-                          batch_size=args.batch,
-                          sampling=SamplingParams(args.temperature), seed=args.seed,
-                          progress=not args.no_progress, on_result=write)
+    with sh.use_mesh(mesh):  # every method traced and compiled sharded over the mesh (no-op without one)
+        report = ev.run_bench(params, cfg, tokenizer, prompts, specs, dparams=dparams, dcfg=dcfg,
+                              mtp_params=mtp_params, mtp_cfg=mtp_cfg, max_new_tokens=args.max_new_tokens,
+                              batch_size=args.batch,
+                              sampling=SamplingParams(args.temperature), seed=args.seed,
+                              progress=not args.no_progress, on_result=write)
     report.update(where)
     print(json.dumps(report))  # before the plots: a plotting failure cannot lose the numbers
     if spec_methods:
@@ -952,9 +958,13 @@ def _add_decode(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--input", required=True, help="JSONL prompt file")
     p.add_argument("--output", required=True, help="JSONL answer file (appended to; resumed)")
-    p.add_argument("--method", choices=("ar", "dflash", "ddtree"), default="ar")
-    p.add_argument("--draft", help="DFlash drafter directory, or 'smollm2'")
+    p.add_argument("--method", choices=("ar", "dflash", "ddtree", "mtp"), default="ar")
+    p.add_argument("--draft", help="DFlash drafter directory, or 'smollm2'; for --method mtp the MTP head: a "
+                                   "checkpoint with mtp.* tensors or 'smollm2' (default: --model itself)")
     p.add_argument("--budget", type=POSITIVE, default=64, help="DDTree node budget")
+    p.add_argument("--mtp-steps", type=POSITIVE, default=3, help="mtp: chained head steps per round")
+    p.add_argument("--mtp-budget", type=NON_NEGATIVE, default=0,
+                   help="mtp: tree nodes per round (0: verify the steps as a chain)")
     p.add_argument("--batch", type=POSITIVE, required=True, help="prompts per compiled batch")
     p.add_argument("--max-new-tokens", type=POSITIVE, default=128)
     p.add_argument("--temperature", type=TEMPERATURE, default=0.0)
@@ -970,17 +980,22 @@ def cmd_decode(args: argparse.Namespace) -> int:
     from dflash_jax import decode
     from dflash_jax.sampling import SamplingParams
 
-    if args.method != "ar" and not args.draft:
+    if args.method not in ("ar", "mtp") and not args.draft:
         raise ValueError(f"--method {args.method} needs --draft PATH (a DFlash drafter directory)")
     decode.read_prompts(args.input)  # a malformed line is refused before any model is loaded
     check_writable(Path(args.output).absolute().parent, "--output")
+    if args.method == "mtp":
+        _mtp_head_source(args.draft, args.model)  # before the target loads
     dtype = jnp.dtype(args.dtype or _default_dtype())
     cfg, params, tokenizer = _load_target(args.model, dtype)
     dcfg = dparams = None
-    if args.method != "ar":
+    if args.method == "mtp":
+        dcfg, dparams = _load_mtp_head_for(args.draft, args.model, cfg, dtype)
+    elif args.method != "ar":
         dcfg, dparams = _load_drafter_for(args.draft, cfg, dtype)
     summary = decode.decode_file(params, cfg, tokenizer, args.input, args.output, method=args.method,
-                                 dparams=dparams, dcfg=dcfg, budget=args.budget, batch=args.batch,
+                                 dparams=dparams, dcfg=dcfg, budget=args.budget, mtp_steps=args.mtp_steps,
+                                 mtp_budget=args.mtp_budget, batch=args.batch,
                                  max_new_tokens=args.max_new_tokens, sampling=SamplingParams(args.temperature),
                                  seed=args.seed, chat=not args.no_chat, progress=not args.no_progress)
     import jax

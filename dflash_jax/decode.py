@@ -26,9 +26,10 @@ from dflash_jax import distributed as dist
 from dflash_jax import pipeline
 from dflash_jax.generate import Generation, generate_ar
 from dflash_jax.jsonl import iter_jsonl
+from dflash_jax.mtp import MTPConfig
 from dflash_jax.sampling import SamplingParams
 
-METHODS = ("ar", "dflash", "ddtree")
+METHODS = ("ar", "dflash", "ddtree", "mtp")
 BUCKET_MULTIPLE = 32  # prompt widths are rounded up to this: fewer buckets, fewer programs
 
 
@@ -107,12 +108,15 @@ def buckets(token_lists: Sequence[Sequence[int]], batch: int, multiple: int = BU
 
 
 def decode_file(params: Any, cfg: Any, tokenizer: Any, input_path: str | Path, output_path: str | Path, *,
-                method: str = "ar", dparams: Any = None, dcfg: Any = None, budget: int = 64, batch: int = 8,
-                max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(), seed: int = 0,
-                chat: bool = True, progress: bool = True,
+                method: str = "ar", dparams: Any = None, dcfg: Any = None, budget: int = 64, mtp_steps: int = 3,
+                mtp_budget: int = 0, batch: int = 8, max_new_tokens: int = 128,
+                sampling: SamplingParams = SamplingParams(), seed: int = 0, chat: bool = True, progress: bool = True,
                 on_batch: Callable[[list[dict[str, Any]]], None] | None = None) -> dict[str, Any]:
     """Decodes every prompt of `input_path` not yet answered in `output_path` (appended to).
 
+    method: "ar", "dflash" / "ddtree" (dparams, dcfg: a DFlash drafter; budget: DDTree's nodes) or
+    "mtp" (dparams, dcfg: `mtp.MTPParams`, `mtp.MTPConfig`; mtp_steps chained head steps per
+    round, verified as a chain, or as a tree of mtp_budget nodes when mtp_budget > 0).
     Each output row is the input row plus "text", "num_tokens", "tau" (tokens per round; None
     for ar), "rounds" and "seconds" (the batch's decode time, compile excluded).
     -> {"decoded", "skipped", "tokens", "seconds", "compile_seconds", "programs"}.
@@ -122,6 +126,10 @@ def decode_file(params: Any, cfg: Any, tokenizer: Any, input_path: str | Path, o
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if method != "ar" and (dparams is None or dcfg is None):
         raise ValueError(f"method {method} needs a drafter (dparams, dcfg)")
+    if method == "mtp" and not isinstance(dcfg, MTPConfig):
+        raise ValueError(f"method mtp needs an MTP head: dcfg must be an mtp.MTPConfig, got {type(dcfg).__name__}")
+    if method in ("dflash", "ddtree") and isinstance(dcfg, MTPConfig):
+        raise ValueError(f"method {method} needs a DFlash drafter; dcfg is an MTP head's (use method 'mtp')")
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
     rows = read_prompts(input_path)  # every line checked before anything is decoded or written
@@ -134,8 +142,13 @@ def decode_file(params: Any, cfg: Any, tokenizer: Any, input_path: str | Path, o
     if method != "ar":
         from dflash_jax.speculative import SpecSettings, speculative_program
 
-        settings = SpecSettings(method=method, block_size=dcfg.block_size, budget=budget if method == "ddtree" else 0,
-                                sampling=sampling, max_new_tokens=max_new_tokens, stop_tokens=stop)
+        if method == "mtp":
+            settings = SpecSettings(method="mtp", mtp_steps=mtp_steps, budget=mtp_budget, sampling=sampling,
+                                    max_new_tokens=max_new_tokens, stop_tokens=stop)
+        else:
+            settings = SpecSettings(method=method, block_size=dcfg.block_size,
+                                    budget=budget if method == "ddtree" else 0, sampling=sampling,
+                                    max_new_tokens=max_new_tokens, stop_tokens=stop)
         program = speculative_program(settings)
     else:
         # A Qwen3.5 / Qwen3.6 hybrid decodes AR with its own loop; its speculative rounds share

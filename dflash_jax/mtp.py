@@ -60,7 +60,8 @@ from dflash_jax.params import EMBED, MLP, Spec, init_from_specs
 from dflash_jax.qwen3_5 import Qwen35Config
 from dflash_jax.rope import apply_rope, rope_tables
 from dflash_jax.sampling import SamplingParams, sample_from_probs, sampling_probs
-from pallas_kernels.tree_attention import tree_attention
+from dflash_jax.sharding import (BATCH, ShardingError, attention, check_model, constrain, constrain_cache, mesh_sizes,
+                                 specs_shardings)
 
 HIDDEN_SOURCES = ("pre_norm", "post_norm")
 
@@ -117,7 +118,13 @@ def is_hybrid(target_cfg: ModelConfig | Qwen35Config) -> bool:
 
 
 def mtp_specs(target_cfg: ModelConfig | Qwen35Config) -> MTPParams:
-    """Every weight of the head for this target, with its shape and logical axes."""
+    """Every weight of the head for this target, with its shape and logical axes.
+
+    The axes are the target layers' own, so under tensor parallelism (`sharding.TENSOR_PARALLEL`)
+    the head's attention and MLP split like a target layer (q heads, kv heads and the MLP over
+    tp; kv heads replicated where tp is a multiple of them), and fc and the norms, which map the
+    residual stream (axis `embed`, which the rules leave whole) to itself, are replicated like
+    the target's norms."""
     e = target_cfg.hidden_size
     if is_hybrid(target_cfg):
         norm = "zeros"  # zero-centred: (1 + w)
@@ -136,9 +143,27 @@ def mtp_specs(target_cfg: ModelConfig | Qwen35Config) -> MTPParams:
                      final_norm=Spec((e,), (EMBED,), init=norm))
 
 
-def init_mtp_params(target_cfg: ModelConfig | Qwen35Config, key: jax.Array, dtype: Any = jnp.float32) -> MTPParams:
-    """A random head (tests, benchmarks, and training from scratch; real ones come from `convert.mtp`)."""
-    return init_from_specs(mtp_specs(target_cfg), key, dtype)
+def check_tp(target_cfg: ModelConfig | Qwen35Config, tp: int) -> None:
+    """Raises a ShardingError naming the numbers when the head of this target cannot be split over
+    `tp` devices (q heads and the MLP must divide by tp; kv heads divide it or are a divisor of it)."""
+    try:
+        check_model(target_cfg, tp)
+    except ShardingError as err:
+        raise ShardingError(f"the MTP head at tp={tp}: {err}") from None
+
+
+def mtp_shardings(target_cfg: ModelConfig | Qwen35Config, mesh: Any) -> MTPParams:
+    """NamedShardings of the head's weights on a ("dp", "tp") mesh: `mtp_specs` through the rule table."""
+    check_tp(target_cfg, mesh_sizes(mesh)[1])
+    return specs_shardings(mtp_specs(target_cfg), mesh)
+
+
+def init_mtp_params(target_cfg: ModelConfig | Qwen35Config, key: jax.Array, dtype: Any = jnp.float32, *,
+                    mesh: Any = None) -> MTPParams:
+    """A random head (tests, benchmarks, and training from scratch; real ones come from `convert.mtp`),
+    drawn straight into its tensor-parallel shards when a ("dp", "tp") `mesh` is given (same values)."""
+    shardings = None if mesh is None else mtp_shardings(target_cfg, mesh)
+    return init_from_specs(mtp_specs(target_cfg), key, dtype, shardings=shardings)
 
 
 def head_from_target(target: Any, target_cfg: ModelConfig | Qwen35Config, key: jax.Array,
@@ -179,6 +204,8 @@ class MTPCache:
     """k, v: [batch, max_len, kv_heads, head_dim], the head's own layer; slots >= lengths are scratch.
     lengths: [batch] entries committed (= the target's committed length - 1).
     hidden: [batch, embed], the target's hidden state at position `lengths` (pairs with the root).
+    Under a mesh k and v are laid out like the target's KV cache (kv heads over tp, sequences
+    over dp) and hidden like its residual stream (sequences over dp, replicated over tp).
     """
 
     k: Any
@@ -190,8 +217,9 @@ class MTPCache:
     def create(cls, target_cfg: ModelConfig | Qwen35Config, batch: int, max_len: int, dtype: Any = jnp.float32
                ) -> "MTPCache":
         shape = (batch, max_len, target_cfg.num_kv_heads, target_cfg.head_dim)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32),
-                   hidden=jnp.zeros((batch, target_cfg.hidden_size), dtype))
+        return cls(k=constrain_cache(jnp.zeros(shape, dtype)), v=constrain_cache(jnp.zeros(shape, dtype)),
+                   lengths=jnp.zeros((batch,), jnp.int32),
+                   hidden=constrain(jnp.zeros((batch, target_cfg.hidden_size), dtype), (BATCH, None)))
 
 
 # ----------------------------------------------------------------------------- forward
@@ -214,14 +242,15 @@ def _layer(mp: MTPParams, target_cfg: ModelConfig | Qwen35Config, x: jax.Array, 
         h = qwen3_5.zero_centred_rms_norm(x, common.input_norm, eps)
         out, k_buf, v_buf = qwen3_5.attention_mixer(attn, target_cfg, h, cos, sin, k_buf, v_buf, starts,
                                                     attn_impl=attn_impl)
+        k_buf, v_buf = constrain_cache(k_buf), constrain_cache(v_buf)
         x = x + out
         return x + qwen3_5.mlp(common, qwen3_5.zero_centred_rms_norm(x, common.post_norm, eps)), k_buf, v_buf
     lp = mp.layer
     cos, sin = rope_tables(positions, target_cfg.rope, target_cfg.head_dim)
     q, k, v = dense.project_qkv(lp.attn, target_cfg, dense.rms_norm(x, lp.attn_norm, target_cfg.rms_norm_eps))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    k_buf, v_buf = write_rows(k_buf, k, starts), write_rows(v_buf, v, starts)
-    attn = tree_attention(q, k_buf, v_buf, starts, None, impl=attn_impl)
+    k_buf, v_buf = constrain_cache(write_rows(k_buf, k, starts)), constrain_cache(write_rows(v_buf, v, starts))
+    attn = attention(q, k_buf, v_buf, starts, None, impl=attn_impl)  # per (dp, tp) shard under a mesh
     x = x + dense.output_projection(lp.attn, attn)
     return x + dense.mlp(lp.mlp, dense.rms_norm(x, lp.mlp_norm, target_cfg.rms_norm_eps)), k_buf, v_buf
 
