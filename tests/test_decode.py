@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 pytest.importorskip("torch")
@@ -172,3 +173,64 @@ def test_demo_prompts_decode_through_the_cli(tmp_path):
         texts[method] = [r["text"] for r in rows]
         assert all(t.strip() for t in texts[method])
     assert texts["ddtree"] == texts["ar"]
+
+
+# Prompts of one bucket (width 32): one program per method and batch size.
+SHORT = ["abc", "hello there", "q", "mid length prompt here", "zz"]
+
+
+def test_mtp_batched_equals_ar(pair, tmp_path):
+    """MTP chains with a random head: every row once, the AR answers, drafts accepted."""
+    from dflash_jax import mtp
+
+    cfg, params, _, _ = pair
+    head = (mtp.init_mtp_params(cfg, jax.random.key(3)), mtp.MTPConfig(cfg))
+    _write_input(tmp_path / "in.jsonl", SHORT)
+    summary, rows = _decode((cfg, params, head[1], head[0]), tmp_path, "mtp", "mtp", batch=3, mtp_steps=3)
+    _, ar = _decode(pair, tmp_path, "ar", "ar", batch=3)
+    assert summary["decoded"] == len(SHORT) and summary["programs"] == 1
+    assert [r["id"] for r in rows] == [f"p{i}" for i in range(len(SHORT))]
+    assert {r["id"]: r["text"] for r in ar} == {r["id"]: r["text"] for r in rows}
+    assert all(r["tau"] >= 1 and r["rounds"] >= 1 for r in rows) and summary["tau"] > 1
+    with pytest.raises(ValueError, match="method mtp needs an MTP head"):
+        _decode(pair, tmp_path, "bad", "mtp")
+
+
+def _word_tokenizer(vocab: int):
+    """A word-level tokenizer over `vocab` ids ("hi" is 1), saved beside a target for the CLI."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "hi"] + [f"w{i}" for i in range(vocab - 2)]
+    tok = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+def test_cli_decode_mtp_tree_equals_ar(tmp_path):
+    """`decode --method mtp --draft HEAD --mtp-steps --mtp-budget` through the CLI gives AR's answers."""
+    from convert.hf_safetensors import load_hf
+    from convert.mtp import export_mtp
+    from dflash_jax import cli, mtp
+
+    target = tmp_path / "target"
+    spec_models.target_model().save_pretrained(target)
+    _word_tokenizer(spec_models.VOCAB).save_pretrained(target)
+    cfg, _ = load_hf(target)
+    export_mtp(mtp.init_mtp_params(cfg, jax.random.key(4)), cfg, tmp_path / "head")
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(["hi w1", "w3 w3 hi", "w7"])))
+    texts = {}
+    for method, extra in (("mtp", ["--draft", str(tmp_path / "head"), "--mtp-steps", "2", "--mtp-budget", "4"]),
+                          ("ar", [])):
+        out = tmp_path / f"{method}.jsonl"
+        code = cli.main(["decode", "--model", str(target), "--method", method, *extra, "--batch", "2",
+                         "--max-new-tokens", "10", "--input", str(src), "--output", str(out), "--no-progress"])
+        assert code == 0
+        rows = [json.loads(l) for l in out.read_text().splitlines()]
+        assert [r["id"] for r in rows] == [0, 1, 2] and all(r["num_tokens"] == 10 for r in rows)
+        assert all((r["tau"] is None) == (method == "ar") for r in rows)
+        texts[method] = [r["text"] for r in rows]
+    assert texts["mtp"] == texts["ar"]
