@@ -25,9 +25,8 @@ import numpy as np
 from convert.hf_safetensors import checkpoint_files, open_safetensors
 from convert.layout import ConversionError
 from dflash_jax.config import ModelConfig
-from dflash_jax.mtp import HIDDEN_SOURCES, MTPParams, check_tp, is_hybrid, mtp_specs
-from dflash_jax.params import is_spec, path_str
-from dflash_jax.sharding import mesh_sizes, spec_sharding
+from dflash_jax.mtp import HIDDEN_SOURCES, MTPParams, is_hybrid, mtp_shardings, mtp_specs
+from dflash_jax.params import is_spec
 from dflash_jax.qwen3_5 import Qwen35Config
 
 PREFIX = "mtp."
@@ -128,8 +127,7 @@ def load_mtp(path: str | Path, cfg: ModelConfig | Qwen35Config, dtype: Any = jnp
     Raises ConversionError naming the tensor and the file for a missing, unexpected, duplicate or
     mis-shaped `mtp.*` tensor (one error, the first found).
     """
-    if mesh is not None:
-        check_tp(cfg, mesh_sizes(mesh)[1])
+    shardings = None if mesh is None else mtp_shardings(cfg, mesh)  # raises before anything is read
     files, source = checkpoint_files(Path(path))
     entries = {PREFIX + name: rest for name, *rest in _entries(cfg)}
     arrays: dict[str, np.ndarray] = {}
@@ -166,16 +164,15 @@ def load_mtp(path: str | Path, cfg: ModelConfig | Qwen35Config, dtype: Any = jnp
         gate, up = arrays[PREFIX + "layers.0.mlp.gate_proj.weight"], arrays[PREFIX + "layers.0.mlp.up_proj.weight"]
         leaves[("layer", 0, "gate_up")] = np.stack([gate.T, up.T], 1)[None]
 
-    def build(path: tuple, spec: Any) -> jax.Array:
+    def build(path: tuple, spec: Any) -> np.ndarray:
         key = tuple(p.idx if hasattr(p, "idx") else p.name for p in path)
         x = leaves[key]
         if x.shape != spec.shape:
             raise ConversionError(f"{source}: MTP tensor for {key} assembles to {x.shape}, expected {spec.shape}")
-        if mesh is None:
-            return jnp.asarray(x, dtype)
-        return jax.device_put(np.asarray(x, jnp.dtype(dtype)), spec_sharding(spec, mesh, what="mtp." + path_str(path)))
+        return np.asarray(x, jnp.dtype(dtype))
 
-    return jax.tree_util.tree_map_with_path(build, specs, is_leaf=is_spec)
+    host = jax.tree_util.tree_map_with_path(build, specs, is_leaf=is_spec)
+    return jax.device_put(host, shardings)  # each device receives only its shards (None: the default device)
 
 
 def export_mtp(mparams: MTPParams, cfg: ModelConfig | Qwen35Config, directory: str | Path,

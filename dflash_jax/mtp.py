@@ -43,6 +43,11 @@ Trees (`SpecSettings(method="mtp", budget > 0)`): step j's distribution conditio
 only, the top-1 (greedy) chain: the per-depth marginals along that chain, which
 `tree.build_tree` turns into the best-`budget` tree. This is how MTP trees are built in practice;
 the verify and the walk are DDTree's, so the output stays lossless whatever the tree.
+
+Tensor parallelism: the head is laid out by the target's rule table (`mtp_specs`' logical axes;
+`init_mtp_params(mesh=)`, `convert.mtp.load_mtp(mesh=)`), its cache like the target's KV cache,
+and its attention runs per (dp, tp) shard (`sharding.attention`), so one SPMD program drafts,
+verifies and commits under a mesh.
 """
 from __future__ import annotations
 
@@ -145,7 +150,7 @@ def mtp_specs(target_cfg: ModelConfig | Qwen35Config) -> MTPParams:
 
 def check_tp(target_cfg: ModelConfig | Qwen35Config, tp: int) -> None:
     """Raises a ShardingError naming the numbers when the head of this target cannot be split over
-    `tp` devices (q heads and the MLP must divide by tp; kv heads divide it or are a divisor of it)."""
+    `tp` devices (q heads and the MLP must divide by tp; kv heads must divide by tp or divide tp)."""
     try:
         check_model(target_cfg, tp)
     except ShardingError as err:
