@@ -11,7 +11,6 @@ import functools
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -25,10 +24,9 @@ from dflash_jax import speculative
 from dflash_jax.speculative import SpecSettings, generate_speculative
 from tests.spec_models import target_model
 from tests.test_convert_mtp import hybrid_with_head  # noqa: F401 (a fixture)
-from tests.test_mtp import PROMPTS, VOCAB, ar_tokens, batches
+from tests.test_mtp import NEW, PROMPTS, VOCAB, ar_tokens, batches
 from tests.test_qwen3_5_speculative import target as hybrid_target
 
-NEW = 24
 TP = sh.TP
 
 
