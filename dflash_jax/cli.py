@@ -78,7 +78,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--method", choices=("ar", "dflash", "ddtree", "mtp"), default="ar")
     p.add_argument("--draft", help="DFlash drafter directory (config.json + model.safetensors), "
                                    "or 'smollm2' for the drafter shipped with dflash-jax; for --method mtp the "
-                                   "MTP head: a checkpoint with mtp.* tensors (default: --model itself)")
+                                   "MTP head: a checkpoint with mtp.* tensors, or 'smollm2' for the head shipped "
+                                   "for it (default: --model itself)")
     p.add_argument("--mtp-steps", type=POSITIVE, default=3, help="mtp: chained head steps per round")
     p.add_argument("--stage-times", action="store_true",
                    help="dflash/ddtree: also run the rounds stage by stage (each stage its own jitted "
