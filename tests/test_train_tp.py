@@ -124,7 +124,7 @@ def test_cli_tp_that_does_not_split_the_heads_is_one_error(tmp_path, capsys):
                                  num_attention_heads=6, num_key_value_heads=2, head_dim=8,
                                  max_position_embeddings=64)).save_pretrained(tmp_path / "six_heads")
     argv = ["train", "--target", str(tmp_path / "six_heads"), "--out", str(tmp_path / "run"), "--tp", "4",
-            "--batch", "4", "--data", str(tmp_path / "absent.npz")]
+            "--batch", "4", "--data-gen"]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("error") == 1 and "tp (--tp) = 4 does not fit the target" in err and "=6" in err, err
