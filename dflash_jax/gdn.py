@@ -158,7 +158,8 @@ def _advance(state: jax.Array, k: jax.Array, u: jax.Array, decay: jax.Array,
              weight_mask: jax.Array | None, last: jax.Array | None) -> jax.Array:
     """S = exp(G(l)) S0 + sum_s [mask_s] exp(G(l) - G(s)) k_s u_s^T, per sequence and head.
 
-    k: [B, H, W, dk]; u: [B, H, W, dv]; decay: [B, H, W]; weight_mask: [B, W] bool or None (all);
+    state: [B, Hv, dk, dv]; k: [B, Hk, W, dk] with Hk dividing Hv (value head h reads key head
+    h // (Hv // Hk)); u: [B, Hv, W, dv]; decay: [B, Hv, W]; weight_mask: [B, W] bool or None (all);
     last: [B] int, the node l, or None for the block's last node.
     """
     if last is None:
@@ -169,7 +170,11 @@ def _advance(state: jax.Array, k: jax.Array, u: jax.Array, decay: jax.Array,
     if weight_mask is not None:
         diff = jnp.where(weight_mask[:, None, :], diff, -jnp.inf)
     w = jnp.exp(diff)
-    return jnp.exp(g_last)[..., None] * state + _einsum("bhs,bhsk,bhsv->bhkv", w, k, u)
+    batch, value_heads, width, dv = u.shape
+    key_heads, group = k.shape[1], value_heads // k.shape[1]
+    grouped = lambda x: x.reshape((batch, key_heads, group) + x.shape[2:])
+    written = _einsum("bhgs,bhsk,bhgsv->bhgkv", grouped(w), k, grouped(u))
+    return jnp.exp(g_last)[..., None] * state + written.reshape(state.shape)
 
 
 def chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
@@ -220,7 +225,7 @@ def chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Ar
 class VerifyKept:
     """What `tree_verify` keeps for `commit_state`, per sequence, value head and node.
 
-    k:     [B, Hv, W, dk]  normalised keys (repeated to value heads)
+    k:     [B, Hk, W, dk]  normalised keys, one per key head (value head h reads h // (Hv // Hk))
     u:     [B, Hv, W, dv]  the solved U (the delta each node writes)
     decay: [B, Hv, W]      G(t), the sum of g along the root..t path
     """
@@ -255,13 +260,12 @@ def tree_verify(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
     Returns (out [B, W, Hv, dv] in state0.dtype, kept for `commit_state`).
     """
     _check_rule_inputs("tree_verify", q, k, v, g, beta, state0)
-    batch, width, key_heads = q.shape[:3]
+    batch, width = q.shape[:2]
     _check_visible("tree_verify", visible, batch, width)
     q, k, v, g, beta = _heads_major(q, k, v, g, beta, state0.dtype, None, repeat=False)
     decay = _einsum("bts,bhs->bht", visible.astype(g.dtype), g)
     out, u = tree_gdn(q, k, v, beta, decay, visible, state0, impl=impl)
-    kept_k = jnp.repeat(k, v.shape[1] // key_heads, axis=1)
-    return out.transpose(0, 2, 1, 3), VerifyKept(k=kept_k, u=u, decay=decay)
+    return out.transpose(0, 2, 1, 3), VerifyKept(k=k, u=u, decay=decay)
 
 
 def commit_state(state0: jax.Array, kept: VerifyKept, path_mask: jax.Array, last: jax.Array) -> jax.Array:

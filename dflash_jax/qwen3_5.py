@@ -762,7 +762,7 @@ class Qwen35Verified:
 
     cache:   the committed cache with the W tree nodes' attention K/V written at slots L..L+W-1
              (L = cache.lengths, unchanged); conv and recurrent states as committed
-    kept:    gdn.VerifyKept stacked over the GDN layers: k [n_gdn, B, Hv, W, dk],
+    kept:    gdn.VerifyKept stacked over the GDN layers: k [n_gdn, B, Hk, W, dk],
              u [n_gdn, B, Hv, W, dv], decay [n_gdn, B, Hv, W] (float32); None without GDN layers
     conv_in: [n_gdn, B, W, conv_channels], the nodes' conv inputs; None without GDN layers
     parents: [B, W] int32, the tree's parent slots (-1 at the root and padding)

@@ -391,6 +391,7 @@ def test_width_513_jits():
         spec((b, w, HV), jnp.float32), spec((b, HV, DK, DV), jnp.float32), spec((b, w, w), jnp.bool_))
     kept = lowered.out_info[1]
     assert kept.u.shape == (b, HV, w, DV) and kept.decay.shape == (b, HV, w)
+    assert kept.k.shape == (b, HK, w, DK)  # one key per key head, not repeated to value heads
 
 
 def test_bad_inputs_name_the_argument():
