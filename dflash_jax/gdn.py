@@ -191,7 +191,7 @@ def chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Ar
         raise ValueError(f"chunked: chunk must be a positive int, got {chunk!r}")
     batch, length = q.shape[:2]
     valid = _valid_from_lengths("chunked", lengths, batch, length)
-    q, k, v, g, beta = _heads_major(q, k, v, g, beta, state.dtype, valid)
+    q, k, v, g, beta = _heads_major(q, k, v, g, beta, state.dtype, valid, repeat=False)
     chunk = min(chunk, length)
     n_chunks = -(-length // chunk)
     pad = n_chunks * chunk - length
