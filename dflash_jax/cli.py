@@ -434,14 +434,18 @@ def _add_data_gen_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_make_prompts(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("make-prompts", help="build the code prompt sets (stdlib tasks, seed topics) offline",
-                       description="Write code prompt files (JSONL) into OUT: code-stdlib = tasks from the "
+    p = sub.add_parser("make-prompts", help="build the offline prompt sets (stdlib code tasks, seed topics, "
+                                            "long-context tasks)",
+                       description="Write prompt files (JSONL) into OUT: code-stdlib = tasks from the "
                                    "Python standard library's functions (code_stdlib_train.jsonl for training, "
                                    "code_heldout.jsonl for evaluation, split by module); code-topics = "
                                    "programming tasks the target writes and solves from seed topics "
-                                   "(code_topics.jsonl). Prints the row counts (also OUT/prompt_sets.json).")
+                                   "(code_topics.jsonl); context = summarisation, question and extraction "
+                                   "prompts over passages of the standard library's prose (context_tasks.jsonl, "
+                                   "300-1000 tokens each: make-data needs --max-prompt-tokens above 256 for "
+                                   "them). Prints the row counts (also OUT/prompt_sets.json).")
     p.add_argument("sets", nargs="*", metavar="SET",
-                   help="code-stdlib and/or code-topics (default: both)")
+                   help="some of code-stdlib, code-topics, context (default: all)")
     p.add_argument("--out", required=True, help="directory for the prompt files")
 
 

@@ -1,7 +1,8 @@
-"""Code prompt sets built offline: tasks from the Python standard library, and seed topics.
+"""Prompt sets built offline: code tasks from the Python standard library and seed topics, and
+long-context tasks over the standard library's own prose.
 
-Two sources, both written as JSONL rows with the fields the loaders read (`instruction`,
-`category` "code", `source`):
+Three sources, each written as JSONL rows with the fields the loaders read (`instruction`,
+`category`, `source`):
 
 * **code-stdlib**: every public pure-Python function (and method of a public class) of the
   modules in `STDLIB_MODULES` that has a signature, readable source and a docstring becomes
@@ -15,6 +16,12 @@ Two sources, both written as JSONL rows with the fields the loaders read (`instr
 * **code-topics**: `TOPICS` x `TOPIC_INSTRUCTIONS`: prompts that ask the target to invent a
   programming task on a topic and solve it (the target writes the task and its solution when
   `make-data` lets it answer).
+* **context**: passages of 1.8K-3.2K characters cut at paragraph breaks from the standard
+  library's prose (the language reference topics in `pydoc_data.topics` and the long docstrings
+  of `STDLIB_MODULES`' modules and classes, the held-out modules' left out), each made into a
+  summarisation, a question-over-the-passage ("rag") and an extraction prompt
+  (`CONTEXT_INSTRUCTIONS`). The training responses then copy from and condense a long context
+  at positions past 512, which the short code, chat and math prompts never reach.
 
 Rows are ordered by a CRC-32 of their `source`, the same on every machine, so that the first N
 rows (`--limit`, `FILE:N`) mix modules and topics instead of taking one module.
@@ -201,10 +208,123 @@ def topic_tasks() -> list[dict[str, Any]]:
     return _order(rows)
 
 
+# ----------------------------------------------------------------------------- context tasks
+
+# Passage length in characters (about 450 to 800 tokens): spec_bench-style long prompts.
+CONTEXT_MIN_CHARS = 1800
+CONTEXT_MAX_CHARS = 3200
+# A docstring shorter than this is a sentence or two, not a passage.
+CONTEXT_MIN_DOC_CHARS = 600
+
+# {passage}: the text; {subject}: what it documents ("the assignment statement topic", "the
+# argparse module").
+CONTEXT_INSTRUCTIONS = {
+    "summarization": (
+        "Summarize: {passage}",
+        "Summarize the following text in a few sentences.\n\n{passage}",
+        "Here is a passage from a programming manual:\n\n{passage}\n\nWrite a short summary of it for a "
+        "newcomer.",
+        "{passage}\n\nSum up the text above in one paragraph.",
+    ),
+    "rag": (
+        "{passage}\nWhat does the text above say about {subject}?",
+        "{passage}\n\nUsing only the passage above, explain {subject} in your own words.",
+        "Read this documentation:\n\n{passage}\n\nQuestion: what are the most important rules it gives "
+        "about {subject}?",
+    ),
+    "extraction": (
+        "Extract every keyword, function, class and module name mentioned in the text below, and "
+        "list each with a one-line description.\n\n{passage}",
+        "{passage}\n\nList the terms this text defines, one per line, each with its definition in "
+        "the text's own words.",
+    ),
+}
+
+
+def split_passages(text: str, lo: int = CONTEXT_MIN_CHARS, hi: int = CONTEXT_MAX_CHARS) -> list[str]:
+    """`text` cut at paragraph breaks into passages of lo..hi characters.
+
+    Paragraphs are joined in order until a passage reaches `lo`; a paragraph longer than `hi` is
+    cut at line breaks first (a line longer than `hi` is left out: a table or a grammar dump). A
+    passage still short of `lo` when the next piece would take it past `hi` is dropped, and so is
+    a short remainder at the end unless it fits into the last passage.
+    """
+    pieces: list[str] = []
+    for para in (p.strip() for p in text.split("\n\n")):
+        if len(para) <= hi:
+            pieces += [para] if para else []
+        else:
+            pieces += [line for line in para.splitlines() if line.strip() and len(line) <= hi]
+    passages: list[str] = []
+    current = ""
+    for piece in pieces:
+        joined = f"{current}\n\n{piece}" if current else piece
+        if len(joined) > hi:
+            if len(current) >= lo:
+                passages.append(current)
+            current = piece
+        else:
+            current = joined
+        if len(current) >= lo:
+            passages.append(current)
+            current = ""
+    if current and passages and len(passages[-1]) + 2 + len(current) <= hi:
+        passages[-1] = f"{passages[-1]}\n\n{current}"
+    return passages
+
+
+def _prose_sources(modules: tuple[str, ...]) -> Iterator[tuple[str, str, str]]:
+    """(source, subject, text) of the standard library's prose: the language reference topics
+    of `pydoc_data.topics` (when this build has it), then the long docstrings of `modules` and
+    of their public classes."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:
+        topics = {}
+    for name, text in sorted(topics.items()):
+        yield f"topic:{name}", f"the '{name.replace('-', ' ')}' topic of the Python language", text
+    for module_name in modules:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError:
+                continue
+        doc = inspect.getdoc(module) or ""
+        if len(doc) >= CONTEXT_MIN_DOC_CHARS:
+            yield f"doc:{module_name}", f"the Python module {module_name}", doc
+        for name, obj in sorted(vars(module).items()):
+            if inspect.isclass(obj) and not name.startswith("_") and obj.__module__ == module_name:
+                doc = inspect.getdoc(obj) or ""
+                if len(doc) >= CONTEXT_MIN_DOC_CHARS:
+                    yield f"doc:{module_name}.{name}", f"the class {name} of the Python module {module_name}", doc
+
+
+def context_tasks(modules: tuple[str, ...] = STDLIB_MODULES, heldout: tuple[str, ...] = HELDOUT_MODULES
+                  ) -> list[dict[str, Any]]:
+    """Every passage of the standard library's prose (`split_passages`) x every kind of
+    `CONTEXT_INSTRUCTIONS` as prompt rows, in CRC-32 order.
+
+    Row: {"instruction", "category": kind, "source": "<source>#<passage>:<kind>"}; the template
+    of a kind is picked by a hash of the source. The held-out modules' docstrings are left out, so
+    that no held-out code task's text reaches training through a passage.
+    """
+    rows: list[dict[str, Any]] = []
+    for source, subject, text in _prose_sources(tuple(m for m in modules if m not in heldout)):
+        for n, passage in enumerate(split_passages(text)):
+            for kind, templates in CONTEXT_INSTRUCTIONS.items():
+                tag = f"{source}#{n}:{kind}"
+                template = templates[zlib.crc32(tag.encode()) % len(templates)]
+                rows.append({"instruction": template.format(passage=passage, subject=subject), "category": kind,
+                             "source": tag})
+    return _order(rows)
+
+
 # ----------------------------------------------------------------------------- files
 
-SETS = ("code-stdlib", "code-topics")
-FILES = {"code-stdlib": ("code_stdlib_train.jsonl", "code_heldout.jsonl"), "code-topics": ("code_topics.jsonl",)}
+SETS = ("code-stdlib", "code-topics", "context")
+FILES = {"code-stdlib": ("code_stdlib_train.jsonl", "code_heldout.jsonl"), "code-topics": ("code_topics.jsonl",),
+         "context": ("context_tasks.jsonl",)}
 META_FILE = "prompt_sets.json"
 
 
@@ -237,5 +357,9 @@ def build(out_dir: str | Path, sets: tuple[str, ...] = SETS) -> dict[str, Any]:
         rows = topic_tasks()
         _write_jsonl(out / FILES["code-topics"][0], rows)
         meta["rows"][FILES["code-topics"][0]] = len(rows)
+    if "context" in sets:
+        rows = context_tasks()
+        _write_jsonl(out / FILES["context"][0], rows)
+        meta["rows"][FILES["context"][0]] = len(rows)
     atomic_write_text(out / META_FILE, json.dumps(meta, indent=2) + "\n")
     return meta

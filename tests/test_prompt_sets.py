@@ -1,5 +1,6 @@
-"""The code prompt sets (dflash_jax.prompt_sets): stdlib tasks split by module, seed topics,
-and the data card's counts against what the generator writes."""
+"""The offline prompt sets (dflash_jax.prompt_sets): stdlib tasks split by module, seed topics,
+long-context tasks over the stdlib's prose, and the data card's counts against what the
+generator writes."""
 from __future__ import annotations
 
 import json
@@ -109,6 +110,40 @@ def test_loaders_read_the_sets_and_training_refuses_the_held_out_one(built, tmp_
         read_prompts(renamed)
 
 
+def test_passages_are_whole_paragraphs_in_order_within_the_bounds():
+    a, b, c, d, e, f, g, h = ("x" * n for n in (300, 500, 900, 200, 1000, 100, 40, 900))
+    lines = [f"row {i} " + "y" * 300 for i in range(8)]  # one paragraph of 2.5K chars: cut at its lines
+    dump = "z" * 2500  # a single line longer than hi: left out
+    big = "w" * 1500
+    text = "\n\n".join([a, b, c, "\n".join(lines), dump, d, e, h, big, f, g])
+    got = ps.split_passages(text, lo=1000, hi=2000)
+    join = "\n\n".join
+    # h (900) would overflow with big (1500): the short one is dropped and big starts a passage; f
+    # and g, too short alone at the end, join it.
+    assert got == [join([a, b, c]), join(lines[:4]), join(lines[4:]), join([d, e]), join([big, f, g])]
+    assert all(1000 <= len(p) <= 2000 for p in got)
+    assert ps.split_passages("short " * 10, lo=1000, hi=2000) == []
+
+
+def test_context_tasks(built):
+    out, meta = built
+    rows = rows_of(out / "context_tasks.jsonl")
+    assert len(rows) == meta["rows"]["context_tasks.jsonl"] > 300
+    kinds = set(ps.CONTEXT_INSTRUCTIONS)
+    by_passage: dict[str, set[str]] = {}
+    for row in rows:
+        passage, kind = row["source"].rsplit(":", 1)
+        assert row["category"] == kind and kind in kinds
+        by_passage.setdefault(passage, set()).add(kind)
+        assert ps.CONTEXT_MIN_CHARS < len(row["instruction"]) < ps.CONTEXT_MAX_CHARS + 300
+    assert all(found == kinds for found in by_passage.values())
+    assert any(p.startswith("topic:") for p in by_passage) and any(p.startswith("doc:") for p in by_passage)
+    # The held-out modules' prose stays out, as their functions do.
+    held = {p.split(":")[1].split("#")[0].split(".")[0] for p in by_passage if p.startswith("doc:")}
+    assert not held & {m.split(".")[0] for m in ps.HELDOUT_MODULES}
+    assert len(read_prompts(out / "context_tasks.jsonl")) == len(rows)
+
+
 def test_file_and_limit(tmp_path):
     assert file_and_limit("a/b.jsonl:128") == (Path("a/b.jsonl"), 128)
     assert file_and_limit("a/b.jsonl") == (Path("a/b.jsonl"), None)
@@ -142,6 +177,7 @@ def test_data_card_mix_adds_up():
     mix = {cells[0].split(":")[0]: cells[1:] for cells in card_table("The mix")}
     assert mix["code"][0] == f"{counts['code_stdlib_train.jsonl']} + {counts['code_topics.jsonl']}"
     assert mix["chat"][0] == str(counts["alpaca_eval/instructions.jsonl"])
+    assert mix["context"][0] == str(counts["context_tasks.jsonl"])
     gsm8k = int(mix["math"][0])
     assert gsm8k <= counts["gsm8k/train.jsonl"] and f"train.jsonl:{gsm8k}" in CARD.read_text()
     for prompts, responses in mix.values():
@@ -158,7 +194,7 @@ def test_data_card_counts_are_the_generators(built):
     if card_python != meta["python"]:
         pytest.skip(f"the card counts the stdlib of Python {card_python}; this is {meta['python']}, whose "
                     f"stdlib has other functions")
-    for name in ("code_stdlib_train.jsonl", "code_heldout.jsonl"):
+    for name in ("code_stdlib_train.jsonl", "code_heldout.jsonl", "context_tasks.jsonl"):
         assert counts[name] == meta["rows"][name], name
     if SHARED.is_dir():
         for name, path in (("gsm8k/train.jsonl", SHARED / "gsm8k" / "train.jsonl"),
