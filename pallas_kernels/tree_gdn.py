@@ -334,8 +334,8 @@ def resolve_impl(impl: GdnImpl = "auto", backend: str | None = None) -> str:
     The kernel is not the default: on an H200 at the Qwen3.6-27B GDN shape (48 value heads,
     dk = dv = 128, batch 1) its chunk took 140 / 692 / 6959 us against 49 / 61 / 259 us for XLA at
     W = 16 / 64 / 257, XLA then repeating q, k to every value head (BENCHMARKS.md, "The tree-GDN
-    verify"): its row-block walk serialises the solve. It runs only when asked for ("pallas", "interpret"). ``backend`` is accepted so that
-    callers need not special-case it.
+    verify"): its row-block walk serialises the solve. It runs only when asked for ("pallas",
+    "interpret"). ``backend`` is accepted so that callers need not special-case it.
     """
     if impl not in IMPLS:
         raise ValueError(f"tree_gdn: impl must be one of {', '.join(IMPLS)}, got {impl!r}")
