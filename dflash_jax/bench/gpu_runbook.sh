@@ -67,7 +67,9 @@
 #                 validation, the best exported to RUN_DIR/mtp/mtp (float32, ~17 MB); calling it again resumes
 #   eval-mtp      one bench over gsm8k test (128) + spec_bench (480), greedy, batch 64: AR, MTP chains of
 #                 MTP_STEPS (1 2 3 4) steps and an MTP tree (4 steps, MTP_BUDGET 16 nodes) of the mtp-train
-#                 head (MTP=dir), DFlash and DDTree(64) of the shipped drafter (DRAFT=dir); ~8 min on an H200
+#                 head (MTP=dir; the shipped one unless set), DFlash and DDTree(64) of the shipped drafter
+#                 (DRAFT=dir); then the same methods at batch 1 on B1 (32) prompts of each set; ~8 min on
+#                 an H200
 #   train-step    drafter training-step tokens/s, 5-layer drafter against the Qwen3.6-27B shape (random
 #                 bf16, tp=1, batch 4 x 2048): taps computed in the step vs streamed from a taps file;
 #                 target GFLOP per step against bytes per token on disk (TS_BATCH, TS_SEQ override;
@@ -497,8 +499,16 @@ eval-mtp)
          read -r -a mtp_steps <<< "${MTP_STEPS:-1 2 3 4}"
          mtp_budget=("${MTP_BUDGET:-16}"); fi
     step eval_mtp "$limit" python -m dflash_jax.cli bench --target "$gguf" --draft "${DRAFT:-smollm2}" \
-        --mtp-head "${MTP:-$run_dir/mtp/mtp}" --method ar mtp dflash ddtree --mtp-steps "${mtp_steps[@]}" \
-        --mtp-budget "${mtp_budget[@]}" --prompts "${sets[@]}" --no-progress "${ev[@]}" --out "$out/eval_mtp" ;;
+        --mtp-head "${MTP:-smollm2}" --method ar mtp dflash ddtree --mtp-steps "${mtp_steps[@]}" \
+        --mtp-budget "${mtp_budget[@]}" --prompts "${sets[@]}" --no-progress "${ev[@]}" --out "$out/eval_mtp" || exit 1
+    # Batch 1, as a user decodes (B1 prompts of each set, 0 skips it): tokens/s where the verify is
+    # bound by reading the weights, not by the batch's compute.
+    b1=${B1:-32}
+    [ "$dry" = 1 ] && b1=1
+    [ "$b1" = 0 ] || step eval_mtp_b1 "$limit" python -m dflash_jax.cli bench --target "$gguf" \
+        --draft "${DRAFT:-smollm2}" --mtp-head "${MTP:-smollm2}" --method ar mtp dflash ddtree \
+        --mtp-steps "${mtp_steps[@]}" --mtp-budget "${mtp_budget[@]}" --no-progress \
+        --prompts "${sets[0]%%:*}:$b1" "${sets[1]%%:*}:$b1" "${ev[@]}" --batch 1 --out "$out/eval_mtp_b1" ;;
 train-step)
     if [ "$dry" = 1 ]; then set -- --model tiny-hybrid --layers 2 --batch 2 --seq-len 64 --blocks 4 --block-size 4 --batches 2 --iters 2
     else set -- --model qwen3.6-27b --layers 5 --batch "${TS_BATCH:-4}" --seq-len "${TS_SEQ:-2048}" --blocks 32 --iters 10; fi
