@@ -172,11 +172,13 @@ def _load_target(name: str, dtype: Any, flag: str = "--model", **kwargs: Any) ->
 
 
 def _load_drafter_for(path: str, cfg: Any, dtype: Any, mesh: Any = None) -> tuple[Any, Any]:
-    """(dcfg, dparams) of a drafter in the decoding layout, checked against the target's config."""
+    """(dcfg, dparams) of a drafter (`--draft`: a directory or a shipped name) in the decoding
+    layout, checked against the target's config."""
     from convert.dflash_drafter import load_drafter
+    from convert.shipped import DFLASH, resolve_shipped
     from dflash_jax.drafter import validate_pair
 
-    dcfg, dparams = load_drafter(path, dtype=dtype, mesh=mesh)
+    dcfg, dparams = load_drafter(resolve_shipped(path, DFLASH, "--draft"), dtype=dtype, mesh=mesh)
     validate_pair(dcfg, cfg)
     return dcfg, dparams
 
@@ -186,11 +188,10 @@ def _mtp_head_source(path: str | None, model: str, flag: str = "--draft") -> Pat
     `model`. The commands check it before the target loads, so that a wrong path costs no load."""
     from convert import resolve_source
     from convert.hf_safetensors import checkpoint_files, open_safetensors
-    from convert.mtp import PREFIX, SHIPPED_MTP_HEADS, mtp_head_path
+    from convert.mtp import PREFIX
+    from convert.shipped import MTP, resolve_shipped
 
-    if path in SHIPPED_MTP_HEADS:
-        return mtp_head_path(path)
-    given, name = (path, flag) if path else (model, "--model")
+    given, name = (resolve_shipped(path, MTP, flag), flag) if path else (model, "--model")
     try:
         kind, where = resolve_source(given)
     except ValueError as err:

@@ -205,8 +205,9 @@ def drafter_from_init(path: str | Path, target: TargetConfig, *, num_layers: int
     and the drafter must fit the target (`validate_pair`). Raises ValueError naming the flag or field.
     """
     from convert.dflash_drafter import load_drafter
+    from convert.shipped import DFLASH, resolve_shipped
 
-    dcfg, dparams = load_drafter(path, dtype=jnp.float32, training=True)
+    dcfg, dparams = load_drafter(resolve_shipped(path, DFLASH, "--init"), dtype=jnp.float32, training=True)
     for flag, given, have in (("--layers", num_layers, dcfg.num_layers), ("--block-size", block_size, dcfg.block_size),
                               ("--mask-token-id", mask_token_id, dcfg.mask_token_id)):
         if given is not None and given != have:
@@ -224,9 +225,10 @@ def init_record(path: str | Path) -> dict[str, str]:
     sha256 of its weights (a shipped name such as "smollm2" points at whatever is shipped now)."""
     import hashlib
 
-    from convert.dflash_drafter import WEIGHTS_FILE, drafter_dir
+    from convert.dflash_drafter import WEIGHTS_FILE
+    from convert.shipped import DFLASH, resolve_shipped
 
-    directory = drafter_dir(path)
+    directory = resolve_shipped(path, DFLASH, "--init")
     digest = hashlib.sha256((directory / WEIGHTS_FILE).read_bytes()).hexdigest()
     return {"drafter": str(path), "path": str(directory.absolute()), "weights_sha256": digest}
 

@@ -258,11 +258,14 @@ def test_cli_mtp_head_path_is_checked_before_the_target_loads(argv, flag, tmp_pa
 
 def test_shipped_head_is_found_by_its_short_name():
     """`--mtp-head smollm2` / `--draft smollm2` name the head shipped in the package, before any
-    target loads; another name is still read as a path."""
+    target loads; a name that is neither shipped nor a path is one error naming the flag and the
+    shipped names."""
     from convert.mtp import FILE, hidden_source_of
     from dflash_jax.cli import _mtp_head_source
 
     where = _mtp_head_source("smollm2", "unused-target")
     assert (where / FILE).is_file() and hidden_source_of(where) == "post_norm"
-    with pytest.raises(ValueError, match="--draft"):
+    with pytest.raises(ValueError, match=r"--draft smollm3: .*shipped MTP head \(known: smollm2\)"):
         _mtp_head_source("smollm3", "unused-target")
+    with pytest.raises(ValueError, match=r"--mtp-head smollm3: "):
+        _mtp_head_source("smollm3", "unused-target", "--mtp-head")
