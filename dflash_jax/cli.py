@@ -467,7 +467,9 @@ def _add_make_taps(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", required=True, help="token file from make-data")
     p.add_argument("--out", required=True, help="taps directory")
     p.add_argument("--seq-len", type=_int_at_least(2), required=True, help="tokens per row: train's --seq-len")
-    p.add_argument("--layers", type=POSITIVE, default=3, help="drafter layers: one default tap each (default 3)")
+    p.add_argument("--layers", type=POSITIVE, default=3,
+                   help="drafter layers: one default tap each (default 3); an MTP head (train --drafter-kind mtp) "
+                        "trains on the target's last layer: --tap-layers N-1 for N layers")
     p.add_argument("--tap-layers", type=NON_NEGATIVE, nargs="+", default=None,
                    help="the drafter's target_layer_ids instead of --layers' defaults")
     p.add_argument("--batch", type=POSITIVE, default=8, help="rows per target forward")

@@ -809,6 +809,10 @@ def check_taps(store: TapStore, dcfg: DrafterConfig, tc: TrainConfig, cfg: Targe
     if taps_pre_norm(dcfg):
         raise ValueError(f"taps (--taps) {store.path}: make-taps writes the last layer after the final norm; an MTP "
                          f"head with hidden_source pre_norm takes it before, computed in the step (drop --taps)")
+    if isinstance(dcfg, mtp.MTPConfig) and tuple(store.tap_layers) != dcfg.target_layer_ids:
+        last = dcfg.target_layer_ids[0]
+        raise ValueError(f"taps (--taps) {store.path} hold target layers {list(store.tap_layers)}; an MTP head trains "
+                         f"on the target's last layer: write them with make-taps --tap-layers {last}")
     if tuple(store.tap_layers) != tuple(dcfg.target_layer_ids):
         raise ValueError(f"taps (--taps) {store.path} hold target layers {list(store.tap_layers)}, the drafter taps "
                          f"{list(dcfg.target_layer_ids)}")
