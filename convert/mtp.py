@@ -9,9 +9,9 @@ loaders read them; they sit at the top level beside `model.*`):
   mtp.norm.weight                     [embed]
 For a hybrid target the layer is a gated full-attention layer (q_proj holds per head its query
 and its output gate, q_norm / k_norm); for a dense target (a head exported by `export_mtp`) it is
-a layer of the target's kind (Llama: no q/k norms). A Qwen3.5 checkpoint holds the head beside
-the target, so `load_mtp` reads the same files as `convert.qwen3_5.load_qwen35` and keeps only
-`mtp.*`.
+a layer of the target's kind (Llama: no q/k norms; with attention_bias, q/k/v/o_proj.bias as the
+target's layers store them). A Qwen3.5 checkpoint holds the head beside the target, so `load_mtp`
+reads the same files as `convert.qwen3_5.load_qwen35` and keeps only `mtp.*`.
 """
 from __future__ import annotations
 
@@ -76,8 +76,9 @@ def _entries(cfg: ModelConfig | Qwen35Config) -> list[tuple[str, tuple[int, ...]
             (layer + "self_attn.k_norm.weight", (hd,), ("layer", 1, "k_norm"), first, drop),
         ]
         return out
-    if cfg.attention_bias or cfg.mlp_bias:
-        raise ConversionError("MTP heads for dense targets with biases are not supported")
+    if cfg.mlp_bias:
+        raise ConversionError("mlp_bias is true: MLP biases are supported neither in targets nor in their "
+                              "MTP heads")
     out += [
         (layer + "input_layernorm.weight", (e,), ("layer", "attn_norm")) + same,
         (layer + "post_attention_layernorm.weight", (e,), ("layer", "mlp_norm")) + same,
@@ -96,6 +97,16 @@ def _entries(cfg: ModelConfig | Qwen35Config) -> list[tuple[str, tuple[int, ...]
     if cfg.qk_norm:
         out += [(layer + "self_attn.q_norm.weight", (hd,), ("layer", "attn", "q_norm")) + same,
                 (layer + "self_attn.k_norm.weight", (hd,), ("layer", "attn", "k_norm")) + same]
+    if cfg.attention_bias:  # stored flat, [heads * head_dim]; ours per head, as the target's
+        def flat(x):
+            return x.reshape(-1)
+        out += [(layer + "self_attn.q_proj.bias", (qh * hd,), ("layer", "attn", "q_bias"),
+                 lambda x: x.reshape(qh, hd), flat),
+                (layer + "self_attn.k_proj.bias", (kvh * hd,), ("layer", "attn", "k_bias"),
+                 lambda x: x.reshape(kvh, hd), flat),
+                (layer + "self_attn.v_proj.bias", (kvh * hd,), ("layer", "attn", "v_bias"),
+                 lambda x: x.reshape(kvh, hd), flat),
+                (layer + "self_attn.o_proj.bias", (e,), ("layer", "attn", "o_bias")) + same]
     return out
 
 
