@@ -108,6 +108,21 @@ def test_an_mtp_step_draws_no_anchors(target):
         np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=1e-5)
 
 
+def test_mtp_training_under_data_parallelism_equals_one_device(target, tmp_path):
+    """dp = 2 splits only the batch (an MTP step passes no anchors to split): the same losses and
+    validation losses as dp = 1, up to the order of the float32 batch sums."""
+    _, cfg, params = target
+    tc = dataclasses.replace(TC, steps=3)
+    kw = dict(init_params=mtp.head_from_target(params, cfg, jax.random.key(1)), log_every=1, progress=False,
+              plots=False, export=False, val_fraction=0.2, eval_every=3)
+    one = tr.train(params, cfg, mtp.MTPConfig(cfg), toy_sequences(), tc, tmp_path / "dp1", dp=1, **kw)
+    two = tr.train(params, cfg, mtp.MTPConfig(cfg), toy_sequences(), tc, tmp_path / "dp2", dp=2, **kw)
+    for key in ("loss", "val_loss"):
+        a, b = ([r[key] for r in run.history if key in r] for run in (one, two))
+        assert len(a) == len(b) > 0, key
+        np.testing.assert_allclose(b, a, rtol=1e-5, err_msg=key)
+
+
 @pytest.fixture(scope="module")
 def runs(target, tmp_path_factory):
     """A run from the target's last layer, and the same run stopped at step 4 and resumed."""
