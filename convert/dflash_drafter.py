@@ -22,6 +22,7 @@ from safetensors.numpy import save_file
 from convert.hf_safetensors import checkpoint_files, stream_tensors
 from convert.layout import (HEADS_IN, HEADS_OUT, IDENTITY, TRANSPOSE, Assembler, ConversionError, Layout,
                             MappingTable, Rule, decoder_layer_rules)
+from convert.shipped import DFLASH, resolve_shipped
 from dflash_jax.config import ConfigError
 from dflash_jax.drafter import (DraftConfig, DraftParams, draft_config_to_dict, draft_param_layout,
                                 load_draft_config)
@@ -45,30 +46,12 @@ _TRANSPOSED_LAYOUTS = {TRANSPOSE.name, HEADS_IN.name, HEADS_OUT.name}
 
 # ----------------------------------------------------------------------------- reading
 
-# Drafters trained by this project and shipped inside the package, by short name.
-SHIPPED_DRAFTERS = {"smollm2": "smollm2-135m-instruct-b16"}
-
-
-def shipped_drafter_path(name: str) -> Path:
-    """The directory of a drafter shipped with dflash-jax (`SHIPPED_DRAFTERS`)."""
-    import dflash_jax
-
-    if name not in SHIPPED_DRAFTERS:
-        raise ConversionError(f"no shipped drafter named {name!r}; known: {sorted(SHIPPED_DRAFTERS)}")
-    return Path(dflash_jax.__file__).parent / "drafters" / SHIPPED_DRAFTERS[name]
-
-
-def drafter_dir(path: str | Path) -> Path:
-    """The directory of a drafter: `path` itself, or the shipped drafter a short name stands for."""
-    return shipped_drafter_path(str(path)) if str(path) in SHIPPED_DRAFTERS else Path(path)
-
-
 def load_drafter(path: str | Path, dtype: Any = jnp.float32, *, mesh: Any = None, training: bool = False
                  ) -> tuple[DraftConfig, DraftParams]:
     """Reads a z-lab drafter directory -> (DraftConfig, DraftParams) in the decoding layout
     (`drafter.draft_specs` at the mesh's tp), each tensor written straight into its slices.
 
-    path: the directory, or the short name of a shipped drafter ("smollm2").
+    path: the directory, or the short name of a shipped drafter ("smollm2", `convert.shipped`).
     dtype: floating dtype of the params (float32 default; bfloat16 for GPU).
     mesh: None (the default device) or a ("dp", "tp") mesh: each decoding tensor goes straight
         to its tensor-parallel shards.
@@ -77,7 +60,7 @@ def load_drafter(path: str | Path, dtype: Any = jnp.float32, *, mesh: Any = None
     Errors (ConversionError, a ValueError) name the file and the tensor: missing, unexpected
     (e.g. an embedding, or DFlash2's convolutions), duplicated, or mis-shaped for config.json.
     """
-    path = drafter_dir(path)
+    path = resolve_shipped(path, DFLASH)
     if not path.is_dir():
         raise ConversionError(f"{path}: expected a drafter directory (config.json + {WEIGHTS_FILE})")
     try:

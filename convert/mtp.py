@@ -9,9 +9,9 @@ loaders read them; they sit at the top level beside `model.*`):
   mtp.norm.weight                     [embed]
 For a hybrid target the layer is a gated full-attention layer (q_proj holds per head its query
 and its output gate, q_norm / k_norm); for a dense target (a head exported by `export_mtp`) it is
-a layer of the target's kind (Llama: no q/k norms). A Qwen3.5 checkpoint holds the head beside
-the target, so `load_mtp` reads the same files as `convert.qwen3_5.load_qwen35` and keeps only
-`mtp.*`.
+a layer of the target's kind (Llama: no q/k norms; with attention_bias, q/k/v/o_proj.bias as the
+target's layers store them). A Qwen3.5 checkpoint holds the head beside the target, so `load_mtp`
+reads the same files as `convert.qwen3_5.load_qwen35` and keeps only `mtp.*`.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import numpy as np
 
 from convert.hf_safetensors import checkpoint_files, open_safetensors
 from convert.layout import ConversionError
+from convert.shipped import MTP, resolve_shipped
 from dflash_jax.config import ModelConfig
 from dflash_jax.mtp import HIDDEN_SOURCES, MTPParams, is_hybrid, mtp_shardings, mtp_specs
 from dflash_jax.params import is_spec
@@ -32,18 +33,6 @@ from dflash_jax.qwen3_5 import Qwen35Config
 PREFIX = "mtp."
 FILE = "mtp.safetensors"  # `export_mtp`'s file
 
-# MTP heads trained by this project and shipped inside the package, by short name.
-SHIPPED_MTP_HEADS = {"smollm2": "smollm2-135m-instruct-mtp"}
-
-
-def mtp_head_path(path: str | Path) -> Path:
-    """`path` itself, or the directory of the shipped head a short name stands for."""
-    import dflash_jax
-
-    name = str(path)
-    if name in SHIPPED_MTP_HEADS:
-        return Path(dflash_jax.__file__).parent / "drafters" / SHIPPED_MTP_HEADS[name]
-    return Path(path)
 
 def _t(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x.T)
@@ -87,8 +76,9 @@ def _entries(cfg: ModelConfig | Qwen35Config) -> list[tuple[str, tuple[int, ...]
             (layer + "self_attn.k_norm.weight", (hd,), ("layer", 1, "k_norm"), first, drop),
         ]
         return out
-    if cfg.attention_bias or cfg.mlp_bias:
-        raise ConversionError("MTP heads for dense targets with biases are not supported")
+    if cfg.mlp_bias:
+        raise ConversionError("mlp_bias is true: MLP biases are supported neither in targets nor in their "
+                              "MTP heads")
     out += [
         (layer + "input_layernorm.weight", (e,), ("layer", "attn_norm")) + same,
         (layer + "post_attention_layernorm.weight", (e,), ("layer", "mlp_norm")) + same,
@@ -107,6 +97,16 @@ def _entries(cfg: ModelConfig | Qwen35Config) -> list[tuple[str, tuple[int, ...]
     if cfg.qk_norm:
         out += [(layer + "self_attn.q_norm.weight", (hd,), ("layer", "attn", "q_norm")) + same,
                 (layer + "self_attn.k_norm.weight", (hd,), ("layer", "attn", "k_norm")) + same]
+    if cfg.attention_bias:  # stored flat, [heads * head_dim]; ours per head, as the target's
+        def flat(x):
+            return x.reshape(-1)
+        out += [(layer + "self_attn.q_proj.bias", (qh * hd,), ("layer", "attn", "q_bias"),
+                 lambda x: x.reshape(qh, hd), flat),
+                (layer + "self_attn.k_proj.bias", (kvh * hd,), ("layer", "attn", "k_bias"),
+                 lambda x: x.reshape(kvh, hd), flat),
+                (layer + "self_attn.v_proj.bias", (kvh * hd,), ("layer", "attn", "v_bias"),
+                 lambda x: x.reshape(kvh, hd), flat),
+                (layer + "self_attn.o_proj.bias", (e,), ("layer", "attn", "o_bias")) + same]
     return out
 
 
@@ -118,8 +118,9 @@ def _get(tree: Any, path: tuple) -> Any:
 
 def load_mtp(path: str | Path, cfg: ModelConfig | Qwen35Config, dtype: Any = jnp.float32, *,
              mesh: Any = None) -> MTPParams:
-    """Reads the `mtp.*` tensors of a checkpoint (a Qwen3.5 / Qwen3.6 one, or a directory written
-    by `export_mtp`) into the head for target `cfg`; other tensors are ignored.
+    """Reads the `mtp.*` tensors of a checkpoint (a Qwen3.5 / Qwen3.6 one, a directory written
+    by `export_mtp`, or the short name of a shipped head, "smollm2", `convert.shipped`) into the
+    head for target `cfg`; other tensors are ignored.
 
     mesh: None (the default device) or a ("dp", "tp") mesh: each tensor goes straight to its
         tensor-parallel shards, laid out by `mtp_specs`' logical axes like the target's layers
@@ -128,7 +129,7 @@ def load_mtp(path: str | Path, cfg: ModelConfig | Qwen35Config, dtype: Any = jnp
     mis-shaped `mtp.*` tensor (one error, the first found).
     """
     shardings = None if mesh is None else mtp_shardings(cfg, mesh)  # raises before anything is read
-    files, source = checkpoint_files(Path(path))
+    files, source = checkpoint_files(resolve_shipped(path, MTP))
     entries = {PREFIX + name: rest for name, *rest in _entries(cfg)}
     arrays: dict[str, np.ndarray] = {}
     seen: dict[str, Path] = {}
@@ -200,8 +201,9 @@ def export_mtp(mparams: MTPParams, cfg: ModelConfig | Qwen35Config, directory: s
 
 def hidden_source_of(path: str | Path) -> str:
     """The hidden source a head was trained with: `export_mtp`'s metadata in path/mtp.safetensors
-    (or path itself), else "post_norm" (Qwen3.5 / Qwen3.6 checkpoints; `dflash_jax.mtp`'s docstring)."""
-    path = Path(path)
+    (or path itself; a shipped head's short name), else "post_norm" (Qwen3.5 / Qwen3.6 checkpoints;
+    `dflash_jax.mtp`'s docstring)."""
+    path = resolve_shipped(path, MTP)
     file = path / FILE if path.is_dir() else path
     if file.name != FILE or not file.is_file():
         return "post_norm"

@@ -172,11 +172,13 @@ def _load_target(name: str, dtype: Any, flag: str = "--model", **kwargs: Any) ->
 
 
 def _load_drafter_for(path: str, cfg: Any, dtype: Any, mesh: Any = None) -> tuple[Any, Any]:
-    """(dcfg, dparams) of a drafter in the decoding layout, checked against the target's config."""
+    """(dcfg, dparams) of a drafter (`--draft`: a directory or a shipped name) in the decoding
+    layout, checked against the target's config."""
     from convert.dflash_drafter import load_drafter
+    from convert.shipped import DFLASH, resolve_shipped
     from dflash_jax.drafter import validate_pair
 
-    dcfg, dparams = load_drafter(path, dtype=dtype, mesh=mesh)
+    dcfg, dparams = load_drafter(resolve_shipped(path, DFLASH, "--draft"), dtype=dtype, mesh=mesh)
     validate_pair(dcfg, cfg)
     return dcfg, dparams
 
@@ -186,11 +188,10 @@ def _mtp_head_source(path: str | None, model: str, flag: str = "--draft") -> Pat
     `model`. The commands check it before the target loads, so that a wrong path costs no load."""
     from convert import resolve_source
     from convert.hf_safetensors import checkpoint_files, open_safetensors
-    from convert.mtp import PREFIX, SHIPPED_MTP_HEADS, mtp_head_path
+    from convert.mtp import PREFIX
+    from convert.shipped import MTP, resolve_shipped
 
-    if path in SHIPPED_MTP_HEADS:
-        return mtp_head_path(path)
-    given, name = (path, flag) if path else (model, "--model")
+    given, name = (resolve_shipped(path, MTP, flag), flag) if path else (model, "--model")
     try:
         kind, where = resolve_source(given)
     except ValueError as err:
@@ -470,7 +471,9 @@ def _add_make_taps(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", required=True, help="token file from make-data")
     p.add_argument("--out", required=True, help="taps directory")
     p.add_argument("--seq-len", type=_int_at_least(2), required=True, help="tokens per row: train's --seq-len")
-    p.add_argument("--layers", type=POSITIVE, default=3, help="drafter layers: one default tap each (default 3)")
+    p.add_argument("--layers", type=POSITIVE, default=3,
+                   help="drafter layers: one default tap each (default 3); an MTP head (train --drafter-kind mtp) "
+                        "trains on the target's last layer: --tap-layers N-1 for N layers")
     p.add_argument("--tap-layers", type=NON_NEGATIVE, nargs="+", default=None,
                    help="the drafter's target_layer_ids instead of --layers' defaults")
     p.add_argument("--batch", type=POSITIVE, default=8, help="rows per target forward")

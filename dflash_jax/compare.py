@@ -214,9 +214,9 @@ def load_reference_drafter(path: str, dtype: str = "float32") -> Any:
     import torch
     from dflash.model import DFlashDraftModel
 
-    from convert.dflash_drafter import SHIPPED_DRAFTERS, shipped_drafter_path
+    from convert.shipped import DFLASH, resolve_shipped
 
-    directory = shipped_drafter_path(path) if path in SHIPPED_DRAFTERS else Path(path)
+    directory = resolve_shipped(path, DFLASH, "--draft")
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     return DFlashDraftModel.from_pretrained(str(directory), dtype=torch_dtype).eval()
 

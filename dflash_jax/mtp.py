@@ -192,12 +192,16 @@ def head_from_target(target: Any, target_cfg: ModelConfig | Qwen35Config, key: j
             group = rows - 2
             q = attn.qkv[:, :, :group].reshape(e, kvh * group, hd)
             attn = dataclasses.replace(attn, q=q, k=attn.qkv[:, :, group], v=attn.qkv[:, :, group + 1], qkv=None)
+            if attn.qkv_bias is not None:  # [kv_heads, group + 2, head_dim], the same rows
+                b = attn.qkv_bias
+                attn = dataclasses.replace(attn, q_bias=b[:, :group].reshape(kvh * group, hd), k_bias=b[:, group],
+                                           v_bias=b[:, group + 1], qkv_bias=None)
         if attn.kv is not None:
             attn = dataclasses.replace(attn, k=attn.kv[:, :, 0], v=attn.kv[:, :, 1], kv=None)
+            if attn.kv_bias is not None:
+                attn = dataclasses.replace(attn, k_bias=attn.kv_bias[:, 0], v_bias=attn.kv_bias[:, 1], kv_bias=None)
         if mlp.gate_up is not None:
             mlp = dataclasses.replace(mlp, gate=mlp.gate_up[:, 0], up=mlp.gate_up[:, 1], gate_up=None)
-        if attn.qkv_bias is not None or attn.kv_bias is not None:
-            raise ValueError("init from the target's last layer: fused attention biases are not supported")
         layer = dataclasses.replace(last, attn=attn, mlp=mlp)
     layer = jax.tree.map(lambda want, have: jnp.asarray(have, dtype).reshape(want.shape), mp.layer, layer)
     return dataclasses.replace(mp, layer=layer)

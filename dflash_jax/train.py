@@ -98,6 +98,7 @@ TargetConfig = ModelConfig | Qwen35Config
 TargetParams = ModelParams | Qwen35Params
 # What a run trains: a DFlash drafter, or an MTP head (the module docstring's "MTP heads").
 DrafterConfig = dr.DraftConfig | mtp.MTPConfig
+DrafterParams = dr.DraftParams | mtp.MTPParams  # the weights of the kind its DrafterConfig names
 from dflash_jax.train_data import SequenceSet, TapStore, batch_indices, split_by_prompt
 
 # Token texts tried, in order, for the drafter's MASK token (the target's embedding of it is used).
@@ -205,8 +206,9 @@ def drafter_from_init(path: str | Path, target: TargetConfig, *, num_layers: int
     and the drafter must fit the target (`validate_pair`). Raises ValueError naming the flag or field.
     """
     from convert.dflash_drafter import load_drafter
+    from convert.shipped import DFLASH, resolve_shipped
 
-    dcfg, dparams = load_drafter(path, dtype=jnp.float32, training=True)
+    dcfg, dparams = load_drafter(resolve_shipped(path, DFLASH, "--init"), dtype=jnp.float32, training=True)
     for flag, given, have in (("--layers", num_layers, dcfg.num_layers), ("--block-size", block_size, dcfg.block_size),
                               ("--mask-token-id", mask_token_id, dcfg.mask_token_id)):
         if given is not None and given != have:
@@ -224,9 +226,10 @@ def init_record(path: str | Path) -> dict[str, str]:
     sha256 of its weights (a shipped name such as "smollm2" points at whatever is shipped now)."""
     import hashlib
 
-    from convert.dflash_drafter import WEIGHTS_FILE, drafter_dir
+    from convert.dflash_drafter import WEIGHTS_FILE
+    from convert.shipped import DFLASH, resolve_shipped
 
-    directory = drafter_dir(path)
+    directory = resolve_shipped(path, DFLASH, "--init")
     digest = hashlib.sha256((directory / WEIGHTS_FILE).read_bytes()).hexdigest()
     return {"drafter": str(path), "path": str(directory.absolute()), "weights_sha256": digest}
 
@@ -438,14 +441,16 @@ def position_weights(block_size: int, gamma: float) -> jax.Array:
     return jnp.exp(-jnp.arange(block_size - 1, dtype=jnp.float32) / gamma)
 
 
-def block_scores(dparams: dr.DraftParams, target: TargetParams, taps: jax.Array, batch: dict[str, jax.Array],
+def block_scores(dparams: DrafterParams, target: TargetParams, taps: jax.Array, batch: dict[str, jax.Array],
                  key: jax.Array | None, *, dcfg: DrafterConfig, tc: TrainConfig,
                  source: jax.Array | None = None, anchors: tuple[jax.Array, jax.Array] | None = None
                  ) -> dict[str, jax.Array]:
     """Per block row: cross-entropy, loss weight, mask and correctness, per block: valid and chain run.
 
-    dparams are float32 masters, cast here. The anchors are drawn with `key`, or given as
-    `anchors` = (anchors, valid) [B, N] (`sample_anchors` over the global batch). `source`: what
+    dparams: a DFlash drafter's DraftParams (dcfg a DraftConfig) or an MTP head's MTPParams (dcfg
+    an MTPConfig: `mtp_scores`, which takes neither `key` nor `anchors`), float32 masters, cast
+    here. A DFlash drafter's anchors are drawn with `key`, or given as `anchors` = (anchors,
+    valid) [B, N] (`sample_anchors` over the global batch). `source`: what
     `target_taps` gives for tc.labels (greedy tokens [B, T], or logits [B, T, vocab] for
     "target-soft"). Keys: ce (for "target-soft", KL(target || drafter)), w (position weight x
     mask), m (mask, float), correct [B, N, bs-1] (against the target's greedy token for target
@@ -520,10 +525,12 @@ def mtp_scores(mparams: mtp.MTPParams, target: TargetParams, taps: jax.Array, ba
             "valid": valid, "run": correct.astype(jnp.int32)}
 
 
-def loss_fn(dparams: dr.DraftParams, target: TargetParams, taps: jax.Array, batch: dict[str, jax.Array],
-            key: jax.Array, *, dcfg: dr.DraftConfig, tc: TrainConfig,
+def loss_fn(dparams: DrafterParams, target: TargetParams, taps: jax.Array, batch: dict[str, jax.Array],
+            key: jax.Array | None, *, dcfg: DrafterConfig, tc: TrainConfig,
             source: jax.Array | None = None) -> tuple[jax.Array, dict[str, Any]]:
-    """Weighted block cross-entropy (or KL) and metrics. dparams are float32 masters, cast here."""
+    """Weighted block cross-entropy (or KL) and metrics of a DFlash drafter (DraftParams, its anchors
+    drawn with `key`) or an MTP head (MTPParams, every position; `key` unused), as `block_scores`.
+    dparams are float32 masters, cast here."""
     metrics = metrics_of(score_sums(block_scores(dparams, target, taps, batch, key, dcfg=dcfg, tc=tc, source=source)))
     return metrics["loss"], metrics
 
@@ -581,13 +588,13 @@ def data_parallel_sums(fn: Any, replicated: tuple[Any, ...], split: tuple[Any, .
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class TrainState:
-    params: Any  # DraftParams, float32 master weights
+    params: Any  # DrafterParams (a DFlash drafter's or an MTP head's), float32 master weights
     opt_state: Any
     step: jax.Array  # int32 scalar: steps done
-    rng: jax.Array  # uint32[2] raw key; step s uses fold_in(rng, s)
+    rng: jax.Array  # uint32[2] raw key; step s draws its anchors with fold_in(rng, s) (an MTP head draws none)
 
 
-def init_state(dparams: dr.DraftParams, tc: TrainConfig) -> TrainState:
+def init_state(dparams: DrafterParams, tc: TrainConfig) -> TrainState:
     params = cast_floating(dparams, jnp.float32)
     return TrainState(params=params, opt_state=make_optimizer(tc).init(params),
                       step=jnp.zeros((), jnp.int32), rng=jax.random.PRNGKey(tc.seed))
@@ -603,12 +610,13 @@ def train_step(state: TrainState, target: TargetParams, batch: dict[str, jax.Arr
     optionally taps [B, T, taps*embed] read back from disk (`TapStore`; "response" labels only),
     else the target computes them here. Pure: the result depends only on the arguments.
     """
-    key = jax.random.fold_in(state.rng, state.step)
-    tokens = batch["tokens"]
     # Drawn over the global batch (threefry bits do not depend on the sharding), then split with it.
-    anchors = sample_anchors(key, batch["prompt_lens"], batch["total_lens"], tokens.shape[1], tc.num_blocks)
+    # An MTP head scores every position and has no anchors: nothing is drawn for it.
+    anchors = None if isinstance(dcfg, mtp.MTPConfig) else sample_anchors(
+        jax.random.fold_in(state.rng, state.step), batch["prompt_lens"], batch["total_lens"],
+        batch["tokens"].shape[1], tc.num_blocks)
 
-    def sums_and_grads(params: Any, target: TargetParams, batch: dict[str, jax.Array], anchors: Any) -> Any:
+    def sums_and_grads(params: Any, target: TargetParams, batch: dict[str, jax.Array], anchors: Any = None) -> Any:
         if "taps" in batch:
             taps, source = batch["taps"].astype(target.embed.dtype), None
         else:
@@ -626,7 +634,8 @@ def train_step(state: TrainState, target: TargetParams, batch: dict[str, jax.Arr
     if "taps" in batch and tc.labels != "response":
         raise ValueError(f"taps read from disk serve --labels response only; --labels {tc.labels} needs the "
                          f"target's logits, computed in the step")
-    sums, grads = data_parallel_sums(sums_and_grads, (state.params, target), (batch, anchors))
+    sums, grads = data_parallel_sums(sums_and_grads, (state.params, target),
+                                     (batch,) if anchors is None else (batch, anchors))
     # The loss is sum(ce x w) / sum(w) over the whole batch and the weights hold no parameter.
     grads = jax.tree.map(lambda g: g / jnp.maximum(sums["weight_sum"], 1e-6), grads)
     metrics = metrics_of(sums)
@@ -800,6 +809,10 @@ def check_taps(store: TapStore, dcfg: DrafterConfig, tc: TrainConfig, cfg: Targe
     if taps_pre_norm(dcfg):
         raise ValueError(f"taps (--taps) {store.path}: make-taps writes the last layer after the final norm; an MTP "
                          f"head with hidden_source pre_norm takes it before, computed in the step (drop --taps)")
+    if isinstance(dcfg, mtp.MTPConfig) and tuple(store.tap_layers) != dcfg.target_layer_ids:
+        last = dcfg.target_layer_ids[0]
+        raise ValueError(f"taps (--taps) {store.path} hold target layers {list(store.tap_layers)}; an MTP head trains "
+                         f"on the target's last layer: write them with make-taps --tap-layers {last}")
     if tuple(store.tap_layers) != tuple(dcfg.target_layer_ids):
         raise ValueError(f"taps (--taps) {store.path} hold target layers {list(store.tap_layers)}, the drafter taps "
                          f"{list(dcfg.target_layer_ids)}")
@@ -851,17 +864,19 @@ _EVAL_STREAM = 0x5EEDEA1
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "tc"))
-def eval_step(params: dr.DraftParams, target: TargetParams, batch: dict[str, jax.Array], key: jax.Array, *,
+def eval_step(params: DrafterParams, target: TargetParams, batch: dict[str, jax.Array], key: jax.Array, *,
               cfg: TargetConfig, dcfg: DrafterConfig, tc: TrainConfig) -> dict[str, jax.Array]:
     """Sums over one validation batch, no gradient: the numerators and denominators of `evaluate`.
 
-    The same blocks, loss and chain-acceptance rules as `loss_fn` (`score_sums`); the anchors come
-    from `key`, drawn over the global batch as in `train_step`.
+    The same blocks, loss and chain-acceptance rules as `loss_fn` (`score_sums`); a DFlash
+    drafter's anchors come from `key`, drawn over the global batch as in `train_step` (an MTP
+    head scores every position and ignores `key`).
     """
-    tokens = batch["tokens"]
-    anchors = sample_anchors(key, batch["prompt_lens"], batch["total_lens"], tokens.shape[1], tc.num_blocks)
+    anchors = None if isinstance(dcfg, mtp.MTPConfig) else sample_anchors(
+        key, batch["prompt_lens"], batch["total_lens"], batch["tokens"].shape[1], tc.num_blocks)
 
-    def sums(params: Any, target: TargetParams, batch: dict[str, jax.Array], anchors: Any) -> dict[str, jax.Array]:
+    def sums(params: Any, target: TargetParams, batch: dict[str, jax.Array], anchors: Any = None
+             ) -> dict[str, jax.Array]:
         if "taps" in batch:
             taps, source = batch["taps"].astype(target.embed.dtype), None
         else:
@@ -870,7 +885,7 @@ def eval_step(params: dr.DraftParams, target: TargetParams, batch: dict[str, jax
         return score_sums(block_scores(params, target, taps, batch, None, dcfg=dcfg, tc=tc, source=source,
                                        anchors=anchors))
 
-    return sh.replicate(data_parallel_sums(sums, (params, target), (batch, anchors)))
+    return sh.replicate(data_parallel_sums(sums, (params, target), (batch,) if anchors is None else (batch, anchors)))
 
 
 @dataclasses.dataclass
@@ -944,7 +959,7 @@ def validation_set(data: SequenceSet, val_rows: np.ndarray, tc: TrainConfig, max
     return ValidationSet(rows=rows, batches=batches, keys=keys)
 
 
-def evaluate(params: dr.DraftParams, target: TargetParams, vset: ValidationSet, *, cfg: TargetConfig,
+def evaluate(params: DrafterParams, target: TargetParams, vset: ValidationSet, *, cfg: TargetConfig,
              dcfg: DrafterConfig, tc: TrainConfig) -> dict[str, Any]:
     """val_loss, val_acc_by_pos and val_tau_estimate over every block of the validation set.
 
@@ -1128,7 +1143,7 @@ def _tau32(tau: float) -> float:
 
 def train(target: TargetParams, cfg: TargetConfig, dcfg: DrafterConfig, data: SequenceSet | TappedSequences,
           tc: TrainConfig,
-          out_dir: str | Path, *, init_params: dr.DraftParams | None = None, resume: bool = False,
+          out_dir: str | Path, *, init_params: DrafterParams | None = None, resume: bool = False,
           save_every: int = 500, keep: int = 3, log_every: int = 10, stop_at: int | None = None,
           time_limit: float | None = None, export: bool = True, export_dtype: str = "float32",
           val_fraction: float = 0.0, eval_every: int | None = None, val_batches: int = 32,
@@ -1378,7 +1393,7 @@ def _summary(history: list[dict[str, Any]], end: int, tc: TrainConfig, export_di
 
 
 def time_step_parts(target: TargetParams, cfg: TargetConfig, dcfg: DrafterConfig, data: SequenceSet,
-                    tc: TrainConfig, dparams: dr.DraftParams | None = None, repeats: int = 10,
+                    tc: TrainConfig, dparams: DrafterParams | None = None, repeats: int = 10,
                     dp: int = 1, tp: int = 1) -> dict[str, float]:
     """Median seconds of the taps forward alone and of a whole train_step (compile excluded).
 

@@ -422,6 +422,26 @@ def test_taps_of_another_targets_width_are_refused_naming_taps(tiny, tmp_path, c
     assert not (out / "train_run.json").exists()
 
 
+def test_mtp_taps_not_of_the_last_layer_are_refused_naming_the_layer_to_write(tiny, tmp_path, capsys):
+    """An MTP head trains on the target's last layer: a store of another layer (make-taps' default
+    taps of a DFlash drafter) is one --taps error that says which --tap-layers to write."""
+    from dflash_jax.train_data import TapStore, TokenData, build_sequences
+
+    data = TokenData.from_lists([[1, 2, 3]] * 4, [[4, 5, 6, 7]] * 4, [0.0] * 4, [0] * 4, {})
+    tokens = data.save(tmp_path / "tokens.npz")
+    hf = json.loads((tiny / "config.json").read_text())
+    last = hf["num_hidden_layers"] - 1
+    rows = len(build_sequences(TokenData.load(tokens), 32))
+    TapStore.create(tmp_path / "taps", rows, 32, hf["hidden_size"], "float32", (last - 1,)).mark_complete()
+    out = tmp_path / "run"
+    assert main(["train", "--drafter-kind", "mtp", "--target", str(tiny), "--data", str(tokens), "--no-progress",
+                 "--seq-len", "32", "--batch", "2", "--steps", "2", "--val-fraction", "0", "--taps",
+                 str(tmp_path / "taps"), "--out", str(out)]) == 2
+    one_error(capsys, "taps (--taps)", f"hold target layers [{last - 1}]", "target's last layer",
+              f"make-taps --tap-layers {last}")
+    assert not (out / "train_run.json").exists()
+
+
 @pytest.mark.parametrize("environ,message", [
     ({"JAX_NUM_PROCESSES": "0"}, "--num-processes (JAX_NUM_PROCESSES) must be >= 1, got 0"),
     ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"}, "--process-id (JAX_PROCESS_ID) must be in 0..1"),

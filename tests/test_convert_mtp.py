@@ -3,6 +3,7 @@ tensors loads (the target beside it still loads, skipping them), an exported den
 back, and a missing, mis-shaped or unknown `mtp.*` tensor is named with its file."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -135,6 +136,95 @@ def test_dense_head_export_loads_back(tmp_path):
     assert {x.dtype for x in stored.values()} == {np.dtype(np.float32)}
 
 
+@pytest.fixture(scope="module")
+def biased_llama(tmp_path_factory):
+    """A tiny Llama target with attention_bias (a Qwen2-style layer), every tensor random, and the
+    head started from its last layer, exported: (transformers model, cfg, params, head, head dir)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("biased")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
+                                         max_position_embeddings=128)).eval()
+    with torch.no_grad():  # biases start at zero: make every tensor one a misplaced copy cannot match
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(root / "target")
+    cfg, params = load_hf(root / "target")
+    head = mtp.head_from_target(params, cfg, jax.random.key(1))
+    export_mtp(head, cfg, root / "head")
+    return model, cfg, params, head, root / "head"
+
+
+def test_head_of_a_dense_target_with_attention_biases_exports_them_and_loads_back(biased_llama):
+    """The head started from a biased target's last layer (fused q/k/v and biases in the decoding
+    layout) is exported with that layer's tensors, biases included, name for name as transformers
+    holds them, and loads back to the same head."""
+    model, cfg, params, head, where = biased_llama
+    assert cfg.attention_bias and params.layers[-1].attn.qkv_bias is not None
+    stored = load_file(str(where / "mtp.safetensors"))
+    last = {n: p.detach().numpy() for n, p in model.model.layers[-1].named_parameters()}
+    assert len(last) == 13 and "self_attn.o_proj.bias" in last  # q, k, v, o and their biases, MLP, two norms
+    assert {n for n in stored if n.startswith("mtp.layers.0.")} == {f"mtp.layers.0.{n}" for n in last}
+    for name, value in last.items():
+        np.testing.assert_array_equal(stored[f"mtp.layers.0.{name}"], value, err_msg=name)
+    back = load_mtp(where, cfg)
+    for a, b in zip(jax.tree.leaves(head), jax.tree.leaves(back), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_loaded_biased_head_step_matches_transformers_llama_layer(biased_llama):
+    """The loaded head's step (biases in its attention) against transformers' Llama layer, final
+    norm and LM head carrying the exported tensors; the fc input (w * x norms of the embedding and
+    the hidden state, embedding first) is written out here in numpy."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model, cfg, params, _, where = biased_llama
+    stored = load_file(str(where / "mtp.safetensors"))
+    mp, mcfg = load_mtp(where, cfg), mtp.MTPConfig(cfg)
+    rng = np.random.RandomState(3)
+    width = 7
+    tokens = rng.randint(0, cfg.vocab_size, (1, width))
+    hidden = rng.randn(1, width, cfg.hidden_size).astype(np.float32)
+    empty = mtp.MTPCache.create(cfg, 1, width)
+    _, out, _, _ = mtp.step(mp, mcfg, params, jnp.asarray(tokens), jnp.asarray(hidden), jnp.arange(width)[None],
+                            empty.k, empty.v, jnp.zeros((1,), jnp.int32))
+    ours = np.asarray(mtp.logits(params, cfg, out))
+
+    def norm(x, w):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.rms_norm_eps) * w
+
+    embed = model.model.embed_tokens.weight.detach().numpy()[tokens]
+    x = np.concatenate([norm(embed, stored["mtp.pre_fc_norm_embedding.weight"]),
+                        norm(hidden, stored["mtp.pre_fc_norm_hidden.weight"])], -1) @ stored["mtp.fc.weight"].T
+    one = model.config.__class__(**{**model.config.to_dict(), "num_hidden_layers": 1})
+    one._attn_implementation = "eager"
+    ref_model = LlamaForCausalLM(one).eval()
+    state = {"model." + k[len("mtp."):]: torch.from_numpy(v) for k, v in stored.items() if k.startswith("mtp.layers.")}
+    state["model.norm.weight"] = torch.from_numpy(stored["mtp.norm.weight"])
+    state["lm_head.weight"] = model.lm_head.weight.detach().clone()
+    missing, unexpected = ref_model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) == {"model.embed_tokens.weight"}
+    with torch.no_grad():
+        ref = ref_model(inputs_embeds=torch.from_numpy(x.astype(np.float32))).logits.numpy()
+    np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+def test_mlp_biases_are_refused_naming_the_field(tmp_path):
+    target_model(vocab=16).save_pretrained(tmp_path / "target")
+    cfg, _ = load_hf(tmp_path / "target")
+    head = mtp.init_mtp_params(cfg, jax.random.key(5))
+    export_mtp(head, cfg, tmp_path / "head")
+    biased = dataclasses.replace(cfg, mlp_bias=True)
+    with pytest.raises(ConversionError, match="^mlp_bias is true: MLP biases are supported neither"):
+        export_mtp(head, biased, tmp_path / "other")
+    with pytest.raises(ConversionError, match="^mlp_bias is true"):
+        load_mtp(tmp_path / "head", biased)
+
+
 def test_dense_head_export_keeps_a_bfloat16_heads_dtype(tmp_path):
     """`train --export-dtype bfloat16` hands export_mtp a bfloat16 head: it is stored as such
     (half the bytes), and loads back to the same values."""
@@ -258,11 +348,14 @@ def test_cli_mtp_head_path_is_checked_before_the_target_loads(argv, flag, tmp_pa
 
 def test_shipped_head_is_found_by_its_short_name():
     """`--mtp-head smollm2` / `--draft smollm2` name the head shipped in the package, before any
-    target loads; another name is still read as a path."""
+    target loads; a name that is neither shipped nor a path is one error naming the flag and the
+    shipped names."""
     from convert.mtp import FILE, hidden_source_of
     from dflash_jax.cli import _mtp_head_source
 
     where = _mtp_head_source("smollm2", "unused-target")
     assert (where / FILE).is_file() and hidden_source_of(where) == "post_norm"
-    with pytest.raises(ValueError, match="--draft"):
+    with pytest.raises(ValueError, match=r"--draft smollm3: .*shipped MTP head \(known: smollm2\)"):
         _mtp_head_source("smollm3", "unused-target")
+    with pytest.raises(ValueError, match=r"--mtp-head smollm3: "):
+        _mtp_head_source("smollm3", "unused-target", "--mtp-head")

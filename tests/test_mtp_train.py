@@ -4,7 +4,9 @@ the same weights, and the exported head loads and drafts losslessly."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +23,7 @@ from dflash_jax.sampling import SamplingParams
 from dflash_jax.speculative import SpecSettings, generate_speculative, target_family
 from tests.test_qwen3_5_speculative import target as hybrid_target
 from tests.test_train import (target,  # noqa: F401 (a fixture)
-                              SEQ, assert_loss_falls, forbid_loading, full_and_resumed, toy_sequences)
+                              SEQ, assert_loss_falls, forbid_loading, full_and_resumed, make_dcfg, toy_sequences)
 
 TC = tr.TrainConfig(steps=10, batch_size=4, seq_len=SEQ, learning_rate=1e-2, warmup_fraction=0.1,
                     compute_dtype="float32", seed=3)
@@ -76,6 +78,49 @@ def test_mtp_scores_take_the_token_two_ahead_inside_the_response(target):
             for t in (p - 1, p + 4, n - 3):
                 np.testing.assert_allclose(float(s["ce"][b, t, 0]), -log_q[b, t, label_of(b, t)], rtol=1e-4,
                                            err_msg=labels)
+
+
+def _random_ops(fn, *args) -> set[str]:
+    """The random-number primitives in fn's traced program (nested jaxprs included)."""
+    return set(re.findall(r"\b(random_\w+|threefry\w*)", str(jax.make_jaxpr(fn)(*args))))
+
+
+def test_an_mtp_step_draws_no_anchors(target):
+    """An MTP head scores every response position: its train and eval steps draw no random numbers
+    (a DFlash step, the control, draws its anchors), so --blocks is nothing to it, even past
+    seq_len, and the step's loss is `loss_fn`'s whatever the key."""
+    _, cfg, params = target
+    batch = {k: jnp.asarray(v) for k, v in toy_sequences(4).batch(np.arange(4)).items()}
+    tc = dataclasses.replace(TC, num_blocks=2 * SEQ)  # more anchors than positions: drawing them fails
+    mcfg = mtp.MTPConfig(cfg)
+    state = tr.init_state(mtp.head_from_target(params, cfg, jax.random.key(1)), tc)
+    assert _random_ops(functools.partial(tr.train_step, cfg=cfg, dcfg=mcfg, tc=tc), state, params, batch) == set()
+    assert _random_ops(functools.partial(tr.eval_step, cfg=cfg, dcfg=mcfg, tc=tc), state.params, params, batch,
+                       jax.random.key(0)) == set()
+    dcfg = make_dcfg(cfg)
+    dstate = tr.init_state(tr.fresh_params(dcfg, jax.random.key(0)), TC)
+    assert "random_bits" in _random_ops(functools.partial(tr.train_step, cfg=cfg, dcfg=dcfg, tc=TC), dstate, params,
+                                        batch)
+    _, metrics = tr.train_step(state, params, batch, cfg=cfg, dcfg=mcfg, tc=tc)
+    taps, _ = tr.target_taps(params, cfg, batch["tokens"], mcfg.target_layer_ids)
+    for key in (jax.random.key(0), jax.random.key(7), None):
+        loss, _ = tr.loss_fn(state.params, params, taps, batch, key, dcfg=mcfg, tc=tc)
+        np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=1e-5)
+
+
+def test_mtp_training_under_data_parallelism_equals_one_device(target, tmp_path):
+    """dp = 2 splits only the batch (an MTP step passes no anchors to split): the same losses and
+    validation losses as dp = 1, up to the order of the float32 batch sums."""
+    _, cfg, params = target
+    tc = dataclasses.replace(TC, steps=3)
+    kw = dict(init_params=mtp.head_from_target(params, cfg, jax.random.key(1)), log_every=1, progress=False,
+              plots=False, export=False, val_fraction=0.2, eval_every=3)
+    one = tr.train(params, cfg, mtp.MTPConfig(cfg), toy_sequences(), tc, tmp_path / "dp1", dp=1, **kw)
+    two = tr.train(params, cfg, mtp.MTPConfig(cfg), toy_sequences(), tc, tmp_path / "dp2", dp=2, **kw)
+    for key in ("loss", "val_loss"):
+        a, b = ([r[key] for r in run.history if key in r] for run in (one, two))
+        assert len(a) == len(b) > 0, key
+        np.testing.assert_allclose(b, a, rtol=1e-5, err_msg=key)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from convert.dflash_drafter import WEIGHTS_FILE, load_drafter, shipped_drafter_path
+from convert.dflash_drafter import WEIGHTS_FILE, load_drafter
+from convert.layout import ConversionError
+from convert.shipped import DFLASH, MTP, SHIPPED, resolve_shipped
 from convert.gguf_file import gguf_tokenizer, load_gguf, smollm2_gguf_path
 from dflash_jax.drafter import validate_pair
 from dflash_jax.pipeline import encode_prompts, pad_prompts, run_ar, run_speculative, stop_tokens_for
@@ -33,7 +35,7 @@ def smollm2_and_drafter():
 
 def test_artifact_is_small_and_matches_the_target(smollm2_and_drafter):
     cfg, _, _, dcfg, _ = smollm2_and_drafter
-    weights = shipped_drafter_path("smollm2") / WEIGHTS_FILE
+    weights = resolve_shipped("smollm2", DFLASH) / WEIGHTS_FILE
     assert weights.stat().st_size <= 40e6
     validate_pair(dcfg, cfg)  # hidden size, vocabulary, mask id, taps
     assert dcfg.block_size == 16
@@ -75,7 +77,7 @@ def test_dflash_reference_loads_the_same_weights(smollm2_and_drafter):
     dflash_model = pytest.importorskip("dflash.model")
     *_, dcfg, _ = smollm2_and_drafter
     _, dparams = load_drafter("smollm2", jnp.float32, training=True)  # one array per checkpoint tensor
-    model = dflash_model.DFlashDraftModel.from_pretrained(shipped_drafter_path("smollm2")).float()
+    model = dflash_model.DFlashDraftModel.from_pretrained(resolve_shipped("smollm2", DFLASH)).float()
     ours = {path_str(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(dparams)[0]}
     theirs = {k: v.detach().numpy() for k, v in model.state_dict().items() if not k.endswith("inv_freq")}
     seen = set()
@@ -106,14 +108,13 @@ def test_speculative_with_the_shipped_drafter_is_lossless_and_accepts(smollm2_an
 def test_shipped_mtp_head_is_small_lossless_and_accepts(smollm2_and_drafter):
     """The MTP head shipped beside the drafter: at most 30 MB, read by its short name, and a
     greedy MTP chain and MTP tree with it give AR's tokens with drafts accepted."""
-    from convert.mtp import FILE, hidden_source_of, load_mtp, mtp_head_path
+    from convert.mtp import FILE, hidden_source_of, load_mtp
     from dflash_jax.mtp import MTPConfig
 
     cfg, params, tok, _, _ = smollm2_and_drafter
-    where = mtp_head_path("smollm2")
-    assert (where / FILE).stat().st_size <= 30e6
-    mcfg = MTPConfig(cfg, hidden_source=hidden_source_of(where))
-    mparams = load_mtp(where, cfg, jnp.float32)
+    assert (resolve_shipped("smollm2", MTP) / FILE).stat().st_size <= 30e6
+    mcfg = MTPConfig(cfg, hidden_source=hidden_source_of("smollm2"))
+    mparams = load_mtp("smollm2", cfg, jnp.float32)
     questions = [json.loads(l)["question"] for l in (DATA / "gsm8k" / "test.jsonl").open()][2:4]
     prompts, lens = pad_prompts(encode_prompts(tok, questions))
     stop = stop_tokens_for(tok, cfg)
@@ -124,3 +125,30 @@ def test_shipped_mtp_head_is_small_lossless_and_accepts(smollm2_and_drafter):
         assert run.token_lists() == ar.token_lists(), (steps, budget)
         # Trained: more than one token a round on math prompts (a random head gives about 1.0).
         assert run.acceptance()["tau"] > 1.3, (steps, budget, run.acceptance()["tau"])
+
+
+def test_every_shipped_name_resolves_to_its_artifact_and_a_path_to_itself(tmp_path):
+    """One table for both kinds: each short name is a directory holding its kind's files; a path
+    that exists is returned as given, whatever its name."""
+    files = {DFLASH: ("config.json", WEIGHTS_FILE), MTP: ("mtp.safetensors",)}
+    assert set(SHIPPED) == set(files)
+    for kind, names in SHIPPED.items():
+        for name in names:
+            where = resolve_shipped(name, kind, "--draft")
+            assert where.parent.name == "drafters" and where.parent.parent.name == "dflash_jax", where
+            assert all((where / f).is_file() for f in files[kind]), (kind, name)
+    assert resolve_shipped("smollm2", DFLASH) != resolve_shipped("smollm2", MTP)
+    assert resolve_shipped(tmp_path, MTP) == tmp_path
+    assert resolve_shipped(str(tmp_path), DFLASH, "--init") == tmp_path
+
+
+def test_an_unknown_name_is_one_error_naming_the_argument_and_the_known_names(tmp_path):
+    with pytest.raises(ConversionError, match=r"^--init smollm3: no such file or directory, and not the name of "
+                                              r"a shipped DFlash drafter \(known: smollm2\)$"):
+        resolve_shipped("smollm3", DFLASH, "--init")
+    with pytest.raises(ConversionError, match=r"^--mtp-head .*nowhere: .*shipped MTP head \(known: smollm2\)$"):
+        resolve_shipped(str(tmp_path / "nowhere"), MTP, "--mtp-head")
+    with pytest.raises(ValueError, match="kind must be one of"):
+        resolve_shipped("smollm2", "eagle")
+    with pytest.raises(ConversionError, match="^path smollm3: "):  # the loaders' own argument
+        load_drafter("smollm3")

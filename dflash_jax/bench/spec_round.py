@@ -482,7 +482,8 @@ def main() -> None:
     dtype = jnp.dtype(args.dtype)
     if args.draft:  # a real drafter's shape and weights (the target stays random: timing only)
         from convert.dflash_drafter import load_drafter  # imports gguf; only this option needs it
-        dcfg, dparams = load_drafter(args.draft, dtype)
+        from convert.shipped import DFLASH, resolve_shipped
+        dcfg, dparams = load_drafter(resolve_shipped(args.draft, DFLASH, "--draft"), dtype)
         dr.validate_pair(dcfg, cfg)
     else:
         dcfg = drafter_config(cfg)
