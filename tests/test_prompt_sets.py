@@ -88,8 +88,9 @@ def test_prompt_files_are_the_same_on_every_build(built, tmp_path):
 def test_topics(built):
     out, meta = built
     rows = rows_of(out / "code_topics.jsonl")
-    assert len(ps.TOPICS) == 100 and len(set(ps.TOPICS)) == 100
-    assert len(rows) == meta["rows"]["code_topics.jsonl"] == 100 * len(ps.TOPIC_INSTRUCTIONS)
+    n = len(ps.TOPICS)
+    assert len(set(ps.TOPICS)) == n and f"{n} seed programming topics" in CARD.read_text()
+    assert len(rows) == meta["rows"]["code_topics.jsonl"] == n * len(ps.TOPIC_INSTRUCTIONS)
     assert {r["instruction"] for r in rows} == {t.format(topic=topic) for topic in ps.TOPICS
                                                for t in ps.TOPIC_INSTRUCTIONS}
     assert all(r["category"] == "code" for r in rows)

@@ -43,10 +43,9 @@
 #   drafter-mix   SmolLM2 drafter on the broad mix of dflash_jax/drafters/DATA.md: make-prompts (code
 #                 tasks from the stdlib, seed topics, long-context tasks), make-data over code +
 #                 alpaca_eval + gsm8k train (MIX_GSM8K prompts of it, 2000; SAMPLES responses per prompt,
-#                 4) + the long-context tasks (MIX_CONTEXT=0 leaves them out; rows of SEQ_LEN 1024 with
-#                 them), then train from
+#                 4) + the long-context tasks (rows of SEQ_LEN tokens, 1024), then train from
 #                 INIT (default the shipped drafter) for STEPS (6000) within TRAIN_S (270) and export;
-#                 ~2 min of generation + TRAIN_S + 1 min on an H200; calling it again resumes the run
+#                 ~3 min of generation + TRAIN_S + 1 min on an H200; calling it again resumes the run
 #   eval-mix      one bench over gsm8k test (128) + spec_bench (480) + the held-out code set, tau by
 #                 category, DFlash and DDTree(64): the drafter-mix drafter (DRAFT=dir) and the shipped
 #                 one beside it (EVAL_MIX="mix shipped" picks), ~3 min each
@@ -357,23 +356,19 @@ drafter-mix)
     # alpaca_eval and MIX_GSM8K gsm8k train questions; the held-out code set, gsm8k test and
     # spec_bench are refused by make-data. The drafter starts from INIT (the shipped one unless
     # set) and learns the target's distribution (LABELS, default target-soft, as the shipped one).
-    # MIX_CONTEXT=1 (the default) adds the long-context tasks (context_tasks.jsonl, prompts of
-    # 300-1000 tokens) with the prompt and row lengths they need; MIX_CONTEXT=0 is the mix the
-    # shipped drafter trained on.
+    # The long-context tasks (context_tasks.jsonl, prompts of 300-1000 tokens) need longer prompts
+    # in make-data and longer training rows.
     drafter_args
     mix_prompts || exit 1
     tokens=$run_dir/mix_tokens.npz
-    context=() long=() rows=()
-    if [ "${MIX_CONTEXT:-1}" = 1 ]; then
-        context=("$run_dir/prompts/context_tasks.jsonl")
-        [ "$dry" = 1 ] || { long=(--max-prompt-tokens 768); rows=(--seq-len "${SEQ_LEN:-1024}"); }
-    fi
+    long=() rows=()
+    [ "$dry" = 1 ] || { long=(--max-prompt-tokens 768); rows=(--seq-len "${SEQ_LEN:-1024}"); }
     if [ ! -f "$tokens" ]; then
         (export CUDA_VISIBLE_DEVICES=0 XLA_PYTHON_CLIENT_PREALLOCATE=false
-         step make_data_mix "${GEN_S:-200}" python -m dflash_jax.cli make-data --target "$gguf" --prompts \
+         step make_data_mix "${GEN_S:-300}" python -m dflash_jax.cli make-data --target "$gguf" --prompts \
              "$run_dir/prompts/code_stdlib_train.jsonl" "$run_dir/prompts/code_topics.jsonl" \
              "$data/alpaca_eval/instructions.jsonl" "$data/gsm8k/train.jsonl:${MIX_GSM8K:-2000}" \
-             "${context[@]}" "${gen[@]}" "${long[@]}" --out "$tokens") || exit 1
+             "$run_dir/prompts/context_tasks.jsonl" "${gen[@]}" "${long[@]}" --out "$tokens") || exit 1
     fi
     # drafter_args' flags with the mix's own step default (its first two entries are --steps N).
     [ "$dry" = 1 ] || trn=(--steps "${STEPS:-6000}" "${trn[@]:2}" "${rows[@]}")
