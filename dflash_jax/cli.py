@@ -444,9 +444,15 @@ def _add_make_prompts(sub: argparse._SubParsersAction) -> None:
                                    "(code_topics.jsonl); context = summarisation, question and extraction "
                                    "prompts over passages of the standard library's prose (context_tasks.jsonl, "
                                    "300-1000 tokens each: make-data needs --max-prompt-tokens above 256 for "
-                                   "them). Prints the row counts (also OUT/prompt_sets.json).")
+                                   "them); seeds = prompts that ask the target to write chat prompts and German "
+                                   "passages (seed_tasks.jsonl), for `decode`. With --answers (that decode's "
+                                   "output) it writes the target's prompts as derived_tasks.jsonl: its chat "
+                                   "prompts, and its German as 'Translate German to English' prompts. Prints "
+                                   "the row counts (also OUT/prompt_sets.json).")
     p.add_argument("sets", nargs="*", metavar="SET",
-                   help="some of code-stdlib, code-topics, context (default: all)")
+                   help="some of code-stdlib, code-topics, context, seeds (default: all; none with --answers)")
+    p.add_argument("--answers", metavar="FILE",
+                   help="a `decode` output of seed_tasks.jsonl: write derived_tasks.jsonl from it")
     p.add_argument("--out", required=True, help="directory for the prompt files")
 
 
@@ -892,10 +898,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_make_prompts(args: argparse.Namespace) -> int:
     from dflash_jax import prompt_sets
 
-    sets = tuple(args.sets) or prompt_sets.SETS
+    sets = tuple(args.sets) or (() if args.answers else prompt_sets.SETS)
     prompt_sets.check_sets(sets)  # before --out is made
+    if args.answers and not Path(args.answers).is_file():
+        raise ValueError(f"--answers: {args.answers}: no such file")
     check_writable(args.out, "--out")
-    meta = prompt_sets.build(args.out, sets)
+    meta = prompt_sets.build(args.out, sets) if sets else {}
+    if args.answers:
+        meta = prompt_sets.build_derived(args.answers, args.out)
     print(json.dumps({"out": str(args.out), **meta}))
     return 0
 
@@ -960,7 +970,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def _add_decode(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("decode", help="decode a JSONL prompt file into a JSONL answer file (batched, resumable)",
-                       description="Decode every prompt of --input ('prompt', 'question' or 'turns'[0]) into "
+                       description="Decode every prompt of --input ('prompt', 'question', 'instruction' or "
+                                   "'turns'[0]) into "
                                    "--output: one row per prompt, the input row plus text, num_tokens, tau, rounds "
                                    "and seconds, appended as each batch finishes. A rerun skips ids already answered.")
     p.add_argument("--model", default="smollm2")

@@ -42,12 +42,14 @@ class PromptRow:
 
 
 def prompt_text(row: dict[str, Any], where: str) -> str:
-    """The prompt of an input row: "prompt", "question", or the first of "turns"."""
-    text = row.get("prompt", row.get("question"))
+    """The prompt of an input row: "prompt", "question", "instruction" (alpaca's and make-prompts'
+    files), or the first of "turns"."""
+    text = row.get("prompt", row.get("question", row.get("instruction")))
     if text is None and isinstance(row.get("turns"), list) and row["turns"]:
         text = row["turns"][0]
     if not isinstance(text, str) or not text.strip():
-        raise ValueError(f"{where}: no prompt (expected a non-empty 'prompt', 'question' or 'turns' string)")
+        raise ValueError(f"{where}: no prompt (expected a non-empty 'prompt', 'question', 'instruction' or 'turns' "
+                         f"string)")
     return text
 
 

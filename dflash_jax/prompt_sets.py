@@ -1,7 +1,7 @@
-"""Prompt sets built offline: code tasks from the Python standard library and seed topics, and
-long-context tasks over the standard library's own prose.
+"""Prompt sets built offline: code tasks from the Python standard library and seed topics,
+long-context tasks over the standard library's own prose, and prompts the target writes itself.
 
-Three sources, each written as JSONL rows with the fields the loaders read (`instruction`,
+Four sources, each written as JSONL rows with the fields the loaders read (`instruction`,
 `category`, `source`):
 
 * **code-stdlib**: every public pure-Python function (and method of a public class) of the
@@ -22,6 +22,12 @@ Three sources, each written as JSONL rows with the fields the loaders read (`ins
   summarisation, a question-over-the-passage ("rag") and an extraction prompt
   (`CONTEXT_INSTRUCTIONS`). The training responses then copy from and condense a long context
   at positions past 512, which the short code, chat and math prompts never reach.
+* **seeds**, then **derived**: `CHAT_TOPICS` x `CHAT_SEED_INSTRUCTIONS` ask the target to write a
+  question or request a user might give an assistant, and one prompt per topic asks it for German
+  sentences (seed_tasks.jsonl). `dflash-jax decode` answers them; `build_derived` turns the
+  answers into prompts (derived_tasks.jsonl): the chat ones as they are, the German ones as
+  "Translate German to English" prompts. The chat data then reaches beyond alpaca_eval's 805
+  prompts, and translation (spec_bench's category with the lowest acceptance) gets any data.
 
 Rows are ordered by a CRC-32 of their `source`, the same on every machine, so that the first N
 rows (`--limit`, `FILE:N`) mix modules and topics instead of taking one module.
@@ -38,6 +44,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from dflash_jax.files import atomic_write_text
+from dflash_jax.jsonl import iter_jsonl
 
 # Long-standing pure-Python modules (none removed up to Python 3.13); a module that does not
 # import on this interpreter (a build without it) is left out and not listed in `meta`.
@@ -358,11 +365,120 @@ def context_tasks(modules: tuple[str, ...] = STDLIB_MODULES, heldout: tuple[str,
     return _order(rows)
 
 
+# ----------------------------------------------------------------------------- target-written prompts
+
+# Everyday, academic and practical subjects for prompts the target writes itself (my own list).
+CHAT_TOPICS = (
+    "saving money on groceries", "learning a second language", "training for a first marathon",
+    "keeping houseplants alive", "planning a week of healthy dinners", "writing a cover letter",
+    "negotiating a salary", "preparing for a job interview", "starting a small online shop",
+    "renting a first apartment", "moving to another city", "raising a puppy", "caring for an old cat",
+    "teaching a child to read", "helping a teenager with homework", "planning a birthday party",
+    "organising a wedding on a budget", "a weekend trip to the mountains", "packing light for travel",
+    "jet lag", "camping in the rain", "fixing a leaking tap", "painting a room", "composting at home",
+    "growing tomatoes on a balcony", "baking sourdough bread", "brewing good coffee", "vegetarian cooking",
+    "food allergies", "sleep habits", "stress at work", "time management", "procrastination",
+    "public speaking", "making friends as an adult", "resolving an argument with a roommate",
+    "writing a thank-you note", "choosing a laptop", "protecting passwords", "backing up photos",
+    "spotting phishing emails", "electric cars", "solar panels on a house", "recycling plastics",
+    "climate change", "ocean currents", "volcanoes", "earthquakes", "the water cycle", "photosynthesis",
+    "the human immune system", "vaccines", "how the heart pumps blood", "the brain and memory",
+    "black holes", "the phases of the moon", "the planets of the solar system", "how rainbows form",
+    "why the sky is blue", "the theory of evolution", "DNA and genes", "antibiotic resistance",
+    "the Roman Empire", "ancient Egypt", "the printing press", "the Industrial Revolution",
+    "the French Revolution", "the history of the internet", "the Silk Road", "the Renaissance",
+    "world religions", "democracy and voting systems", "how a bill becomes law", "inflation",
+    "interest rates", "the stock market", "supply and demand", "unemployment", "international trade",
+    "personal budgeting", "credit scores", "insurance", "buying a used car", "philosophy of free will",
+    "ethics of artificial intelligence", "the trolley problem", "utilitarianism", "stoicism",
+    "poetry", "writing a short story", "famous novels", "Shakespeare's plays", "film history",
+    "jazz music", "learning the guitar", "classical composers", "drawing portraits", "photography basics",
+    "chess strategy", "the rules of football", "the Olympic Games", "yoga for beginners",
+    "strength training", "nutrition for athletes", "first aid", "mental health", "meditation",
+    "children's sleep", "elderly parents", "volunteering", "community gardens", "city planning",
+    "public transport", "bicycles in cities", "architecture styles", "bridges and how they stand",
+    "how airplanes fly", "rockets and space travel", "smartphones and batteries", "how search engines work",
+    "machine learning", "data privacy", "social media and teenagers", "video games and learning",
+    "remote work", "running a meeting", "giving feedback to a colleague", "starting a podcast",
+    "writing a speech for a friend", "a letter of complaint", "a product review", "a travel blog post",
+    "a news summary", "a recipe for a picnic", "a science fair project", "a museum visit",
+    "logic puzzles", "probability in games of chance", "geometry in everyday life", "statistics in the news",
+)
+
+CHAT_SEED_INSTRUCTIONS = (
+    "Write one question that a curious person might ask an AI assistant about {topic}. Reply with the "
+    "question only.",
+    "Write a request that a user could give an AI assistant about {topic}: a writing, planning or "
+    "explanation task with one or two details. Reply with the request only.",
+    "Write a short reasoning question about {topic} that needs a few steps of thought to answer. Reply "
+    "with the question only.",
+)
+GERMAN_SEED_INSTRUCTION = "Write two short sentences in German about {topic}. Reply with the German only."
+# The stage-two prompt for a German answer, as translation prompts are usually put.
+TRANSLATE_INSTRUCTION = "Translate German to English: {text}"
+# Copies of each seed: decoded at T > 0 they give different prompts.
+SEED_COPIES = 3
+# Answers shorter than this are no prompt; longer ones were rambling past the request.
+MIN_DERIVED_CHARS = 15
+MAX_DERIVED_CHARS = 1200
+
+
+def seed_tasks() -> list[dict[str, Any]]:
+    """Prompts that ask the target to write prompts (stage one): CHAT_TOPICS x CHAT_SEED_INSTRUCTIONS
+    (category "seed-chat") and one German passage per topic (category "seed-german"), each
+    SEED_COPIES times (the last field of "source" counts the copies), in CRC-32 order. Rows carry
+    the text as "prompt" too, the field `dflash-jax decode` reads."""
+    rows = [{"category": "seed-chat", "source": f"seed-chat:{i}:{j}:{k}", "text": template.format(topic=topic)}
+            for i, topic in enumerate(CHAT_TOPICS) for j, template in enumerate(CHAT_SEED_INSTRUCTIONS)
+            for k in range(SEED_COPIES)]
+    rows += [{"category": "seed-german", "source": f"seed-german:{i}:{k}",
+              "text": GERMAN_SEED_INSTRUCTION.format(topic=topic)}
+             for i, topic in enumerate(CHAT_TOPICS) for k in range(SEED_COPIES)]
+    return _order([{"instruction": r["text"], "prompt": r["text"], "category": r["category"], "source": r["source"]}
+                   for r in rows])
+
+
+def _clean_answer(text: str) -> str | None:
+    """An answer as a prompt: its first paragraph, without surrounding quotes or a "Question:"-like
+    label; None when that is shorter than MIN_DERIVED_CHARS or longer than MAX_DERIVED_CHARS."""
+    text = text.strip().split("\n\n", 1)[0].strip()
+    for label in ("Question:", "Request:", "Puzzle:", "German:", "Deutsch:"):
+        if text.startswith(label):
+            text = text[len(label):].strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
+        text = text[1:-1].strip()
+    return text if MIN_DERIVED_CHARS <= len(text) <= MAX_DERIVED_CHARS else None
+
+
+def derived_tasks(answers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Stage two: the target's answers to `seed_tasks` (rows of a `dflash-jax decode` output, with
+    their "category", "source" and "text") as training prompts: a chat answer is itself the prompt
+    (category "chat"), a German answer becomes TRANSLATE_INSTRUCTION (category "translation").
+    Unusable answers (`_clean_answer`) and repeated prompts are dropped; CRC-32 order."""
+    rows, seen = [], set()
+    for answer in answers:
+        kind, text = answer.get("category"), answer.get("text")
+        if kind not in ("seed-chat", "seed-german") or not isinstance(text, str):
+            continue
+        text = _clean_answer(text)
+        if text is None:
+            continue
+        instruction = text if kind == "seed-chat" else TRANSLATE_INSTRUCTION.format(text=text)
+        if instruction in seen:
+            continue
+        seen.add(instruction)
+        rows.append({"instruction": instruction, "category": "chat" if kind == "seed-chat" else "translation",
+                     "source": f"derived:{answer.get('source')}"})
+    return _order(rows)
+
+
 # ----------------------------------------------------------------------------- files
 
-SETS = ("code-stdlib", "code-topics", "context")
+SETS = ("code-stdlib", "code-topics", "context", "seeds")
 FILES = {"code-stdlib": ("code_stdlib_train.jsonl", "code_heldout.jsonl"), "code-topics": ("code_topics.jsonl",),
-         "context": ("context_tasks.jsonl",)}
+         "context": ("context_tasks.jsonl",), "seeds": ("seed_tasks.jsonl",)}
+# Built from a decode of seed_tasks.jsonl (`build_derived`), not by `build`.
+DERIVED_FILE = "derived_tasks.jsonl"
 META_FILE = "prompt_sets.json"
 
 
@@ -399,5 +515,29 @@ def build(out_dir: str | Path, sets: tuple[str, ...] = SETS) -> dict[str, Any]:
         rows = context_tasks()
         _write_jsonl(out / FILES["context"][0], rows)
         meta["rows"][FILES["context"][0]] = len(rows)
+    if "seeds" in sets:
+        rows = seed_tasks()
+        _write_jsonl(out / FILES["seeds"][0], rows)
+        meta["rows"][FILES["seeds"][0]] = len(rows)
     atomic_write_text(out / META_FILE, json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def build_derived(answers_path: str | Path, out_dir: str | Path) -> dict[str, Any]:
+    """`derived_tasks` of a decode output file into OUT/derived_tasks.jsonl; its row count joins
+    OUT/prompt_sets.json (made there by `build`, or made here). -> that meta."""
+    answers = [row for _, row in iter_jsonl(answers_path)]
+    rows = derived_tasks(answers)
+    if not rows:
+        raise ValueError(f"{answers_path}: no usable answers to seed prompts (rows with category seed-chat or "
+                         f"seed-german and a text of {MIN_DERIVED_CHARS}-{MAX_DERIVED_CHARS} characters)")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_jsonl(out / DERIVED_FILE, rows)
+    meta_path = out / META_FILE
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {"rows": {}}
+    meta["rows"][DERIVED_FILE] = len(rows)
+    meta["derived_from"] = {"answers": len(answers), "chat": sum(r["category"] == "chat" for r in rows),
+                            "translation": sum(r["category"] == "translation" for r in rows)}
+    atomic_write_text(meta_path, json.dumps(meta, indent=2) + "\n")
     return meta

@@ -218,3 +218,14 @@ def test_cli_decode_mtp_tree_equals_ar(tmp_path):
     assert texts["mtp"] == texts["ar"]
     with pytest.raises(ValueError, match="method mtp needs an MTP head: dcfg must be an mtp.MTPConfig"):
         decode.decode_file(None, cfg, None, src, tmp_path / "bad.jsonl", method="mtp", dparams={}, dcfg=cfg)
+
+
+def test_prompt_field_precedence():
+    from dflash_jax.decode import prompt_text
+
+    assert prompt_text({"instruction": "alpaca", "turns": ["t"]}, "x:1") == "alpaca"
+    assert prompt_text({"question": "q", "instruction": "i"}, "x:1") == "q"
+    assert prompt_text({"prompt": "p", "question": "q"}, "x:1") == "p"
+    assert prompt_text({"turns": ["first", "second"]}, "x:1") == "first"
+    with pytest.raises(ValueError, match=r"x:1: no prompt .*'instruction'"):
+        prompt_text({"instruction": "  "}, "x:1")

@@ -145,6 +145,60 @@ def test_context_tasks(built):
     assert len(read_prompts(out / "context_tasks.jsonl")) == len(rows)
 
 
+def test_seed_tasks_are_decodable_and_cover_every_topic(built):
+    out, meta = built
+    rows = rows_of(out / "seed_tasks.jsonl")
+    per_topic = len(ps.CHAT_SEED_INSTRUCTIONS) + 1
+    assert len(rows) == meta["rows"]["seed_tasks.jsonl"] == len(ps.CHAT_TOPICS) * per_topic * ps.SEED_COPIES
+    assert len(set(ps.CHAT_TOPICS)) == len(ps.CHAT_TOPICS)
+    assert all(r["prompt"] == r["instruction"] for r in rows)
+    assert {r["category"] for r in rows} == {"seed-chat", "seed-german"}
+    assert len({r["source"] for r in rows}) == len(rows)
+    from dflash_jax.decode import read_prompts as read_decode_rows
+    assert [r.text for r in read_decode_rows(out / "seed_tasks.jsonl")] == [r["prompt"] for r in rows]
+
+
+def test_derived_tasks_keep_usable_answers_as_prompts():
+    def answer(kind, text, n):
+        return {"category": kind, "source": f"{kind}:{n}", "text": text}
+
+    answers = [
+        answer("seed-chat", '"How do tides follow the moon?"', 0),  # quoted
+        answer("seed-chat", "Question: Why do cats purr at night?\n\nSome rambling after it.", 1),  # label, tail
+        answer("seed-chat", "How do tides follow the moon?", 2),  # the same prompt again
+        answer("seed-chat", "Hi.", 3),  # too short
+        answer("seed-chat", "x" * (ps.MAX_DERIVED_CHARS + 1), 4),  # too long
+        answer("seed-german", "Der Hund schläft im Garten. Die Sonne scheint.", 5),
+        answer("code", "def f(): pass  # not a seed answer", 6),
+    ]
+    got = {r["instruction"]: r for r in ps.derived_tasks(answers)}
+    assert set(got) == {"How do tides follow the moon?", "Why do cats purr at night?",
+                        "Translate German to English: Der Hund schläft im Garten. Die Sonne scheint."}
+    assert got["Why do cats purr at night?"]["category"] == "chat"
+    assert got["Translate German to English: Der Hund schläft im Garten. Die Sonne scheint."]["category"] == \
+        "translation"
+
+
+def test_make_prompts_answers_writes_the_derived_set(built, tmp_path, capsys):
+    out, _ = built
+    answers = tmp_path / "answers.jsonl"
+    seeds = rows_of(out / "seed_tasks.jsonl")[:3]
+    answers.write_text("".join(json.dumps({**r, "text": f"What is the answer number {n}?"}) + "\n"
+                               for n, r in enumerate(seeds)))
+    target = tmp_path / "prompts"
+    assert main(["make-prompts", "--answers", str(answers), "--out", str(target)]) == 0
+    derived = rows_of(target / ps.DERIVED_FILE)
+    assert len(derived) == 3 and json.loads((target / ps.META_FILE).read_text())["rows"] == {ps.DERIVED_FILE: 3}
+    assert len(read_prompts(target / ps.DERIVED_FILE)) == 3  # a training set make-data takes
+    capsys.readouterr()
+    assert main(["make-prompts", "--answers", str(tmp_path / "missing.jsonl"), "--out", str(target)]) == 2
+    assert "--answers" in capsys.readouterr().err
+    useless = tmp_path / "useless.jsonl"
+    useless.write_text(json.dumps({**seeds[0], "text": "ok"}) + "\n")
+    assert main(["make-prompts", "--answers", str(useless), "--out", str(target)]) == 2
+    assert "no usable answers" in capsys.readouterr().err
+
+
 def test_file_and_limit(tmp_path):
     assert file_and_limit("a/b.jsonl:128") == (Path("a/b.jsonl"), 128)
     assert file_and_limit("a/b.jsonl") == (Path("a/b.jsonl"), None)
@@ -179,6 +233,7 @@ def test_data_card_mix_adds_up():
     assert mix["code"][0] == f"{counts['code_stdlib_train.jsonl']} + {counts['code_topics.jsonl']}"
     assert mix["chat"][0] == str(counts["alpaca_eval/instructions.jsonl"])
     assert mix["context"][0] == str(counts["context_tasks.jsonl"])
+    assert mix["written by the target"][0] == str(counts["derived_tasks.jsonl"])
     gsm8k = int(mix["math"][0])
     assert gsm8k <= counts["gsm8k/train.jsonl"] and f"train.jsonl:{gsm8k}" in CARD.read_text()
     for prompts, responses in mix.values():
@@ -195,6 +250,7 @@ def test_data_card_counts_are_the_generators(built):
     if card_python != meta["python"]:
         pytest.skip(f"the card counts the stdlib of Python {card_python}; this is {meta['python']}, whose "
                     f"stdlib has other functions")
+    assert counts["seed_tasks.jsonl"] == meta["rows"]["seed_tasks.jsonl"] == counts["derived_tasks.jsonl"]
     for name in ("code_stdlib_train.jsonl", "code_heldout.jsonl", "context_tasks.jsonl"):
         assert counts[name] == meta["rows"][name], name
     if SHARED.is_dir():

@@ -43,7 +43,8 @@
 #   drafter-mix   SmolLM2 drafter on the broad mix of dflash_jax/drafters/DATA.md: make-prompts (code
 #                 tasks from the stdlib, seed topics, long-context tasks), make-data over code +
 #                 alpaca_eval + gsm8k train (MIX_GSM8K prompts of it, 2000; SAMPLES responses per prompt,
-#                 4) + the long-context tasks (rows of SEQ_LEN tokens, 1024), then train from
+#                 4) + the long-context tasks (rows of SEQ_LEN tokens, 1024) + the chat and translation
+#                 prompts the target writes from seed_tasks.jsonl (decoded first, ~1 min), then train from
 #                 INIT (default the shipped drafter) for STEPS (6000) within TRAIN_S (270) and export;
 #                 ~3 min of generation + TRAIN_S + 1 min on an H200; calling it again resumes the run
 #   eval-mix      one bench over gsm8k test (128) + spec_bench (480) + the held-out code set, tau by
@@ -363,12 +364,25 @@ drafter-mix)
     tokens=$run_dir/mix_tokens.npz
     long=() rows=()
     [ "$dry" = 1 ] || { long=(--max-prompt-tokens 768); rows=(--seq-len "${SEQ_LEN:-1024}"); }
+    # The prompts the target writes itself: decode the seeds at T > 0, keep the usable answers.
+    seeds=$run_dir/prompts/seed_tasks.jsonl answers=$run_dir/prompts/seed_answers.jsonl
+    if [ ! -f "$run_dir/prompts/derived_tasks.jsonl" ]; then
+        if [ "$dry" = 1 ]; then head -n 6 "$seeds" > "$run_dir/prompts/seeds_dry.jsonl"
+            seeds=$run_dir/prompts/seeds_dry.jsonl seedgen=(--batch 3 --max-new-tokens 12)
+        else seedgen=(--batch 256 --max-new-tokens 96); fi
+        (export CUDA_VISIBLE_DEVICES=0 XLA_PYTHON_CLIENT_PREALLOCATE=false
+         step decode_seeds "${SEED_S:-200}" python -m dflash_jax.cli decode --model "$gguf" --input "$seeds" \
+             --output "$answers" --temperature 0.8 --no-progress "${seedgen[@]}") || exit 1
+        python -m dflash_jax.cli make-prompts --answers "$answers" --out "$run_dir/prompts" \
+            > "$out/derived_tasks.json" || exit 1
+    fi
     if [ ! -f "$tokens" ]; then
         (export CUDA_VISIBLE_DEVICES=0 XLA_PYTHON_CLIENT_PREALLOCATE=false
          step make_data_mix "${GEN_S:-300}" python -m dflash_jax.cli make-data --target "$gguf" --prompts \
              "$run_dir/prompts/code_stdlib_train.jsonl" "$run_dir/prompts/code_topics.jsonl" \
              "$data/alpaca_eval/instructions.jsonl" "$data/gsm8k/train.jsonl:${MIX_GSM8K:-2000}" \
-             "$run_dir/prompts/context_tasks.jsonl" "${gen[@]}" "${long[@]}" --out "$tokens") || exit 1
+             "$run_dir/prompts/context_tasks.jsonl" "$run_dir/prompts/derived_tasks.jsonl" "${gen[@]}" \
+             "${long[@]}" --out "$tokens") || exit 1
     fi
     # drafter_args' flags with the mix's own step default (its first two entries are --steps N).
     [ "$dry" = 1 ] || trn=(--steps "${STEPS:-6000}" "${trn[@]:2}" "${rows[@]}")
