@@ -570,6 +570,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="mtp: the head's layer starts as a copy of the target's last layer (default) or random")
     p.add_argument("--hidden-source", choices=("post_norm", "pre_norm"), default=None,
                    help="mtp: the target's last state after (default) or before its final norm")
+    p.add_argument("--mtp-train-steps", type=POSITIVE, default=None,
+                   help="mtp: chained head steps learned at each position (default 1: the first step only; "
+                        "K: also steps 2..K from the head's own states, at (K + 1) / 2 times the cost a step)")
     p.add_argument("--init", default=None, metavar="DRAFTER",
                    help="start from this trained drafter (directory or shipped name) instead of random "
                         "weights: its shape, taps and mask token; the optimizer and schedule start afresh")
@@ -713,7 +716,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     given = {"steps": args.steps, "batch_size": args.batch, "seq_len": args.seq_len, "num_blocks": args.blocks,
              "gamma": args.gamma, "learning_rate": args.lr, "warmup_fraction": args.warmup,
              "weight_decay": args.weight_decay, "grad_clip": args.grad_clip,
-             "compute_dtype": args.compute_dtype, "remat": args.remat, "seed": args.seed, "labels": args.labels}
+             "compute_dtype": args.compute_dtype, "remat": args.remat, "seed": args.seed, "labels": args.labels,
+             "mtp_steps": args.mtp_train_steps}
     given = {k: v for k, v in given.items() if v is not None}
     saved: dict[str, Any] | None = None  # the resumed run's train_run.json
     if args.resume and args.init:
@@ -747,8 +751,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     mtp_head = args.drafter_kind == "mtp"
     mtp_flags = [flag for flag, v in (("--mtp-init", args.mtp_init), ("--hidden-source", args.hidden_source))
                  if v is not None]
-    if mtp_flags and not mtp_head:
-        raise ValueError(f"{mtp_flags[0]} is an MTP head's setting: pass --drafter-kind mtp")
+    if (mtp_flags or args.mtp_train_steps is not None) and not mtp_head:
+        flag = mtp_flags[0] if mtp_flags else "--mtp-train-steps"
+        raise ValueError(f"{flag} is an MTP head's setting: pass --drafter-kind mtp")
     if mtp_flags and args.resume:
         raise ValueError(f"{mtp_flags[0]} starts a run; --resume continues {out} with its own (drop it)")
     if mtp_head:

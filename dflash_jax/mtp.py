@@ -240,16 +240,17 @@ def _norm(target_cfg: ModelConfig | Qwen35Config, x: jax.Array, w: jax.Array) ->
 
 
 def _layer(mp: MTPParams, target_cfg: ModelConfig | Qwen35Config, x: jax.Array, positions: jax.Array,
-           k_buf: jax.Array, v_buf: jax.Array, starts: jax.Array, attn_impl: str
-           ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The head's decoder layer over x [B, T, embed] at positions [B, T], causal over its cache;
-    the T new K/V go to slots starts .. starts + T - 1. Returns (x, k_buf, v_buf)."""
+           k_buf: jax.Array, v_buf: jax.Array, starts: jax.Array, attn_impl: str,
+           visible: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The head's decoder layer over x [B, T, embed] at positions [B, T], over its cache (slots <
+    starts) and the T new rows (causal, or as visible [B, T, T]); the T new K/V go to slots
+    starts .. starts + T - 1. Returns (x, k_buf, v_buf)."""
     if is_hybrid(target_cfg):
         common, attn = jax.tree.map(lambda a: a[0], mp.layer)
         eps = target_cfg.rms_norm_eps
         cos, sin = rope_tables(positions, target_cfg.rope, target_cfg.rotary_dim)
         h = qwen3_5.zero_centred_rms_norm(x, common.input_norm, eps)
-        out, k_buf, v_buf = qwen3_5.attention_mixer(attn, target_cfg, h, cos, sin, k_buf, v_buf, starts,
+        out, k_buf, v_buf = qwen3_5.attention_mixer(attn, target_cfg, h, cos, sin, k_buf, v_buf, starts, visible,
                                                     attn_impl=attn_impl)
         k_buf, v_buf = constrain_cache(k_buf), constrain_cache(v_buf)
         x = x + out
@@ -259,24 +260,26 @@ def _layer(mp: MTPParams, target_cfg: ModelConfig | Qwen35Config, x: jax.Array, 
     q, k, v = dense.project_qkv(lp.attn, target_cfg, dense.rms_norm(x, lp.attn_norm, target_cfg.rms_norm_eps))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_buf, v_buf = constrain_cache(write_rows(k_buf, k, starts)), constrain_cache(write_rows(v_buf, v, starts))
-    attn = attention(q, k_buf, v_buf, starts, None, impl=attn_impl)  # per (dp, tp) shard under a mesh
+    attn = attention(q, k_buf, v_buf, starts, visible, impl=attn_impl)  # per (dp, tp) shard under a mesh
     x = x + dense.output_projection(lp.attn, attn)
     return x + dense.mlp(lp.mlp, dense.rms_norm(x, lp.mlp_norm, target_cfg.rms_norm_eps)), k_buf, v_buf
 
 
 def step(mp: MTPParams, mcfg: MTPConfig, target: Any, tokens: jax.Array,
          hidden: jax.Array, positions: jax.Array, k_buf: jax.Array, v_buf: jax.Array, starts: jax.Array,
-         attn_impl: str = "auto") -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+         attn_impl: str = "auto", visible: jax.Array | None = None
+         ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The head over T rows: tokens [B, T] (token t + 1), hidden [B, T, embed] (state at t),
-    positions [B, T] (t). Returns (the state a next step takes [B, T, embed], the normed output
-    the LM head takes [B, T, embed], k_buf, v_buf). Training passes attn_impl "reference" (the
-    attention kernels have no backward pass)."""
+    positions [B, T] (t); the rows see the cache and each other causally, or as visible [B, T, T]
+    (training's chained steps). Returns (the state a next step takes [B, T, embed], the normed
+    output the LM head takes [B, T, embed], k_buf, v_buf). Training passes attn_impl "reference"
+    (the attention kernels have no backward pass)."""
     target_cfg = mcfg.target
     emb = _norm(target_cfg, dense.embed_tokens(target, tokens), mp.norm_embed)
     hid = _norm(target_cfg, hidden.astype(emb.dtype), mp.norm_hidden)
     x = (jnp.einsum("bte,ef->btf", emb, mp.fc[0], preferred_element_type=jnp.float32)
          + jnp.einsum("bte,ef->btf", hid, mp.fc[1], preferred_element_type=jnp.float32)).astype(emb.dtype)
-    x, k_buf, v_buf = _layer(mp, target_cfg, x, positions, k_buf, v_buf, starts, attn_impl)
+    x, k_buf, v_buf = _layer(mp, target_cfg, x, positions, k_buf, v_buf, starts, attn_impl, visible)
     out = _norm(target_cfg, x, mp.final_norm)
     return (out if mcfg.hidden_source == "post_norm" else x), out, k_buf, v_buf
 

@@ -35,10 +35,12 @@ same data, optimizer, schedule, validation, checkpoints and record; only the los
 last state at t] and predicts token t+2, its one attention layer causal over the whole sequence:
 at inference the head's cache holds exactly such entries (made from the target's states) and its
 first chained step is the row at the last committed position, so one causal pass over a sequence
-is the first draft step at every position at once (tested against `mtp.step`). Chained steps
-(step j > 1 from step j-1's own state) are not trained. "Blocks" in the metrics are positions:
-acc_by_pos has one entry and tau_estimate = 1 + accuracy, the expected tokens a round of a
-one-step chain commits. The export is `convert.mtp.export_mtp` (out_dir/mtp/), what
+is the first draft step at every position at once (tested against `mtp.step`). With
+`TrainConfig.mtp_steps` k > 1 the head also learns chained steps 2..k (step j from step j-1's
+own state and the data's token, teacher-forced), each pass seeing what the inference chain sees
+(`chained_visibility`). "Blocks" in the metrics are positions: acc_by_pos has k entries and
+tau_estimate = 1 + the leading correct steps, the expected tokens a round of a k-step chain
+commits. The export is `convert.mtp.export_mtp` (out_dir/mtp/), what
 `bench --mtp-head` loads.
 
 Data and tensor parallelism (`train(..., dp=N, tp=T)`, `dflash-jax train --dp N --tp T`): one
@@ -141,9 +143,12 @@ class TrainConfig:
     # target's whole next-token distribution there, loss KL(target || drafter) (distillation;
     # costs the target's logits at every position).
     labels: str = "response"
+    # An MTP head's chained steps learned at each position (1: its first step only, as served
+    # checkpoints' heads are often trained; k: also steps 2..k from its own states).
+    mtp_steps: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "seq_len", "num_blocks"):
+        for name in ("steps", "batch_size", "seq_len", "num_blocks", "mtp_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.labels not in LABELS:
@@ -479,50 +484,88 @@ def block_scores(dparams: DrafterParams, target: TargetParams, taps: jax.Array, 
             "valid": valid, "run": jnp.sum(jnp.cumprod(correct, axis=-1), axis=-1)}
 
 
-def mtp_packed_logits(mparams: mtp.MTPParams, mcfg: mtp.MTPConfig, target: TargetParams, taps: jax.Array,
-                      tokens: jax.Array) -> jax.Array:
-    """The head's first draft step at every position at once -> float32 logits [B, T, vocab].
+def chained_visibility(steps: int, seq: int) -> jax.Array:
+    """Which rows a pass over `steps` chained steps at every position sees: [steps*seq, steps*seq]
+    bool, rows step-major (row (i-1)*seq + t is step i at position t).
 
-    Row t takes token t+1 (tokens [B, T]; the last row wraps around and is for no loss) and the
-    target's state taps[:, t] [B, T, embed], at position t, attending to rows <= t: `mtp.step` over
-    an empty cache of T slots, in mparams' dtype, with the reference attention (differentiable).
+    Step 1 at t sees step 1 at s <= t (the head's cache at inference: entries made from the
+    target's states, and its own); step i > 1 at t sees the same, and steps 2..i at t (the
+    chain's own scratch entries, made from the head's states), as `mtp.draft_chain` does."""
+    idx = jnp.arange(steps * seq)
+    step, pos = idx // seq, idx % seq
+    cache = (step[None, :] == 0) & (pos[None, :] <= pos[:, None])
+    chain = (step[None, :] > 0) & (step[None, :] <= step[:, None]) & (pos[None, :] == pos[:, None])
+    return cache | chain
+
+
+def mtp_packed_logits(mparams: mtp.MTPParams, mcfg: mtp.MTPConfig, target: TargetParams, taps: jax.Array,
+                      tokens: jax.Array, steps: int = 1) -> jax.Array:
+    """The head's first `steps` chained draft steps at every position at once -> float32 logits
+    [B, T, steps, vocab] (steps 1: [B, T, vocab]).
+
+    Step 1 at row t takes token t+1 (tokens [B, T]; rows wrap around at the end and are for no
+    loss) and the target's state taps[:, t] [B, T, embed], at position t, attending to rows <= t:
+    `mtp.step` over an empty cache of T slots, in mparams' dtype, with the reference attention
+    (differentiable). Step i > 1 takes token t+i (the data's: teacher forcing, since a chain's
+    later steps count only after its earlier ones were right) and step i-1's output state at t, at
+    position t+i-1. Step i needs step i-1's states, so pass i runs steps 1..i again
+    (`chained_visibility`): steps (steps + 1) / 2 times the rows of one step.
     """
     b, seq = tokens.shape
     dtype = jax.tree.leaves(mparams)[0].dtype
-    positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (b, seq))
-    kv = jnp.zeros((b, seq, mcfg.target.num_kv_heads, mcfg.target.head_dim), dtype)
-    _, out, _, _ = mtp.step(mparams, mcfg, target, jnp.roll(tokens, -1, 1), taps.astype(dtype), positions, kv, kv,
-                            jnp.zeros((b,), jnp.int32), attn_impl="reference")
-    return mtp.logits(target, mcfg.target, out)
+    pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (b, seq))
+    starts = jnp.zeros((b,), jnp.int32)
+    states, per_step = [taps.astype(dtype)], []
+    for i in range(1, steps + 1):
+        rows = i * seq
+        kv = jnp.zeros((b, rows, mcfg.target.num_kv_heads, mcfg.target.head_dim), dtype)
+        toks = jnp.concatenate([jnp.roll(tokens, -j, 1) for j in range(1, i + 1)], axis=1)
+        positions = jnp.concatenate([pos + j - 1 for j in range(1, i + 1)], axis=1)
+        visible = None if i == 1 else jnp.broadcast_to(chained_visibility(i, seq), (b, rows, rows))
+        nxt, out, _, _ = mtp.step(mparams, mcfg, target, toks, jnp.concatenate(states, axis=1), positions, kv, kv,
+                                  starts, attn_impl="reference", visible=visible)
+        states.append(nxt[:, -seq:])
+        per_step.append(mtp.logits(target, mcfg.target, out[:, -seq:]))
+    return per_step[0] if steps == 1 else jnp.stack(per_step, axis=2)
 
 
 def mtp_scores(mparams: mtp.MTPParams, target: TargetParams, taps: jax.Array, batch: dict[str, jax.Array], *,
                mcfg: mtp.MTPConfig, tc: TrainConfig, source: jax.Array | None = None) -> dict[str, jax.Array]:
-    """`block_scores` for an MTP head: every position t is a "block" of one row.
+    """`block_scores` for an MTP head: every position t is a "block" of tc.mtp_steps rows, the
+    head's chained steps there (`mtp_packed_logits`).
 
     taps [B, T, embed]: the target's last state (before or after its final norm, as
-    mcfg.hidden_source). Row t: `mtp.step` over [token t+1, state t] at position t, causal over
-    rows <= t (the head's cache at inference), -> logits of token t+2, learned from the response's
-    token t+2, or with target labels the target's greedy token / distribution after positions <= t+1.
-    Rows count from the last prompt position (the first draft step of a generation) while t+2 is
-    inside the response. Returns the keys of `block_scores`, with a row axis of 1.
+    mcfg.hidden_source). Step i at t predicts token t+i+1: the response's, or with target labels
+    the target's greedy token / distribution after positions <= t+i. Blocks start at the last
+    prompt position (the first draft step of a generation); a step counts while its token is
+    inside the response. Step i's loss weight is exp(-(i-1)/gamma), gamma as a DFlash block of
+    mtp_steps + 1 (`default_gamma`), so the first step, which gates the others, matters most.
+    Returns the keys of `block_scores`, with a row axis of tc.mtp_steps.
     """
     tokens, prompt_lens, total_lens = batch["tokens"], batch["prompt_lens"], batch["total_lens"]
+    k = tc.mtp_steps
     params = cast_floating(mparams, jnp.dtype(tc.compute_dtype))
-    logits = mtp_packed_logits(params, mcfg, target, taps, tokens)
+    logits = mtp_packed_logits(params, mcfg, target, taps, tokens, k)
+    if k == 1:
+        logits = logits[:, :, None]
     positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-    valid = (positions >= prompt_lens[:, None] - 1) & (positions + 2 < total_lens[:, None])
+    ahead = jnp.arange(1, k + 1, dtype=jnp.int32)  # step i's target is at t + i + 1
+    starts = positions >= prompt_lens[:, None] - 1
+    mask = starts[..., None] & (positions[..., None] + ahead + 1 < total_lens[:, None, None])  # [B, T, k]
     if tc.labels == "target-soft":
-        ahead = jnp.roll(source, -1, 1)  # the target's logits after positions <= t+1
-        targets = jnp.argmax(ahead, -1).astype(jnp.int32)
-        ce = soft_label_kl(logits, ahead)
+        dist = jnp.stack([jnp.roll(source, -i, 1) for i in range(1, k + 1)], axis=2)  # after positions <= t+i
+        targets = jnp.argmax(dist, -1).astype(jnp.int32)
+        ce = soft_label_kl(logits, dist)
     else:
-        targets = jnp.roll(tokens, -2, 1) if tc.labels == "response" else jnp.roll(source, -1, 1)
+        shift = 1 if tc.labels == "response" else 0  # the data's token t+i+1, or the target's after t+i
+        base = tokens if tc.labels == "response" else source
+        targets = jnp.stack([jnp.roll(base, -(i + shift), 1) for i in range(1, k + 1)], axis=2)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-    m = valid.astype(jnp.float32)
-    correct = (jnp.argmax(logits, -1) == targets) & valid
-    return {"ce": ce[..., None], "w": m[..., None], "m": m[..., None], "correct": correct[..., None],
-            "valid": valid, "run": correct.astype(jnp.int32)}
+    m = mask.astype(jnp.float32)
+    correct = (jnp.argmax(logits, -1) == targets) & mask
+    valid = mask[..., 0]
+    return {"ce": ce, "w": position_weights(k + 1, tc.gamma or default_gamma(k + 1)) * m, "m": m,
+            "correct": correct, "valid": valid, "run": jnp.sum(jnp.cumprod(correct, axis=-1), axis=-1)}
 
 
 def loss_fn(dparams: DrafterParams, target: TargetParams, taps: jax.Array, batch: dict[str, jax.Array],
@@ -1019,9 +1062,9 @@ def fresh_params(dcfg: DrafterConfig, key: jax.Array) -> Any:
     return dr.init_draft_params(dcfg, key, training=True)
 
 
-def _rows_per_block(dcfg: DrafterConfig) -> int:
-    """Rows of a block (the plots' positions + 1): an MTP head trains one step."""
-    return 2 if isinstance(dcfg, mtp.MTPConfig) else dcfg.block_size
+def _rows_per_block(dcfg: DrafterConfig, tc: TrainConfig) -> int:
+    """Rows of a block (the plots' positions + 1): an MTP head trains tc.mtp_steps steps."""
+    return tc.mtp_steps + 1 if isinstance(dcfg, mtp.MTPConfig) else dcfg.block_size
 
 
 def _run_record(tc: TrainConfig, dcfg: DrafterConfig, extra: dict[str, Any]) -> dict[str, Any]:
@@ -1340,7 +1383,7 @@ def train(target: TargetParams, cfg: TargetConfig, dcfg: DrafterConfig, data: Se
         if kept_step is None:  # no finite evaluation: fall back to the last parameters
             kept_params = state.params
     if plots and main:
-        plot_history(history, out_dir / "plots", block_size=_rows_per_block(dcfg), kept_step=kept_step)
+        plot_history(history, out_dir / "plots", block_size=_rows_per_block(dcfg, tc), kept_step=kept_step)
     export_dir = None
     if export and main and (end == tc.steps or timed_out):
         # Written beside, then renamed into place: a crash leaves the previous export or the new one.

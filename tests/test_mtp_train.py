@@ -53,6 +53,82 @@ def test_packed_training_rows_equal_the_inference_draft_step(target, kind, sourc
         np.testing.assert_allclose(packed[0, t], np.asarray(logits[0, 0]), rtol=1e-4, atol=1e-4, err_msg=f"t={t}")
 
 
+def _forced_chain(mparams, mcfg, params, cache, chain: list[int]) -> list[np.ndarray]:
+    """`mtp.draft_chain`'s steps with the given tokens in place of its argmax ones: step j takes
+    chain[j] and step j-1's state, at position lengths + j, over the cache and the chain's own
+    scratch entries."""
+    hidden, k_buf, v_buf, out_logits = cache.hidden, cache.k, cache.v, []
+    for j, tok in enumerate(chain):
+        pos = (cache.lengths + j)[:, None]
+        nxt, out, k_buf, v_buf = mtp.step(mparams, mcfg, params, jnp.asarray([[tok]], jnp.int32), hidden[:, None],
+                                          pos, k_buf, v_buf, cache.lengths + j)
+        out_logits.append(np.asarray(mtp.logits(params, mcfg.target, out[:, 0]))[0])
+        hidden = nxt[:, 0]
+    return out_logits
+
+
+@pytest.mark.parametrize("kind,source", [("dense", "post_norm"), ("dense", "pre_norm"), ("hybrid", "post_norm")])
+def test_chained_training_steps_equal_the_inference_chain(target, kind, source):
+    """Step i at row t of a 3-step training pass == step i of a generation's chain from the prefix
+    tokens[: t + 1] fed the data's tokens t+1 .. t+3 (teacher forcing): each step sees the cache
+    made from the target's states and the chain's own earlier entries, nothing else."""
+    cfg, params = target[1:] if kind == "dense" else hybrid_target("interval4")
+    mcfg = mtp.MTPConfig(cfg, hidden_source=source)
+    mparams = mtp.init_mtp_params(cfg, jax.random.key(5))
+    seq = toy_sequences(1).tokens[0, :20] % cfg.vocab_size
+    tokens = jnp.asarray(seq)[None]
+    taps, _ = tr.target_taps(params, cfg, tokens, mcfg.target_layer_ids, last_pre_norm=source == "pre_norm")
+    packed = np.asarray(tr.mtp_packed_logits(mparams, mcfg, params, taps, tokens, steps=3))
+    assert packed.shape[:3] == (1, 20, 3)
+    np.testing.assert_allclose(packed[:, :, 0], np.asarray(tr.mtp_packed_logits(mparams, mcfg, params, taps, tokens)),
+                               rtol=1e-5, atol=1e-5)
+    family = target_family(cfg)
+    for t in (0, 5, 16):
+        prompt = jnp.asarray(seq[:t + 1])[None]
+        lens = jnp.asarray([t + 1], jnp.int32)
+        _, ptaps, _ = family.prefill(params, cfg, prompt, lens, 32, mcfg.target_layer_ids, Impl(), source == "pre_norm")
+        cache = mtp.prefill(mparams, mcfg, params, mtp.MTPCache.create(cfg, 1, 32), prompt, lens, ptaps,
+                            jnp.asarray([seq[t + 1]]))
+        chain = _forced_chain(mparams, mcfg, params, cache, [int(x) for x in seq[t + 1:t + 4]])
+        for j in range(3):
+            np.testing.assert_allclose(packed[0, t, j], chain[j], rtol=1e-4, atol=1e-4, err_msg=f"t={t} step {j + 1}")
+
+
+def test_chained_scores_label_each_step_inside_the_response(target):
+    """With mtp_steps 3, step i at t learns token t+i+1 while it is a response token, from the last
+    prompt position; step 1's scores are those of a one-step run; the tau estimate counts the
+    leading correct steps."""
+    _, cfg, params = target
+    mcfg = mtp.MTPConfig(cfg)
+    mparams = mtp.init_mtp_params(cfg, jax.random.key(5))
+    data = toy_sequences(2)
+    batch = {k: jnp.asarray(v) for k, v in data.batch(np.arange(2)).items()}
+    taps, _ = tr.target_taps(params, cfg, batch["tokens"], mcfg.target_layer_ids)
+    tc3 = dataclasses.replace(TC, labels="response", mtp_steps=3)
+    s3 = tr.mtp_scores(mparams, params, taps, batch, mcfg=mcfg, tc=tc3)
+    s1 = tr.mtp_scores(mparams, params, taps, batch, mcfg=mcfg, tc=dataclasses.replace(tc3, mtp_steps=1))
+    assert s3["ce"].shape == (2, SEQ, 3) and s1["ce"].shape == (2, SEQ, 1)
+    np.testing.assert_allclose(np.asarray(s3["ce"][..., 0]), np.asarray(s1["ce"][..., 0]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(s3["valid"]), np.asarray(s1["valid"]))
+    logits = np.asarray(tr.mtp_packed_logits(mparams, mcfg, params, taps, batch["tokens"], steps=3))
+    tokens = np.asarray(batch["tokens"])
+    for b in range(2):
+        p, n = int(data.prompt_lens[b]), int(data.total_lens[b])
+        for i in range(1, 4):
+            want = np.zeros(SEQ, bool)
+            want[p - 1:n - i - 1] = True
+            np.testing.assert_array_equal(np.asarray(s3["m"][b, :, i - 1]) > 0, want, err_msg=f"step {i}")
+            t = p + 1
+            row = logits[b, t, i - 1].astype(np.float64)
+            nll = np.log(np.exp(row - row.max()).sum()) + row.max() - row[tokens[b, t + i + 1]]
+            np.testing.assert_allclose(float(s3["ce"][b, t, i - 1]), nll, rtol=1e-4)
+    correct = np.asarray(s3["correct"])
+    run = np.asarray(s3["run"])
+    np.testing.assert_array_equal(run, np.cumprod(correct, axis=-1).sum(-1))
+    w = np.asarray(s3["w"])[0, int(data.prompt_lens[0]) - 1]  # a block whose three steps all count
+    assert w[0] == 1.0 and 1.0 > w[1] > w[2] > 0  # the first step weighs most
+
+
 def test_mtp_scores_take_the_token_two_ahead_inside_the_response(target):
     """Rows from the last prompt position while t + 2 is a response token; the label is token t + 2
     (response labels) or the target's argmax after t + 1 (target labels); the cross-entropy is
@@ -288,3 +364,31 @@ def test_cli_refuses_dflash_settings_and_another_kind_before_loading(runs, tmp_p
     assert "--hidden-source is an MTP head's setting: pass --drafter-kind mtp" in capsys.readouterr().err
     assert main(["train", "--out", str(full.out_dir), "--resume", "--mtp-init", "random"]) == 2
     assert "--mtp-init starts a run; --resume continues" in capsys.readouterr().err
+
+
+def test_cli_trains_chained_steps_and_refuses_them_for_dflash(tmp_path, capsys):
+    """`train --drafter-kind mtp --mtp-train-steps 2` records the setting, logs one accuracy per
+    step and exports a head; the flag on a DFlash run is one error, before anything is loaded."""
+    from dflash_jax.cli import main
+    from dflash_jax.train_data import TokenData
+    from tests.test_bad_input import VOCAB, WORDS, save_tokenizer, target_model
+
+    tiny = tmp_path / "tiny"
+    target_model(vocab=VOCAB).save_pretrained(tiny)
+    save_tokenizer(tiny, WORDS)
+    rng = np.random.default_rng(0)
+    data = TokenData.from_lists([list(rng.integers(3, 60, 6)) for _ in range(8)],
+                                [list(rng.integers(3, 60, 20)) for _ in range(8)], [0.0] * 8, [0] * 8, {})
+    tokens = data.save(tmp_path / "tokens.npz")
+    out = tmp_path / "run"
+    assert main(["train", "--drafter-kind", "mtp", "--mtp-train-steps", "2", "--target", str(tiny), "--data",
+                 str(tokens), "--no-progress", "--seq-len", "32", "--batch", "2", "--steps", "3", "--log-every", "1",
+                 "--val-fraction", "0", "--out", str(out)]) == 0
+    record = json.loads((out / tr.RUN_FILE).read_text())
+    assert record["train_config"]["mtp_steps"] == 2
+    logged = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert logged and all(len(r["acc_by_pos"]) == 2 for r in logged if "acc_by_pos" in r)
+    assert (out / "mtp" / FILE).is_file()
+    capsys.readouterr()
+    assert main(["train", "--mtp-train-steps", "2", "--out", str(tmp_path / "dflash")]) == 2
+    assert "--mtp-train-steps is an MTP head's setting: pass --drafter-kind mtp" in capsys.readouterr().err

@@ -65,7 +65,8 @@
 #   mtp-train     SmolLM2 MTP head (`train --drafter-kind mtp`, its layer from the target's last) from the
 #                 drafter phase's token file (RUN_DIR/tokens.npz, made if missing): the shipped drafter's
 #                 schedule (STEPS 13500, batch 32, seq 512, LABELS target-soft) within TRAIN_S (330) s, 2%
-#                 validation, the best exported to RUN_DIR/mtp/mtp (float32, ~17 MB); calling it again resumes
+#                 validation, the best exported to RUN_DIR/mtp/mtp (float32, ~17 MB), MTP_TRAIN_STEPS (1)
+#                 chained steps learned; calling it again resumes
 #   eval-mtp      one bench over gsm8k test (128) + spec_bench (480), greedy, batch 64: AR, MTP chains of
 #                 MTP_STEPS (1 2 3 4) steps and an MTP tree (4 steps, MTP_BUDGET 16 nodes) of the mtp-train
 #                 head (MTP=dir; the shipped one unless set), DFlash and DDTree(64) of the shipped drafter
@@ -499,7 +500,8 @@ mtp-train)
     else set -- --steps "${STEPS:-13500}" --batch 32 --seq-len 512 --log-every 50 --val-fraction 0.02; fi
     mtp_run=$run_dir/mtp
     start=()
-    [ -f "$mtp_run/train_run.json" ] && start=(--resume)
+    if [ -f "$mtp_run/train_run.json" ]; then start=(--resume)
+    else start=(--mtp-train-steps "${MTP_TRAIN_STEPS:-1}"); fi  # chained steps learned (a fresh run's)
     step mtp_train "$(( ${TRAIN_S:-330} + 60 ))" python -m dflash_jax.cli train --drafter-kind mtp --target "$gguf" \
         --data "$run_dir/tokens.npz" --out "$mtp_run" --time-limit "${TRAIN_S:-330}" --labels "${LABELS:-target-soft}" \
         --keep-best --no-progress "${start[@]}" "$@" || exit 1
