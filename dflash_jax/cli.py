@@ -539,7 +539,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=POSITIVE, default=None, help="sequences per step")
     p.add_argument("--seq-len", type=_int_at_least(2), default=None, help="tokens per training row (prompt + response)")
     p.add_argument("--blocks", type=POSITIVE, default=None, help="anchors (blocks) per sequence")
-    p.add_argument("--gamma", type=POSITIVE_FLOAT, default=None, help="loss decay (default 7 for block size 16)")
+    p.add_argument("--gamma", type=POSITIVE_FLOAT, default=None,
+                   help="loss decay over a block's rows, or an MTP head's chained steps (default 7 for block "
+                        "size 16, scaled with the rows)")
     p.add_argument("--lr", type=POSITIVE_FLOAT, default=None)
     p.add_argument("--warmup", type=_float_in(0.0, 1.0, high_open=True), default=None, help="warm-up fraction of the steps")
     p.add_argument("--weight-decay", type=_float_in(0.0), default=None)
@@ -565,7 +567,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drafter-kind", choices=("dflash", "mtp"), default=None,
                    help="dflash (default): a block-diffusion drafter; mtp: a one-layer MTP head for "
                         "`bench --method mtp --mtp-head OUT/mtp` (--layers, --block-size, --mask-token-id, "
-                        "--blocks, --gamma and --init are DFlash's)")
+                        "--blocks and --init are DFlash's)")
     p.add_argument("--mtp-init", choices=("target", "random"), default=None,
                    help="mtp: the head's layer starts as a copy of the target's last layer (default) or random")
     p.add_argument("--hidden-source", choices=("post_norm", "pre_norm"), default=None,
@@ -759,7 +761,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if mtp_head:
         dflash_only = [flag for flag, v in (("--init", args.init), ("--layers", args.layers),
                                             ("--block-size", args.block_size), ("--mask-token-id", args.mask_token_id),
-                                            ("--blocks", args.blocks), ("--gamma", args.gamma)) if v is not None]
+                                            ("--blocks", args.blocks)) if v is not None]
         if dflash_only:
             raise ValueError(f"{dflash_only[0]} is a DFlash drafter's setting; --drafter-kind mtp trains a "
                              f"one-layer head on every response position")
