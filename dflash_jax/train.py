@@ -951,13 +951,17 @@ def check_sizes(cfg: TargetConfig, dcfg: DrafterConfig, tc: TrainConfig) -> None
     item = jnp.dtype(tc.compute_dtype).itemsize
     # The target's hidden states over every row, and the drafter's logits over every block row:
     # a lower bound of what a step holds at once.
-    rows = tc.seq_len if isinstance(dcfg, mtp.MTPConfig) else tc.num_blocks * dcfg.block_size  # logit rows
+    # An MTP head's logit rows: every position, once per chained step learned.
+    rows = tc.seq_len * tc.mtp_steps if isinstance(dcfg, mtp.MTPConfig) else tc.num_blocks * dcfg.block_size
     need = (tc.batch_size * tc.seq_len * cfg.hidden_size * (len(dcfg.target_layer_ids) + 2) * item
             + tc.batch_size * rows * cfg.vocab_size * 4)
     have = memory_available()
     if need > have:
         # An MTP head has no blocks (--blocks is refused for it): its logit rows are the sequence's.
-        blocks = "" if isinstance(dcfg, mtp.MTPConfig) else f" x num_blocks (--blocks) {tc.num_blocks}"
+        if isinstance(dcfg, mtp.MTPConfig):
+            blocks = f" x mtp_steps (--mtp-train-steps) {tc.mtp_steps}" if tc.mtp_steps > 1 else ""
+        else:
+            blocks = f" x num_blocks (--blocks) {tc.num_blocks}"
         raise ValueError(f"batch_size (--batch) {tc.batch_size} x seq_len (--seq-len) {tc.seq_len}{blocks} needs at "
                          f"least {need / 1e9:.1f} GB of activations a step, more than the device's {have / 1e9:.1f} GB")
 
