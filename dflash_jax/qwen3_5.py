@@ -15,13 +15,9 @@ Weights of one kind are stacked ([n_attn, ...], [n_gdn, ...], and the per-layer 
 Python loop over its few layers that reads each layer's weights from the stacks at a traced
 index (`_layer`). The traced program holds one period instead of the whole
 stack, so compile time does not grow with depth: a 64-layer (48 GDN + 16 attention) narrow
-hybrid compiles in 1.8 s as 16 scanned periods of 4 against 16-18 s unrolled (CPU, jax 0.10.2,
-one-token step and 128-token prefill alike). An aperiodic `layer_types` is one period
-of all layers, i.e. that plain loop. `Qwen35Config.scan_layers=False` unrolls the periods instead
-(static weight slices). That runs faster where the scan's dynamic weight slices become copies:
-on CPU a 16-layer, 437 MB bf16 hybrid's AR step took 243-253 against 385-466 ms and its W 17
-verify 281 against 503 ms. `bench/spec_round.py --layer-loop scan unrolled` times the two on a
-GPU. transformers' `models/qwen3_5/modeling_qwen3_5.py` is the
+hybrid compiled in 5 s as 16 periods of 4 against 50-60 s as one loop of 64 layers (CPU, jax
+0.10.2, one-token step and 128-token prefill alike). An aperiodic `layer_types` is one period
+of all layers, i.e. that plain loop. transformers' `models/qwen3_5/modeling_qwen3_5.py` is the
 numerical reference (tests/test_qwen3_5.py).
 
 Speculative decoding verifies a draft tree (a chain for DFlash) with `verify`, which commits
@@ -97,10 +93,6 @@ class Qwen35Config:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # How `_run_layers` walks the periods: a `lax.scan` (compile time independent of depth; each
-    # layer's weights a dynamic slice of its stack), or unrolled in Python (static slices, one
-    # traced period per period). Not a property of the checkpoint: converters leave the default.
-    scan_layers: bool = True
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
@@ -628,18 +620,18 @@ class Qwen35Output:
     cache: HybridCache  # new K/V and GDN states; lengths advanced by the valid new tokens
 
 
-def _layer(tree: Any, index: jax.Array | int) -> Any:
-    """One layer's weights from a stack [n, ...], at a traced index (one dynamic slice per weight;
-    a Python int, from the unrolled walk, takes a static slice).
+def _layer(tree: Any, index: jax.Array) -> Any:
+    """One layer's weights from a stack [n, ...], at a traced index (one dynamic slice per weight).
 
     The layer scan reads its weights this way rather than as scan inputs: scanning [periods, period,
     ...] views hands the body a whole period, and XLA materialised each static index into it as a
     copy of that layer's weights on every step (30 of the 54.5 ms AR step of the 27B hybrid on an
     H200). One dynamic slice of the stack is the indexing a scan gives its own inputs, and leaves
     no static slice of a weight in the loop body (tests/test_qwen3_5.py reads the compiled HLO).
+    Unrolling the periods instead (static slices of the stacks) made XLA copy every layer's
+    weights up front: the 27B hybrid's AR step asked for 58.7 GB more than its weights on an H100
+    and did not run. Weights that are never sliced (one array per layer) remain to be tried.
     """
-    if isinstance(index, int):
-        return jax.tree.map(lambda a: a[index], tree)
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, 0, keepdims=False), tree)
 
 
@@ -715,17 +707,8 @@ def _run_layers(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, posi
         ys = jax.tree.map(lambda *a: jnp.stack(a), *verified) if verified else None
         return (x, k_all, v_all, conv_all, state_all, taps, i + 1), ys
 
-    if cfg.scan_layers:
-        carry = (x, cache.k, cache.v, cache.conv, cache.state, taps, jnp.int32(0))
-        (x, k_all, v_all, conv_all, state_all, taps, _), ys = jax.lax.scan(body, carry, None, length=periods)
-    else:
-        # A Python int period index: every weight and cache index in the body is static.
-        carry, per_period = (x, cache.k, cache.v, cache.conv, cache.state, taps, 0), []
-        for _ in range(periods):
-            carry, y = body(carry, None)
-            per_period.append(y)
-        x, k_all, v_all, conv_all, state_all, taps, _ = carry
-        ys = None if per_period[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *per_period)
+    carry = (x, cache.k, cache.v, cache.conv, cache.state, taps, jnp.int32(0))
+    (x, k_all, v_all, conv_all, state_all, taps, _), ys = jax.lax.scan(body, carry, None, length=periods)
     # [periods, per_gdn, ...] -> [n_gdn, ...]: GDN layer i * per_gdn + j, as the cache orders them.
     ys = None if ys is None else jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), ys)
     hidden = zero_centred_rms_norm(x, params.final_norm, cfg.rms_norm_eps)

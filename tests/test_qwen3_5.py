@@ -7,7 +7,6 @@ model, and greedy AR tokens against transformers' `generate`.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from typing import Any
@@ -367,41 +366,3 @@ def test_layer_scan_slices_no_weight_statically():
             if m and tuple(int(d) for d in m.group(1).split(",") if d and int(d) != 1) in weights:
                 found.append(line.strip()[:160])
         assert not found, f"{what}: static slices of layer weights:\n" + "\n".join(found)
-
-
-def test_unrolled_layers_equal_the_scan(tiny):
-    """`scan_layers=False` walks the same layers with static weight slices: a prefill, an AR step,
-    a tree verify and its commit give the same logits and caches as the scan, and the compiled
-    step holds no layer loop."""
-    _, cfg, params = tiny
-    unrolled = dataclasses.replace(cfg, scan_layers=False)
-    rng = np.random.default_rng(3)
-    batch, prompt, width = 2, 7, 4
-    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, prompt)), jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(prompt, dtype=jnp.int32), (batch, prompt))
-    parents = jnp.asarray([[-1, 0, 0, 1], [-1, 0, 1, 2]], jnp.int32)
-    visible = jnp.asarray([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]],
-                           [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]], bool)
-    depth = jnp.sum(visible, axis=-1, dtype=jnp.int32) - 1
-    nodes = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, width)), jnp.int32)
-
-    def run(c: q35.Qwen35Config):
-        cache = q35.HybridCache.create(c, batch, 32)
-        out = jax.jit(lambda p, t, pos, k: q35.forward(p, c, t, pos, k))(params, tokens, positions, cache)
-        step = jax.jit(lambda p, t, pos, k: q35.forward(p, c, t, pos, k))(
-            params, tokens[:, :1], positions[:, :1] + prompt, out.cache)
-        logits, _, verified = jax.jit(lambda p, t, pos, v, par, k: q35.verify(p, c, t, pos, v, par, k))(
-            params, nodes, depth + prompt + 1, visible, parents, step.cache)
-        committed = q35.commit(verified, jnp.asarray([[0, 1, 3], [0, 1, 2]], jnp.int32), jnp.asarray([3, 2]))
-        return [out.logits, step.logits, logits] + jax.tree.leaves(committed)
-
-    for a, b in zip(run(cfg), run(unrolled), strict=True):
-        a, b = np.asarray(a), np.asarray(b)
-        if np.issubdtype(a.dtype, np.integer):
-            np.testing.assert_array_equal(b, a)
-        else:  # XLA fuses the two programs differently: float32 rounding apart
-            assert a.shape == b.shape and rel_err(b, a) < 1e-5
-    cache = q35.HybridCache.create(unrolled, batch, 32)
-    text = jax.jit(lambda p, t, k: q35.forward(p, unrolled, t, t, k).logits).lower(
-        params, tokens[:, :1], cache).compile().as_text()
-    assert " while(" not in text

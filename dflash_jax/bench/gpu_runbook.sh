@@ -55,9 +55,8 @@
 #   hybrid        the Qwen3.6-27B hybrid shape (random bf16 weights, 5-layer drafter, tp 1): the AR step,
 #                 the DFlash round and DDTree(16/64/256) rounds at ctx 4K in one command, split by stage
 #                 and the verify by attention and GDN layers (command buffers off), beside the GDN
-#                 layers' share of the weight bytes. HYBRID_STEPS picks among "rounds ar prefill loops"
-#                 (default "rounds"; ar: AR vs the roofline at ctx 1K/8K; prefill: 4K and 32K tokens;
-#                 loops: AR, DFlash and DDTree(64) with the layers scanned and unrolled, side by side),
+#                 layers' share of the weight bytes. HYBRID_STEPS picks among "rounds ar prefill"
+#                 (default "rounds"; ar: AR vs the roofline at ctx 1K/8K; prefill: 4K and 32K tokens),
 #                 LIMIT seconds each
 #   mtp-rounds    the Qwen3.6-27B hybrid shape (random bf16 weights) at ctx 4K, in one command: the AR
 #                 step, the DFlash round, DDTree(64), MTP chains of 1-4 steps and an MTP tree (4 steps,
@@ -458,12 +457,10 @@ hybrid)
         ar=(--models tiny-hybrid --contexts 64 256 --steps 8 --copy-gb 0.05 --impls reference)
         rounds=(--model tiny-hybrid --ctx 64 --budgets 16 64 --ddtree-ctx 64)
         pre=(--model tiny-hybrid --prefill 64 256)
-        loops=(--model tiny-hybrid --ctx 64 --budgets 16 --ddtree-ctx 64)
     else
         ar=(--models qwen3.6-27b --contexts 1024 8192)
         rounds=(--model qwen3.6-27b --ctx 4096 --budgets 16 64 256 --ddtree-ctx 4096)
         pre=(--model qwen3.6-27b --prefill 4096 32768)
-        loops=(--model qwen3.6-27b --ctx 4096 --budgets 64 --ddtree-ctx 4096)
     fi
     for part in ${HYBRID_STEPS:-rounds}; do
         case $part in
@@ -477,11 +474,7 @@ hybrid)
         # No rounds: the prefill alone (a length that does not fit is reported, not fatal).
         prefill) step hybrid_prefill "$limit" python -m dflash_jax.bench.spec_round "${pre[@]}" --ctx --budgets \
                      --no-profile --out "$out/hybrid_prefill.json" ;;
-        # The scanned layer walk against the unrolled one (Qwen35Config.scan_layers), whole rounds
-        # as decoding compiles them.
-        loops) step hybrid_loops "$limit" python -m dflash_jax.bench.spec_round "${loops[@]}" --no-profile \
-                   --layer-loop scan unrolled --out "$out/hybrid_loops.json" ;;
-        *) echo "hybrid: unknown HYBRID_STEPS entry $part (ar, rounds, prefill, loops)" >&2; exit 2 ;;
+        *) echo "hybrid: unknown HYBRID_STEPS entry $part (ar, rounds, prefill)" >&2; exit 2 ;;
         esac
     done ;;
 mtp-rounds)

@@ -472,8 +472,6 @@ def main() -> None:
                     help="MTP chain rounds of a random head with these chained steps, at every --ctx")
     ap.add_argument("--mtp-budgets", nargs="*", type=int, default=[],
                     help="MTP tree rounds (the most --mtp-steps) with these node budgets, at every --ctx")
-    ap.add_argument("--layer-loop", nargs="+", choices=("scan", "unrolled"), default=["scan"],
-                    help="a hybrid target's walk over its layers (Qwen35Config.scan_layers), side by side")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.mtp_budgets and not args.mtp_steps:
@@ -481,8 +479,6 @@ def main() -> None:
     env = environment()
     print(env, flush=True)
     cfg = target_shape(args.model)
-    if args.layer_loop != ["scan"] and not isinstance(cfg, Qwen35Config):
-        ap.error(f"--layer-loop: {args.model} is a dense target, whose layers are always unrolled")
     dtype = jnp.dtype(args.dtype)
     if args.draft:  # a real drafter's shape and weights (the target stays random: timing only)
         from convert.dflash_drafter import load_drafter  # imports gguf; only this option needs it
@@ -521,17 +517,14 @@ def main() -> None:
 
     rows: list[dict] = []
     prefills: list[dict] = []  # their own table: a prefill is no round
-    for loop in args.layer_loop:
-        hybrid = isinstance(cfg, Qwen35Config)
-        lcfg = dataclasses.replace(cfg, scan_layers=loop == "scan") if hybrid else cfg
-        layout = loop if hybrid else "decoding"
-        target = init_target(lcfg, jax.random.key(0), dtype)
+    for layout in ("decoding",):
+        target = init_target(cfg, jax.random.key(0), dtype)
         log("target weights drawn")
         first = len(rows)
         for ctx in args.ctx:
-            rows.append(bench_ar(target, lcfg, ctx, max_len, profile, args.kernel_table))
+            rows.append(bench_ar(target, cfg, ctx, max_len, profile, args.kernel_table))
             for (s, impl, r, dm, cb, xo), (dl, dp) in itertools.product(variants(method="dflash"), drafters.items()):
-                row = bench_or_report(target, lcfg, dp, dcfg, s, ctx, max_len, profile, args.dump_hlo, r,
+                row = bench_or_report(target, cfg, dp, dcfg, s, ctx, max_len, profile, args.dump_hlo, r,
                                       dm, args.kernel_table, cb, xla_options=xo, impl=impl)
                 if row:
                     row["draft_layout"] = dl
@@ -540,7 +533,7 @@ def main() -> None:
                            + [dict(method="mtp", mtp_steps=max(args.mtp_steps), budget=b) for b in args.mtp_budgets])
             for method in mtp_methods:
                 for s, impl, r, dm, cb, xo in variants(**method):
-                    row = bench_or_report(target, lcfg, mtp_params, mtp_cfg, s, ctx, max_len, profile, args.dump_hlo,
+                    row = bench_or_report(target, cfg, mtp_params, mtp_cfg, s, ctx, max_len, profile, args.dump_hlo,
                                           r, dm, args.kernel_table, cb, xla_options=xo, impl=impl)
                     if row:
                         row["draft_layout"] = "mtp"
@@ -548,7 +541,7 @@ def main() -> None:
         for b in args.budgets:
             for (s, impl, r, dm, cb, xo), (dl, dp) in itertools.product(variants(method="ddtree", budget=b),
                                                                         drafters.items()):
-                row = bench_or_report(target, lcfg, dp, dcfg, s, args.ddtree_ctx, max_len, profile,
+                row = bench_or_report(target, cfg, dp, dcfg, s, args.ddtree_ctx, max_len, profile,
                                       args.dump_hlo, r, dm, args.kernel_table, cb, xla_options=xo,
                                       timeline=args.timeline, clocks=args.clocks, impl=impl)
                 if row:
@@ -560,7 +553,7 @@ def main() -> None:
             interleaved_medians(timers, args.interleave)
             timers.clear()
         for n in args.prefill:
-            prefills.append(bench_prefill(target, lcfg, dcfg, n))
+            prefills.append(bench_prefill(target, cfg, dcfg, n))
         write_json(args.out, {"env": env, "rows": rows, "prefill": prefills})
         del target
     print(f"\n{env['device']}, jax {env['jax']}, {args.model} target + {dcfg.num_layers}-layer drafter, "
