@@ -160,6 +160,16 @@ def _order(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 # ----------------------------------------------------------------------------- stdlib tasks
 
+def _stdlib_module(name: str) -> Any | None:
+    """The module `name`, or None where this interpreter's build lacks it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a deprecation notice is no reason to leave a module out
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            return None
+
+
 def _members(module: Any) -> Iterator[tuple[str, Callable[..., Any]]]:
     """(qualified name, function) for the public functions defined in `module`, and the public
     methods (plain, static or class) of its public classes, sorted by name."""
@@ -204,12 +214,9 @@ def stdlib_tasks(modules: tuple[str, ...] = STDLIB_MODULES) -> tuple[list[dict[s
     rows: list[dict[str, Any]] = []
     found: list[str] = []
     for module_name in modules:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # a deprecation notice is no reason to leave a module out
-            try:
-                module = importlib.import_module(module_name)
-            except ImportError:
-                continue
+        module = _stdlib_module(module_name)
+        if module is None:
+            continue
         found.append(module_name)
         for name, func in _members(module):
             text = _task_text(func, name)
@@ -329,12 +336,9 @@ def _prose_sources(modules: tuple[str, ...]) -> Iterator[tuple[str, str, str]]:
     for name, text in sorted(topics.items()):
         yield f"topic:{name}", f"the '{name.replace('-', ' ')}' topic of the Python language", text
     for module_name in modules:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                module = importlib.import_module(module_name)
-            except ImportError:
-                continue
+        module = _stdlib_module(module_name)
+        if module is None:
+            continue
         doc = inspect.getdoc(module) or ""
         if len(doc) >= CONTEXT_MIN_DOC_CHARS:
             yield f"doc:{module_name}", f"the Python module {module_name}", doc
