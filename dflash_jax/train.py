@@ -501,7 +501,7 @@ def chained_visibility(steps: int, seq: int) -> jax.Array:
 def mtp_packed_logits(mparams: mtp.MTPParams, mcfg: mtp.MTPConfig, target: TargetParams, taps: jax.Array,
                       tokens: jax.Array, steps: int = 1) -> jax.Array:
     """The head's first `steps` chained draft steps at every position at once -> float32 logits
-    [B, T, steps, vocab] (steps 1: [B, T, vocab]).
+    [B, T, steps, vocab].
 
     Step 1 at row t takes token t+1 (tokens [B, T]; rows wrap around at the end and are for no
     loss) and the target's state taps[:, t] [B, T, embed], at position t, attending to rows <= t:
@@ -526,7 +526,7 @@ def mtp_packed_logits(mparams: mtp.MTPParams, mcfg: mtp.MTPConfig, target: Targe
                                   starts, attn_impl="reference", visible=visible)
         states.append(nxt[:, -seq:])
         per_step.append(mtp.logits(target, mcfg.target, out[:, -seq:]))
-    return per_step[0] if steps == 1 else jnp.stack(per_step, axis=2)
+    return jnp.stack(per_step, axis=2)
 
 
 def mtp_scores(mparams: mtp.MTPParams, target: TargetParams, taps: jax.Array, batch: dict[str, jax.Array], *,
@@ -546,8 +546,6 @@ def mtp_scores(mparams: mtp.MTPParams, target: TargetParams, taps: jax.Array, ba
     k = tc.mtp_steps
     params = cast_floating(mparams, jnp.dtype(tc.compute_dtype))
     logits = mtp_packed_logits(params, mcfg, target, taps, tokens, k)
-    if k == 1:
-        logits = logits[:, :, None]
     positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
     ahead = jnp.arange(1, k + 1, dtype=jnp.int32)  # step i's target is at t + i + 1
     starts = positions >= prompt_lens[:, None] - 1
