@@ -29,25 +29,41 @@ TC = tr.TrainConfig(steps=10, batch_size=4, seq_len=SEQ, learning_rate=1e-2, war
                     compute_dtype="float32", seed=3)
 
 
-@pytest.mark.parametrize("kind,source", [("dense", "post_norm"), ("dense", "pre_norm"), ("hybrid", "post_norm")])
-def test_packed_training_rows_equal_the_inference_draft_step(target, kind, source):
-    """Row t of the training pass == the first chained step of a generation whose committed prefix
-    is tokens[: t + 1] and whose root is token t + 1 (the head's cache seeded by `mtp.prefill` from
-    the target's prefill), at every t: what is trained is what drafts."""
+HEAD_CASES = [("dense", "post_norm"), ("dense", "pre_norm"), ("hybrid", "post_norm")]
+
+
+def _head_case(target, kind: str, source: str):
+    """A random head on the dense or hybrid tiny target, a 20-token sequence and the target's taps
+    of it -> (cfg, params, mcfg, mparams, seq, tokens [1, 20], taps)."""
     cfg, params = target[1:] if kind == "dense" else hybrid_target("interval4")
     mcfg = mtp.MTPConfig(cfg, hidden_source=source)
     mparams = mtp.init_mtp_params(cfg, jax.random.key(5))
     seq = toy_sequences(1).tokens[0, :20] % cfg.vocab_size
     tokens = jnp.asarray(seq)[None]
     taps, _ = tr.target_taps(params, cfg, tokens, mcfg.target_layer_ids, last_pre_norm=source == "pre_norm")
-    packed = np.asarray(tr.mtp_packed_logits(mparams, mcfg, params, taps, tokens))
-    family = target_family(cfg)
+    return cfg, params, mcfg, mparams, seq, tokens, taps
+
+
+def _cache_after(cfg, params, mcfg, mparams, seq, t: int):
+    """The head's cache of a generation whose committed prefix is seq[: t + 1] and whose root is
+    seq[t + 1], seeded by `mtp.prefill` from the target's own prefill."""
+    prompt = jnp.asarray(seq[:t + 1])[None]
+    lens = jnp.asarray([t + 1], jnp.int32)
+    pre_norm = mcfg.hidden_source == "pre_norm"
+    _, ptaps, _ = target_family(cfg).prefill(params, cfg, prompt, lens, 32, mcfg.target_layer_ids, Impl(), pre_norm)
+    return mtp.prefill(mparams, mcfg, params, mtp.MTPCache.create(cfg, 1, 32), prompt, lens, ptaps,
+                       jnp.asarray([seq[t + 1]]))
+
+
+@pytest.mark.parametrize("kind,source", HEAD_CASES)
+def test_packed_training_rows_equal_the_inference_draft_step(target, kind, source):
+    """Row t of the training pass == the first chained step of a generation whose committed prefix
+    is tokens[: t + 1] and whose root is token t + 1 (the head's cache seeded by `mtp.prefill` from
+    the target's prefill), at every t: what is trained is what drafts."""
+    cfg, params, mcfg, mparams, seq, tokens, taps = _head_case(target, kind, source)
+    packed = np.asarray(tr.mtp_packed_logits(mparams, mcfg, params, taps, tokens))[:, :, 0]
     for t in (0, 3, 11, 17):
-        prompt = jnp.asarray(seq[:t + 1])[None]
-        lens = jnp.asarray([t + 1], jnp.int32)
-        _, ptaps, _ = family.prefill(params, cfg, prompt, lens, 32, mcfg.target_layer_ids, Impl(), source == "pre_norm")
-        cache = mtp.prefill(mparams, mcfg, params, mtp.MTPCache.create(cfg, 1, 32), prompt, lens, ptaps,
-                            jnp.asarray([seq[t + 1]]))
+        cache = _cache_after(cfg, params, mcfg, mparams, seq, t)
         logits, _, _ = mtp.draft_chain(mparams, mcfg, params, cache, jnp.asarray([seq[t + 1]], jnp.int32), 1,
                                        jax.random.key(0), SamplingParams(0.0), False)
         np.testing.assert_allclose(packed[0, t], np.asarray(logits[0, 0]), rtol=1e-4, atol=1e-4, err_msg=f"t={t}")
@@ -67,28 +83,18 @@ def _forced_chain(mparams, mcfg, params, cache, chain: list[int]) -> list[np.nda
     return out_logits
 
 
-@pytest.mark.parametrize("kind,source", [("dense", "post_norm"), ("dense", "pre_norm"), ("hybrid", "post_norm")])
+@pytest.mark.parametrize("kind,source", HEAD_CASES)
 def test_chained_training_steps_equal_the_inference_chain(target, kind, source):
     """Step i at row t of a 3-step training pass == step i of a generation's chain from the prefix
     tokens[: t + 1] fed the data's tokens t+1 .. t+3 (teacher forcing): each step sees the cache
     made from the target's states and the chain's own earlier entries, nothing else."""
-    cfg, params = target[1:] if kind == "dense" else hybrid_target("interval4")
-    mcfg = mtp.MTPConfig(cfg, hidden_source=source)
-    mparams = mtp.init_mtp_params(cfg, jax.random.key(5))
-    seq = toy_sequences(1).tokens[0, :20] % cfg.vocab_size
-    tokens = jnp.asarray(seq)[None]
-    taps, _ = tr.target_taps(params, cfg, tokens, mcfg.target_layer_ids, last_pre_norm=source == "pre_norm")
+    cfg, params, mcfg, mparams, seq, tokens, taps = _head_case(target, kind, source)
     packed = np.asarray(tr.mtp_packed_logits(mparams, mcfg, params, taps, tokens, steps=3))
     assert packed.shape[:3] == (1, 20, 3)
-    np.testing.assert_allclose(packed[:, :, 0], np.asarray(tr.mtp_packed_logits(mparams, mcfg, params, taps, tokens)),
+    np.testing.assert_allclose(packed[:, :, :1], np.asarray(tr.mtp_packed_logits(mparams, mcfg, params, taps, tokens)),
                                rtol=1e-5, atol=1e-5)
-    family = target_family(cfg)
     for t in (0, 5, 16):
-        prompt = jnp.asarray(seq[:t + 1])[None]
-        lens = jnp.asarray([t + 1], jnp.int32)
-        _, ptaps, _ = family.prefill(params, cfg, prompt, lens, 32, mcfg.target_layer_ids, Impl(), source == "pre_norm")
-        cache = mtp.prefill(mparams, mcfg, params, mtp.MTPCache.create(cfg, 1, 32), prompt, lens, ptaps,
-                            jnp.asarray([seq[t + 1]]))
+        cache = _cache_after(cfg, params, mcfg, mparams, seq, t)
         chain = _forced_chain(mparams, mcfg, params, cache, [int(x) for x in seq[t + 1:t + 4]])
         for j in range(3):
             np.testing.assert_allclose(packed[0, t, j], chain[j], rtol=1e-4, atol=1e-4, err_msg=f"t={t} step {j + 1}")
@@ -139,7 +145,7 @@ def test_mtp_scores_take_the_token_two_ahead_inside_the_response(target):
     data = toy_sequences(2)
     batch = {k: jnp.asarray(v) for k, v in data.batch(np.arange(2)).items()}
     taps, greedy = tr.target_taps(params, cfg, batch["tokens"], mcfg.target_layer_ids, labels="target")
-    logits = np.asarray(tr.mtp_packed_logits(mparams, mcfg, params, taps, batch["tokens"]))
+    logits = np.asarray(tr.mtp_packed_logits(mparams, mcfg, params, taps, batch["tokens"]))[:, :, 0]
     log_q = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1,
                                                                                                           keepdims=True)
     tokens, greedy = np.asarray(batch["tokens"]), np.asarray(greedy)
