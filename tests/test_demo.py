@@ -174,3 +174,15 @@ print(back(text)["input_ids"] == tok(text)["input_ids"], back.eos_token)
 """)
     assert code == 0, err
     assert out.split() == ["True", "<|im_end|>"]
+
+
+def test_ar_verdict_says_what_a_difference_means():
+    import jax.numpy as jnp
+    from dflash_jax.cli import ar_verdict
+
+    assert ar_verdict(True, 0.0, jnp.bfloat16) == "the same tokens as ar (lossless)"
+    assert ar_verdict(False, 0.7, jnp.float32) == "tokens DIFFER from ar (sampling)"
+    # Greedy in float32 must match exactly: a difference there is reported bare, never excused.
+    assert ar_verdict(False, 0.0, jnp.float32) == "tokens DIFFER from ar"
+    narrow = ar_verdict(False, 0.0, jnp.bfloat16)
+    assert narrow.startswith("tokens DIFFER from ar: in bfloat16") and "--dtype float32" in narrow
