@@ -56,7 +56,7 @@ def tiny_params(cfg: q35.Qwen35Config, seed: int) -> q35.Qwen35Params:
     return jax.tree.unflatten(treedef, out)
 
 
-# Qwen3.5's period of 3 GDN + 1 attention (scanned twice), and an aperiodic pattern with a tied head.
+# Qwen3.5's pattern of 3 GDN + 1 attention (twice), and an irregular pattern with a tied head.
 TARGETS = {
     "interval4": ((L_, L_, L_, F_) * 2, False),
     "aperiodic": ((F_, L_, F_, L_, L_), True),
@@ -205,7 +205,8 @@ def test_tree_commit_equals_forward_along_the_accepted_path(name):
         if trial == 0:
             kept = q35.commit(verified, jnp.asarray(path), jnp.asarray([0, accepted[1], 0]))
             for field in ("state", "conv"):
-                got, was = np.asarray(getattr(kept, field)), np.asarray(getattr(cache0, field))
+                got = np.stack([np.asarray(x) for x in getattr(kept, field)])  # [GDN layers, batch, ...]
+                was = np.stack([np.asarray(x) for x in getattr(cache0, field)])
                 np.testing.assert_array_equal(got[:, [0, 2]], was[:, [0, 2]])
                 assert np.abs(got[:, 1] - was[:, 1]).max() > 1e-3  # the middle one did move
             np.testing.assert_array_equal(np.asarray(kept.lengths), np.asarray(cache0.lengths) + [0, accepted[1], 0])
