@@ -631,8 +631,17 @@ class Qwen35Output:
     cache: HybridCache  # new K/V and GDN states; lengths advanced by the valid new tokens
 
 
-def _check_step(fn: str, cfg: Qwen35Config, tokens: jax.Array, positions: jax.Array, cache: HybridCache,
-                tap_layers: tuple[int, ...]) -> None:
+def _check_step(fn: str, params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, positions: jax.Array,
+                cache: HybridCache, tap_layers: tuple[int, ...]) -> None:
+    counts = {"attention": len(cfg.attn_layers), "GDN": len(cfg.gdn_layers)}
+    for what, have, kind in (("params.layers", len(params.layers), None), ("params.attn", len(params.attn), "attention"),
+                             ("params.gdn", len(params.gdn), "GDN"), ("cache.k", len(cache.k), "attention"),
+                             ("cache.v", len(cache.v), "attention"), ("cache.conv", len(cache.conv), "GDN"),
+                             ("cache.state", len(cache.state), "GDN")):
+        want = cfg.num_layers if kind is None else counts[kind]
+        if have != want:
+            raise ValueError(f"{fn}: {what} holds {have} layers; the config has {want}"
+                             + ("" if kind is None else f" {kind} layers"))
     batch, width = tokens.shape
     if positions.shape != (batch, width):
         raise ValueError(f"{fn}: positions must be [batch, T] = {(batch, width)}, got {positions.shape}")
@@ -725,7 +734,7 @@ def forward(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, position
     Returns logits, taps and the cache with lengths += the valid new tokens. Rows past a
     sequence's valid tokens give unspecified logits and taps.
     """
-    _check_step("forward", cfg, tokens, positions, cache, tap_layers)
+    _check_step("forward", params, cfg, tokens, positions, cache, tap_layers)
     batch, width = tokens.shape
     if lengths is not None and lengths.shape != (batch,):
         raise ValueError(f"forward: lengths must be [batch] = ({batch},), got {lengths.shape}")
@@ -778,7 +787,7 @@ def verify(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, positions
     Returns (logits [B, W, vocab] float32, taps [B, W, len(tap_layers) * embed] or None,
     what `commit` needs).
     """
-    _check_step("verify", cfg, tokens, positions, cache, tap_layers)
+    _check_step("verify", params, cfg, tokens, positions, cache, tap_layers)
     batch, width = tokens.shape
     if visible.shape != (batch, width, width) or visible.dtype != jnp.bool_:
         raise ValueError(f"verify: visible must be bool [batch, W, W] = {(batch, width, width)}, "

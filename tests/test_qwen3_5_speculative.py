@@ -9,6 +9,7 @@ length (and, for DDTree, paths through non-first children) occurs.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -223,6 +224,12 @@ def test_verify_and_commit_bad_arguments():
         q35.verify(params, cfg, tree.tokens, pos, tree.visible, tree.parents[:, :3], cache)
     with pytest.raises(ValueError, match="positions must be"):
         q35.verify(params, cfg, tree.tokens, pos[:, :2], tree.visible, tree.parents, cache)
+    # Params or a cache of another layer pattern: named, not an index error deep in the layer loop.
+    fewer = q35.HybridCache.create(dataclasses.replace(cfg, layer_types=cfg.layer_types[:4]), 2, 32)
+    with pytest.raises(ValueError, match="verify: cache.k holds 1 layers; the config has 2 attention layers"):
+        q35.verify(params, cfg, tree.tokens, pos, tree.visible, tree.parents, fewer)
+    with pytest.raises(ValueError, match="forward: params.gdn holds 5 layers; the config has 6 GDN layers"):
+        q35.forward(dataclasses.replace(params, gdn=params.gdn[:-1]), cfg, tree.tokens, pos, cache)
     _, _, verified = q35.verify(params, cfg, tree.tokens, pos, tree.visible, tree.parents, cache)
     with pytest.raises(ValueError, match="accepted must be"):
         q35.commit(verified, jnp.zeros((2, 4), jnp.int32), jnp.ones((3,), jnp.int32))
