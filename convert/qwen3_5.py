@@ -151,14 +151,14 @@ def expected_tensors(cfg: Qwen35Config) -> dict[str, tuple[Row, int | None]]:
     """Every tensor this config needs, by its name after the text prefix (`lm_head.weight` as
     stored), in checkpoint order -> (its row, its layer's index in its params tuple; None at the top)."""
     out: dict[str, tuple[Row, int | None]] = {EMBED_ROW.name: (EMBED_ROW, None), NORM_ROW.name: (NORM_ROW, None)}
-    stack_index = {FULL: {l: n for n, l in enumerate(cfg.attn_layers)},
-                   LINEAR: {l: n for n, l in enumerate(cfg.gdn_layers)}}
+    kind_index = {FULL: {l: n for n, l in enumerate(cfg.attn_layers)},
+                  LINEAR: {l: n for n, l in enumerate(cfg.gdn_layers)}}
     for i, kind in enumerate(cfg.layer_types):
         for row in LAYER_ROWS:
             if row.kind == EVERY_LAYER:
                 out[f"layers.{i}.{row.name}"] = (row, i)
             elif row.kind == kind:
-                out[f"layers.{i}.{row.name}"] = (row, stack_index[kind][i])
+                out[f"layers.{i}.{row.name}"] = (row, kind_index[kind][i])
     if not cfg.tie_word_embeddings:
         out[LM_HEAD] = (LM_HEAD_ROW, None)
     return out

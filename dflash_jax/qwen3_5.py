@@ -513,7 +513,7 @@ def mlp(lp: LayerCommon, h: jax.Array) -> jax.Array:
 def attention_mixer(p: AttnMixer, cfg: Qwen35Config, h: jax.Array, cos: jax.Array, sin: jax.Array,
                     k_buf: jax.Array, v_buf: jax.Array, starts: jax.Array, visible: jax.Array | None = None,
                     attn_impl: str = "auto") -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One gated attention layer (weights of one layer, no stacking axis).
+    """One gated attention layer.
 
     h: [B, T, embed] (normed); k_buf, v_buf: [B, max_len, kv_heads, head_dim]; the T new K/V go
     to slots starts[b] .. starts[b] + T - 1. Query t sees every slot < starts[b] and new slot
@@ -575,7 +575,7 @@ def _conv_weight(p: GDNMixer, cfg: Qwen35Config) -> jax.Array:
 
 def gdn_mixer(p: GDNMixer, cfg: Qwen35Config, h: jax.Array, conv_state: jax.Array, state: jax.Array,
               lengths: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One Gated DeltaNet layer (weights of one layer, no stacking axis).
+    """One Gated DeltaNet layer.
 
     h: [B, T, embed] (normed); conv_state: [B, kernel - 1, C]; state: [B, Hv, dk, dv] float32;
     lengths: optional [B], valid tokens per sequence (right padding): the states stop at each
