@@ -53,27 +53,22 @@ def _entries(cfg: ModelConfig | Qwen35Config) -> list[tuple[str, tuple[int, ...]
     ]
     layer = "layers.0."
     if is_hybrid(cfg):
-        def first(x):  # our stacks have a layer axis of 1
-            return x[None]
-
-        def drop(x):
-            return x[0]
         out += [
-            (layer + "input_layernorm.weight", (e,), ("layer", 0, "input_norm"), first, drop),
-            (layer + "post_attention_layernorm.weight", (e,), ("layer", 0, "post_norm"), first, drop),
+            (layer + "input_layernorm.weight", (e,), ("layer", 0, "input_norm")) + same,
+            (layer + "post_attention_layernorm.weight", (e,), ("layer", 0, "post_norm")) + same,
             (layer + "mlp.gate_proj.weight", (m, e), ("layer", 0, "gate_up", "gate"), None, None),
             (layer + "mlp.up_proj.weight", (m, e), ("layer", 0, "gate_up", "up"), None, None),
-            (layer + "mlp.down_proj.weight", (e, m), ("layer", 0, "down"), lambda x: x.T[None], lambda x: x[0].T),
+            (layer + "mlp.down_proj.weight", (e, m), ("layer", 0, "down"), _t, _t),
             (layer + "self_attn.q_proj.weight", (qh * 2 * hd, e), ("layer", 1, "q"),
-             lambda x: x.T.reshape(1, e, qh, 2, hd), lambda x: x[0].reshape(e, -1).T),
+             lambda x: x.T.reshape(e, qh, 2, hd), lambda x: x.reshape(e, -1).T),
             (layer + "self_attn.k_proj.weight", (kvh * hd, e), ("layer", 1, "k"),
-             lambda x: x.T.reshape(1, e, kvh, hd), lambda x: x[0].reshape(e, -1).T),
+             lambda x: x.T.reshape(e, kvh, hd), lambda x: x.reshape(e, -1).T),
             (layer + "self_attn.v_proj.weight", (kvh * hd, e), ("layer", 1, "v"),
-             lambda x: x.T.reshape(1, e, kvh, hd), lambda x: x[0].reshape(e, -1).T),
+             lambda x: x.T.reshape(e, kvh, hd), lambda x: x.reshape(e, -1).T),
             (layer + "self_attn.o_proj.weight", (e, qh * hd), ("layer", 1, "o"),
-             lambda x: x.T.reshape(1, qh, hd, e), lambda x: x[0].reshape(-1, e).T),
-            (layer + "self_attn.q_norm.weight", (hd,), ("layer", 1, "q_norm"), first, drop),
-            (layer + "self_attn.k_norm.weight", (hd,), ("layer", 1, "k_norm"), first, drop),
+             lambda x: x.T.reshape(qh, hd, e), lambda x: x.reshape(-1, e).T),
+            (layer + "self_attn.q_norm.weight", (hd,), ("layer", 1, "q_norm")) + same,
+            (layer + "self_attn.k_norm.weight", (hd,), ("layer", 1, "k_norm")) + same,
         ]
         return out
     if cfg.mlp_bias:
@@ -158,12 +153,12 @@ def load_mtp(path: str | Path, cfg: ModelConfig | Qwen35Config, dtype: Any = jnp
     specs = mtp_specs(cfg)
     leaves: dict[tuple, np.ndarray] = {}
     for name, (_, where, to_ours, _) in entries.items():
-        if to_ours is None:  # gate / up: halves of our fused gate_up [1, embed, 2, mlp]
+        if to_ours is None:  # gate / up: halves of our fused gate_up [embed, 2, mlp]
             continue
         leaves[where] = to_ours(arrays[name])
     if is_hybrid(cfg):
         gate, up = arrays[PREFIX + "layers.0.mlp.gate_proj.weight"], arrays[PREFIX + "layers.0.mlp.up_proj.weight"]
-        leaves[("layer", 0, "gate_up")] = np.stack([gate.T, up.T], 1)[None]
+        leaves[("layer", 0, "gate_up")] = np.stack([gate.T, up.T], 1)
 
     def build(path: tuple, spec: Any) -> np.ndarray:
         key = tuple(p.idx if hasattr(p, "idx") else p.name for p in path)
@@ -189,7 +184,7 @@ def export_mtp(mparams: MTPParams, cfg: ModelConfig | Qwen35Config, directory: s
     out = {}
     for name, _, where, _, to_stored in _entries(cfg):
         if to_stored is None:
-            gate_up = np.asarray(_get(mparams, where[:-1]))[0]  # [embed, 2, mlp]
+            gate_up = np.asarray(_get(mparams, where[:-1]))  # [embed, 2, mlp]
             out[PREFIX + name] = np.ascontiguousarray(gate_up[:, 0 if where[-1] == "gate" else 1].T)
             continue
         out[PREFIX + name] = np.ascontiguousarray(to_stored(np.asarray(_get(mparams, where))))

@@ -11,11 +11,11 @@ older exports) and the multi-token-prediction head (`mtp.*`) are not part of the
 skipped and counted in one line on stderr.
 
 The mapping is a table (`LAYER_ROWS` and three top-level rows): each HF tensor, its stored
-shape, and the slices of the stacked decoding tensors (`dflash_jax.qwen3_5.model_specs`) it
+shape, and the slices of the per-layer decoding tensors (`dflash_jax.qwen3_5.model_specs`) it
 fills. `checkpoint_layout` turns the table into a `ParamLayout`, so a `Builder` writes each
-tensor straight into its slices as it streams in. The decoding tensors stack layers ([num_layers, ...], [n_attn, ...], [n_gdn, ...]), so one
-is complete only when its last layer has arrived: the host holds up to one copy of the model in
-the target dtype before the tensors are placed on device.
+tensor straight into its slices as it streams in. Every decoding tensor belongs to one layer, so
+it goes to its device(s) as soon as that layer's tensors have arrived (a fused one, e.g. gdn.qkv
+from in_proj_qkv's three pieces, when all of its pieces have).
 """
 from __future__ import annotations
 
@@ -53,7 +53,8 @@ class Row:
     name: its name after the text prefix (layer rows: after `layers.{i}.`), or `LM_HEAD`.
     kind: the layer kind it belongs to (FULL / LINEAR), EVERY_LAYER, or None (not in a layer).
     stored: its shape in the checkpoint, from the config.
-    targets: (decoding path, slot in that tensor after the stacking index) per piece.
+    targets: (decoding path, "{i}" standing for the layer's index within its tuple, slot in that
+        tensor) per piece.
     pieces: the stored array -> one array per target, element order already ours (the
         builder reshapes each into its slot).
     """
@@ -99,43 +100,43 @@ def _layer_rows() -> list[Row]:
         return c.hidden_size
 
     L = EVERY_LAYER
-    qkv_slots = tuple(("gdn.qkv", (lambda c, n=n: (None, None, _key_major(c)[n]))) for n in range(3))
-    conv_slots = tuple(("gdn.conv", (lambda c, n=n: (None, None, _key_major(c)[n]))) for n in range(3))
+    qkv_slots = tuple(("gdn.{i}.qkv", (lambda c, n=n: (None, None, _key_major(c)[n]))) for n in range(3))
+    conv_slots = tuple(("gdn.{i}.conv", (lambda c, n=n: (None, None, _key_major(c)[n]))) for n in range(3))
     return [
-        Row("input_layernorm.weight", L, lambda c: (e(c),), (("layers.input_norm", _whole),), _same),
-        Row("post_attention_layernorm.weight", L, lambda c: (e(c),), (("layers.post_norm", _whole),), _same),
+        Row("input_layernorm.weight", L, lambda c: (e(c),), (("layers.{i}.input_norm", _whole),), _same),
+        Row("post_attention_layernorm.weight", L, lambda c: (e(c),), (("layers.{i}.post_norm", _whole),), _same),
         Row("mlp.gate_proj.weight", L, lambda c: (c.intermediate_size, e(c)),
-            (("layers.gate_up", lambda c: (None, 0)),), _transposed),
+            (("layers.{i}.gate_up", lambda c: (None, 0)),), _transposed),
         Row("mlp.up_proj.weight", L, lambda c: (c.intermediate_size, e(c)),
-            (("layers.gate_up", lambda c: (None, 1)),), _transposed),
-        Row("mlp.down_proj.weight", L, lambda c: (e(c), c.intermediate_size), (("layers.down", _whole),), _transposed),
+            (("layers.{i}.gate_up", lambda c: (None, 1)),), _transposed),
+        Row("mlp.down_proj.weight", L, lambda c: (e(c), c.intermediate_size), (("layers.{i}.down", _whole),), _transposed),
         # q_proj's rows are per head [its query (head_dim), its output gate (head_dim)]: our [embed, q_heads, 2, hd].
         Row("self_attn.q_proj.weight", FULL, lambda c: (c.num_heads * 2 * c.head_dim, e(c)),
-            (("attn.q", _whole),), _transposed),
+            (("attn.{i}.q", _whole),), _transposed),
         Row("self_attn.k_proj.weight", FULL, lambda c: (c.num_kv_heads * c.head_dim, e(c)),
-            (("attn.k", _whole),), _transposed),
+            (("attn.{i}.k", _whole),), _transposed),
         Row("self_attn.v_proj.weight", FULL, lambda c: (c.num_kv_heads * c.head_dim, e(c)),
-            (("attn.v", _whole),), _transposed),
+            (("attn.{i}.v", _whole),), _transposed),
         Row("self_attn.o_proj.weight", FULL, lambda c: (e(c), c.num_heads * c.head_dim),
-            (("attn.o", _whole),), _transposed),
-        Row("self_attn.q_norm.weight", FULL, lambda c: (c.head_dim,), (("attn.q_norm", _whole),), _same),
-        Row("self_attn.k_norm.weight", FULL, lambda c: (c.head_dim,), (("attn.k_norm", _whole),), _same),
+            (("attn.{i}.o", _whole),), _transposed),
+        Row("self_attn.q_norm.weight", FULL, lambda c: (c.head_dim,), (("attn.{i}.q_norm", _whole),), _same),
+        Row("self_attn.k_norm.weight", FULL, lambda c: (c.head_dim,), (("attn.{i}.k_norm", _whole),), _same),
         Row("linear_attn.in_proj_qkv.weight", LINEAR, lambda c: (c.conv_channels, e(c)), qkv_slots,
             lambda x, c: _conv_pieces(x.T, c)),
         # conv1d is depthwise: [channels, 1, kernel] -> our [kernel, channels], then split like in_proj_qkv.
         Row("linear_attn.conv1d.weight", LINEAR, lambda c: (c.conv_channels, 1, c.conv_kernel), conv_slots,
             lambda x, c: _conv_pieces(x[:, 0].T, c)),
         Row("linear_attn.in_proj_z.weight", LINEAR, lambda c: (c.gdn_value_heads * c.gdn_value_dim, e(c)),
-            (("gdn.zba", lambda c: (None, None, (0, c.gdn_value_dim))),), _transposed),
+            (("gdn.{i}.zba", lambda c: (None, None, (0, c.gdn_value_dim))),), _transposed),
         Row("linear_attn.in_proj_b.weight", LINEAR, lambda c: (c.gdn_value_heads, e(c)),
-            (("gdn.zba", lambda c: (None, None, c.gdn_value_dim)),), _transposed),
+            (("gdn.{i}.zba", lambda c: (None, None, c.gdn_value_dim)),), _transposed),
         Row("linear_attn.in_proj_a.weight", LINEAR, lambda c: (c.gdn_value_heads, e(c)),
-            (("gdn.zba", lambda c: (None, None, c.gdn_value_dim + 1)),), _transposed),
-        Row("linear_attn.A_log", LINEAR, lambda c: (c.gdn_value_heads,), (("gdn.a_log", _whole),), _same),
-        Row("linear_attn.dt_bias", LINEAR, lambda c: (c.gdn_value_heads,), (("gdn.dt_bias", _whole),), _same),
-        Row("linear_attn.norm.weight", LINEAR, lambda c: (c.gdn_value_dim,), (("gdn.norm", _whole),), _same),
+            (("gdn.{i}.zba", lambda c: (None, None, c.gdn_value_dim + 1)),), _transposed),
+        Row("linear_attn.A_log", LINEAR, lambda c: (c.gdn_value_heads,), (("gdn.{i}.a_log", _whole),), _same),
+        Row("linear_attn.dt_bias", LINEAR, lambda c: (c.gdn_value_heads,), (("gdn.{i}.dt_bias", _whole),), _same),
+        Row("linear_attn.norm.weight", LINEAR, lambda c: (c.gdn_value_dim,), (("gdn.{i}.norm", _whole),), _same),
         Row("linear_attn.out_proj.weight", LINEAR, lambda c: (e(c), c.gdn_value_heads * c.gdn_value_dim),
-            (("gdn.out", _whole),), _transposed),
+            (("gdn.{i}.out", _whole),), _transposed),
     ]
 
 
@@ -148,16 +149,16 @@ _LAYER_NAME = re.compile(r"layers\.(\d+)\.(.+)")
 
 def expected_tensors(cfg: Qwen35Config) -> dict[str, tuple[Row, int | None]]:
     """Every tensor this config needs, by its name after the text prefix (`lm_head.weight` as
-    stored), in checkpoint order -> (its row, its index in its decoding stack; None at the top)."""
+    stored), in checkpoint order -> (its row, its layer's index in its params tuple; None at the top)."""
     out: dict[str, tuple[Row, int | None]] = {EMBED_ROW.name: (EMBED_ROW, None), NORM_ROW.name: (NORM_ROW, None)}
-    stack_index = {FULL: {l: n for n, l in enumerate(cfg.attn_layers)},
-                   LINEAR: {l: n for n, l in enumerate(cfg.gdn_layers)}}
+    kind_index = {FULL: {l: n for n, l in enumerate(cfg.attn_layers)},
+                  LINEAR: {l: n for n, l in enumerate(cfg.gdn_layers)}}
     for i, kind in enumerate(cfg.layer_types):
         for row in LAYER_ROWS:
             if row.kind == EVERY_LAYER:
                 out[f"layers.{i}.{row.name}"] = (row, i)
             elif row.kind == kind:
-                out[f"layers.{i}.{row.name}"] = (row, stack_index[kind][i])
+                out[f"layers.{i}.{row.name}"] = (row, kind_index[kind][i])
     if not cfg.tie_word_embeddings:
         out[LM_HEAD] = (LM_HEAD_ROW, None)
     return out
@@ -165,10 +166,6 @@ def expected_tensors(cfg: Qwen35Config) -> dict[str, tuple[Row, int | None]]:
 
 def _piece_key(name: str, n: int, count: int) -> str:
     return name if count == 1 else f"{name}[{n}]"
-
-
-def _slot(stack: int | None, tail: SlotIndex) -> SlotIndex:
-    return tail if stack is None else (stack,) + tuple(tail)
 
 
 def checkpoint_layout(cfg: Qwen35Config) -> ParamLayout:
@@ -181,10 +178,11 @@ def checkpoint_layout(cfg: Qwen35Config) -> ParamLayout:
     decl = {path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]}
     sources: dict[str, Spec] = {}
     parts: dict[str, list[Part]] = collections.defaultdict(list)
-    for name, (row, stack) in expected_tensors(cfg).items():
-        for n, (target, tail) in enumerate(row.targets):
+    for name, (row, layer) in expected_tensors(cfg).items():
+        for n, (template, tail) in enumerate(row.targets):
+            target = template if layer is None else template.format(i=layer)
             spec = decl[target]
-            part = Part(_piece_key(name, n, len(row.targets)), _slot(stack, tail(cfg)))
+            part = Part(_piece_key(name, n, len(row.targets)), tuple(tail(cfg)))
             index = part.index + (None,) * (len(spec.shape) - len(part.index))
             axes = tuple(a for a, i in zip(spec.axes, index) if not isinstance(i, int))
             sources[part.source] = Spec(part.slot_shape(spec.shape), axes, spec.init, spec.fan_in)

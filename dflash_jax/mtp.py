@@ -103,7 +103,7 @@ class MTPConfig:
 class MTPParams:
     """norm_embed, norm_hidden, final_norm: [embed] (zero-centred for a hybrid target).
     fc: [2, embed, embed]: input half (0: the embedding, 1: the hidden state), in, out.
-    layer: a hybrid target's (qwen3_5.LayerCommon, qwen3_5.AttnMixer) with a stacking axis of 1,
+    layer: a hybrid target's (qwen3_5.LayerCommon, qwen3_5.AttnMixer), one layer's as the target's own,
         or a dense target's model.LayerParams in checkpoint layout (q, k, v, gate, up apart).
     """
 
@@ -134,7 +134,7 @@ def mtp_specs(target_cfg: ModelConfig | Qwen35Config) -> MTPParams:
     if is_hybrid(target_cfg):
         norm = "zeros"  # zero-centred: (1 + w)
         full = qwen3_5.model_specs(dataclasses.replace(target_cfg, layer_types=("full_attention",)))
-        layer = (full.layers, full.attn)
+        layer = (full.layers[0], full.attn[0])
     else:
         norm = "ones"
         m = target_cfg.intermediate_size
@@ -183,7 +183,7 @@ def head_from_target(target: Any, target_cfg: ModelConfig | Qwen35Config, key: j
             raise ValueError(f"init from the target's last layer: layer {target_cfg.num_layers - 1} is "
                              f"{target_cfg.layer_types[-1]!r}, the head's layer is full attention; init it randomly "
                              f"(train --mtp-init random)")
-        layer = (jax.tree.map(lambda a: a[-1:], target.layers), jax.tree.map(lambda a: a[-1:], target.attn))
+        layer = (target.layers[-1], target.attn[-1])
     else:
         last = target.layers[-1]
         attn, mlp = last.attn, last.mlp
@@ -246,7 +246,7 @@ def _layer(mp: MTPParams, target_cfg: ModelConfig | Qwen35Config, x: jax.Array, 
     starts) and the T new rows (causal, or as visible [B, T, T]); the T new K/V go to slots
     starts .. starts + T - 1. Returns (x, k_buf, v_buf)."""
     if is_hybrid(target_cfg):
-        common, attn = jax.tree.map(lambda a: a[0], mp.layer)
+        common, attn = mp.layer
         eps = target_cfg.rms_norm_eps
         cos, sin = rope_tables(positions, target_cfg.rope, target_cfg.rotary_dim)
         h = qwen3_5.zero_centred_rms_norm(x, common.input_norm, eps)

@@ -24,10 +24,9 @@ import numpy as np
 
 # Logical axis names used by every model in the library.
 VOCAB, EMBED, Q_HEADS, KV_HEADS, HEAD_DIM, MLP = "vocab", "embed", "q_heads", "kv_heads", "head_dim", "mlp"
-# The Qwen3.5 / 3.6 hybrid's own axes (dflash_jax.qwen3_5): Gated DeltaNet key heads, value heads,
-# conv channels (key-head-major, so a tp split of them follows the key heads), and the stacking
-# axis of per-layer weights, which is never split.
-GDN_K_HEADS, GDN_V_HEADS, GDN_CONV, LAYERS = "gdn_k_heads", "gdn_v_heads", "gdn_conv", "layers"
+# The Qwen3.5 / 3.6 hybrid's own axes (dflash_jax.qwen3_5): Gated DeltaNet key heads, value heads
+# and conv channels (key-head-major, so a tp split of them follows the key heads).
+GDN_K_HEADS, GDN_V_HEADS, GDN_CONV = "gdn_k_heads", "gdn_v_heads", "gdn_conv"
 
 
 # One axis of a `Part`'s slot: None (the whole axis), an int (one index; the axis goes), or

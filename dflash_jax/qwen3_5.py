@@ -9,16 +9,15 @@ The decoder mixes two token mixers, following the config's `layer_types`:
   q/k RMS norms, RoPE on the first `rotary_dim` dims of each head, sigmoid(gate) on the output.
 Every decoder norm is zero-centred (x * (1 + w)), except the GDN's gated norm (x * w).
 
-Weights of one kind are stacked ([n_attn, ...], [n_gdn, ...], and the per-layer norms and MLP
-[num_layers, ...]); `forward` runs a `lax.scan` over the periods of the layer pattern (every
-4th layer is attention in Qwen3.5 / 3.6: a period of 4, 16 periods at 64 layers), each period a
-Python loop over its few layers that reads each layer's weights from the stacks at a traced
-index (`_layer`). The traced program holds one period instead of the whole
-stack, so compile time does not grow with depth: a 64-layer (48 GDN + 16 attention) narrow
-hybrid compiled in 5 s as 16 periods of 4 against 50-60 s as one loop of 64 layers (CPU, jax
-0.10.2, one-token step and 128-token prefill alike). An aperiodic `layer_types` is one period
-of all layers, i.e. that plain loop. transformers' `models/qwen3_5/modeling_qwen3_5.py` is the
-numerical reference (tests/test_qwen3_5.py).
+Every layer holds its own arrays, as the dense target's (`dflash_jax.model`): the weights are
+tuples of per-layer pytrees (`LayerCommon` per decoder layer, `AttnMixer` per attention layer,
+`GDNMixer` per GDN layer) and the cache tuples of per-layer buffers, and `forward` is a Python
+loop over the layers. Stacked [n_layers, ...] arrays read in a `lax.scan` made XLA copy each
+layer's weights out of the stacks on every step (a slice is no operand for a GEMM), about 30 of
+the 53.6 ms AR step of the 27B shape on an H100; per-layer arrays go to the GEMMs and the
+attention kernel as they are, and each cache buffer is updated in place (tests/test_qwen3_5.py
+reads the compiled HLO for slices of weights and caches). transformers'
+`models/qwen3_5/modeling_qwen3_5.py` is the numerical reference (tests/test_qwen3_5.py).
 
 Speculative decoding verifies a draft tree (a chain for DFlash) with `verify`, which commits
 nothing, and keeps the accepted path with `commit`: each GDN layer's recurrent state after the
@@ -52,9 +51,9 @@ import jax.numpy as jnp
 from dflash_jax import gdn
 from dflash_jax.config import ConfigError, RopeConfig, rope_from_hf
 # Tensor parallelism splits GDN key and value heads (and with them the conv channels, which are
-# key-head-major, and the recurrent states) over tp; LAYERS, the stacking axis, is never split.
-from dflash_jax.params import (EMBED, GDN_CONV, GDN_K_HEADS, GDN_V_HEADS, HEAD_DIM, KV_HEADS, LAYERS, MLP, Q_HEADS,
-                               VOCAB, Spec, init_from_specs)
+# key-head-major, and the recurrent states) over tp.
+from dflash_jax.params import (EMBED, GDN_CONV, GDN_K_HEADS, GDN_V_HEADS, HEAD_DIM, KV_HEADS, MLP, Q_HEADS, VOCAB,
+                               Spec, init_from_specs)
 from dflash_jax.rope import rope_tables
 from dflash_jax.sampling import SamplingParams, sample
 from dflash_jax.sharding import (BATCH, ShardingError, attention, check_model, constrain, embed_lookup, mesh_sizes,
@@ -139,15 +138,6 @@ class Qwen35Config:
     @property
     def conv_channels(self) -> int:
         return self.gdn_key_heads * self.conv_head_channels
-
-    @property
-    def period(self) -> int:
-        """The shortest p dividing num_layers with layer_types[i] == layer_types[i % p] for all i."""
-        n = self.num_layers
-        for p in range(1, n + 1):
-            if n % p == 0 and all(self.layer_types[i] == self.layer_types[i % p] for i in range(n)):
-                return p
-        return n
 
 
 # Qwen3.6-27B's decoder (its config.json's text_config): 64 layers, every 4th gated attention
@@ -265,85 +255,92 @@ def load_qwen35_config(path: str | Path) -> Qwen35Config:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerCommon:
-    """What every decoder layer has, stacked over all layers [num_layers, ...]."""
+    """What every decoder layer has (one layer's)."""
 
-    input_norm: Any  # [L, embed], zero-centred
-    post_norm: Any  # [L, embed], zero-centred (before the MLP)
-    gate_up: Any  # [L, embed, 2, mlp]: gate, then up
-    down: Any  # [L, mlp, embed]
+    input_norm: Any  # [embed], zero-centred
+    post_norm: Any  # [embed], zero-centred (before the MLP)
+    gate_up: Any  # [embed, 2, mlp]: gate, then up
+    down: Any  # [mlp, embed]
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class AttnMixer:
-    """The gated full attention, stacked over the attention layers [n_attn, ...]."""
+    """One gated full-attention layer's mixer."""
 
-    q: Any  # [A, embed, q_heads, 2, head_dim]: per head its query, then its output gate (HF q_proj)
-    k: Any  # [A, embed, kv_heads, head_dim]
-    v: Any  # [A, embed, kv_heads, head_dim]
-    q_norm: Any  # [A, head_dim], zero-centred
-    k_norm: Any  # [A, head_dim], zero-centred
-    o: Any  # [A, q_heads, head_dim, embed]
+    q: Any  # [embed, q_heads, 2, head_dim]: per head its query, then its output gate (HF q_proj)
+    k: Any  # [embed, kv_heads, head_dim]
+    v: Any  # [embed, kv_heads, head_dim]
+    q_norm: Any  # [head_dim], zero-centred
+    k_norm: Any  # [head_dim], zero-centred
+    o: Any  # [q_heads, head_dim, embed]
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class GDNMixer:
-    """The Gated DeltaNet, stacked over the GDN layers [n_gdn, ...].
+    """One Gated DeltaNet layer's mixer.
 
     The conv input channels are key-head-major: key head h owns [q_h (dk), k_h (dk), v of its value
     heads h*group .. h*group+group-1 (group x dv)], so splitting key heads over tp splits q, k, v,
     the conv and its state together, and value heads follow their key head.
     """
 
-    qkv: Any  # [G, embed, gdn_k_heads, 2 dk + group dv]
-    conv: Any  # [G, kernel, gdn_k_heads, 2 dk + group dv]; conv[kernel - 1] weighs the current token
-    zba: Any  # [G, embed, gdn_v_heads, dv + 2]: per value head z (dv), then b, then a
-    a_log: Any  # [G, gdn_v_heads] (the checkpoint's A_log)
-    dt_bias: Any  # [G, gdn_v_heads]
-    norm: Any  # [G, dv], the gated norm's weight (x * w, not zero-centred)
-    out: Any  # [G, gdn_v_heads, dv, embed]
+    qkv: Any  # [embed, gdn_k_heads, 2 dk + group dv]
+    conv: Any  # [kernel, gdn_k_heads, 2 dk + group dv]; conv[kernel - 1] weighs the current token
+    zba: Any  # [embed, gdn_v_heads, dv + 2]: per value head z (dv), then b, then a
+    a_log: Any  # [gdn_v_heads] (the checkpoint's A_log)
+    dt_bias: Any  # [gdn_v_heads]
+    norm: Any  # [dv], the gated norm's weight (x * w, not zero-centred)
+    out: Any  # [gdn_v_heads, dv, embed]
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Qwen35Params:
     embed: Any  # [vocab, embed]
-    layers: LayerCommon
-    attn: AttnMixer
-    gdn: GDNMixer
+    layers: tuple[LayerCommon, ...]  # one per decoder layer
+    attn: tuple[AttnMixer, ...]  # one per attention layer, in layer order (cfg.attn_layers)
+    gdn: tuple[GDNMixer, ...]  # one per GDN layer, in layer order (cfg.gdn_layers)
     final_norm: Any  # [embed], zero-centred
     lm_head: Any = None  # [embed, vocab]; None when tied to `embed`
 
 
 def model_specs(cfg: Qwen35Config) -> Qwen35Params:
-    """Every weight's shape and logical axes, in the layout `forward`'s einsums use."""
+    """Every weight's shape and logical axes, in the layout `forward`'s einsums use (one pytree
+    per layer, as `Qwen35Params`)."""
     e, m, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    n, na, ng = cfg.num_layers, len(cfg.attn_layers), len(cfg.gdn_layers)
     qh, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     hk, hv, dv, kc = cfg.gdn_key_heads, cfg.gdn_value_heads, cfg.gdn_value_dim, cfg.conv_head_channels
+
+    def common() -> LayerCommon:
+        return LayerCommon(input_norm=Spec((e,), (EMBED,), init="zeros"),
+                           post_norm=Spec((e,), (EMBED,), init="zeros"),
+                           gate_up=Spec((e, 2, m), (EMBED, None, MLP), fan_in=e),
+                           down=Spec((m, e), (MLP, EMBED), fan_in=m))
+
+    def attn() -> AttnMixer:
+        return AttnMixer(q=Spec((e, qh, 2, hd), (EMBED, Q_HEADS, None, HEAD_DIM), fan_in=e),
+                         k=Spec((e, kvh, hd), (EMBED, KV_HEADS, HEAD_DIM), fan_in=e),
+                         v=Spec((e, kvh, hd), (EMBED, KV_HEADS, HEAD_DIM), fan_in=e),
+                         q_norm=Spec((hd,), (HEAD_DIM,), init="zeros"),
+                         k_norm=Spec((hd,), (HEAD_DIM,), init="zeros"),
+                         o=Spec((qh, hd, e), (Q_HEADS, HEAD_DIM, EMBED), fan_in=qh * hd))
+
+    def gdn_() -> GDNMixer:
+        return GDNMixer(qkv=Spec((e, hk, kc), (EMBED, GDN_K_HEADS, None), fan_in=e),
+                        conv=Spec((cfg.conv_kernel, hk, kc), (None, GDN_K_HEADS, None), fan_in=cfg.conv_kernel),
+                        zba=Spec((e, hv, dv + 2), (EMBED, GDN_V_HEADS, None), fan_in=e),
+                        a_log=Spec((hv,), (GDN_V_HEADS,), fan_in=1),
+                        dt_bias=Spec((hv,), (GDN_V_HEADS,), init="ones"),
+                        norm=Spec((dv,), (None,), init="ones"),
+                        out=Spec((hv, dv, e), (GDN_V_HEADS, None, EMBED), fan_in=hv * dv))
+
     return Qwen35Params(
         embed=Spec((v, e), (VOCAB, EMBED), fan_in=1),
-        layers=LayerCommon(
-            input_norm=Spec((n, e), (LAYERS, EMBED), init="zeros"),
-            post_norm=Spec((n, e), (LAYERS, EMBED), init="zeros"),
-            gate_up=Spec((n, e, 2, m), (LAYERS, EMBED, None, MLP), fan_in=e),
-            down=Spec((n, m, e), (LAYERS, MLP, EMBED), fan_in=m)),
-        attn=AttnMixer(
-            q=Spec((na, e, qh, 2, hd), (LAYERS, EMBED, Q_HEADS, None, HEAD_DIM), fan_in=e),
-            k=Spec((na, e, kvh, hd), (LAYERS, EMBED, KV_HEADS, HEAD_DIM), fan_in=e),
-            v=Spec((na, e, kvh, hd), (LAYERS, EMBED, KV_HEADS, HEAD_DIM), fan_in=e),
-            q_norm=Spec((na, hd), (LAYERS, HEAD_DIM), init="zeros"),
-            k_norm=Spec((na, hd), (LAYERS, HEAD_DIM), init="zeros"),
-            o=Spec((na, qh, hd, e), (LAYERS, Q_HEADS, HEAD_DIM, EMBED), fan_in=qh * hd)),
-        gdn=GDNMixer(
-            qkv=Spec((ng, e, hk, kc), (LAYERS, EMBED, GDN_K_HEADS, None), fan_in=e),
-            conv=Spec((ng, cfg.conv_kernel, hk, kc), (LAYERS, None, GDN_K_HEADS, None), fan_in=cfg.conv_kernel),
-            zba=Spec((ng, e, hv, dv + 2), (LAYERS, EMBED, GDN_V_HEADS, None), fan_in=e),
-            a_log=Spec((ng, hv), (LAYERS, GDN_V_HEADS), fan_in=1),
-            dt_bias=Spec((ng, hv), (LAYERS, GDN_V_HEADS), init="ones"),
-            norm=Spec((ng, dv), (LAYERS, None), init="ones"),
-            out=Spec((ng, hv, dv, e), (LAYERS, GDN_V_HEADS, None, EMBED), fan_in=hv * dv)),
+        layers=tuple(common() for _ in range(cfg.num_layers)),
+        attn=tuple(attn() for _ in cfg.attn_layers),
+        gdn=tuple(gdn_() for _ in cfg.gdn_layers),
         final_norm=Spec((e,), (EMBED,), init="zeros"),
         lm_head=None if cfg.tie_word_embeddings else Spec((e, v), (EMBED, VOCAB), fan_in=e),
     )
@@ -381,54 +378,62 @@ def init_params(cfg: Qwen35Config, key: jax.Array, dtype: Any = jnp.float32, *, 
 class HybridCache:
     """Per-sequence decoding state of the hybrid; every sequence has its own length.
 
-    k, v:    [n_attn, batch, max_len, kv_heads, head_dim]  the attention layers' K/V (activation dtype)
-    conv:    [n_gdn, batch, kernel - 1, conv_channels]     the last kernel - 1 conv inputs, oldest
-             first (activation dtype); channels key-head-major (axis GDN_CONV)
-    state:   [n_gdn, batch, gdn_v_heads, dk, dv] float32   the GDN recurrent states
-    lengths: [batch] int32                                 tokens committed (K/V slots in use)
+    k, v:    per attention layer [batch, max_len, kv_heads, head_dim]  K/V (activation dtype)
+    conv:    per GDN layer [batch, kernel - 1, conv_channels]          the last kernel - 1 conv inputs,
+             oldest first (activation dtype); channels key-head-major (axis GDN_CONV)
+    state:   per GDN layer [batch, gdn_v_heads, dk, dv] float32        the GDN recurrent states
+    lengths: [batch] int32                                             tokens committed (K/V slots in use)
+
+    One array per layer, as `dflash_jax.kv_cache.KVCache`: each buffer is updated in place and
+    handed to its kernel without a slice copy.
     """
 
-    k: Any
-    v: Any
-    conv: Any
-    state: Any
-    lengths: Any
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    conv: tuple[jax.Array, ...]
+    state: tuple[jax.Array, ...]
+    lengths: jax.Array
 
     @classmethod
     def create(cls, cfg: Qwen35Config, batch: int, max_len: int, dtype: Any = jnp.float32) -> "HybridCache":
-        na, ng = len(cfg.attn_layers), len(cfg.gdn_layers)
-        kv = (na, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-        return cls(k=jnp.zeros(kv, dtype), v=jnp.zeros(kv, dtype),
-                   conv=jnp.zeros((ng, batch, cfg.conv_kernel - 1, cfg.conv_channels), dtype),
-                   state=jnp.zeros((ng, batch, cfg.gdn_value_heads, cfg.gdn_key_dim, cfg.gdn_value_dim),
-                                   jnp.float32),
+        kv = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        conv = (batch, cfg.conv_kernel - 1, cfg.conv_channels)
+        state = (batch, cfg.gdn_value_heads, cfg.gdn_key_dim, cfg.gdn_value_dim)
+        return cls(k=tuple(jnp.zeros(kv, dtype) for _ in cfg.attn_layers),
+                   v=tuple(jnp.zeros(kv, dtype) for _ in cfg.attn_layers),
+                   conv=tuple(jnp.zeros(conv, dtype) for _ in cfg.gdn_layers),
+                   state=tuple(jnp.zeros(state, jnp.float32) for _ in cfg.gdn_layers),
                    lengths=jnp.zeros((batch,), jnp.int32))
 
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[2]
+
+# Logical axes of each layer's cache buffers: sequences over dp, heads (and conv channels) over tp.
+KV_AXES = (BATCH, None, KV_HEADS, None)
+CONV_AXES = (BATCH, None, GDN_CONV)
+STATE_AXES = (BATCH, GDN_V_HEADS, None, None)
 
 
-# Logical axes of the cache buffers: sequences over dp, heads (and conv channels) over tp.
-KV_AXES = (LAYERS, BATCH, None, KV_HEADS, None)
-CONV_AXES = (LAYERS, BATCH, None, GDN_CONV)
-STATE_AXES = (LAYERS, BATCH, GDN_V_HEADS, None, None)
+def _cache_axes(cache: HybridCache) -> HybridCache:
+    """The logical axes of every buffer of `cache`, a HybridCache of axis tuples."""
+    return HybridCache(k=tuple(KV_AXES for _ in cache.k), v=tuple(KV_AXES for _ in cache.v),
+                       conv=tuple(CONV_AXES for _ in cache.conv), state=tuple(STATE_AXES for _ in cache.state),
+                       lengths=(BATCH,))
+
+
+def _is_axes(x: Any) -> bool:
+    return isinstance(x, tuple) and len(x) > 0 and all(a is None or isinstance(a, str) for a in x)
 
 
 def constrain_cache(cache: HybridCache) -> HybridCache:
     """Lays the cache out on the active mesh (`KV_AXES`, `CONV_AXES`, `STATE_AXES`); a no-op without one."""
-    return HybridCache(k=constrain(cache.k, KV_AXES), v=constrain(cache.v, KV_AXES),
-                       conv=constrain(cache.conv, CONV_AXES), state=constrain(cache.state, STATE_AXES),
-                       lengths=constrain(cache.lengths, (BATCH,)))
+    return jax.tree.map(lambda axes, x: constrain(x, axes), _cache_axes(cache), cache, is_leaf=_is_axes)
 
 
 def cache_shardings(cfg: Qwen35Config, batch: int, max_len: int, mesh: Any) -> HybridCache:
     """NamedShardings of a `HybridCache.create(cfg, batch, max_len)` on `mesh`, leaf for leaf."""
     shapes = jax.eval_shape(lambda: HybridCache.create(cfg, batch, max_len))
-    axes = HybridCache(k=KV_AXES, v=KV_AXES, conv=CONV_AXES, state=STATE_AXES, lengths=(BATCH,))
-    return jax.tree.map(lambda s, a: jax.sharding.NamedSharding(mesh, partition_spec(a, s.shape, mesh,
+    return jax.tree.map(lambda a, s: jax.sharding.NamedSharding(mesh, partition_spec(a, s.shape, mesh,
                                                                                      what="HybridCache")),
-                        shapes, axes, is_leaf=lambda x: isinstance(x, tuple))
+                        _cache_axes(shapes), shapes, is_leaf=_is_axes)
 
 
 # ----------------------------------------------------------------------------- building blocks
@@ -438,15 +443,21 @@ def _dot(eq: str, x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def _row_parallel_dot(eq: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """A dot whose contracted axis is split over tp (out_proj, o_proj, down) -> [B, T, embed],
+def _row_parallel_dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [B, T, *in] @ w [*in, embed] (out_proj, o_proj, down; `in` split over tp) -> [B, T, embed],
     replicated over tp: XLA all-reduces the result once.
+
+    Both sides are flattened to one contracted axis first: with two (heads, head dim) XLA's CPU
+    layout assignment transposed the weight, a copy of it on every step; the flattening is free
+    for the row-major weight, and tp splits the flat axis in the heads' blocks.
 
     The result is in the activation dtype from the start, so under tp the all-reduce moves
     activation-dtype partial sums, not float32 ones (half the bytes in bf16); GPU GEMMs still
     accumulate in float32, as `dflash_jax.model`'s row-parallel dots.
     """
-    return constrain(jnp.einsum(eq, x, w, preferred_element_type=x.dtype), (BATCH, None, None))
+    flat = x.reshape(x.shape[:2] + (-1,))
+    return constrain(jnp.einsum("btk,ke->bte", flat, w.reshape(flat.shape[-1], -1), preferred_element_type=x.dtype),
+                     (BATCH, None, None))
 
 
 def zero_centred_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -496,13 +507,13 @@ def mlp(lp: LayerCommon, h: jax.Array) -> jax.Array:
     """SwiGLU: h [B, T, embed] with one layer's gate_up [embed, 2, mlp] and down [mlp, embed]."""
     gu = _dot("bte,ecm->btcm", h, lp.gate_up)
     act = constrain(jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], (BATCH, None, MLP))
-    return _row_parallel_dot("btm,me->bte", act, lp.down)
+    return _row_parallel_dot(act, lp.down)
 
 
 def attention_mixer(p: AttnMixer, cfg: Qwen35Config, h: jax.Array, cos: jax.Array, sin: jax.Array,
                     k_buf: jax.Array, v_buf: jax.Array, starts: jax.Array, visible: jax.Array | None = None,
                     attn_impl: str = "auto") -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One gated attention layer (weights of one layer, no stacking axis).
+    """One gated attention layer.
 
     h: [B, T, embed] (normed); k_buf, v_buf: [B, max_len, kv_heads, head_dim]; the T new K/V go
     to slots starts[b] .. starts[b] + T - 1. Query t sees every slot < starts[b] and new slot
@@ -526,7 +537,7 @@ def attention_mixer(p: AttnMixer, cfg: Qwen35Config, h: jax.Array, cos: jax.Arra
     out = attention(q, k_buf, v_buf, starts, visible, impl=attn_impl).astype(jnp.float32)
     out = out * jax.nn.sigmoid(gate.astype(jnp.float32))
     out = constrain(out.astype(h.dtype), (BATCH, None, Q_HEADS, None))
-    return _row_parallel_dot("bthd,hde->bte", out, p.o), k_buf, v_buf
+    return _row_parallel_dot(out, p.o), k_buf, v_buf
 
 
 def _gdn_inputs(p: GDNMixer, cfg: Qwen35Config, h: jax.Array
@@ -555,7 +566,7 @@ def _gdn_qkv(cfg: Qwen35Config, y: jax.Array) -> tuple[jax.Array, jax.Array, jax
 def _gdn_output(p: GDNMixer, cfg: Qwen35Config, h: jax.Array, out: jax.Array, z: jax.Array) -> jax.Array:
     """The rule's output [B, T, Hv, dv] through the gated norm and out_proj -> [B, T, embed]."""
     out = constrain(gated_rms_norm(out.astype(h.dtype), z, p.norm, cfg.rms_norm_eps), (BATCH, None, GDN_V_HEADS, None))
-    return _row_parallel_dot("bthd,hde->bte", out, p.out)
+    return _row_parallel_dot(out, p.out)
 
 
 def _conv_weight(p: GDNMixer, cfg: Qwen35Config) -> jax.Array:
@@ -564,7 +575,7 @@ def _conv_weight(p: GDNMixer, cfg: Qwen35Config) -> jax.Array:
 
 def gdn_mixer(p: GDNMixer, cfg: Qwen35Config, h: jax.Array, conv_state: jax.Array, state: jax.Array,
               lengths: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One Gated DeltaNet layer (weights of one layer, no stacking axis).
+    """One Gated DeltaNet layer.
 
     h: [B, T, embed] (normed); conv_state: [B, kernel - 1, C]; state: [B, Hv, dk, dv] float32;
     lengths: optional [B], valid tokens per sequence (right padding): the states stop at each
@@ -620,23 +631,17 @@ class Qwen35Output:
     cache: HybridCache  # new K/V and GDN states; lengths advanced by the valid new tokens
 
 
-def _layer(tree: Any, index: jax.Array) -> Any:
-    """One layer's weights from a stack [n, ...], at a traced index (one dynamic slice per weight).
-
-    The layer scan reads its weights this way rather than as scan inputs: scanning [periods, period,
-    ...] views hands the body a whole period, and XLA materialised each static index into it as a
-    copy of that layer's weights on every step (30 of the 54.5 ms AR step of the 27B hybrid on an
-    H200). One dynamic slice of the stack is the indexing a scan gives its own inputs, and leaves
-    no static slice of a weight in the loop body (tests/test_qwen3_5.py reads the compiled HLO).
-    Unrolling the periods instead (static slices of the stacks) made XLA copy every layer's
-    weights up front: the 27B hybrid's AR step asked for 58.7 GB more than its weights on an H100
-    and did not run. Weights that are never sliced (one array per layer) remain to be tried.
-    """
-    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, 0, keepdims=False), tree)
-
-
-def _check_step(fn: str, cfg: Qwen35Config, tokens: jax.Array, positions: jax.Array, cache: HybridCache,
-                tap_layers: tuple[int, ...]) -> None:
+def _check_step(fn: str, params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, positions: jax.Array,
+                cache: HybridCache, tap_layers: tuple[int, ...]) -> None:
+    counts = {"attention": len(cfg.attn_layers), "GDN": len(cfg.gdn_layers)}
+    for what, have, kind in (("params.layers", len(params.layers), None), ("params.attn", len(params.attn), "attention"),
+                             ("params.gdn", len(params.gdn), "GDN"), ("cache.k", len(cache.k), "attention"),
+                             ("cache.v", len(cache.v), "attention"), ("cache.conv", len(cache.conv), "GDN"),
+                             ("cache.state", len(cache.state), "GDN")):
+        want = cfg.num_layers if kind is None else counts[kind]
+        if have != want:
+            raise ValueError(f"{fn}: {what} holds {have} layers; the config has {want}"
+                             + ("" if kind is None else f" {kind} layers"))
     batch, width = tokens.shape
     if positions.shape != (batch, width):
         raise ValueError(f"{fn}: positions must be [batch, T] = {(batch, width)}, got {positions.shape}")
@@ -657,69 +662,56 @@ def _run_layers(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, posi
     a round splits the verify's time between the two kinds of layer (MLPs, norms and the LM head
     stay in the enclosing scope).
 
-    Returns (final-normed hidden [B, T, embed], taps or None, k, v, conv, state, per-GDN-layer
-    outputs of `gdn_tree_mixer` stacked [n_gdn, ...] (kept, conv inputs), or None for forward).
+    Every layer reads its own arrays (`params.layers[i]`, `params.attn[a]`, `params.gdn[g]`, the
+    cache tuples) and returns new ones, so XLA updates each cache buffer in place and hands each
+    weight to its GEMM without a copy.
+
+    Returns (final-normed hidden [B, T, embed], taps or None, k, v, conv, state (tuples over their
+    layers), and for verify the `gdn_tree_mixer` outputs per GDN layer (kept, conv inputs): two
+    tuples, not stacked, as `commit` takes them one layer at a time; None for forward).
     """
     x = embed_lookup(params.embed, tokens)  # vocab-parallel under tp
     cos, sin = rope_tables(positions, cfg.rope, cfg.rotary_dim)
     cache = constrain_cache(cache)
     starts = cache.lengths
     visible = None if tree is None else tree[0]
-    period = cfg.period
-    periods = cfg.num_layers // period
-    pattern = cfg.layer_types[:period]
-    slot = [sum(1 for t in pattern[:j] if t == kind) for j, kind in enumerate(pattern)]  # index within its kind
-    per_attn, per_gdn = pattern.count(FULL), pattern.count(LINEAR)
-    taps = jnp.zeros((len(tap_layers),) + x.shape, x.dtype)
-
-    def body(carry: tuple, _: None) -> tuple[tuple, Any]:
-        x, k_all, v_all, conv_all, state_all, taps, i = carry
-        verified = []
-        for j, kind in enumerate(pattern):
-            lp = _layer(params.layers, i * period + j)
-            h = zero_centred_rms_norm(x, lp.input_norm, cfg.rms_norm_eps)
-            if kind == FULL:
-                idx = i * per_attn + slot[j]
-                with jax.named_scope(ATTENTION_SCOPE):
-                    mix = _layer(params.attn, idx)
-                    out, k_l, v_l = attention_mixer(mix, cfg, h, cos, sin, k_all[idx], v_all[idx], starts, visible,
+    k_all, v_all, conv_all, state_all = list(cache.k), list(cache.v), list(cache.conv), list(cache.state)
+    kept_all, conv_in_all = [], []
+    taps = {}
+    a = g = 0  # index of the next attention / GDN layer within its kind
+    for i, kind in enumerate(cfg.layer_types):
+        lp = params.layers[i]
+        h = zero_centred_rms_norm(x, lp.input_norm, cfg.rms_norm_eps)
+        if kind == FULL:
+            with jax.named_scope(ATTENTION_SCOPE):
+                out, k_all[a], v_all[a] = attention_mixer(params.attn[a], cfg, h, cos, sin, k_all[a], v_all[a],
+                                                          starts, visible, attn_impl)
+            a += 1
+        elif tree is None:
+            with jax.named_scope(GDN_SCOPE):
+                out, conv_all[g], state_all[g] = gdn_mixer(params.gdn[g], cfg, h, conv_all[g], state_all[g], lengths)
+            g += 1
+        else:
+            with jax.named_scope(GDN_SCOPE):
+                out, kept, conv_in = gdn_tree_mixer(params.gdn[g], cfg, h, conv_all[g], state_all[g], *tree,
                                                     attn_impl)
-                    k_all = jax.lax.dynamic_update_index_in_dim(k_all, k_l, idx, 0)
-                    v_all = jax.lax.dynamic_update_index_in_dim(v_all, v_l, idx, 0)
-            elif tree is None:
-                idx = i * per_gdn + slot[j]
-                with jax.named_scope(GDN_SCOPE):
-                    mix = _layer(params.gdn, idx)
-                    out, c_l, s_l = gdn_mixer(mix, cfg, h, conv_all[idx], state_all[idx], lengths)
-                    conv_all = jax.lax.dynamic_update_index_in_dim(conv_all, c_l, idx, 0)
-                    state_all = jax.lax.dynamic_update_index_in_dim(state_all, s_l, idx, 0)
-            else:
-                idx = i * per_gdn + slot[j]
-                with jax.named_scope(GDN_SCOPE):
-                    out, kept, conv_in = gdn_tree_mixer(_layer(params.gdn, idx), cfg, h, conv_all[idx],
-                                                        state_all[idx], *tree, attn_impl)
-                verified.append((kept, conv_in))
-            x = x + out
-            x = x + mlp(lp, zero_centred_rms_norm(x, lp.post_norm, cfg.rms_norm_eps))
-            for n, layer in enumerate(tap_layers):
-                if layer % period == j:
-                    taps = taps.at[n].set(jnp.where(i == layer // period, x, taps[n]))
-        ys = jax.tree.map(lambda *a: jnp.stack(a), *verified) if verified else None
-        return (x, k_all, v_all, conv_all, state_all, taps, i + 1), ys
-
-    carry = (x, cache.k, cache.v, cache.conv, cache.state, taps, jnp.int32(0))
-    (x, k_all, v_all, conv_all, state_all, taps, _), ys = jax.lax.scan(body, carry, None, length=periods)
-    # [periods, per_gdn, ...] -> [n_gdn, ...]: GDN layer i * per_gdn + j, as the cache orders them.
-    ys = None if ys is None else jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), ys)
+            kept_all.append(kept)
+            conv_in_all.append(conv_in)
+            g += 1
+        x = x + out
+        x = x + mlp(lp, zero_centred_rms_norm(x, lp.post_norm, cfg.rms_norm_eps))
+        if i in tap_layers:
+            taps[i] = x
+    ys = None if tree is None else (tuple(kept_all), tuple(conv_in_all))
     hidden = zero_centred_rms_norm(x, params.final_norm, cfg.rms_norm_eps)
     tap_out = None
     if tap_layers:
         # HF's hidden_states[-1] is the final-normed output; the last layer's tap keeps that meaning
         # unless `last_tap_pre_norm` asks for its state before the final norm.
         last = cfg.num_layers - 1
-        tap_out = jnp.concatenate([hidden if t == last and not last_tap_pre_norm else taps[n]
-                                   for n, t in enumerate(tap_layers)], axis=-1)
-    return hidden, tap_out, k_all, v_all, conv_all, state_all, ys
+        tap_out = jnp.concatenate([hidden if t == last and not last_tap_pre_norm else taps[t] for t in tap_layers],
+                                  axis=-1)
+    return hidden, tap_out, tuple(k_all), tuple(v_all), tuple(conv_all), tuple(state_all), ys
 
 
 def forward(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, positions: jax.Array,
@@ -742,7 +734,7 @@ def forward(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, position
     Returns logits, taps and the cache with lengths += the valid new tokens. Rows past a
     sequence's valid tokens give unspecified logits and taps.
     """
-    _check_step("forward", cfg, tokens, positions, cache, tap_layers)
+    _check_step("forward", params, cfg, tokens, positions, cache, tap_layers)
     batch, width = tokens.shape
     if lengths is not None and lengths.shape != (batch,):
         raise ValueError(f"forward: lengths must be [batch] = ({batch},), got {lengths.shape}")
@@ -765,9 +757,9 @@ class Qwen35Verified:
 
     cache:   the committed cache with the W tree nodes' attention K/V written at slots L..L+W-1
              (L = cache.lengths, unchanged); conv and recurrent states as committed
-    kept:    gdn.VerifyKept stacked over the GDN layers: k [n_gdn, B, Hk, W, dk],
-             u [n_gdn, B, Hv, W, dv], decay [n_gdn, B, Hv, W] (float32); None without GDN layers
-    conv_in: [n_gdn, B, W, conv_channels], the nodes' conv inputs; None without GDN layers
+    kept:    per GDN layer a gdn.VerifyKept: k [B, Hk, W, dk], u [B, Hv, W, dv], decay [B, Hv, W]
+             (float32); () without GDN layers
+    conv_in: per GDN layer [B, W, conv_channels], the nodes' conv inputs; () without GDN layers
     parents: [B, W] int32, the tree's parent slots (-1 at the root and padding)
     """
 
@@ -795,7 +787,7 @@ def verify(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, positions
     Returns (logits [B, W, vocab] float32, taps [B, W, len(tap_layers) * embed] or None,
     what `commit` needs).
     """
-    _check_step("verify", cfg, tokens, positions, cache, tap_layers)
+    _check_step("verify", params, cfg, tokens, positions, cache, tap_layers)
     batch, width = tokens.shape
     if visible.shape != (batch, width, width) or visible.dtype != jnp.bool_:
         raise ValueError(f"verify: visible must be bool [batch, W, W] = {(batch, width, width)}, "
@@ -804,7 +796,7 @@ def verify(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, positions
         raise ValueError(f"verify: parents must be [batch, W] = {(batch, width)}, got {parents.shape}")
     hidden, tap_out, k_all, v_all, _, _, ys = _run_layers(params, cfg, tokens, positions, cache, None, tap_layers,
                                                           (visible, parents), attn_impl, last_tap_pre_norm)
-    kept, conv_in = (None, None) if ys is None else ys  # None: no GDN layers
+    kept, conv_in = ys
     written = dataclasses.replace(cache, k=k_all, v=v_all)
     return (logits_from_hidden(params, hidden), tap_out,
             Qwen35Verified(cache=written, kept=kept, conv_in=conv_in, parents=parents.astype(jnp.int32)))
@@ -837,20 +829,19 @@ def commit(verified: Qwen35Verified, path: jax.Array, accepted: jax.Array) -> Hy
     accepted = accepted.astype(jnp.int32)
     starts = cache.lengths
     slots = starts[:, None] + path
-    k = jax.vmap(_compact_rows, in_axes=(0, None, None))(cache.k, slots, starts)
-    v = jax.vmap(_compact_rows, in_axes=(0, None, None))(cache.v, slots, starts)
-    if verified.kept is None:  # no GDN layers
-        return HybridCache(k=k, v=v, conv=cache.conv, state=cache.state, lengths=starts + accepted)
+    k = tuple(_compact_rows(buf, slots, starts) for buf in cache.k)
+    v = tuple(_compact_rows(buf, slots, starts) for buf in cache.v)
     last = jnp.take_along_axis(path, jnp.maximum(accepted - 1, 0)[:, None], axis=1)[:, 0]
     taken = jnp.arange(path.shape[1])[None, :] < jnp.maximum(accepted, 1)[:, None]
     on_path = jnp.any((path[:, :, None] == jnp.arange(width)[None, None, :]) & taken[:, :, None], axis=1)  # [B, W]
-    state = jax.vmap(gdn.commit_state, in_axes=(0, 0, None, None))(cache.state, verified.kept, on_path, last)
-    conv = jax.vmap(gdn.commit_conv_state, in_axes=(0, 0, None, None))(cache.conv, verified.conv_in,
-                                                                       verified.parents, last)
-    moved = (accepted > 0)[None, :, None, None]
-    state = jnp.where(moved[..., None], state.astype(cache.state.dtype), cache.state)
-    conv = jnp.where(moved, conv, cache.conv)
-    return constrain_cache(HybridCache(k=k, v=v, conv=conv, state=state, lengths=starts + accepted))
+    moved = accepted > 0
+    state, conv = [], []
+    for old_state, kept, old_conv, conv_in in zip(cache.state, verified.kept, cache.conv, verified.conv_in):
+        new_state = gdn.commit_state(old_state, kept, on_path, last).astype(old_state.dtype)
+        state.append(jnp.where(moved[:, None, None, None], new_state, old_state))
+        new_conv = gdn.commit_conv_state(old_conv, conv_in, verified.parents, last)
+        conv.append(jnp.where(moved[:, None, None], new_conv, old_conv))
+    return constrain_cache(HybridCache(k=k, v=v, conv=tuple(conv), state=tuple(state), lengths=starts + accepted))
 
 
 forward_jit = jax.jit(forward, static_argnames=("cfg", "tap_layers", "compute_logits", "attn_impl", "last_tap_pre_norm"),

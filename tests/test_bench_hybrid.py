@@ -31,10 +31,11 @@ def test_state_at_ctx_holds_random_kv_and_gdn_states(pair):
     state = sr.make_state(cfg, dcfg, CTX, MAX_LEN, 32, jnp.float32)
     cache = state.cache
     assert isinstance(cache, HybridCache)
-    assert cache.k.shape == (len(cfg.attn_layers), 1, MAX_LEN, cfg.num_kv_heads, cfg.head_dim)
-    assert cache.state.shape == (len(cfg.gdn_layers), 1, cfg.gdn_value_heads, cfg.gdn_key_dim, cfg.gdn_value_dim)
+    assert [x.shape for x in cache.k] == [(1, MAX_LEN, cfg.num_kv_heads, cfg.head_dim)] * len(cfg.attn_layers)
+    assert [x.shape for x in cache.state] == [(1, cfg.gdn_value_heads, cfg.gdn_key_dim,
+                                               cfg.gdn_value_dim)] * len(cfg.gdn_layers)
     assert int(cache.lengths[0]) == CTX and int(state.draft_cache.lengths[0]) == CTX
-    for x in (cache.k, cache.conv, cache.state):
+    for x in cache.k + cache.conv + cache.state:
         assert float(jnp.std(x)) > 0.05  # random, not the zeros a fresh cache holds
     # GDN layers differ from one another, so a rollback that mixed layers up would show.
     assert not np.allclose(cache.state[0], cache.state[1])
@@ -63,7 +64,8 @@ def test_one_round_commits_what_a_forward_over_the_emitted_tokens_gives(pair, me
     np.testing.assert_allclose(after.cache.state, ref.cache.state, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(after.cache.conv, ref.cache.conv, rtol=1e-5, atol=1e-5)
     end = CTX + produced
-    np.testing.assert_allclose(after.cache.k[:, :, :end], ref.cache.k[:, :, :end], rtol=1e-5, atol=1e-5)
+    for got, want in zip(after.cache.k, ref.cache.k):
+        np.testing.assert_allclose(got[:, :end], want[:, :end], rtol=1e-5, atol=1e-5)
 
 
 def test_rows_of_ar_rounds_and_prefill(pair):

@@ -71,13 +71,13 @@ def test_qwen35_head_loads_into_our_layout(hybrid_with_head, capsys):
     np.testing.assert_array_equal(np.asarray(mp.fc[1]), fc[:, e:].T)
     np.testing.assert_array_equal(np.asarray(mp.norm_hidden), head["mtp.pre_fc_norm_hidden.weight"])
     common, attn = mp.layer
-    np.testing.assert_array_equal(np.asarray(common.gate_up[0, :, 0]), head["mtp.layers.0.mlp.gate_proj.weight"].T)
-    np.testing.assert_array_equal(np.asarray(common.gate_up[0, :, 1]), head["mtp.layers.0.mlp.up_proj.weight"].T)
+    np.testing.assert_array_equal(np.asarray(common.gate_up[:, 0]), head["mtp.layers.0.mlp.gate_proj.weight"].T)
+    np.testing.assert_array_equal(np.asarray(common.gate_up[:, 1]), head["mtp.layers.0.mlp.up_proj.weight"].T)
     q = head["mtp.layers.0.self_attn.q_proj.weight"].reshape(qh, 2, hd, e)  # per head: query, then gate
-    np.testing.assert_array_equal(np.asarray(attn.q[0, :, 1, 0]), q[1, 0].T)
-    np.testing.assert_array_equal(np.asarray(attn.q[0, :, 2, 1]), q[2, 1].T)
+    np.testing.assert_array_equal(np.asarray(attn.q[:, 1, 0]), q[1, 0].T)
+    np.testing.assert_array_equal(np.asarray(attn.q[:, 2, 1]), q[2, 1].T)
     o = head["mtp.layers.0.self_attn.o_proj.weight"]
-    np.testing.assert_array_equal(np.asarray(attn.o[0, 3]), o[:, 3 * hd:4 * hd].T)
+    np.testing.assert_array_equal(np.asarray(attn.o[3]), o[:, 3 * hd:4 * hd].T)
     # The target beside it still loads, with the head's tensors counted as skipped.
     load_qwen35(path)
     assert f"mtp.* ({len(QWEN35_MTP_NAMES)})" in capsys.readouterr().err

@@ -157,7 +157,7 @@ def test_bfloat16_load(saved):
     cfg, params = load_qwen35(path, dtype=jnp.bfloat16)
     assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
     ref = torch.from_numpy(load_file(str(path / "model.safetensors"))["model.layers.1.linear_attn.A_log"])
-    np.testing.assert_array_equal(np.asarray(params.gdn.a_log[0], np.float32), ref.bfloat16().float().numpy())
+    np.testing.assert_array_equal(np.asarray(params.gdn[0].a_log, np.float32), ref.bfloat16().float().numpy())
 
 
 def test_index_file_path_and_tied_lm_head_copy(saved, tmp_path):
@@ -259,10 +259,13 @@ def test_loading_onto_a_mesh_places_the_same_params(saved, name):
         for (where, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(ref)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(where))
         hk = cfg.gdn_key_heads // tp
-        assert {x.data.shape for x in got.gdn.qkv.addressable_shards} == {
-            (len(cfg.gdn_layers), cfg.hidden_size, hk, cfg.conv_head_channels)}
-        assert {x.data.shape for x in got.attn.q.addressable_shards} == {
-            (len(cfg.attn_layers), cfg.hidden_size, cfg.num_heads // tp, 2, cfg.head_dim)}
+        assert len(got.gdn) == len(cfg.gdn_layers) and len(got.attn) == len(cfg.attn_layers)
+        for mixer in got.gdn:
+            assert {x.data.shape for x in mixer.qkv.addressable_shards} == {
+                (cfg.hidden_size, hk, cfg.conv_head_channels)}
+        for mixer in got.attn:
+            assert {x.data.shape for x in mixer.q.addressable_shards} == {
+                (cfg.hidden_size, cfg.num_heads // tp, 2, cfg.head_dim)}
 
 
 def test_a_mesh_the_gdn_heads_do_not_divide_is_named(saved):

@@ -152,7 +152,7 @@ def test_export_writes_both_schemas_and_loads_in_the_reference(tmp_path):
 
 def test_shapes_hold_the_hybrids_and_dense_tools_refuse_them():
     big = SHAPES["qwen3.6-27b"]
-    assert (big.num_layers, len(big.gdn_layers), len(big.attn_layers), big.period) == (64, 48, 16, 4)
+    assert (big.num_layers, len(big.gdn_layers), len(big.attn_layers)) == (64, 48, 16)
     assert (big.hidden_size, big.head_dim, big.rotary_dim, big.gdn_value_heads) == (5120, 256, 64, 48)
     tiny = SHAPES["tiny-hybrid"]
     assert tiny.gdn_key_heads < tiny.gdn_value_heads and tiny.num_layers == 8

@@ -56,12 +56,12 @@ def check_head_is_sharded(mparams: mtp.MTPParams, cfg, tp: int) -> None:
     split_kv = cfg.num_kv_heads % tp == 0
     if mtp.is_hybrid(cfg):
         common, attn = mparams.layer
-        assert attn.q.sharding.spec == P(None, None, TP, None, None)  # [1, embed, q_heads, 2, head_dim]
-        assert attn.k.sharding.spec == P(None, None, TP if split_kv else None, None)
-        assert attn.o.sharding.spec == P(None, TP, None, None)
-        assert common.gate_up.sharding.spec == P(None, None, None, TP)
-        assert common.down.sharding.spec == P(None, TP, None)
-        assert {s.data.shape for s in common.down.addressable_shards} == {(1, cfg.intermediate_size // tp,
+        assert attn.q.sharding.spec == P(None, TP, None, None)  # [embed, q_heads, 2, head_dim]
+        assert attn.k.sharding.spec == P(None, TP if split_kv else None, None)
+        assert attn.o.sharding.spec == P(TP, None, None)
+        assert common.gate_up.sharding.spec == P(None, None, TP)
+        assert common.down.sharding.spec == P(TP, None)
+        assert {s.data.shape for s in common.down.addressable_shards} == {(cfg.intermediate_size // tp,
                                                                            cfg.hidden_size)}
     else:
         lp = mparams.layer

@@ -254,10 +254,9 @@ def test_hybrid_head_from_target_copies_the_last_full_attention_layer():
     cfg, params = hybrid_target("interval4")
     head = mtp.head_from_target(params, cfg, jax.random.key(1))
     common, attn = head.layer
-    for got, want in ((common, jax.tree.map(lambda a: a[-1], params.layers)),
-                      (attn, jax.tree.map(lambda a: a[-1], params.attn))):
+    for got, want in ((common, params.layers[-1]), (attn, params.attn[-1])):
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-            np.testing.assert_array_equal(np.asarray(g[0]), np.asarray(w))
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     cfg5, params5 = hybrid_target("aperiodic")  # its last layer is a GDN layer
     with pytest.raises(ValueError, match="layer 4 is 'linear_attention'"):
         mtp.head_from_target(params5, cfg5, jax.random.key(1))

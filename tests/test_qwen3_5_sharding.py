@@ -96,8 +96,10 @@ def test_ar_and_prefill_equal_single_device(dp, tp):
     mesh = sh.make_mesh(dp, tp)
     sharded = placed(params, cfg, mesh)
     g = cfg.gdn_key_heads // tp
-    assert local_shapes(sharded.gdn.qkv) == {(6, 32, g, cfg.conv_head_channels)}  # 6 GDN layers
-    assert local_shapes(sharded.gdn.out) == {(6, 2 * g, cfg.gdn_value_dim, 32)}
+    assert len(sharded.gdn) == 6
+    for mixer in sharded.gdn:
+        assert local_shapes(mixer.qkv) == {(32, g, cfg.conv_head_channels)}
+        assert local_shapes(mixer.out) == {(2 * g, cfg.gdn_value_dim, 32)}
     with sh.use_mesh(mesh):
         logits = jax.jit(prefill_logits, static_argnums=1)(sharded, cfg, arr, lens)
         got = token_lists(*q35.generate(sharded, cfg, arr, lens, jax.random.key(0), max_new_tokens=NEW,
@@ -139,8 +141,8 @@ def test_one_all_reduce_per_row_parallel_projection_and_no_gather():
     with sh.use_mesh(mesh):
         hlo = jax.jit(prefill_logits, static_argnums=1).lower(sharded, cfg, arr, lens).compile().as_text()
     counts = sh.collectives(hlo)
-    # The scan body holds one period of 4 layers: 2 all-reduces each, + 1 for the embedding.
-    assert counts["all-reduce"] == 2 * cfg.period + 1, counts
+    # 2 all-reduces per layer, + 1 for the embedding.
+    assert counts["all-reduce"] == 2 * cfg.num_layers + 1, counts
     assert sum(counts.values()) == counts["all-reduce"], counts
 
 
@@ -153,13 +155,14 @@ def test_init_and_cache_shardings():
                                   jax.tree.leaves(ref)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=path)
     assert local_shapes(params.embed) == {(VOCAB // 2, 32)}
-    assert local_shapes(params.gdn.conv) == {(6, cfg.conv_kernel, 2, cfg.conv_head_channels)}
+    assert [local_shapes(m.conv) for m in params.gdn] == [{(cfg.conv_kernel, 2, cfg.conv_head_channels)}] * 6
     shard = q35.cache_shardings(cfg, 4, MAX_LEN, mesh)
     cache = q35.HybridCache.create(cfg, 4, MAX_LEN)
-    shapes = {name: shard.__dict__[name].shard_shape(getattr(cache, name).shape)
-              for name in ("k", "v", "conv", "state", "lengths")}
-    assert shapes == {"k": (2, 2, MAX_LEN, 1, 16), "v": (2, 2, MAX_LEN, 1, 16),
-                      "conv": (6, 2, 3, cfg.conv_channels // 2), "state": (6, 2, 4, 8, 6), "lengths": (2,)}
+    shapes = {name: [s.shard_shape(x.shape) for s, x in zip(getattr(shard, name), getattr(cache, name))]
+              for name in ("k", "v", "conv", "state")}
+    assert shapes == {"k": [(2, MAX_LEN, 1, 16)] * 2, "v": [(2, MAX_LEN, 1, 16)] * 2,
+                      "conv": [(2, 3, cfg.conv_channels // 2)] * 6, "state": [(2, 4, 8, 6)] * 6}
+    assert shard.lengths.shard_shape(cache.lengths.shape) == (2,)
 
 
 def test_heads_that_do_not_divide_are_errors():

@@ -9,6 +9,7 @@ length (and, for DDTree, paths through non-first children) occurs.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -56,7 +57,7 @@ def tiny_params(cfg: q35.Qwen35Config, seed: int) -> q35.Qwen35Params:
     return jax.tree.unflatten(treedef, out)
 
 
-# Qwen3.5's period of 3 GDN + 1 attention (scanned twice), and an aperiodic pattern with a tied head.
+# Qwen3.5's pattern of 3 GDN + 1 attention (twice), and an irregular pattern with a tied head.
 TARGETS = {
     "interval4": ((L_, L_, L_, F_) * 2, False),
     "aperiodic": ((F_, L_, F_, L_, L_), True),
@@ -205,7 +206,8 @@ def test_tree_commit_equals_forward_along_the_accepted_path(name):
         if trial == 0:
             kept = q35.commit(verified, jnp.asarray(path), jnp.asarray([0, accepted[1], 0]))
             for field in ("state", "conv"):
-                got, was = np.asarray(getattr(kept, field)), np.asarray(getattr(cache0, field))
+                got = np.stack([np.asarray(x) for x in getattr(kept, field)])  # [GDN layers, batch, ...]
+                was = np.stack([np.asarray(x) for x in getattr(cache0, field)])
                 np.testing.assert_array_equal(got[:, [0, 2]], was[:, [0, 2]])
                 assert np.abs(got[:, 1] - was[:, 1]).max() > 1e-3  # the middle one did move
             np.testing.assert_array_equal(np.asarray(kept.lengths), np.asarray(cache0.lengths) + [0, accepted[1], 0])
@@ -222,6 +224,12 @@ def test_verify_and_commit_bad_arguments():
         q35.verify(params, cfg, tree.tokens, pos, tree.visible, tree.parents[:, :3], cache)
     with pytest.raises(ValueError, match="positions must be"):
         q35.verify(params, cfg, tree.tokens, pos[:, :2], tree.visible, tree.parents, cache)
+    # Params or a cache of another layer pattern: named, not an index error deep in the layer loop.
+    fewer = q35.HybridCache.create(dataclasses.replace(cfg, layer_types=cfg.layer_types[:4]), 2, 32)
+    with pytest.raises(ValueError, match="verify: cache.k holds 1 layers; the config has 2 attention layers"):
+        q35.verify(params, cfg, tree.tokens, pos, tree.visible, tree.parents, fewer)
+    with pytest.raises(ValueError, match="forward: params.gdn holds 5 layers; the config has 6 GDN layers"):
+        q35.forward(dataclasses.replace(params, gdn=params.gdn[:-1]), cfg, tree.tokens, pos, cache)
     _, _, verified = q35.verify(params, cfg, tree.tokens, pos, tree.visible, tree.parents, cache)
     with pytest.raises(ValueError, match="accepted must be"):
         q35.commit(verified, jnp.zeros((2, 4), jnp.int32), jnp.ones((3,), jnp.int32))

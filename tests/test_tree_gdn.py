@@ -289,7 +289,7 @@ def test_hybrid_verify_through_the_interpreted_kernel():
     cache = qwen3_5.HybridCache.create(cfg, batch, 32)
     cache = dataclasses.replace(
         cache, lengths=jnp.full((batch,), ctx, jnp.int32),
-        **{name: jnp.asarray(rng.standard_normal(getattr(cache, name).shape) * 0.3, jnp.float32)
+        **{name: tuple(jnp.asarray(rng.standard_normal(x.shape) * 0.3, jnp.float32) for x in getattr(cache, name))
            for name in ("k", "v", "conv", "state")})
     parents = np.stack([random_tree(rng, width, 1) for _ in range(batch)])
     visible = np.stack([visible_of(p) for p in parents])

@@ -60,7 +60,7 @@ def random_hybrid_cache(cfg: Qwen35Config, batch: int, max_len: int, ctx: int, d
     n_attn = len(cfg.attn_layers)
     k, v = layer_buffers(jax.random.key(1), (batch, max_len, cfg.num_kv_heads, cfg.head_dim), n_attn, dtype)
     empty = HybridCache.create(cfg, batch, 1, dtype)
-    return HybridCache(k=jnp.stack(k), v=jnp.stack(v), conv=empty.conv, state=empty.state,
+    return HybridCache(k=tuple(k), v=tuple(v), conv=empty.conv, state=empty.state,
                        lengths=jnp.full((batch,), ctx, jnp.int32))
 
 

@@ -111,10 +111,10 @@ def random_target_cache(cfg, max_len: int, ctx: int, dtype) -> KVCache | HybridC
     if not isinstance(cfg, Qwen35Config):
         return random_cache(cfg, 1, max_len, ctx, dtype)
     cache = random_hybrid_cache(cfg, 1, max_len, ctx, dtype)
-    k_conv, k_state = jax.random.split(jax.random.key(6))
-    conv = jax.random.normal(k_conv, cache.conv.shape, cache.conv.dtype)
+    keys = jax.random.split(jax.random.key(6), 2 * len(cache.conv)).reshape(2, -1)
+    conv = tuple(jax.random.normal(k, c.shape, c.dtype) for k, c in zip(keys[0], cache.conv))
     # A recurrent state sums rank-one updates beta v k^T with unit-norm k: entries of v's scale / sqrt(dk).
-    state = jax.random.normal(k_state, cache.state.shape, cache.state.dtype) * cfg.gdn_key_dim ** -0.5
+    state = tuple(jax.random.normal(k, s.shape, s.dtype) * cfg.gdn_key_dim ** -0.5 for k, s in zip(keys[1], cache.state))
     return dataclasses.replace(cache, conv=conv, state=state)
 
 
@@ -286,8 +286,8 @@ def _timed_rounds(target, dparams, cfg, dcfg, s, state, profile: bool, rounds: i
     finite = all(bool(jnp.isfinite(x.astype(jnp.float32)).all()) for x in (cache.k[-1], cache.v[-1]))
     extra = {"compile_s": compile_s, "rounds_per_call": rounds, "profile": where, "kv_finite": finite}
     if isinstance(cache, HybridCache):  # the GDN states the commit rolled back
-        extra["gdn_state_finite"] = bool(jnp.isfinite(cache.state).all() & jnp.isfinite(
-            cache.conv.astype(jnp.float32)).all())
+        extra["gdn_state_finite"] = all(bool(jnp.isfinite(x.astype(jnp.float32)).all())
+                                        for x in cache.state + cache.conv)
     if clocks:
         extra["clocks"] = sampler.summary
     return t["median_ms"] / rounds, rnd, call_rounds, extra
