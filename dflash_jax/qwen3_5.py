@@ -35,7 +35,7 @@ attention kernel, per (dp, tp) shard in a shard_map under a mesh).
 `load_qwen35(mesh=)` and `init_params(mesh=)` place each weight straight on its shards;
 `check_tp` names the numbers that do not divide.
 
-Imports only the stable low modules (params, config, rope, gdn, sampling, sharding).
+Imports only the stable low modules (params, config, rope, gdn, sampling, sharding, kv_cache).
 """
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ import jax.numpy as jnp
 
 from dflash_jax import gdn
 from dflash_jax.config import ConfigError, RopeConfig, rope_from_hf
+from dflash_jax.kv_cache import gather_rows, write_rows
 # Tensor parallelism splits GDN key and value heads (and with them the conv channels, which are
 # key-head-major, and the recurrent states) over tp.
 from dflash_jax.params import (EMBED, GDN_CONV, GDN_K_HEADS, GDN_V_HEADS, HEAD_DIM, KV_HEADS, MLP, Q_HEADS, VOCAB,
@@ -492,17 +493,6 @@ def _partial_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([rot.astype(x.dtype), x[..., rd:]], axis=-1)
 
 
-def _write_rows(buffer: jax.Array, rows: jax.Array, starts: jax.Array) -> jax.Array:
-    """buffer [B, max_len, ...] with rows [B, W, ...] at slots starts[b] .. starts[b] + W - 1.
-
-    Callers keep starts + W <= max_len (dynamic_update_slice would clamp the start silently).
-    """
-    def one(buf: jax.Array, row: jax.Array, start: jax.Array) -> jax.Array:
-        return jax.lax.dynamic_update_slice_in_dim(buf, row.astype(buf.dtype), start, axis=0)
-
-    return jax.vmap(one)(buffer, rows, starts)
-
-
 def mlp(lp: LayerCommon, h: jax.Array) -> jax.Array:
     """SwiGLU: h [B, T, embed] with one layer's gate_up [embed, 2, mlp] and down [mlp, embed]."""
     gu = _dot("bte,ecm->btcm", h, lp.gate_up)
@@ -531,7 +521,7 @@ def attention_mixer(p: AttnMixer, cfg: Qwen35Config, h: jax.Array, cos: jax.Arra
     k, v = constrain(k, (BATCH, None, KV_HEADS, None)), constrain(v, (BATCH, None, KV_HEADS, None))
     q = _partial_rope(zero_centred_rms_norm(q, p.q_norm, cfg.rms_norm_eps), cos, sin)
     k = _partial_rope(zero_centred_rms_norm(k, p.k_norm, cfg.rms_norm_eps), cos, sin)
-    k_buf, v_buf = _write_rows(k_buf, k, starts), _write_rows(v_buf, v, starts)
+    k_buf, v_buf = write_rows(k_buf, k, starts), write_rows(v_buf, v, starts)
     # Only the softmax(q k^T + mask) v core is the shared tree attention (q head h reads kv head
     # h // group, transformers' repeat_kv); the norms, the partial RoPE and the output gate stay here.
     out = attention(q, k_buf, v_buf, starts, visible, impl=attn_impl).astype(jnp.float32)
@@ -633,15 +623,14 @@ class Qwen35Output:
 
 def _check_step(fn: str, params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, positions: jax.Array,
                 cache: HybridCache, tap_layers: tuple[int, ...]) -> None:
-    counts = {"attention": len(cfg.attn_layers), "GDN": len(cfg.gdn_layers)}
-    for what, have, kind in (("params.layers", len(params.layers), None), ("params.attn", len(params.attn), "attention"),
-                             ("params.gdn", len(params.gdn), "GDN"), ("cache.k", len(cache.k), "attention"),
-                             ("cache.v", len(cache.v), "attention"), ("cache.conv", len(cache.conv), "GDN"),
-                             ("cache.state", len(cache.state), "GDN")):
-        want = cfg.num_layers if kind is None else counts[kind]
-        if have != want:
-            raise ValueError(f"{fn}: {what} holds {have} layers; the config has {want}"
-                             + ("" if kind is None else f" {kind} layers"))
+    layers = (cfg.num_layers, "")  # (layers the config has, how the error names them)
+    attn, gdn_ = (len(cfg.attn_layers), " attention layers"), (len(cfg.gdn_layers), " GDN layers")
+    for what, have, (want, kind) in (("params.layers", params.layers, layers), ("params.attn", params.attn, attn),
+                                     ("params.gdn", params.gdn, gdn_), ("cache.k", cache.k, attn),
+                                     ("cache.v", cache.v, attn), ("cache.conv", cache.conv, gdn_),
+                                     ("cache.state", cache.state, gdn_)):
+        if len(have) != want:
+            raise ValueError(f"{fn}: {what} holds {len(have)} layers; the config has {want}{kind}")
     batch, width = tokens.shape
     if positions.shape != (batch, width):
         raise ValueError(f"{fn}: positions must be [batch, T] = {(batch, width)}, got {positions.shape}")
@@ -802,12 +791,6 @@ def verify(params: Qwen35Params, cfg: Qwen35Config, tokens: jax.Array, positions
             Qwen35Verified(cache=written, kept=kept, conv_in=conv_in, parents=parents.astype(jnp.int32)))
 
 
-def _compact_rows(buffer: jax.Array, slots: jax.Array, starts: jax.Array) -> jax.Array:
-    """buffer [B, max_len, ...]: rows at slots [B, n] copied to starts[b] .. starts[b] + n - 1."""
-    rows = jnp.take_along_axis(buffer, slots.reshape(slots.shape + (1,) * (buffer.ndim - 2)), axis=1)
-    return _write_rows(buffer, rows, starts)
-
-
 def commit(verified: Qwen35Verified, path: jax.Array, accepted: jax.Array) -> HybridCache:
     """The cache after the accepted root..last path of a verified tree, per sequence, exactly.
 
@@ -829,8 +812,9 @@ def commit(verified: Qwen35Verified, path: jax.Array, accepted: jax.Array) -> Hy
     accepted = accepted.astype(jnp.int32)
     starts = cache.lengths
     slots = starts[:, None] + path
-    k = tuple(_compact_rows(buf, slots, starts) for buf in cache.k)
-    v = tuple(_compact_rows(buf, slots, starts) for buf in cache.v)
+    # The path's K/V rows to slots L..L+P-1, as the dense target's commit moves them without its kernel.
+    k = tuple(write_rows(buf, gather_rows(buf, slots), starts) for buf in cache.k)
+    v = tuple(write_rows(buf, gather_rows(buf, slots), starts) for buf in cache.v)
     last = jnp.take_along_axis(path, jnp.maximum(accepted - 1, 0)[:, None], axis=1)[:, 0]
     taken = jnp.arange(path.shape[1])[None, :] < jnp.maximum(accepted, 1)[:, None]
     on_path = jnp.any((path[:, :, None] == jnp.arange(width)[None, None, :]) & taken[:, :, None], axis=1)  # [B, W]
