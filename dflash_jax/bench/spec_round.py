@@ -517,45 +517,42 @@ def main() -> None:
 
     rows: list[dict] = []
     prefills: list[dict] = []  # their own table: a prefill is no round
-    for layout in ("decoding",):
-        target = init_target(cfg, jax.random.key(0), dtype)
-        log("target weights drawn")
-        first = len(rows)
-        for ctx in args.ctx:
-            rows.append(bench_ar(target, cfg, ctx, max_len, profile, args.kernel_table))
-            for (s, impl, r, dm, cb, xo), (dl, dp) in itertools.product(variants(method="dflash"), drafters.items()):
-                row = bench_or_report(target, cfg, dp, dcfg, s, ctx, max_len, profile, args.dump_hlo, r,
-                                      dm, args.kernel_table, cb, xla_options=xo, impl=impl)
+    target = init_target(cfg, jax.random.key(0), dtype)
+    log("target weights drawn")
+    for ctx in args.ctx:
+        rows.append(bench_ar(target, cfg, ctx, max_len, profile, args.kernel_table))
+        for (s, impl, r, dm, cb, xo), (dl, dp) in itertools.product(variants(method="dflash"), drafters.items()):
+            row = bench_or_report(target, cfg, dp, dcfg, s, ctx, max_len, profile, args.dump_hlo, r,
+                                  dm, args.kernel_table, cb, xla_options=xo, impl=impl)
+            if row:
+                row["draft_layout"] = dl
+                rows.append(row)
+        mtp_methods = ([dict(method="mtp", mtp_steps=k) for k in args.mtp_steps]
+                       + [dict(method="mtp", mtp_steps=max(args.mtp_steps), budget=b) for b in args.mtp_budgets])
+        for method in mtp_methods:
+            for s, impl, r, dm, cb, xo in variants(**method):
+                row = bench_or_report(target, cfg, mtp_params, mtp_cfg, s, ctx, max_len, profile, args.dump_hlo,
+                                      r, dm, args.kernel_table, cb, xla_options=xo, impl=impl)
                 if row:
-                    row["draft_layout"] = dl
+                    row["draft_layout"] = "mtp"
                     rows.append(row)
-            mtp_methods = ([dict(method="mtp", mtp_steps=k) for k in args.mtp_steps]
-                           + [dict(method="mtp", mtp_steps=max(args.mtp_steps), budget=b) for b in args.mtp_budgets])
-            for method in mtp_methods:
-                for s, impl, r, dm, cb, xo in variants(**method):
-                    row = bench_or_report(target, cfg, mtp_params, mtp_cfg, s, ctx, max_len, profile, args.dump_hlo,
-                                          r, dm, args.kernel_table, cb, xla_options=xo, impl=impl)
-                    if row:
-                        row["draft_layout"] = "mtp"
-                        rows.append(row)
-        for b in args.budgets:
-            for (s, impl, r, dm, cb, xo), (dl, dp) in itertools.product(variants(method="ddtree", budget=b),
-                                                                        drafters.items()):
-                row = bench_or_report(target, cfg, dp, dcfg, s, args.ddtree_ctx, max_len, profile,
-                                      args.dump_hlo, r, dm, args.kernel_table, cb, xla_options=xo,
-                                      timeline=args.timeline, clocks=args.clocks, impl=impl)
-                if row:
-                    row["draft_layout"] = dl
-                    rows.append(row)
-        for row in rows[first:]:
-            row["layout"] = layout
-        if timers:  # before the target goes: the kept programs read it
-            interleaved_medians(timers, args.interleave)
-            timers.clear()
-        for n in args.prefill:
-            prefills.append(bench_prefill(target, cfg, dcfg, n))
-        write_json(args.out, {"env": env, "rows": rows, "prefill": prefills})
-        del target
+    for b in args.budgets:
+        for (s, impl, r, dm, cb, xo), (dl, dp) in itertools.product(variants(method="ddtree", budget=b),
+                                                                    drafters.items()):
+            row = bench_or_report(target, cfg, dp, dcfg, s, args.ddtree_ctx, max_len, profile,
+                                  args.dump_hlo, r, dm, args.kernel_table, cb, xla_options=xo,
+                                  timeline=args.timeline, clocks=args.clocks, impl=impl)
+            if row:
+                row["draft_layout"] = dl
+                rows.append(row)
+    for row in rows:
+        row["layout"] = "decoding"
+    if timers:  # the kept programs, timed in turns
+        interleaved_medians(timers, args.interleave)
+        timers.clear()
+    for n in args.prefill:
+        prefills.append(bench_prefill(target, cfg, dcfg, n))
+    write_json(args.out, {"env": env, "rows": rows, "prefill": prefills})
     print(f"\n{env['device']}, jax {env['jax']}, {args.model} target + {dcfg.num_layers}-layer drafter, "
           f"{dtype.name}, batch 1")
     print_rounds(rows)
