@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Literal, get_args
+from typing import Callable, Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.powers_of_two import is_power_of_two
+from pallas_kernels.powers_of_two import is_power_of_two, next_power_of_two
 
 # "auto" (kernel on a GPU without a mesh, else reference), "pallas" (the kernel), "reference"
 # (jnp), "interpret" (the kernel in Pallas' interpreter, for CPU tests).
@@ -123,52 +123,71 @@ def tree_gdn_reference(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array
 # Block sizes
 # --------------------------------------------------------------------------------------------
 
+# The float32 dots' input precision: "ieee" (CUDA-core FMAs) or "tf32x3" (each dot as three
+# TF32 tensor-core products, hi*hi + hi*lo + lo*hi, about 2^-21 relative error per product).
+DotPrecision = Literal["ieee", "tf32x3"]
+PRECISIONS: tuple[str, ...] = get_args(DotPrecision)
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tiling of the kernel.
+    """Tiling of the two kernels.
 
-    block: rows per step (a power of two >= 16); W is padded to a multiple of it.
-    block_v: value columns per program (a power of two >= 16 dividing dv). The solve and the
-      outputs are independent column by column, so programs of one head may split dv, each
-      recomputing the head's Gram matrices and diagonal inverses for its columns.
+    block: rows per block (a power of two >= 16); W is padded to a multiple of it. W <= block
+      runs the block kernel alone.
+    block_v: value columns per step of the block kernel and per program of the substitution (a
+      power of two >= 16 dividing dv): the substitution is independent column by column.
+    num_warps, num_stages: Triton's, for both kernels.
+    precision: the dots' input precision (``PRECISIONS``).
     """
     block: int
     block_v: int
     num_warps: int
     num_stages: int
+    precision: DotPrecision
 
 
 # Programs that count as filling an H200's 132 SMs.
 _FULL_GRID = 128
+_MAX_BLOCK = 64
 
 
 def default_block_sizes(batch: int, value_heads: int, width: int, dk: int, dv: int) -> BlockSizes:
     """Block sizes for a shape (chosen from the work per step; not tuned on a GPU yet).
 
-    block: 16 rows for W <= 16 (one step, nothing padded past Triton's minimum), else 32: the
-    diagonal solve is `block` sequential steps over a block x block tile and the off-diagonal
-    work (W / block)^2 / 2 steps of three small dots; 32 keeps both moderate for W = 17 to 513.
-    block_v: dv split until the grid has _FULL_GRID programs (down to 32 columns): batch 1 at
-    48 value heads has 48 programs of whole heads, which would leave most of an H200's SMs idle.
-    Shared memory per program is a few [block, dk] float32 tiles and the [dk, block_v] state tile
-    (64 KB at 128 x 128), within an sm_86 block's 99 KB. 8 warps for a 128-column state tile,
-    else 4.
+    block: W's next power of two from 16 to 64. Up to 64 nodes the block kernel alone does the
+    chunk in one launch; past it, 64 keeps the substitution's serial chain at W / 64 steps
+    (5 at W = 257) while the block inverse's log2(64) = 6 levels of [64, 64] dots stay small
+    against the block's Gram products. block_v: dv split until the substitution's grid has
+    _FULL_GRID programs (down to 32 columns): batch 1 at 48 value heads has 48 programs of whole
+    heads, which would leave most of an H200's SMs idle. TF32x3 dots: IEEE float32 dots run on
+    CUDA cores at a fraction of the tensor cores' rate.
     """
-    block = _MIN_BLOCK if width <= _MIN_BLOCK else 32
+    del dk
+    block = min(_MAX_BLOCK, max(_MIN_BLOCK, next_power_of_two(width)))
     block_v = dv
     while batch * value_heads * (dv // block_v) < _FULL_GRID and block_v > 32:
         block_v //= 2
-    return BlockSizes(block=block, block_v=block_v, num_warps=8 if block_v >= 128 else 4, num_stages=1)
+    return BlockSizes(block=block, block_v=block_v, num_warps=4, num_stages=1, precision="tf32x3")
 
 
 # --------------------------------------------------------------------------------------------
-# Kernel
+# Kernels
 # --------------------------------------------------------------------------------------------
 
-def _dot(x: jax.Array, y: jax.Array, contract_y: int) -> jax.Array:
-    """x @ y (contract_y 0) or x @ y^T (contract_y 1) in float32 at IEEE precision."""
-    return lax.dot_general(x, y, (((1,), (contract_y,)), ((), ())), precision=_HI,
-                           preferred_element_type=jnp.float32)
+Dot = Callable[[jax.Array, jax.Array, int], jax.Array]
+
+
+def _dot_fn(precision: DotPrecision, interpret: bool) -> Dot:
+    """x @ y (contract_y 0) or x @ y^T (contract_y 1) with float32 accumulation. The interpreter
+    runs every dot at HIGHEST: XLA's CPU backend computes in float32 whatever the algorithm."""
+    algorithm = _HI if interpret or precision == "ieee" else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+
+    def dot(x: jax.Array, y: jax.Array, contract_y: int) -> jax.Array:
+        return lax.dot_general(x, y, (((1,), (contract_y,)), ((), ())), precision=algorithm,
+                               preferred_element_type=jnp.float32)
+
+    return dot
 
 
 def _masked_decay(g_rows: jax.Array, g_cols: jax.Array, seen: jax.Array) -> jax.Array:
@@ -177,30 +196,84 @@ def _masked_decay(g_rows: jax.Array, g_cols: jax.Array, seen: jax.Array) -> jax.
     return jnp.where(seen, jnp.exp(jnp.where(seen, g_rows[:, None] - g_cols[None, :], 0.0)), 0.0)
 
 
-def _unit_lower_inverse(a: jax.Array, rows: jax.Array, cols: jax.Array) -> jax.Array:
-    """(I + a)^-1 for a strictly lower triangular [n, n] tile, by forward substitution.
+def _unit_lower_inverse(a: jax.Array, rows: jax.Array, cols: jax.Array, dot: Dot) -> jax.Array:
+    """(I + a)^-1 for a strictly lower triangular [n, n] tile (n a power of two), by blockwise
+    doubling: with T the inverse's diagonal blocks of size s, the blocks of size 2s are
 
-    Row r of X = (I + a)^-1 is e_r - sum_{s < r} a[r, s] X[s]: rows above r are final when row r
-    is made, and a[r, s] = 0 for s >= r, so the sum may run over every row. Stable for any a
+        [[T11, 0], [-T22 a21 T11, T22]] = T - T E T,  E = a's [s, s] blocks below T's diagonal
+                                                          inside each [2s, 2s] diagonal block,
+
+    log2(n) levels of two [n, n] dots, against n dependent masked row reductions for forward
+    substitution. Every product is of blocks of the true inverse, so nothing grows beyond it
     (unlike the product of (I + a^(2^m)) factors, whose powers grow like binomials when keys
     align and gates are near 1).
     """
     n = a.shape[0]
-    eye = jnp.where(rows == cols, 1.0, 0.0).astype(jnp.float32)
+    inverse = jnp.where(rows == cols, 1.0, 0.0).astype(jnp.float32)
+    size = 1
+    while size < n:
+        # Row in the lower half and column in the upper half of the same [2s, 2s] block.
+        below = ((rows ^ cols) < 2 * size) & ((rows & size) != 0) & ((cols & size) == 0)
+        inverse = inverse - dot(inverse, dot(jnp.where(below, a, 0.0), inverse, 0), 0)
+        size *= 2
+    return inverse
 
-    def step(r, x):
-        a_r = jnp.sum(jnp.where(rows == r, a, 0.0), axis=0)  # [n], a[r, s] by s
-        update = jnp.sum(a_r[:, None] * x, axis=0)  # sum_s a[r, s] X[s, :]
-        return x - jnp.where(rows == r, update[None, :], 0.0)
 
-    return lax.fori_loop(1, n, step, eye)
+def _any_seen(vis: jax.Array) -> jax.Array:
+    """Whether a visibility tile has a set entry (max, not any: Triton lowers no boolean
+    reduction)."""
+    return jnp.max(vis.astype(jnp.int32)) > 0
 
 
-def _tree_gdn_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, vis_ref, s0_ref, o_ref, u_ref, *,
-                     block: int, num_blocks: int, interpret: bool):
-    f32 = jnp.float32
+def _block_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, vis_ref, s0_ref, u0_ref, o0_ref, at_ref, pt_ref,
+                  *, block: int, block_v: int, dot: Dot):
+    """Row block i of one (sequence, value head): everything that does not need another block's U.
+
+    u0 = T_i rhs_i, o0 = exp(G) Q_i S0 + P_ii u0 (final when W <= block), and for each earlier
+    block j holding an ancestor, At_ij = T_i A_ij and Pt_ij = P_ij - P_ii At_ij, so that
+    U_i = u0 - sum_j At_ij U_j and O_i = o0 + sum_j Pt_ij U_j.
+    """
+    i = pl.program_id(2)
+    rows_i = pl.ds(pl.multiple_of(i * block, block), block)
     rows = lax.broadcasted_iota(jnp.int32, (block, block), 0)
     cols = lax.broadcasted_iota(jnp.int32, (block, block), 1)
+    beta_i = beta_ref[rows_i][:, None]
+    g_i = decay_ref[rows_i]
+    q_i, k_i = q_ref[rows_i, :], k_ref[rows_i, :]
+    d_ii = _masked_decay(g_i, g_i, vis_ref[:, rows_i] != 0)
+    p_ii = dot(q_i, k_i, 1) * d_ii
+    t_i = _unit_lower_inverse(jnp.where(rows > cols, beta_i * dot(k_i, k_i, 1) * d_ii, 0.0), rows, cols, dot)
+    e_i = jnp.exp(g_i)[:, None]
+    for c in range(v_ref.shape[-1] // block_v):
+        cols_v = pl.ds(c * block_v, block_v)
+        s0 = s0_ref[:, cols_v]
+        u0 = dot(t_i, beta_i * (v_ref[:, cols_v] - e_i * dot(k_ref[rows_i, :], s0, 0)), 0)
+        u0_ref[:, cols_v] = u0
+        o0_ref[:, cols_v] = e_i * dot(q_ref[rows_i, :], s0, 0) + dot(p_ii, u0, 0)
+
+    def earlier(j, carry):
+        cols_j = pl.ds(pl.multiple_of(j * block, block), block)
+        seen = vis_ref[:, cols_j] != 0
+
+        # In a wide tree many earlier blocks hold no ancestor of this block's nodes (siblings and
+        # cousins): their At and Pt stay unwritten, and the substitution skips them too.
+        @pl.when(_any_seen(seen))
+        def _():
+            k_j = k_ref[cols_j, :]
+            d = _masked_decay(g_i, decay_ref[cols_j], seen)
+            at = dot(t_i, beta_i * dot(k_ref[rows_i, :], k_j, 1) * d, 0)
+            at_ref[j] = at
+            pt_ref[j] = dot(q_ref[rows_i, :], k_j, 1) * d - dot(p_ii, at, 0)
+
+        return carry
+
+    lax.fori_loop(0, i, earlier, 0)
+
+
+def _substitution_kernel(at_ref, pt_ref, vis_ref, u0_ref, o0_ref, u_ref, o_ref, *, block: int, num_blocks: int,
+                         dot: Dot, interpret: bool):
+    """Block forward substitution over one (sequence, value head, block of value columns):
+    U_i = u0_i - sum_{j < i} At_ij U_j and O_i = o0_i + sum_{j < i} Pt_ij U_j, block by block."""
 
     def load_u(sl):
         if interpret:
@@ -210,42 +283,21 @@ def _tree_gdn_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, vis_ref, s0_ref, 
         return plgpu.load(u_ref.at[sl, :], volatile=True)
 
     def row_block(i, carry):
-        sl = pl.ds(pl.multiple_of(i * block, block), block)
-        q_i = q_ref[sl, :].astype(f32)
-        k_i = k_ref[sl, :].astype(f32)
-        beta_i = beta_ref[sl].astype(f32)
-        g_i = decay_ref[sl].astype(f32)
-        s0 = s0_ref[...].astype(f32)
-        e_i = jnp.exp(g_i)[:, None]
-        rhs = beta_i[:, None] * (v_ref[sl, :].astype(f32) - e_i * _dot(k_i, s0, 0))
-        out = e_i * _dot(q_i, s0, 0)
+        rows_i = pl.ds(pl.multiple_of(i * block, block), block)
 
         def earlier(j, acc):
-            sj = pl.ds(pl.multiple_of(j * block, block), block)
-            vis = vis_ref[sl, sj].astype(jnp.int32)
-            seen = vis != 0
+            cols_j = pl.ds(pl.multiple_of(j * block, block), block)
 
             def gather(acc):
-                rhs, out = acc
-                k_j = k_ref[sj, :].astype(f32)
-                u_j = load_u(sj)
-                d = _masked_decay(g_i, decay_ref[sj].astype(f32), seen)
-                rhs = rhs - _dot(beta_i[:, None] * _dot(k_i, k_j, 1) * d, u_j, 0)
-                out = out + _dot(_dot(q_i, k_j, 1) * d, u_j, 0)
-                return rhs, out
+                u, o = acc
+                u_j = load_u(cols_j)
+                return u - dot(at_ref[i, j], u_j, 0), o + dot(pt_ref[i, j], u_j, 0)
 
-            # In a wide tree most blocks of earlier nodes hold no ancestor of this block's nodes
-            # (siblings and cousins): skip their loads and dots.
-            # (max, not any: Triton lowers no boolean reduction.)
-            return lax.cond(jnp.max(vis) > 0, gather, lambda acc: acc, acc)
+            return lax.cond(_any_seen(vis_ref[rows_i, cols_j]), gather, lambda acc: acc, acc)
 
-        rhs, out = lax.fori_loop(0, i, earlier, (rhs, out))
-        d = _masked_decay(g_i, g_i, vis_ref[sl, sl] != 0)
-        a = jnp.where(rows > cols, beta_i[:, None] * _dot(k_i, k_i, 1) * d, 0.0)
-        u_i = _dot(_unit_lower_inverse(a, rows, cols), rhs, 0)
-        out = out + _dot(_dot(q_i, k_i, 1) * d, u_i, 0)
-        u_ref[sl, :] = u_i.astype(u_ref.dtype)
-        o_ref[sl, :] = out.astype(o_ref.dtype)
+        u, o = lax.fori_loop(0, i, earlier, (u0_ref[rows_i, :], o0_ref[rows_i, :]))
+        u_ref[rows_i, :] = u
+        o_ref[rows_i, :] = o
         if not interpret:
             # Later blocks read this U back: every thread's stores must land first.
             plgpu.debug_barrier()
@@ -257,26 +309,32 @@ def _tree_gdn_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, vis_ref, s0_ref, 
 def tree_gdn_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, decay: jax.Array,
                     visible: jax.Array, state0: jax.Array, *, block: int | None = None,
                     block_v: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                    interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """The verify chunk as a Pallas Triton kernel; same contract as ``tree_gdn_reference``.
+                    precision: DotPrecision | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """The verify chunk as Pallas Triton kernels; same contract as ``tree_gdn_reference``.
 
-    Grid (batch, Hv, dv / block_v): one program per sequence, value head and block of value
-    columns, reading key head h // group by its index map (no repeated copy of q, k). Computes in float32 and returns (O, U) in float32.
-    dk and dv must be powers of two >= 16 (Qwen3.5 / 3.6: 128). Tiling left as None comes from
-    ``default_block_sizes``.
+    The block kernel's grid is (batch, Hv, W / block), the substitution's (batch, Hv, dv /
+    block_v); key head h // group is read through the index maps (no repeated copy of q, k).
+    Computes in float32 and returns (O, U) in float32. dk and dv must be powers of two >= 16
+    (Qwen3.5 / 3.6: 128). Tiling left as None comes from ``default_block_sizes``.
     """
     batch, key_heads, value_heads, width, dk, dv, group = _check_shapes(
         q, k, v, beta, decay, visible, state0)
     blocks = default_block_sizes(batch, value_heads, width, dk, dv)
-    given = (("block", block), ("block_v", block_v), ("num_warps", num_warps), ("num_stages", num_stages))
+    given = (("block", block), ("block_v", block_v), ("num_warps", num_warps), ("num_stages", num_stages),
+             ("precision", precision))
     blocks = dataclasses.replace(blocks, **{n: x for n, x in given if x is not None})
     for name, size in (("dk", dk), ("dv", dv), ("block", blocks.block), ("block_v", blocks.block_v)):
         if size < _MIN_BLOCK or not is_power_of_two(size):
             raise ValueError(f"tree_gdn_pallas: {name}={size} must be a power of two >= {_MIN_BLOCK} (Triton)")
     if blocks.block_v > dv:
         raise ValueError(f"tree_gdn_pallas: block_v={blocks.block_v} exceeds dv={dv}")
+    if blocks.precision not in PRECISIONS:
+        raise ValueError(f"tree_gdn_pallas: precision must be one of {', '.join(PRECISIONS)}, "
+                         f"got {blocks.precision!r}")
     f32 = jnp.float32
-    padded = pl.cdiv(width, blocks.block) * blocks.block
+    bt, bv = blocks.block, blocks.block_v
+    num_blocks = pl.cdiv(width, bt)
+    padded = num_blocks * bt
     pad = padded - width
     visible = jnp.broadcast_to(visible.astype(bool), (batch, width, width))
     if pad:
@@ -290,26 +348,44 @@ def tree_gdn_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, d
         # A padding node sees itself only (its row of the solve is then u = rhs = 0).
         padding_self = jnp.eye(padded, dtype=bool) & (jnp.arange(padded) >= width)[:, None]
         visible = pad_nodes(pad_nodes(visible, 1), 2) | padding_self
+    visible = visible.astype(jnp.int8)
+    dot = _dot_fn(blocks.precision, interpret)
+    params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
     sq = _squeezed()
-    bv = blocks.block_v
-    value_spec = pl.BlockSpec((sq, sq, padded, bv), lambda b, h, c: (b, h, 0, c))
-    key_spec = pl.BlockSpec((sq, sq, padded, dk), lambda b, h, c: (b, h // group, 0, 0))
-    gate_spec = pl.BlockSpec((sq, sq, padded), lambda b, h, c: (b, h, 0))
-    kernel = functools.partial(_tree_gdn_kernel, block=blocks.block, num_blocks=padded // blocks.block,
-                               interpret=interpret)
-    out, u = pl.pallas_call(
-        kernel,
-        grid=(batch, value_heads, dv // bv),
-        in_specs=[key_spec, key_spec, value_spec, gate_spec, gate_spec,
-                  pl.BlockSpec((sq, padded, padded), lambda b, h, c: (b, 0, 0)),
-                  pl.BlockSpec((sq, sq, dk, bv), lambda b, h, c: (b, h, 0, c))],
-        out_specs=[value_spec, value_spec],
-        out_shape=[jax.ShapeDtypeStruct((batch, value_heads, padded, dv), f32)] * 2,
-        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
+    rows_spec = pl.BlockSpec((sq, sq, bt, dv), lambda b, h, i: (b, h, i, 0))
+    key_spec = pl.BlockSpec((sq, sq, padded, dk), lambda b, h, i: (b, h // group, 0, 0))
+    gate_spec = pl.BlockSpec((sq, sq, padded), lambda b, h, i: (b, h, 0))
+    pairs = jax.ShapeDtypeStruct((batch, value_heads, num_blocks, num_blocks, bt, bt), f32)
+    nodes = jax.ShapeDtypeStruct((batch, value_heads, padded, dv), f32)
+    u0, o0, at, pt = pl.pallas_call(
+        functools.partial(_block_kernel, block=bt, block_v=bv, dot=dot),
+        grid=(batch, value_heads, num_blocks),
+        in_specs=[key_spec, key_spec, rows_spec, gate_spec, gate_spec,
+                  pl.BlockSpec((sq, bt, padded), lambda b, h, i: (b, i, 0)),
+                  pl.BlockSpec((sq, sq, dk, dv), lambda b, h, i: (b, h, 0, 0))],
+        out_specs=[rows_spec, rows_spec] + [
+            pl.BlockSpec((sq, sq, sq, num_blocks, bt, bt), lambda b, h, i: (b, h, i, 0, 0, 0))] * 2,
+        out_shape=[nodes, nodes, pairs, pairs],
+        compiler_params=params,
         interpret=interpret,
-        name="tree_gdn",
-    )(q.astype(f32), k.astype(f32), v.astype(f32), beta.astype(f32), decay.astype(f32),
-      visible.astype(jnp.int8), state0.astype(f32))
+        name="tree_gdn_blocks",
+    )(q.astype(f32), k.astype(f32), v.astype(f32), beta.astype(f32), decay.astype(f32), visible,
+      state0.astype(f32))
+    if num_blocks == 1:
+        return o0[:, :, :width], u0[:, :, :width]
+    columns_spec = pl.BlockSpec((sq, sq, padded, bv), lambda b, h, c: (b, h, 0, c))
+    pairs_spec = pl.BlockSpec((sq, sq, num_blocks, num_blocks, bt, bt), lambda b, h, c: (b, h, 0, 0, 0, 0))
+    u, out = pl.pallas_call(
+        functools.partial(_substitution_kernel, block=bt, num_blocks=num_blocks, dot=dot, interpret=interpret),
+        grid=(batch, value_heads, dv // bv),
+        in_specs=[pairs_spec, pairs_spec, pl.BlockSpec((sq, padded, padded), lambda b, h, c: (b, 0, 0)),
+                  columns_spec, columns_spec],
+        out_specs=[columns_spec, columns_spec],
+        out_shape=[nodes, nodes],
+        compiler_params=params,
+        interpret=interpret,
+        name="tree_gdn_substitution",
+    )(at, pt, visible, u0, o0)
     return out[:, :, :width], u[:, :, :width]
 
 
