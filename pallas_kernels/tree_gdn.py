@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.powers_of_two import is_power_of_two, next_power_of_two
+from pallas_kernels.powers_of_two import is_power_of_two
 
 # "auto" (kernel on a GPU without a mesh, else reference), "pallas" (the kernel), "reference"
 # (jnp), "interpret" (the kernel in Pallas' interpreter, for CPU tests).
@@ -149,26 +149,27 @@ class BlockSizes:
 
 # Programs that count as filling an H200's 132 SMs.
 _FULL_GRID = 128
-_MAX_BLOCK = 64
+# The substitution is unrolled over the row blocks: at most this many (W = 1 + 512 in blocks of 32).
+MAX_BLOCKS = 17
 
 
 def default_block_sizes(batch: int, value_heads: int, width: int, dk: int, dv: int) -> BlockSizes:
     """Block sizes for a shape (chosen from the work per step; not tuned on a GPU yet).
 
-    block: W's next power of two from 16 to 64. Up to 64 nodes the block kernel alone does the
-    chunk in one launch; past it, 64 keeps the substitution's serial chain at W / 64 steps
-    (5 at W = 257) while the block inverse's log2(64) = 6 levels of [64, 64] dots stay small
-    against the block's Gram products. block_v: dv split until the substitution's grid has
-    _FULL_GRID programs (down to 32 columns): batch 1 at 48 value heads has 48 programs of whole
-    heads, which would leave most of an H200's SMs idle. TF32x3 dots: IEEE float32 dots run on
-    CUDA cores at a fraction of the tensor cores' rate.
+    block: 16 rows for W <= 16 (the block kernel alone, nothing padded past Triton's minimum);
+    32 up to W = 288 (at most 9 blocks: W = 257 pads to 288, against 320 in blocks of 64, and
+    the block inverse's 5 levels of [32, 32] dots cost a tenth of 6 levels at 64); 64 beyond,
+    which keeps the substitution at 9 blocks up to W = 576. block_v: dv split until the
+    substitution's grid has _FULL_GRID programs (down to 32 columns): batch 1 at 48 value heads
+    has 48 programs of whole heads, which would leave most of an H200's SMs idle. TF32x3 dots:
+    IEEE float32 dots run on CUDA cores at a small fraction of the tensor cores' rate.
     """
     del dk
-    block = min(_MAX_BLOCK, max(_MIN_BLOCK, next_power_of_two(width)))
+    block = _MIN_BLOCK if width <= _MIN_BLOCK else 32 if width <= 9 * 32 else 64
     block_v = dv
     while batch * value_heads * (dv // block_v) < _FULL_GRID and block_v > 32:
         block_v //= 2
-    return BlockSizes(block=block, block_v=block_v, num_warps=4, num_stages=1, precision="tf32x3")
+    return BlockSizes(block=block, block_v=block_v, num_warps=4, num_stages=2, precision="tf32x3")
 
 
 # --------------------------------------------------------------------------------------------
@@ -219,12 +220,6 @@ def _unit_lower_inverse(a: jax.Array, rows: jax.Array, cols: jax.Array, dot: Dot
     return inverse
 
 
-def _any_seen(vis: jax.Array) -> jax.Array:
-    """Whether a visibility tile has a set entry (max, not any: Triton lowers no boolean
-    reduction)."""
-    return jnp.max(vis.astype(jnp.int32)) > 0
-
-
 def _block_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, vis_ref, s0_ref, u0_ref, o0_ref, at_ref, pt_ref,
                   *, block: int, block_v: int, dot: Dot):
     """Row block i of one (sequence, value head): everything that does not need another block's U.
@@ -247,63 +242,44 @@ def _block_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, vis_ref, s0_ref, u0_
     for c in range(v_ref.shape[-1] // block_v):
         cols_v = pl.ds(c * block_v, block_v)
         s0 = s0_ref[:, cols_v]
-        u0 = dot(t_i, beta_i * (v_ref[:, cols_v] - e_i * dot(k_ref[rows_i, :], s0, 0)), 0)
+        u0 = dot(t_i, beta_i * (v_ref[:, cols_v] - e_i * dot(k_i, s0, 0)), 0)
         u0_ref[:, cols_v] = u0
-        o0_ref[:, cols_v] = e_i * dot(q_ref[rows_i, :], s0, 0) + dot(p_ii, u0, 0)
+        o0_ref[:, cols_v] = e_i * dot(q_i, s0, 0) + dot(p_ii, u0, 0)
 
     def earlier(j, carry):
+        # No branch on whether block j holds an ancestor: where none does, D = 0 makes At and Pt
+        # zero, and a loop of plain loads and dots is one Triton can pipeline (num_stages).
         cols_j = pl.ds(pl.multiple_of(j * block, block), block)
-        seen = vis_ref[:, cols_j] != 0
-
-        # In a wide tree many earlier blocks hold no ancestor of this block's nodes (siblings and
-        # cousins): their At and Pt stay unwritten, and the substitution skips them too.
-        @pl.when(_any_seen(seen))
-        def _():
-            k_j = k_ref[cols_j, :]
-            d = _masked_decay(g_i, decay_ref[cols_j], seen)
-            at = dot(t_i, beta_i * dot(k_ref[rows_i, :], k_j, 1) * d, 0)
-            at_ref[j] = at
-            pt_ref[j] = dot(q_ref[rows_i, :], k_j, 1) * d - dot(p_ii, at, 0)
-
+        k_j = k_ref[cols_j, :]
+        d = _masked_decay(g_i, decay_ref[cols_j], vis_ref[:, cols_j] != 0)
+        at = dot(t_i, beta_i * dot(k_i, k_j, 1) * d, 0)
+        at_ref[j] = at
+        pt_ref[j] = dot(q_i, k_j, 1) * d - dot(p_ii, at, 0)
         return carry
 
     lax.fori_loop(0, i, earlier, 0)
 
 
-def _substitution_kernel(at_ref, pt_ref, vis_ref, u0_ref, o0_ref, u_ref, o_ref, *, block: int, num_blocks: int,
-                         dot: Dot, interpret: bool):
+def _substitution_kernel(at_ref, pt_ref, u0_ref, o0_ref, u_ref, o_ref, *, block: int, num_blocks: int, dot: Dot):
     """Block forward substitution over one (sequence, value head, block of value columns):
-    U_i = u0_i - sum_{j < i} At_ij U_j and O_i = o0_i + sum_{j < i} Pt_ij U_j, block by block."""
+    U_i = u0_i - sum_{j < i} At_ij U_j and O_i = o0_i + sum_{j < i} Pt_ij U_j.
 
-    def load_u(sl):
-        if interpret:
-            return u_ref[sl, :]
-        # Written by this program in an earlier step: a volatile load is never served from the
-        # read-only (non-coherent) path, which assumes the data does not change during the kernel.
-        return plgpu.load(u_ref.at[sl, :], volatile=True)
-
-    def row_block(i, carry):
-        rows_i = pl.ds(pl.multiple_of(i * block, block), block)
-
-        def earlier(j, acc):
-            cols_j = pl.ds(pl.multiple_of(j * block, block), block)
-
-            def gather(acc):
-                u, o = acc
-                u_j = load_u(cols_j)
-                return u - dot(at_ref[i, j], u_j, 0), o + dot(pt_ref[i, j], u_j, 0)
-
-            return lax.cond(_any_seen(vis_ref[rows_i, cols_j]), gather, lambda acc: acc, acc)
-
-        u, o = lax.fori_loop(0, i, earlier, (u0_ref[rows_i, :], o0_ref[rows_i, :]))
+    Unrolled over the blocks (their number is static), so every finished U_j stays in registers:
+    no store and volatile read-back through global memory, no barrier, and one basic block in
+    which every At and Pt load and every product with an older U_j can be issued early. The
+    chain that remains is one [block, block] x [block, block_v] dot per block (U_i needs
+    At_{i,i-1} U_{i-1} last).
+    """
+    done = []
+    for i in range(num_blocks):
+        rows_i = pl.ds(i * block, block)
+        u, o = u0_ref[rows_i, :], o0_ref[rows_i, :]
+        for j, u_j in enumerate(done):
+            u = u - dot(at_ref[i, j], u_j, 0)
+            o = o + dot(pt_ref[i, j], u_j, 0)
         u_ref[rows_i, :] = u
         o_ref[rows_i, :] = o
-        if not interpret:
-            # Later blocks read this U back: every thread's stores must land first.
-            plgpu.debug_barrier()
-        return carry
-
-    lax.fori_loop(0, num_blocks, row_block, 0)
+        done.append(u)
 
 
 def tree_gdn_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, decay: jax.Array,
@@ -328,6 +304,9 @@ def tree_gdn_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, d
             raise ValueError(f"tree_gdn_pallas: {name}={size} must be a power of two >= {_MIN_BLOCK} (Triton)")
     if blocks.block_v > dv:
         raise ValueError(f"tree_gdn_pallas: block_v={blocks.block_v} exceeds dv={dv}")
+    if pl.cdiv(width, blocks.block) > MAX_BLOCKS:
+        raise ValueError(f"tree_gdn_pallas: W={width} in blocks of {blocks.block} is {pl.cdiv(width, blocks.block)} "
+                         f"blocks, more than {MAX_BLOCKS} (the substitution is unrolled over them): use a larger block")
     if blocks.precision not in PRECISIONS:
         raise ValueError(f"tree_gdn_pallas: precision must be one of {', '.join(PRECISIONS)}, "
                          f"got {blocks.precision!r}")
@@ -376,16 +355,15 @@ def tree_gdn_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, d
     columns_spec = pl.BlockSpec((sq, sq, padded, bv), lambda b, h, c: (b, h, 0, c))
     pairs_spec = pl.BlockSpec((sq, sq, num_blocks, num_blocks, bt, bt), lambda b, h, c: (b, h, 0, 0, 0, 0))
     u, out = pl.pallas_call(
-        functools.partial(_substitution_kernel, block=bt, num_blocks=num_blocks, dot=dot, interpret=interpret),
+        functools.partial(_substitution_kernel, block=bt, num_blocks=num_blocks, dot=dot),
         grid=(batch, value_heads, dv // bv),
-        in_specs=[pairs_spec, pairs_spec, pl.BlockSpec((sq, padded, padded), lambda b, h, c: (b, 0, 0)),
-                  columns_spec, columns_spec],
+        in_specs=[pairs_spec, pairs_spec, columns_spec, columns_spec],
         out_specs=[columns_spec, columns_spec],
         out_shape=[nodes, nodes],
         compiler_params=params,
         interpret=interpret,
         name="tree_gdn_substitution",
-    )(at, pt, visible, u0, o0)
+    )(at, pt, u0, o0)
     return out[:, :, :width], u[:, :, :width]
 
 
