@@ -1,4 +1,4 @@
-"""The tree-aware Gated DeltaNet verify chunk (the WY form under an ancestor mask) as one kernel.
+"""The tree-aware Gated DeltaNet verify chunk (the WY form under an ancestor mask) as Pallas kernels.
 
 Per sequence and value head, with W nodes in topological order (node 0 the root), the state S0
 [dk, dv] before them, G(t) the sum of the gates along root..t and D[t, s] = exp(G(t) - G(s))
@@ -10,21 +10,45 @@ where s is an ancestor-or-self of t (else 0):
 This file holds, side by side:
 
 * ``tree_gdn_reference``: plain jnp (any float dtype; the XLA path of the model and of prefill).
-* ``tree_gdn_pallas``: a Pallas kernel on the Triton GPU backend, one program per (sequence,
-  value head, block of value columns), key heads shared by GQA through the BlockSpec index map.
-* ``default_block_sizes``: its row block, value columns and warps for a shape.
-* ``tree_gdn``: the dispatcher ("auto": the kernel on a GPU without a mesh, the reference
-  elsewhere); ``impl_for_attention``: its impl for a decoder's attention impl.
+* ``tree_gdn_pallas``: two Pallas kernels on the Triton GPU backend (below), key heads shared
+  by GQA through the BlockSpec index maps.
+* ``default_block_sizes``: their tiling and dot precision for a shape.
+* ``tree_gdn``: the dispatcher (``resolve_impl`` says what "auto" runs); ``impl_for_attention``:
+  its impl for a decoder's attention impl.
 
-The kernel walks the W rows in blocks of ``block`` (a power of two >= 16, Triton's smallest dot
-operand). Block i first gathers what earlier blocks contribute (``A[i, j] U[j]`` and
-``(Q K^T * D)[i, j] U[j]``, with tl.dot; skipped where block j holds no ancestor of block i), then solves its own unit lower triangular diagonal block:
-the block's inverse by forward substitution (``block`` steps over a [block, block] tile) and one
-dot with the right-hand side. Everything runs in float32 with float32 (IEEE, not TF32) dots. The
-U of finished blocks goes to the output and is read back from there by later blocks, so a
-program holds O(block x dk + dk x block_v) values whatever W is: W = 1 + 512 runs in the same tiles as
-W = 16. W is padded to a multiple of ``block`` with nodes that see only themselves and have zero
-q, k, v, beta and gate; no real node sees them, so they change nothing.
+Design. The rows go in blocks of ``block`` (a power of two >= 16, Triton's smallest dot operand),
+nb of them. With T_i = (I + A_ii)^-1, P = (Q K^T) * D and rhs_i = beta_i (V_i - exp(G_i) K_i S0),
+block forward substitution reads U_i = T_i rhs_i - sum_{j<i} (T_i A_ij) U_j, and putting that U_i
+into O_i's diagonal term P_ii U_i gives
+
+    O_i = o0_i + sum_{j<i} (P_ij - P_ii T_i A_ij) U_j,   o0_i = exp(G_i) Q_i S0 + P_ii T_i rhs_i.
+
+Everything but the products with U_j is independent across blocks: per head at W = 257 (block
+32, dk = dv = 128), 24 MFLOP of Gram blocks, 19 of K S0 and Q S0 and 6 of block inverses need no
+U, and only 19 MFLOP of [block, block] x [block, dv] products with U wait for earlier blocks. So:
+
+1. The block kernel, grid (batch, Hv, nb), every program independent: block i's Gram blocks
+   against itself and every earlier block, T_i, u0_i = T_i rhs_i, o0_i, At_ij = T_i A_ij and
+   Pt_ij = P_ij - P_ii At_ij, written as [nb, nb, block, block] float32 per head (W^2 values,
+   0.33 MB at W = 257; the next kernel reads them back from L2).
+2. The substitution kernel, grid (batch, Hv, dv / block_v): U_i = u0_i - sum_{j<i} At_ij U_j
+   and O_i = o0_i + sum_{j<i} Pt_ij U_j, unrolled over the blocks (``_substitution_kernel``),
+   whose only dots are [block, block] x [block, block_v].
+
+W <= block needs the block kernel alone: one launch, at W = 16 by default. Two launches rather
+than one program per (sequence, value head) walking its rows: that walk put the Gram blocks,
+the inverses and K S0 in its serial chain, on 48 programs at batch 1 (a third of an H200's
+SMs), and took 140 / 692 / 6959 us against XLA's 49 / 61 / 259 at W = 16 / 64 / 257. The split
+costs a launch and the pair matrices' round trip through memory.
+
+The block inverse is blockwise doubling (``_unit_lower_inverse``): log2(block) levels of two
+dots instead of ``block`` dependent row reductions. The dots take float32 inputs and accumulate
+in float32 at ``BlockSizes.precision``: "tf32x3" runs each as three TF32 tensor-core products
+(about 2^-21 relative error each; with that rounding emulated, the chunk stays within 2e-7 of
+the float64 recurrence at W = 257 and 513), "ieee" on CUDA cores. The interpreter computes every
+dot in float32 whatever the precision. W is padded to a multiple of ``block`` with nodes that
+see only themselves and have zero q, k, v, beta and gate; no real node sees them, so they
+change nothing.
 """
 
 from __future__ import annotations
@@ -379,11 +403,11 @@ def kernel_takes(dk: int, dv: int) -> bool:
 def resolve_impl(impl: GdnImpl = "auto", backend: str | None = None) -> str:
     """What ``tree_gdn`` runs for ``impl``: "auto" is "reference" (XLA) on every backend.
 
-    The kernel is not the default: on an H200 at the Qwen3.6-27B GDN shape (48 value heads,
-    dk = dv = 128, batch 1) its chunk took 140 / 692 / 6959 us against XLA's 49 / 61 / 259 us at
-    W = 16 / 64 / 257 (BENCHMARKS.md, "The tree-GDN verify"): its row-block walk serialises the
-    solve. It runs only when asked for ("pallas", "interpret"). ``backend`` is accepted so that
-    callers need not special-case it.
+    The kernels run only when asked for ("pallas", "interpret"): "auto" moves to them on a GPU
+    once they beat XLA at every W of the GDN verify bench. The single row-walk kernel they
+    replace did not: 140 / 692 / 6959 us against XLA's 49 / 61 / 259 us at W = 16 / 64 / 257 on
+    an H200, Qwen3.6-27B GDN shape (BENCHMARKS.md, "The tree-GDN verify"). ``backend`` is
+    accepted so that callers need not special-case it.
     """
     if impl not in IMPLS:
         raise ValueError(f"tree_gdn: impl must be one of {', '.join(IMPLS)}, got {impl!r}")
