@@ -46,9 +46,9 @@ dots instead of ``block`` dependent row reductions. The dots take float32 inputs
 in float32 at ``BlockSizes.precision``: "tf32x3" runs each as three TF32 tensor-core products
 (about 2^-21 relative error each; with that rounding emulated, the chunk stays within 2e-7 of
 the float64 recurrence at W = 257 and 513), "ieee" on CUDA cores. The interpreter computes every
-dot in float32 whatever the precision. W is padded to a multiple of ``block`` with nodes that
-see only themselves and have zero q, k, v, beta and gate; no real node sees them, so they
-change nothing.
+dot in float32 whatever the precision. W need not be a multiple of ``block``: the last block's
+rows past W load as zero (q, k, v, beta, gate and visibility), which makes their U and O zero
+and hides them from every real node, with no padded copy of any input.
 """
 
 from __future__ import annotations
@@ -244,44 +244,65 @@ def _unit_lower_inverse(a: jax.Array, rows: jax.Array, cols: jax.Array, dot: Dot
     return inverse
 
 
+def _load(ref, idx: tuple, valid: jax.Array | None) -> jax.Array:
+    """ref[idx], zero where ``valid`` (None: everywhere valid) is False: rows of a last, partial
+    block past the end of the W nodes."""
+    if valid is None:
+        return ref[idx]
+    return plgpu.load(ref.at[idx], mask=valid, other=jnp.zeros((), ref.dtype))
+
+
 def _block_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, vis_ref, s0_ref, u0_ref, o0_ref, at_ref, pt_ref,
-                  *, block: int, block_v: int, dot: Dot):
+                  *, block: int, block_v: int, width: int, dot: Dot):
     """Row block i of one (sequence, value head): everything that does not need another block's U.
 
     u0 = T_i rhs_i, o0 = exp(G) Q_i S0 + P_ii u0 (final when W <= block), and for each earlier
-    block j holding an ancestor, At_ij = T_i A_ij and Pt_ij = P_ij - P_ii At_ij, so that
-    U_i = u0 - sum_j At_ij U_j and O_i = o0 + sum_j Pt_ij U_j.
+    block j, At_ij = T_i A_ij and Pt_ij = P_ij - P_ii At_ij, so that U_i = u0 - sum_j At_ij U_j
+    and O_i = o0 + sum_j Pt_ij U_j. Rows past W (in the last block) load as zero: their q, k, v,
+    beta, gate and visibility, so their u0 and o0 are zero and no real node sees them.
     """
     i = pl.program_id(2)
-    rows_i = pl.ds(pl.multiple_of(i * block, block), block)
+    start = pl.multiple_of(i * block, block)
+    rows_i = pl.ds(start, block)
     rows = lax.broadcasted_iota(jnp.int32, (block, block), 0)
     cols = lax.broadcasted_iota(jnp.int32, (block, block), 1)
-    beta_i = beta_ref[rows_i][:, None]
-    g_i = decay_ref[rows_i]
-    q_i, k_i = q_ref[rows_i, :], k_ref[rows_i, :]
-    d_ii = _masked_decay(g_i, g_i, vis_ref[:, rows_i] != 0)
+    real = None if width % block == 0 else start + lax.broadcasted_iota(jnp.int32, (block,), 0) < width
+
+    def real_rows(columns: int) -> jax.Array | None:
+        return None if real is None else jnp.broadcast_to(real[:, None], (block, columns))
+
+    every = slice(None)
+    beta_i = _load(beta_ref, (rows_i,), real)[:, None]
+    g_i = _load(decay_ref, (rows_i,), real)
+    q_i = _load(q_ref, (rows_i, every), real_rows(q_ref.shape[-1]))
+    k_i = _load(k_ref, (rows_i, every), real_rows(k_ref.shape[-1]))
+    seen_ii = _load(vis_ref, (rows_i, rows_i), None if real is None else real[:, None] & real[None, :]) != 0
+    d_ii = _masked_decay(g_i, g_i, seen_ii)
     p_ii = dot(q_i, k_i, 1) * d_ii
     t_i = _unit_lower_inverse(jnp.where(rows > cols, beta_i * dot(k_i, k_i, 1) * d_ii, 0.0), rows, cols, dot)
     e_i = jnp.exp(g_i)[:, None]
     for c in range(v_ref.shape[-1] // block_v):
         cols_v = pl.ds(c * block_v, block_v)
         s0 = s0_ref[:, cols_v]
-        u0 = dot(t_i, beta_i * (v_ref[:, cols_v] - e_i * dot(k_i, s0, 0)), 0)
+        v_i = _load(v_ref, (rows_i, cols_v), real_rows(block_v))
+        u0 = dot(t_i, beta_i * (v_i - e_i * dot(k_i, s0, 0)), 0)
         u0_ref[:, cols_v] = u0
         o0_ref[:, cols_v] = e_i * dot(q_i, s0, 0) + dot(p_ii, u0, 0)
 
     def earlier(j, carry):
         # No branch on whether block j holds an ancestor: where none does, D = 0 makes At and Pt
         # zero, and a loop of plain loads and dots is one Triton can pipeline (num_stages).
+        # Block j < i is whole: only this block's rows can run past W.
         cols_j = pl.ds(pl.multiple_of(j * block, block), block)
         k_j = k_ref[cols_j, :]
-        d = _masked_decay(g_i, decay_ref[cols_j], vis_ref[:, cols_j] != 0)
+        d = _masked_decay(g_i, decay_ref[cols_j], _load(vis_ref, (rows_i, cols_j), real_rows(block)) != 0)
         at = dot(t_i, beta_i * dot(k_i, k_j, 1) * d, 0)
         at_ref[j] = at
         pt_ref[j] = dot(q_i, k_j, 1) * d - dot(p_ii, at, 0)
         return carry
 
-    lax.fori_loop(0, i, earlier, 0)
+    if width > block:  # (else no block has an earlier one, and k_ref holds fewer than `block` rows)
+        lax.fori_loop(0, i, earlier, 0)
 
 
 def _substitution_kernel(at_ref, pt_ref, u0_ref, o0_ref, u_ref, o_ref, *, block: int, num_blocks: int, dot: Dot):
@@ -313,7 +334,8 @@ def tree_gdn_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, d
     """The verify chunk as Pallas Triton kernels; same contract as ``tree_gdn_reference``.
 
     The block kernel's grid is (batch, Hv, W / block), the substitution's (batch, Hv, dv /
-    block_v); key head h // group is read through the index maps (no repeated copy of q, k).
+    block_v); key head h // group and a visibility shared by the batch are read through the
+    index maps, and a last, partial block masks its loads: no input is copied.
     Computes in float32 and returns (O, U) in float32. dk and dv must be powers of two >= 16
     (Qwen3.5 / 3.6: 128). Tiling left as None comes from ``default_block_sizes``.
     """
@@ -338,42 +360,31 @@ def tree_gdn_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, d
     bt, bv = blocks.block, blocks.block_v
     num_blocks = pl.cdiv(width, bt)
     padded = num_blocks * bt
-    pad = padded - width
-    visible = jnp.broadcast_to(visible.astype(bool), (batch, width, width))
-    if pad:
-        def pad_nodes(x: jax.Array, axis: int) -> jax.Array:
-            widths = [(0, 0)] * x.ndim
-            widths[axis] = (0, pad)
-            return jnp.pad(x, widths)
-
-        q, k, v = (pad_nodes(x, 2) for x in (q, k, v))
-        beta, decay = (pad_nodes(x, 2) for x in (beta, decay))
-        # A padding node sees itself only (its row of the solve is then u = rhs = 0).
-        padding_self = jnp.eye(padded, dtype=bool) & (jnp.arange(padded) >= width)[:, None]
-        visible = pad_nodes(pad_nodes(visible, 1), 2) | padding_self
-    visible = visible.astype(jnp.int8)
     dot = _dot_fn(blocks.precision, interpret)
     params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
     sq = _squeezed()
+    key_spec = pl.BlockSpec((sq, sq, width, dk), lambda b, h, i: (b, h // group, 0, 0))
+    gate_spec = pl.BlockSpec((sq, sq, width), lambda b, h, i: (b, h, 0))
+    vis_spec = pl.BlockSpec((sq, width, width), (lambda b, h, i: (b, 0, 0)) if visible.shape[0] > 1
+                            else (lambda b, h, i: (0, 0, 0)))
     rows_spec = pl.BlockSpec((sq, sq, bt, dv), lambda b, h, i: (b, h, i, 0))
-    key_spec = pl.BlockSpec((sq, sq, padded, dk), lambda b, h, i: (b, h // group, 0, 0))
-    gate_spec = pl.BlockSpec((sq, sq, padded), lambda b, h, i: (b, h, 0))
     pairs = jax.ShapeDtypeStruct((batch, value_heads, num_blocks, num_blocks, bt, bt), f32)
+    # u0, o0, U and O keep the padded rows (zero): a slice of a kernel's output fuses into its
+    # consumer, where a padded input would be a copy of its own.
     nodes = jax.ShapeDtypeStruct((batch, value_heads, padded, dv), f32)
     u0, o0, at, pt = pl.pallas_call(
-        functools.partial(_block_kernel, block=bt, block_v=bv, dot=dot),
+        functools.partial(_block_kernel, block=bt, block_v=bv, width=width, dot=dot),
         grid=(batch, value_heads, num_blocks),
-        in_specs=[key_spec, key_spec, rows_spec, gate_spec, gate_spec,
-                  pl.BlockSpec((sq, bt, padded), lambda b, h, i: (b, i, 0)),
-                  pl.BlockSpec((sq, sq, dk, dv), lambda b, h, i: (b, h, 0, 0))],
+        in_specs=[key_spec, key_spec, pl.BlockSpec((sq, sq, width, dv), lambda b, h, i: (b, h, 0, 0)),
+                  gate_spec, gate_spec, vis_spec, pl.BlockSpec((sq, sq, dk, dv), lambda b, h, i: (b, h, 0, 0))],
         out_specs=[rows_spec, rows_spec] + [
             pl.BlockSpec((sq, sq, sq, num_blocks, bt, bt), lambda b, h, i: (b, h, i, 0, 0, 0))] * 2,
         out_shape=[nodes, nodes, pairs, pairs],
         compiler_params=params,
         interpret=interpret,
         name="tree_gdn_blocks",
-    )(q.astype(f32), k.astype(f32), v.astype(f32), beta.astype(f32), decay.astype(f32), visible,
-      state0.astype(f32))
+    )(q.astype(f32), k.astype(f32), v.astype(f32), beta.astype(f32), decay.astype(f32),
+      visible.astype(jnp.int8), state0.astype(f32))
     if num_blocks == 1:
         return o0[:, :, :width], u0[:, :, :width]
     columns_spec = pl.BlockSpec((sq, sq, padded, bv), lambda b, h, c: (b, h, 0, c))
