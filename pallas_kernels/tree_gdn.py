@@ -24,13 +24,13 @@ into O_i's diagonal term P_ii U_i gives
     O_i = o0_i + sum_{j<i} (P_ij - P_ii T_i A_ij) U_j,   o0_i = exp(G_i) Q_i S0 + P_ii T_i rhs_i.
 
 Everything but the products with U_j is independent across blocks: per head at W = 257 (block
-32, dk = dv = 128), 24 MFLOP of Gram blocks, 19 of K S0 and Q S0 and 6 of block inverses need no
+32, dk = dv = 128), 24 MFLOP of Gram blocks, 19 of K S0 and Q S0 and 5 of block inverses need no
 U, and only 19 MFLOP of [block, block] x [block, dv] products with U wait for earlier blocks. So:
 
 1. The block kernel, grid (batch, Hv, nb), every program independent: block i's Gram blocks
    against itself and every earlier block, T_i, u0_i = T_i rhs_i, o0_i, At_ij = T_i A_ij and
-   Pt_ij = P_ij - P_ii At_ij, written as [nb, nb, block, block] float32 per head (W^2 values,
-   0.33 MB at W = 257; the next kernel reads them back from L2).
+   Pt_ij = P_ij - P_ii At_ij, each written as [nb, nb, block, block] float32 per head (about
+   W^2 values, 0.33 MB at W = 257, half of it used; the next kernel reads them back from L2).
 2. The substitution kernel, grid (batch, Hv, dv / block_v): U_i = u0_i - sum_{j<i} At_ij U_j
    and O_i = o0_i + sum_{j<i} Pt_ij U_j, unrolled over the blocks (``_substitution_kernel``),
    whose only dots are [block, block] x [block, block_v].
@@ -41,7 +41,7 @@ the inverses and K S0 in its serial chain, on 48 programs at batch 1 (a third of
 SMs), and took 140 / 692 / 6959 us against XLA's 49 / 61 / 259 at W = 16 / 64 / 257. The split
 costs a launch and the pair matrices' round trip through memory.
 
-The block inverse is blockwise doubling (``_unit_lower_inverse``): log2(block) levels of two
+The block inverse is blockwise doubling (``_unit_lower_inverse``): log2(block) - 1 levels of two
 dots instead of ``block`` dependent row reductions. The dots take float32 inputs and accumulate
 in float32 at ``BlockSizes.precision``: "tf32x3" runs each as three TF32 tensor-core products
 (about 2^-21 relative error each; with that rounding emulated, the chunk stays within 2e-7 of
@@ -157,8 +157,8 @@ PRECISIONS: tuple[str, ...] = get_args(DotPrecision)
 class BlockSizes:
     """Tiling of the two kernels.
 
-    block: rows per block (a power of two >= 16); W is padded to a multiple of it. W <= block
-      runs the block kernel alone.
+    block: rows per block (a power of two >= 16); the last block may run past W (its rows there
+      are masked). W <= block runs the block kernel alone.
     block_v: value columns per step of the block kernel and per program of the substitution (a
       power of two >= 16 dividing dv): the substitution is independent column by column.
     num_warps, num_stages: Triton's, for both kernels.
@@ -181,8 +181,8 @@ def default_block_sizes(batch: int, value_heads: int, width: int, dk: int, dv: i
     """Block sizes for a shape (chosen from the work per step; not tuned on a GPU yet).
 
     block: 16 rows for W <= 16 (the block kernel alone, nothing padded past Triton's minimum);
-    32 up to W = 288 (at most 9 blocks: W = 257 pads to 288, against 320 in blocks of 64, and
-    the block inverse's 5 levels of [32, 32] dots cost a tenth of 6 levels at 64); 64 beyond,
+    32 up to W = 288 (at most 9 blocks: W = 257 rounds up to 288 rows, against 320 in blocks of
+    64, and the block inverse's 4 levels of [32, 32] dots cost a tenth of 5 levels at 64); 64 beyond,
     which keeps the substitution at 9 blocks up to W = 576. block_v: dv split until the
     substitution's grid has _FULL_GRID programs (down to 32 columns): batch 1 at 48 value heads
     has 48 programs of whole heads, which would leave most of an H200's SMs idle. TF32x3 dots:
@@ -228,18 +228,20 @@ def _unit_lower_inverse(a: jax.Array, rows: jax.Array, cols: jax.Array, dot: Dot
         [[T11, 0], [-T22 a21 T11, T22]] = T - T E T,  E = a's [s, s] blocks below T's diagonal
                                                           inside each [2s, 2s] diagonal block,
 
-    log2(n) levels of two [n, n] dots, against n dependent masked row reductions for forward
-    substitution. Every product is of blocks of the true inverse, so nothing grows beyond it
+    log2(n) - 1 levels of two [n, n] dots (the first level needs none), against n dependent
+    masked row reductions for forward substitution. Every product is of blocks of the true inverse, so nothing grows beyond it
     (unlike the product of (I + a^(2^m)) factors, whose powers grow like binomials when keys
     align and gates are near 1).
     """
-    n = a.shape[0]
-    inverse = jnp.where(rows == cols, 1.0, 0.0).astype(jnp.float32)
-    size = 1
-    while size < n:
-        # Row in the lower half and column in the upper half of the same [2s, 2s] block.
-        below = ((rows ^ cols) < 2 * size) & ((rows & size) != 0) & ((cols & size) == 0)
-        inverse = inverse - dot(inverse, dot(jnp.where(below, a, 0.0), inverse, 0), 0)
+    def below(size: int) -> jax.Array:
+        """Row in the lower half and column in the upper half of the same [2s, 2s] block."""
+        return ((rows ^ cols) < 2 * size) & ((rows & size) != 0) & ((cols & size) == 0)
+
+    # Size 1: T = I, so T - T E T = I - E without a dot.
+    inverse = jnp.where(rows == cols, 1.0, 0.0) - jnp.where(below(1), a, 0.0)
+    size = 2
+    while size < a.shape[0]:
+        inverse = inverse - dot(inverse, dot(jnp.where(below(size), a, 0.0), inverse, 0), 0)
         size *= 2
     return inverse
 
