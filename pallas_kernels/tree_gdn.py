@@ -31,6 +31,8 @@ U, and only 19 MFLOP of [block, block] x [block, dv] products with U wait for ea
    against itself and every earlier block, T_i, u0_i = T_i rhs_i, o0_i, At_ij = T_i A_ij and
    Pt_ij = P_ij - P_ii At_ij, each written as [nb, nb, block, block] float32 per head (about
    W^2 values, 0.33 MB at W = 257, half of it used; the next kernel reads them back from L2).
+   With ``BlockSizes.share_keys`` a program does the GQA group of value heads of one key head,
+   making the Gram blocks once for the group (grid (batch, Hk, nb)).
 2. The substitution kernel, grid (batch, Hv, dv / block_v): U_i = u0_i - sum_{j<i} At_ij U_j
    and O_i = o0_i + sum_{j<i} Pt_ij U_j, unrolled over the blocks (``_substitution_kernel``),
    whose only dots are [block, block] x [block, block_v].
@@ -163,12 +165,17 @@ class BlockSizes:
       power of two >= 16 dividing dv): the substitution is independent column by column.
     num_warps, num_stages: Triton's, for both kernels.
     precision: the dots' input precision (``PRECISIONS``).
+    share_keys: one block-kernel program per key head for its GQA group of value heads, which
+      makes the Gram blocks (a third of the block kernel's FLOPs at group 3) once for the group,
+      against one program per value head (group times the programs to overlap each other's
+      latencies).
     """
     block: int
     block_v: int
     num_warps: int
     num_stages: int
     precision: DotPrecision
+    share_keys: bool
 
 
 # Programs that count as filling an H200's 132 SMs.
@@ -193,7 +200,7 @@ def default_block_sizes(batch: int, value_heads: int, width: int, dk: int, dv: i
     block_v = dv
     while batch * value_heads * (dv // block_v) < _FULL_GRID and block_v > 32:
         block_v //= 2
-    return BlockSizes(block=block, block_v=block_v, num_warps=4, num_stages=2, precision="tf32x3")
+    return BlockSizes(block=block, block_v=block_v, num_warps=4, num_stages=2, precision="tf32x3", share_keys=False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -256,13 +263,16 @@ def _load(ref, idx: tuple, valid: jax.Array | None) -> jax.Array:
 
 def _block_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, vis_ref, s0_ref, u0_ref, o0_ref, at_ref, pt_ref,
                   *, block: int, block_v: int, width: int, dot: Dot):
-    """Row block i of one (sequence, value head): everything that does not need another block's U.
+    """Row block i of one sequence and of `heads` value heads of one key head (the leading axis of
+    every value-head ref): everything that does not need another block's U.
 
-    u0 = T_i rhs_i, o0 = exp(G) Q_i S0 + P_ii u0 (final when W <= block), and for each earlier
-    block j, At_ij = T_i A_ij and Pt_ij = P_ij - P_ii At_ij, so that U_i = u0 - sum_j At_ij U_j
-    and O_i = o0 + sum_j Pt_ij U_j. Rows past W (in the last block) load as zero: their q, k, v,
-    beta, gate and visibility, so their u0 and o0 are zero and no real node sees them.
+    Per value head, u0 = T_i rhs_i, o0 = exp(G) Q_i S0 + P_ii u0 (final when W <= block), and for
+    each earlier block j, At_ij = T_i A_ij and Pt_ij = P_ij - P_ii At_ij, so that
+    U_i = u0 - sum_j At_ij U_j and O_i = o0 + sum_j Pt_ij U_j. The Gram blocks K_i K_j^T and
+    Q_i K_j^T are made once for the heads. Rows past W (in the last block) load as zero: their
+    q, k, v, beta, gate and visibility, so their u0 and o0 are zero and no real node sees them.
     """
+    heads = v_ref.shape[0]
     i = pl.program_id(2)
     start = pl.multiple_of(i * block, block)
     rows_i = pl.ds(start, block)
@@ -274,22 +284,31 @@ def _block_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, vis_ref, s0_ref, u0_
         return None if real is None else jnp.broadcast_to(real[:, None], (block, columns))
 
     every = slice(None)
-    beta_i = _load(beta_ref, (rows_i,), real)[:, None]
-    g_i = _load(decay_ref, (rows_i,), real)
     q_i = _load(q_ref, (rows_i, every), real_rows(q_ref.shape[-1]))
     k_i = _load(k_ref, (rows_i, every), real_rows(k_ref.shape[-1]))
     seen_ii = _load(vis_ref, (rows_i, rows_i), None if real is None else real[:, None] & real[None, :]) != 0
-    d_ii = _masked_decay(g_i, g_i, seen_ii)
-    p_ii = dot(q_i, k_i, 1) * d_ii
-    t_i = _unit_lower_inverse(jnp.where(rows > cols, beta_i * dot(k_i, k_i, 1) * d_ii, 0.0), rows, cols, dot)
-    e_i = jnp.exp(g_i)[:, None]
-    for c in range(v_ref.shape[-1] // block_v):
-        cols_v = pl.ds(c * block_v, block_v)
-        s0 = s0_ref[:, cols_v]
-        v_i = _load(v_ref, (rows_i, cols_v), real_rows(block_v))
-        u0 = dot(t_i, beta_i * (v_i - e_i * dot(k_i, s0, 0)), 0)
-        u0_ref[:, cols_v] = u0
-        o0_ref[:, cols_v] = e_i * dot(q_i, s0, 0) + dot(p_ii, u0, 0)
+    kk_ii, qk_ii = dot(k_i, k_i, 1), dot(q_i, k_i, 1)
+    betas, gates, inverses, scores = [], [], [], []
+    for h in range(heads):
+        # (An array index: the interpreter's masked load takes no Python int beside a slice.)
+        head = jnp.int32(h)
+        beta_i = _load(beta_ref, (head, rows_i), real)[:, None]
+        g_i = _load(decay_ref, (head, rows_i), real)
+        d_ii = _masked_decay(g_i, g_i, seen_ii)
+        p_ii = qk_ii * d_ii
+        t_i = _unit_lower_inverse(jnp.where(rows > cols, beta_i * kk_ii * d_ii, 0.0), rows, cols, dot)
+        e_i = jnp.exp(g_i)[:, None]
+        for c in range(v_ref.shape[-1] // block_v):
+            cols_v = pl.ds(c * block_v, block_v)
+            s0 = s0_ref[h, :, cols_v]
+            v_i = _load(v_ref, (head, rows_i, cols_v), real_rows(block_v))
+            u0 = dot(t_i, beta_i * (v_i - e_i * dot(k_i, s0, 0)), 0)
+            u0_ref[h, :, cols_v] = u0
+            o0_ref[h, :, cols_v] = e_i * dot(q_i, s0, 0) + dot(p_ii, u0, 0)
+        betas.append(beta_i)
+        gates.append(g_i)
+        inverses.append(t_i)
+        scores.append(p_ii)
 
     def earlier(j, carry):
         # No branch on whether block j holds an ancestor: where none does, D = 0 makes At and Pt
@@ -297,10 +316,13 @@ def _block_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, vis_ref, s0_ref, u0_
         # Block j < i is whole: only this block's rows can run past W.
         cols_j = pl.ds(pl.multiple_of(j * block, block), block)
         k_j = k_ref[cols_j, :]
-        d = _masked_decay(g_i, decay_ref[cols_j], _load(vis_ref, (rows_i, cols_j), real_rows(block)) != 0)
-        at = dot(t_i, beta_i * dot(k_i, k_j, 1) * d, 0)
-        at_ref[j] = at
-        pt_ref[j] = dot(q_i, k_j, 1) * d - dot(p_ii, at, 0)
+        seen = _load(vis_ref, (rows_i, cols_j), real_rows(block)) != 0
+        kk, qk = dot(k_i, k_j, 1), dot(q_i, k_j, 1)
+        for h in range(heads):
+            d = _masked_decay(gates[h], decay_ref[h, cols_j], seen)
+            at = dot(inverses[h], betas[h] * kk * d, 0)
+            at_ref[h, j] = at
+            pt_ref[h, j] = qk * d - dot(scores[h], at, 0)
         return carry
 
     if width > block:  # (else no block has an earlier one, and k_ref holds fewer than `block` rows)
@@ -332,12 +354,14 @@ def _substitution_kernel(at_ref, pt_ref, u0_ref, o0_ref, u_ref, o_ref, *, block:
 def tree_gdn_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, decay: jax.Array,
                     visible: jax.Array, state0: jax.Array, *, block: int | None = None,
                     block_v: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                    precision: DotPrecision | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                    precision: DotPrecision | None = None, share_keys: bool | None = None,
+                    interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """The verify chunk as Pallas Triton kernels; same contract as ``tree_gdn_reference``.
 
-    The block kernel's grid is (batch, Hv, W / block), the substitution's (batch, Hv, dv /
-    block_v); key head h // group and a visibility shared by the batch are read through the
-    index maps, and a last, partial block masks its loads: no input is copied.
+    The block kernel's grid is (batch, Hv, W / block) ((batch, Hk, W / block) with share_keys),
+    the substitution's (batch, Hv, dv / block_v); key head h // group and a visibility shared by
+    the batch are read through the index maps, and a last, partial block masks its loads: no
+    input is copied.
     Computes in float32 and returns (O, U) in float32. dk and dv must be powers of two >= 16
     (Qwen3.5 / 3.6: 128). Tiling left as None comes from ``default_block_sizes``.
     """
@@ -345,7 +369,7 @@ def tree_gdn_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, d
         q, k, v, beta, decay, visible, state0)
     blocks = default_block_sizes(batch, value_heads, width, dk, dv)
     given = (("block", block), ("block_v", block_v), ("num_warps", num_warps), ("num_stages", num_stages),
-             ("precision", precision))
+             ("precision", precision), ("share_keys", share_keys))
     blocks = dataclasses.replace(blocks, **{n: x for n, x in given if x is not None})
     for name, size in (("dk", dk), ("dv", dv), ("block", blocks.block), ("block_v", blocks.block_v)):
         if size < _MIN_BLOCK or not is_power_of_two(size):
@@ -365,22 +389,24 @@ def tree_gdn_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, d
     dot = _dot_fn(blocks.precision, interpret)
     params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
     sq = _squeezed()
-    key_spec = pl.BlockSpec((sq, sq, width, dk), lambda b, h, i: (b, h // group, 0, 0))
-    gate_spec = pl.BlockSpec((sq, sq, width), lambda b, h, i: (b, h, 0))
+    # Block-kernel programs over (batch, Hv / heads, nb), each for `heads` value heads of one key head.
+    heads = group if blocks.share_keys else 1
+    key_spec = pl.BlockSpec((sq, sq, width, dk), lambda b, h, i: (b, h * heads // group, 0, 0))
+    gate_spec = pl.BlockSpec((sq, heads, width), lambda b, h, i: (b, h, 0))
     vis_spec = pl.BlockSpec((sq, width, width), (lambda b, h, i: (b, 0, 0)) if visible.shape[0] > 1
                             else (lambda b, h, i: (0, 0, 0)))
-    rows_spec = pl.BlockSpec((sq, sq, bt, dv), lambda b, h, i: (b, h, i, 0))
+    rows_spec = pl.BlockSpec((sq, heads, bt, dv), lambda b, h, i: (b, h, i, 0))
     pairs = jax.ShapeDtypeStruct((batch, value_heads, num_blocks, num_blocks, bt, bt), f32)
     # u0, o0, U and O keep the padded rows (zero): a slice of a kernel's output fuses into its
     # consumer, where a padded input would be a copy of its own.
     nodes = jax.ShapeDtypeStruct((batch, value_heads, padded, dv), f32)
     u0, o0, at, pt = pl.pallas_call(
         functools.partial(_block_kernel, block=bt, block_v=bv, width=width, dot=dot),
-        grid=(batch, value_heads, num_blocks),
-        in_specs=[key_spec, key_spec, pl.BlockSpec((sq, sq, width, dv), lambda b, h, i: (b, h, 0, 0)),
-                  gate_spec, gate_spec, vis_spec, pl.BlockSpec((sq, sq, dk, dv), lambda b, h, i: (b, h, 0, 0))],
+        grid=(batch, value_heads // heads, num_blocks),
+        in_specs=[key_spec, key_spec, pl.BlockSpec((sq, heads, width, dv), lambda b, h, i: (b, h, 0, 0)),
+                  gate_spec, gate_spec, vis_spec, pl.BlockSpec((sq, heads, dk, dv), lambda b, h, i: (b, h, 0, 0))],
         out_specs=[rows_spec, rows_spec] + [
-            pl.BlockSpec((sq, sq, sq, num_blocks, bt, bt), lambda b, h, i: (b, h, i, 0, 0, 0))] * 2,
+            pl.BlockSpec((sq, heads, sq, num_blocks, bt, bt), lambda b, h, i: (b, h, i, 0, 0, 0))] * 2,
         out_shape=[nodes, nodes, pairs, pairs],
         compiler_params=params,
         interpret=interpret,

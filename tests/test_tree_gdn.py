@@ -157,16 +157,18 @@ def test_ancestor_mask_matters():
     assert np.max(np.abs(np.asarray(out, np.float64) - want_out)) > 1e-2
 
 
-@pytest.mark.parametrize("block,block_v", [(16, 64), (32, 16), (64, 32)])
-def test_tilings_agree(block, block_v):
-    """Row blocks and value-column splits are tiling choices: 64 nodes in 4 blocks of 16, 2 of 32
-    or 1 of 64 (the block kernel alone), dv 64 whole or in programs of 16 or 32 columns, give the
-    same."""
+@pytest.mark.parametrize("block,block_v,share_keys", [(16, 64, False), (32, 16, False), (64, 32, False),
+                                                      (32, 32, True), (64, 64, True)])
+def test_tilings_agree(block, block_v, share_keys):
+    """Row blocks, value-column splits and programs per key head are tiling choices: 64 nodes in
+    4 blocks of 16, 2 of 32 or 1 of 64 (the block kernel alone), dv 64 whole or in programs of 16
+    or 32 columns, the GQA pair of value heads in one program or two, give the same."""
     args, g, parents = make_case(5, 1, 2, 2, 64, 64, padding=2)
-    out, u = tree_gdn_pallas(*as32(args), block=block, block_v=block_v, interpret=True)
+    out, u = tree_gdn_pallas(*as32(args), block=block, block_v=block_v, share_keys=share_keys, interpret=True)
     want_out, want_u = recurrence(args, g, parents)
-    check_close(out, want_out, parents, 1e-5, f"O at block {block}, block_v {block_v}")
-    check_close(u, want_u, parents, 1e-5, f"U at block {block}, block_v {block_v}")
+    what = f"block {block}, block_v {block_v}, share_keys {share_keys}"
+    check_close(out, want_out, parents, 1e-5, f"O at {what}")
+    check_close(u, want_u, parents, 1e-5, f"U at {what}")
 
 
 @pytest.mark.parametrize("block", [16, 64])
@@ -278,7 +280,8 @@ def shapes(batch: int, key_heads: int, value_heads: int, width: int, dim: int):
 # The tilings the GDN verify bench is given to time on a GPU (its --tilings), beside the defaults.
 VARIANTS = [dict(block=32, precision="ieee"), dict(block=64), dict(block=64, num_warps=8),
             dict(block=32, block_v=64), dict(block=32, block_v=128), dict(block=32, num_warps=8),
-            dict(block=32, num_stages=1), dict(block=64, precision="ieee")]
+            dict(block=32, num_stages=1), dict(block=64, precision="ieee"), dict(block=32, share_keys=True),
+            dict(block=64, share_keys=True)]
 
 
 def lower_for_cuda(width: int, **tiling) -> str:

@@ -93,22 +93,24 @@ def chunk_layers(args: tuple[jax.Array, ...], state: jax.Array, layers: int, imp
 
 
 def tiling_name(blocks: BlockSizes) -> str:
-    """BLOCK,BLOCK_V,WARPS,STAGES,PRECISION, the --tilings spelling."""
-    return f"{blocks.block},{blocks.block_v},{blocks.num_warps},{blocks.num_stages},{blocks.precision}"
+    """BLOCK,BLOCK_V,WARPS,STAGES,PRECISION[,share], the --tilings spelling."""
+    name = f"{blocks.block},{blocks.block_v},{blocks.num_warps},{blocks.num_stages},{blocks.precision}"
+    return name + ",share" if blocks.share_keys else name
 
 
 def parse_tiling(spec: str, default: BlockSizes) -> BlockSizes:
-    """BLOCK,BLOCK_V,WARPS[,STAGES[,PRECISION]]; STAGES and PRECISION default to `default`'s.
-    Raises ValueError on another form."""
+    """BLOCK,BLOCK_V,WARPS[,STAGES[,PRECISION[,share]]]; STAGES and PRECISION default to
+    `default`'s, and "share" sets share_keys. Raises ValueError on another form."""
     fields = spec.split(",")
-    if not 3 <= len(fields) <= 5:
+    if not 3 <= len(fields) <= 6 or fields[5:] not in ([], ["share"]):
         raise ValueError(spec)
     block, block_v, warps = (int(n) for n in fields[:3])
     stages = int(fields[3]) if len(fields) > 3 else default.num_stages
     precision = fields[4] if len(fields) > 4 else default.precision
     if precision not in PRECISIONS:
         raise ValueError(spec)
-    return BlockSizes(block=block, block_v=block_v, num_warps=warps, num_stages=stages, precision=precision)
+    return BlockSizes(block=block, block_v=block_v, num_warps=warps, num_stages=stages, precision=precision,
+                      share_keys=len(fields) == 6)
 
 
 def bench_width(cfg: Qwen35Config, width: int, dtype: Any, kernel_impl: str, warmup: int,
@@ -182,10 +184,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--interpret", action="store_true", help="the kernel in Pallas' interpreter (CPU smoke test)")
-    p.add_argument("--tilings", nargs="*", default=[], metavar="BLOCK,BLOCK_V,WARPS[,STAGES[,PRECISION]]",
+    p.add_argument("--tilings", nargs="*", default=[], metavar="BLOCK,BLOCK_V,WARPS[,STAGES[,PRECISION[,share]]]",
                    help="kernel tilings to time the chunk with, beside the default one (STAGES and PRECISION, "
-                        f"one of {', '.join(PRECISIONS)}, default to the default tiling's; one that fails is "
-                        "reported with its error)")
+                        f"one of {', '.join(PRECISIONS)}, default to the default tiling's; 'share' makes one "
+                        "block-kernel program per key head; one that fails is reported with its error)")
     p.add_argument("--out", help="JSON file for the results")
     a = p.parse_args(argv)
     cfg = SHAPES.get(a.model)
@@ -194,13 +196,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{sorted(n for n, c in SHAPES.items() if isinstance(c, Qwen35Config))}")
     if min(a.widths) < 1:
         p.error(f"--widths must be >= 1, got {a.widths}")
-    probe = BlockSizes(block=16, block_v=16, num_warps=4, num_stages=1, precision=PRECISIONS[0])
+    probe = BlockSizes(block=16, block_v=16, num_warps=4, num_stages=1, precision=PRECISIONS[0], share_keys=False)
     for spec in a.tilings:
         try:
             parse_tiling(spec, probe)
         except ValueError:
-            p.error(f"--tilings takes BLOCK,BLOCK_V,WARPS[,STAGES[,PRECISION]] with ints and PRECISION one of "
-                    f"{', '.join(PRECISIONS)}, got {spec!r}")
+            p.error(f"--tilings takes BLOCK,BLOCK_V,WARPS[,STAGES[,PRECISION[,share]]] with ints and PRECISION one "
+                    f"of {', '.join(PRECISIONS)}, got {spec!r}")
     rows = []
     for width in a.widths:
         rows.append(bench_width(cfg, width, jnp.dtype(a.dtype), "interpret" if a.interpret else "pallas", a.warmup, a.iters,

@@ -20,7 +20,7 @@
 #   kernel-tests  the GPU-only parity tests of the kernels against their references
 #   gdn-verify    the tree-GDN verify (gates, tree_verify, commit per GDN layer) and its chunk alone,
 #                 Pallas kernel against XLA, Qwen3.6-27B GDN shape, W 16/64/257 (GDN_WIDTHS); GDN_TILINGS
-#                 ("block,block_v,warps[,stages[,precision]]" ...) also times the chunk with those kernel tilings
+#                 ("block,block_v,warps[,stages[,precision[,share]]]" ...) also times the chunk at those tilings
 #   lossless      greedy DDTree and DFlash against greedy AR on the GPU (float32)
 #   top-k         the tree's vocabulary top-k alone, [15, 151936], k 16-512
 #   kernel-sweep  only the random tiling sweep, SWEEP_S seconds (default 300), at SWEEP_WIDTHS
@@ -249,7 +249,7 @@ kernel-tests)
     # Every kernel's GPU case is named test_gpu_*: the files are found, not listed.
     else JAX_PLATFORMS=cuda step kernel_tests "$limit" python -m pytest -q tests -k gpu_; fi ;;
 gdn-verify)
-    if [ "$dry" = 1 ]; then set -- --model tiny-hybrid --widths 5 17 --interpret --warmup 1 --iters 2 --tilings 16,16,4 16,16,4,1,ieee
+    if [ "$dry" = 1 ]; then set -- --model tiny-hybrid --widths 5 17 --interpret --warmup 1 --iters 2 --tilings 16,16,4 16,16,4,1,ieee,share
     else
         # shellcheck disable=SC2086
         set -- --model qwen3.6-27b --widths ${GDN_WIDTHS:-16 64 257} --tilings ${GDN_TILINGS:-}
