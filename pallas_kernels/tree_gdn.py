@@ -166,9 +166,9 @@ class BlockSizes:
     num_warps, num_stages: Triton's, for both kernels.
     precision: the dots' input precision (``PRECISIONS``).
     share_keys: one block-kernel program per key head for its GQA group of value heads, which
-      makes the Gram blocks (a third of the block kernel's FLOPs at group 3) once for the group,
-      against one program per value head (group times the programs to overlap each other's
-      latencies).
+      makes the Gram blocks (two fifths of the block kernel's FLOPs at W = 257) once for the
+      group, against one program per value head (group times the programs to overlap each
+      other's latencies).
     """
     block: int
     block_v: int
