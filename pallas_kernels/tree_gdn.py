@@ -212,7 +212,7 @@ Dot = Callable[[jax.Array, jax.Array, int], jax.Array]
 
 def _dot_fn(precision: DotPrecision, interpret: bool) -> Dot:
     """x @ y (contract_y 0) or x @ y^T (contract_y 1) with float32 accumulation. The interpreter
-    runs every dot at HIGHEST: XLA's CPU backend computes in float32 whatever the algorithm."""
+    runs every dot at HIGHEST: XLA's CPU backend refuses the TF32 algorithms."""
     algorithm = _HI if interpret or precision == "ieee" else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
     def dot(x: jax.Array, y: jax.Array, contract_y: int) -> jax.Array:
