@@ -236,9 +236,9 @@ def _unit_lower_inverse(a: jax.Array, rows: jax.Array, cols: jax.Array, dot: Dot
                                                           inside each [2s, 2s] diagonal block,
 
     log2(n) - 1 levels of two [n, n] dots (the first level needs none), against n dependent
-    masked row reductions for forward substitution. Every product is of blocks of the true inverse, so nothing grows beyond it
-    (unlike the product of (I + a^(2^m)) factors, whose powers grow like binomials when keys
-    align and gates are near 1).
+    masked row reductions for forward substitution. Every product is of blocks of the true
+    inverse, so nothing grows beyond it (unlike the product of (I + a^(2^m)) factors, whose
+    powers grow like binomials when keys align and gates are near 1).
     """
     def below(size: int) -> jax.Array:
         """Row in the lower half and column in the upper half of the same [2s, 2s] block."""
