@@ -180,6 +180,9 @@ class BlockSizes:
 
 # Programs that count as filling an H200's 132 SMs.
 _FULL_GRID = 128
+# The substitution holds its W x block_v values of U in registers: at most this many (128 a
+# thread at 4 warps).
+_HELD_U = 16384
 # The substitution is unrolled over the row blocks: at most this many (W = 1 + 512 in blocks of 32).
 MAX_BLOCKS = 17
 
@@ -190,15 +193,17 @@ def default_block_sizes(batch: int, value_heads: int, width: int, dk: int, dv: i
     block: 16 rows for W <= 16 (the block kernel alone, nothing padded past Triton's minimum);
     32 up to W = 288 (at most 9 blocks: W = 257 rounds up to 288 rows, against 320 in blocks of
     64, and the block inverse's 4 levels of [32, 32] dots cost a tenth of 5 levels at 64); 64 beyond,
-    which keeps the substitution at 9 blocks up to W = 576. block_v: dv split until the
-    substitution's grid has _FULL_GRID programs (down to 32 columns): batch 1 at 48 value heads
-    has 48 programs of whole heads, which would leave most of an H200's SMs idle. TF32x3 dots:
-    IEEE float32 dots run on CUDA cores at a small fraction of the tensor cores' rate.
+    which keeps the substitution at 9 blocks up to W = 576. block_v: dv split (down to 32
+    columns) until the substitution's grid has _FULL_GRID programs, since batch 1 at 48 value
+    heads has 48 programs of whole heads, which would leave most of an H200's SMs idle, and
+    until its U fits _HELD_U values (else it spills from registers). TF32x3 dots: IEEE float32
+    dots run on CUDA cores at a small fraction of the tensor cores' rate.
     """
     del dk
     block = _MIN_BLOCK if width <= _MIN_BLOCK else 32 if width <= 9 * 32 else 64
+    rows = -(-width // block) * block
     block_v = dv
-    while batch * value_heads * (dv // block_v) < _FULL_GRID and block_v > 32:
+    while block_v > 32 and (batch * value_heads * (dv // block_v) < _FULL_GRID or rows * block_v > _HELD_U):
         block_v //= 2
     return BlockSizes(block=block, block_v=block_v, num_warps=4, num_stages=2, precision="tf32x3", share_keys=False)
 

@@ -253,7 +253,7 @@ def test_bad_input_names_the_tensor():
 def test_default_block_sizes_are_triton_blocks():
     """Powers of two >= 16 (Triton's dot), W padded no further than its next power of two, at most
     MAX_BLOCKS blocks up to W = 1 + 512, dv split until batch 1 at 48 value heads fills 128
-    programs."""
+    programs and until the substitution's U fits in registers."""
     for width in (1, 2, 16, 17, 64, 257, 288, 289, 513):
         for batch, heads in ((1, 48), (4, 48), (2, 4)):
             blocks = default_block_sizes(batch, heads, width, 128, 128)
@@ -264,7 +264,8 @@ def test_default_block_sizes_are_triton_blocks():
             assert 128 % blocks.block_v == 0
             assert blocks.precision in PRECISIONS
     assert default_block_sizes(1, 48, 257, 128, 128).block_v == 32
-    assert default_block_sizes(4, 48, 257, 128, 128).block_v == 128
+    assert default_block_sizes(4, 48, 64, 128, 128).block_v == 128
+    assert default_block_sizes(4, 48, 257, 128, 128).block_v == 32  # 288 x 64 U values would spill
     assert default_block_sizes(1, 48, 16, 128, 128).block == 16  # the block kernel alone
 
 
