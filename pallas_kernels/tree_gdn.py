@@ -1,4 +1,4 @@
-"""The tree-aware Gated DeltaNet verify chunk (the WY form under an ancestor mask) as one kernel.
+"""The tree-aware Gated DeltaNet verify chunk (the WY form under an ancestor mask) as Pallas kernels.
 
 Per sequence and value head, with W nodes in topological order (node 0 the root), the state S0
 [dk, dv] before them, G(t) the sum of the gates along root..t and D[t, s] = exp(G(t) - G(s))
@@ -10,28 +10,54 @@ where s is an ancestor-or-self of t (else 0):
 This file holds, side by side:
 
 * ``tree_gdn_reference``: plain jnp (any float dtype; the XLA path of the model and of prefill).
-* ``tree_gdn_pallas``: a Pallas kernel on the Triton GPU backend, one program per (sequence,
-  value head, block of value columns), key heads shared by GQA through the BlockSpec index map.
-* ``default_block_sizes``: its row block, value columns and warps for a shape.
-* ``tree_gdn``: the dispatcher ("auto": the kernel on a GPU without a mesh, the reference
-  elsewhere); ``impl_for_attention``: its impl for a decoder's attention impl.
+* ``tree_gdn_pallas``: two Pallas kernels on the Triton GPU backend (below), key heads shared
+  by GQA through the BlockSpec index maps.
+* ``default_block_sizes``: their tiling and dot precision for a shape.
+* ``tree_gdn``: the dispatcher (``resolve_impl`` says what "auto" runs); ``impl_for_attention``:
+  its impl for a decoder's attention impl.
 
-The kernel walks the W rows in blocks of ``block`` (a power of two >= 16, Triton's smallest dot
-operand). Block i first gathers what earlier blocks contribute (``A[i, j] U[j]`` and
-``(Q K^T * D)[i, j] U[j]``, with tl.dot; skipped where block j holds no ancestor of block i), then solves its own unit lower triangular diagonal block:
-the block's inverse by forward substitution (``block`` steps over a [block, block] tile) and one
-dot with the right-hand side. Everything runs in float32 with float32 (IEEE, not TF32) dots. The
-U of finished blocks goes to the output and is read back from there by later blocks, so a
-program holds O(block x dk + dk x block_v) values whatever W is: W = 1 + 512 runs in the same tiles as
-W = 16. W is padded to a multiple of ``block`` with nodes that see only themselves and have zero
-q, k, v, beta and gate; no real node sees them, so they change nothing.
+Design. The rows go in blocks of ``block`` (a power of two >= 16, Triton's smallest dot operand),
+nb of them. With T_i = (I + A_ii)^-1, P = (Q K^T) * D and rhs_i = beta_i (V_i - exp(G_i) K_i S0),
+block forward substitution reads U_i = T_i rhs_i - sum_{j<i} (T_i A_ij) U_j, and putting that U_i
+into O_i's diagonal term P_ii U_i gives
+
+    O_i = o0_i + sum_{j<i} (P_ij - P_ii T_i A_ij) U_j,   o0_i = exp(G_i) Q_i S0 + P_ii T_i rhs_i.
+
+Everything but the products with U_j is independent across blocks: per head at W = 257 (block
+32, dk = dv = 128), 24 MFLOP of Gram blocks, 19 of K S0 and Q S0 and 5 of block inverses need no
+U, and only 19 MFLOP of [block, block] x [block, dv] products with U wait for earlier blocks. So:
+
+1. The block kernel, grid (batch, Hv, nb), every program independent: block i's Gram blocks
+   against itself and every earlier block, T_i, u0_i = T_i rhs_i, o0_i, At_ij = T_i A_ij and
+   Pt_ij = P_ij - P_ii At_ij, each written as [nb, nb, block, block] float32 per head (about
+   W^2 values, 0.33 MB at W = 257, half of it used; the next kernel reads them back from L2).
+   With ``BlockSizes.share_keys`` a program does the GQA group of value heads of one key head,
+   making the Gram blocks once for the group (grid (batch, Hk, nb)).
+2. The substitution kernel, grid (batch, Hv, dv / block_v): U_i = u0_i - sum_{j<i} At_ij U_j
+   and O_i = o0_i + sum_{j<i} Pt_ij U_j, unrolled over the blocks (``_substitution_kernel``),
+   whose only dots are [block, block] x [block, block_v].
+
+W <= block needs the block kernel alone: one launch, at W = 16 by default. Two launches rather
+than one program per (sequence, value head) walking its rows: that walk put the Gram blocks,
+the inverses and K S0 in its serial chain, on 48 programs at batch 1 (a third of an H200's
+SMs), and took 140 / 692 / 6959 us against XLA's 49 / 61 / 259 at W = 16 / 64 / 257. The split
+costs a launch and the pair matrices' round trip through memory.
+
+The block inverse is blockwise doubling (``_unit_lower_inverse``): log2(block) - 1 levels of two
+dots instead of ``block`` dependent row reductions. The dots take float32 inputs and accumulate
+in float32 at ``BlockSizes.precision``: "tf32x3" runs each as three TF32 tensor-core products
+(about 2^-21 relative error each; with that rounding emulated, the chunk stays within 2e-7 of
+the float64 recurrence at W = 257 and 513), "ieee" on CUDA cores. The interpreter computes every
+dot in float32 whatever the precision. W need not be a multiple of ``block``: the last block's
+rows past W load as zero (q, k, v, beta, gate and visibility), which makes their U and O zero
+and hides them from every real node, with no padded copy of any input.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Literal, get_args
+from typing import Callable, Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -129,52 +155,82 @@ def tree_gdn_reference(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array
 # Block sizes
 # --------------------------------------------------------------------------------------------
 
+# The float32 dots' input precision: "ieee" (CUDA-core FMAs) or "tf32x3" (each dot as three
+# TF32 tensor-core products, hi*hi + hi*lo + lo*hi, about 2^-21 relative error per product).
+DotPrecision = Literal["ieee", "tf32x3"]
+PRECISIONS: tuple[str, ...] = get_args(DotPrecision)
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tiling of the kernel.
+    """Tiling of the two kernels.
 
-    block: rows per step (a power of two >= 16); W is padded to a multiple of it.
-    block_v: value columns per program (a power of two >= 16 dividing dv). The solve and the
-      outputs are independent column by column, so programs of one head may split dv, each
-      recomputing the head's Gram matrices and diagonal inverses for its columns.
+    block: rows per block (a power of two >= 16); the last block may run past W (its rows there
+      are masked). W <= block runs the block kernel alone.
+    block_v: value columns per step of the block kernel and per program of the substitution (a
+      power of two >= 16 dividing dv): the substitution is independent column by column.
+    num_warps, num_stages: Triton's, for both kernels.
+    precision: the dots' input precision (``PRECISIONS``).
+    share_keys: one block-kernel program per key head for its GQA group of value heads, which
+      makes the Gram blocks (two fifths of the block kernel's FLOPs at W = 257) once for the
+      group, against one program per value head (group times the programs to overlap each
+      other's latencies).
     """
     block: int
     block_v: int
     num_warps: int
     num_stages: int
+    precision: DotPrecision
+    share_keys: bool
 
 
 # Programs that count as filling an H200's 132 SMs.
 _FULL_GRID = 128
+# The substitution holds its W x block_v values of U in registers: at most this many (128 a
+# thread at 4 warps).
+_HELD_U = 16384
+# The substitution is unrolled over the row blocks: at most this many (W = 1 + 512 in blocks of 32).
+MAX_BLOCKS = 17
 
 
 def default_block_sizes(batch: int, value_heads: int, width: int, dk: int, dv: int) -> BlockSizes:
     """Block sizes for a shape (chosen from the work per step; not tuned on a GPU yet).
 
-    block: 16 rows for W <= 16 (one step, nothing padded past Triton's minimum), else 32: the
-    diagonal solve is `block` sequential steps over a block x block tile and the off-diagonal
-    work (W / block)^2 / 2 steps of three small dots; 32 keeps both moderate for W = 17 to 513.
-    block_v: dv split until the grid has _FULL_GRID programs (down to 32 columns): batch 1 at
-    48 value heads has 48 programs of whole heads, which would leave most of an H200's SMs idle.
-    Shared memory per program is a few [block, dk] float32 tiles and the [dk, block_v] state tile
-    (64 KB at 128 x 128), within an sm_86 block's 99 KB. 8 warps for a 128-column state tile,
-    else 4.
+    block: 16 rows for W <= 16 (the block kernel alone, nothing padded past Triton's minimum);
+    32 up to W = 288 (at most 9 blocks: W = 257 rounds up to 288 rows, against 320 in blocks of
+    64, and the block inverse's 4 levels of [32, 32] dots cost a tenth of 5 levels at 64); 64 beyond,
+    which keeps the substitution at 9 blocks up to W = 576. block_v: dv split (down to 32
+    columns) until the substitution's grid has _FULL_GRID programs, since batch 1 at 48 value
+    heads has 48 programs of whole heads, which would leave most of an H200's SMs idle, and
+    until its U fits _HELD_U values (else it spills from registers). TF32x3 dots: IEEE float32
+    dots run on CUDA cores at a small fraction of the tensor cores' rate.
     """
-    block = _MIN_BLOCK if width <= _MIN_BLOCK else 32
+    del dk
+    block = _MIN_BLOCK if width <= _MIN_BLOCK else 32 if width <= 9 * 32 else 64
+    rows = -(-width // block) * block
     block_v = dv
-    while batch * value_heads * (dv // block_v) < _FULL_GRID and block_v > 32:
+    while block_v > 32 and (batch * value_heads * (dv // block_v) < _FULL_GRID or rows * block_v > _HELD_U):
         block_v //= 2
-    return BlockSizes(block=block, block_v=block_v, num_warps=8 if block_v >= 128 else 4, num_stages=1)
+    return BlockSizes(block=block, block_v=block_v, num_warps=4, num_stages=2, precision="tf32x3", share_keys=False)
 
 
 # --------------------------------------------------------------------------------------------
-# Kernel
+# Kernels
 # --------------------------------------------------------------------------------------------
 
-def _dot(x: jax.Array, y: jax.Array, contract_y: int) -> jax.Array:
-    """x @ y (contract_y 0) or x @ y^T (contract_y 1) in float32 at IEEE precision."""
-    return lax.dot_general(x, y, (((1,), (contract_y,)), ((), ())), precision=_HI,
-                           preferred_element_type=jnp.float32)
+Dot = Callable[[jax.Array, jax.Array, int], jax.Array]
+
+
+def _dot_fn(precision: DotPrecision, interpret: bool) -> Dot:
+    """x @ y (contract_y 0) or x @ y^T (contract_y 1) with float32 accumulation. The interpreter
+    runs every dot at HIGHEST: XLA's CPU backend refuses the TF32 algorithms."""
+    algorithm = _HI if interpret or precision == "ieee" else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+
+    def dot(x: jax.Array, y: jax.Array, contract_y: int) -> jax.Array:
+        return lax.dot_general(x, y, (((1,), (contract_y,)), ((), ())), precision=algorithm,
+                               preferred_element_type=jnp.float32)
+
+    return dot
 
 
 def _masked_decay(g_rows: jax.Array, g_cols: jax.Array, seen: jax.Array) -> jax.Array:
@@ -183,139 +239,205 @@ def _masked_decay(g_rows: jax.Array, g_cols: jax.Array, seen: jax.Array) -> jax.
     return jnp.where(seen, jnp.exp(jnp.where(seen, g_rows[:, None] - g_cols[None, :], 0.0)), 0.0)
 
 
-def _unit_lower_inverse(a: jax.Array, rows: jax.Array, cols: jax.Array) -> jax.Array:
-    """(I + a)^-1 for a strictly lower triangular [n, n] tile, by forward substitution.
+def _unit_lower_inverse(a: jax.Array, rows: jax.Array, cols: jax.Array, dot: Dot) -> jax.Array:
+    """(I + a)^-1 for a strictly lower triangular [n, n] tile (n a power of two), by blockwise
+    doubling: with T the inverse's diagonal blocks of size s, the blocks of size 2s are
 
-    Row r of X = (I + a)^-1 is e_r - sum_{s < r} a[r, s] X[s]: rows above r are final when row r
-    is made, and a[r, s] = 0 for s >= r, so the sum may run over every row. Stable for any a
-    (unlike the product of (I + a^(2^m)) factors, whose powers grow like binomials when keys
-    align and gates are near 1).
+        [[T11, 0], [-T22 a21 T11, T22]] = T - T E T,  E = a's [s, s] blocks below T's diagonal
+                                                          inside each [2s, 2s] diagonal block,
+
+    log2(n) - 1 levels of two [n, n] dots (the first level needs none), against n dependent
+    masked row reductions for forward substitution. Every product is of blocks of the true
+    inverse, so nothing grows beyond it (unlike the product of (I + a^(2^m)) factors, whose
+    powers grow like binomials when keys align and gates are near 1).
     """
-    n = a.shape[0]
-    eye = jnp.where(rows == cols, 1.0, 0.0).astype(jnp.float32)
+    def below(size: int) -> jax.Array:
+        """Row in the lower half and column in the upper half of the same [2s, 2s] block."""
+        return ((rows ^ cols) < 2 * size) & ((rows & size) != 0) & ((cols & size) == 0)
 
-    def step(r, x):
-        a_r = jnp.sum(jnp.where(rows == r, a, 0.0), axis=0)  # [n], a[r, s] by s
-        update = jnp.sum(a_r[:, None] * x, axis=0)  # sum_s a[r, s] X[s, :]
-        return x - jnp.where(rows == r, update[None, :], 0.0)
+    # Size 1: T = I, so T - T E T = I - E without a dot.
+    inverse = jnp.where(rows == cols, 1.0, 0.0) - jnp.where(below(1), a, 0.0)
+    size = 2
+    while size < a.shape[0]:
+        inverse = inverse - dot(inverse, dot(jnp.where(below(size), a, 0.0), inverse, 0), 0)
+        size *= 2
+    return inverse
 
-    return lax.fori_loop(1, n, step, eye)
+
+def _load(ref, idx: tuple, valid: jax.Array | None) -> jax.Array:
+    """ref[idx], zero where ``valid`` (None: everywhere valid) is False: rows of a last, partial
+    block past the end of the W nodes."""
+    if valid is None:
+        return ref[idx]
+    return plgpu.load(ref.at[idx], mask=valid, other=jnp.zeros((), ref.dtype))
 
 
-def _tree_gdn_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, vis_ref, s0_ref, o_ref, u_ref, *,
-                     block: int, num_blocks: int, interpret: bool):
-    f32 = jnp.float32
+def _block_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, vis_ref, s0_ref, u0_ref, o0_ref, at_ref, pt_ref,
+                  *, block: int, block_v: int, width: int, dot: Dot):
+    """Row block i of one sequence and of `heads` value heads of one key head (the leading axis of
+    every value-head ref): everything that does not need another block's U.
+
+    Per value head, u0 = T_i rhs_i, o0 = exp(G) Q_i S0 + P_ii u0 (final when W <= block), and for
+    each earlier block j, At_ij = T_i A_ij and Pt_ij = P_ij - P_ii At_ij, so that
+    U_i = u0 - sum_j At_ij U_j and O_i = o0 + sum_j Pt_ij U_j. The Gram blocks K_i K_j^T and
+    Q_i K_j^T are made once for the heads. Rows past W (in the last block) load as zero: their
+    q, k, v, beta, gate and visibility, so their u0 and o0 are zero and no real node sees them.
+    """
+    heads = v_ref.shape[0]
+    i = pl.program_id(2)
+    start = pl.multiple_of(i * block, block)
+    rows_i = pl.ds(start, block)
     rows = lax.broadcasted_iota(jnp.int32, (block, block), 0)
     cols = lax.broadcasted_iota(jnp.int32, (block, block), 1)
+    real = None if width % block == 0 else start + lax.broadcasted_iota(jnp.int32, (block,), 0) < width
 
-    def load_u(sl):
-        if interpret:
-            return u_ref[sl, :]
-        # Written by this program in an earlier step: a volatile load is never served from the
-        # read-only (non-coherent) path, which assumes the data does not change during the kernel.
-        return plgpu.load(u_ref.at[sl, :], volatile=True)
+    def real_rows(columns: int) -> jax.Array | None:
+        return None if real is None else jnp.broadcast_to(real[:, None], (block, columns))
 
-    def row_block(i, carry):
-        sl = pl.ds(pl.multiple_of(i * block, block), block)
-        q_i = q_ref[sl, :].astype(f32)
-        k_i = k_ref[sl, :].astype(f32)
-        beta_i = beta_ref[sl].astype(f32)
-        g_i = decay_ref[sl].astype(f32)
-        s0 = s0_ref[...].astype(f32)
+    every = slice(None)
+    q_i = _load(q_ref, (rows_i, every), real_rows(q_ref.shape[-1]))
+    k_i = _load(k_ref, (rows_i, every), real_rows(k_ref.shape[-1]))
+    seen_ii = _load(vis_ref, (rows_i, rows_i), None if real is None else real[:, None] & real[None, :]) != 0
+    kk_ii, qk_ii = dot(k_i, k_i, 1), dot(q_i, k_i, 1)
+    betas, gates, inverses, scores = [], [], [], []
+    for h in range(heads):
+        # (An array index: the interpreter's masked load takes no Python int beside a slice.)
+        head = jnp.int32(h)
+        beta_i = _load(beta_ref, (head, rows_i), real)[:, None]
+        g_i = _load(decay_ref, (head, rows_i), real)
+        d_ii = _masked_decay(g_i, g_i, seen_ii)
+        p_ii = qk_ii * d_ii
+        t_i = _unit_lower_inverse(jnp.where(rows > cols, beta_i * kk_ii * d_ii, 0.0), rows, cols, dot)
         e_i = jnp.exp(g_i)[:, None]
-        rhs = beta_i[:, None] * (v_ref[sl, :].astype(f32) - e_i * _dot(k_i, s0, 0))
-        out = e_i * _dot(q_i, s0, 0)
+        for c in range(v_ref.shape[-1] // block_v):
+            cols_v = pl.ds(c * block_v, block_v)
+            s0 = s0_ref[h, :, cols_v]
+            v_i = _load(v_ref, (head, rows_i, cols_v), real_rows(block_v))
+            u0 = dot(t_i, beta_i * (v_i - e_i * dot(k_i, s0, 0)), 0)
+            u0_ref[h, :, cols_v] = u0
+            o0_ref[h, :, cols_v] = e_i * dot(q_i, s0, 0) + dot(p_ii, u0, 0)
+        betas.append(beta_i)
+        gates.append(g_i)
+        inverses.append(t_i)
+        scores.append(p_ii)
 
-        def earlier(j, acc):
-            sj = pl.ds(pl.multiple_of(j * block, block), block)
-            vis = vis_ref[sl, sj].astype(jnp.int32)
-            seen = vis != 0
-
-            def gather(acc):
-                rhs, out = acc
-                k_j = k_ref[sj, :].astype(f32)
-                u_j = load_u(sj)
-                d = _masked_decay(g_i, decay_ref[sj].astype(f32), seen)
-                rhs = rhs - _dot(beta_i[:, None] * _dot(k_i, k_j, 1) * d, u_j, 0)
-                out = out + _dot(_dot(q_i, k_j, 1) * d, u_j, 0)
-                return rhs, out
-
-            # In a wide tree most blocks of earlier nodes hold no ancestor of this block's nodes
-            # (siblings and cousins): skip their loads and dots.
-            # (max, not any: Triton lowers no boolean reduction.)
-            return lax.cond(jnp.max(vis) > 0, gather, lambda acc: acc, acc)
-
-        rhs, out = lax.fori_loop(0, i, earlier, (rhs, out))
-        d = _masked_decay(g_i, g_i, vis_ref[sl, sl] != 0)
-        a = jnp.where(rows > cols, beta_i[:, None] * _dot(k_i, k_i, 1) * d, 0.0)
-        u_i = _dot(_unit_lower_inverse(a, rows, cols), rhs, 0)
-        out = out + _dot(_dot(q_i, k_i, 1) * d, u_i, 0)
-        u_ref[sl, :] = u_i.astype(u_ref.dtype)
-        o_ref[sl, :] = out.astype(o_ref.dtype)
-        if not interpret:
-            # Later blocks read this U back: every thread's stores must land first.
-            plgpu.debug_barrier()
+    def earlier(j, carry):
+        # No branch on whether block j holds an ancestor: where none does, D = 0 makes At and Pt
+        # zero, and a loop of plain loads and dots is one Triton can pipeline (num_stages).
+        # Block j < i is whole: only this block's rows can run past W.
+        cols_j = pl.ds(pl.multiple_of(j * block, block), block)
+        k_j = k_ref[cols_j, :]
+        seen = _load(vis_ref, (rows_i, cols_j), real_rows(block)) != 0
+        kk, qk = dot(k_i, k_j, 1), dot(q_i, k_j, 1)
+        for h in range(heads):
+            d = _masked_decay(gates[h], decay_ref[h, cols_j], seen)
+            at = dot(inverses[h], betas[h] * kk * d, 0)
+            at_ref[h, j] = at
+            pt_ref[h, j] = qk * d - dot(scores[h], at, 0)
         return carry
 
-    lax.fori_loop(0, num_blocks, row_block, 0)
+    if width > block:  # (else no block has an earlier one, and k_ref holds fewer than `block` rows)
+        lax.fori_loop(0, i, earlier, 0)
+
+
+def _substitution_kernel(at_ref, pt_ref, u0_ref, o0_ref, u_ref, o_ref, *, block: int, num_blocks: int, dot: Dot):
+    """Block forward substitution over one (sequence, value head, block of value columns):
+    U_i = u0_i - sum_{j < i} At_ij U_j and O_i = o0_i + sum_{j < i} Pt_ij U_j.
+
+    Unrolled over the blocks (their number is static), so every finished U_j stays in registers:
+    no store and volatile read-back through global memory, no barrier, and one basic block in
+    which every At and Pt load and every product with an older U_j can be issued early. The
+    chain that remains is one [block, block] x [block, block_v] dot per block (U_i needs
+    At_{i,i-1} U_{i-1} last).
+    """
+    done = []
+    for i in range(num_blocks):
+        rows_i = pl.ds(i * block, block)
+        u, o = u0_ref[rows_i, :], o0_ref[rows_i, :]
+        for j, u_j in enumerate(done):
+            u = u - dot(at_ref[i, j], u_j, 0)
+            o = o + dot(pt_ref[i, j], u_j, 0)
+        u_ref[rows_i, :] = u
+        o_ref[rows_i, :] = o
+        done.append(u)
 
 
 def tree_gdn_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, decay: jax.Array,
                     visible: jax.Array, state0: jax.Array, *, block: int | None = None,
                     block_v: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                    precision: DotPrecision | None = None, share_keys: bool | None = None,
                     interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """The verify chunk as a Pallas Triton kernel; same contract as ``tree_gdn_reference``.
+    """The verify chunk as Pallas Triton kernels; same contract as ``tree_gdn_reference``.
 
-    Grid (batch, Hv, dv / block_v): one program per sequence, value head and block of value
-    columns, reading key head h // group by its index map (no repeated copy of q, k). Computes in float32 and returns (O, U) in float32.
-    dk and dv must be powers of two >= 16 (Qwen3.5 / 3.6: 128). Tiling left as None comes from
-    ``default_block_sizes``.
+    The block kernel's grid is (batch, Hv, W / block) ((batch, Hk, W / block) with share_keys),
+    the substitution's (batch, Hv, dv / block_v); key head h // group and a visibility shared by
+    the batch are read through the index maps, and a last, partial block masks its loads: no
+    input is copied.
+    Computes in float32 and returns (O, U) in float32. dk and dv must be powers of two >= 16
+    (Qwen3.5 / 3.6: 128). Tiling left as None comes from ``default_block_sizes``.
     """
     batch, key_heads, value_heads, width, dk, dv, group = _check_shapes(
         q, k, v, beta, decay, visible, state0)
     blocks = default_block_sizes(batch, value_heads, width, dk, dv)
-    given = (("block", block), ("block_v", block_v), ("num_warps", num_warps), ("num_stages", num_stages))
+    given = (("block", block), ("block_v", block_v), ("num_warps", num_warps), ("num_stages", num_stages),
+             ("precision", precision), ("share_keys", share_keys))
     blocks = dataclasses.replace(blocks, **{n: x for n, x in given if x is not None})
     for name, size in (("dk", dk), ("dv", dv), ("block", blocks.block), ("block_v", blocks.block_v)):
         if size < _MIN_BLOCK or not is_power_of_two(size):
             raise ValueError(f"tree_gdn_pallas: {name}={size} must be a power of two >= {_MIN_BLOCK} (Triton)")
     if blocks.block_v > dv:
         raise ValueError(f"tree_gdn_pallas: block_v={blocks.block_v} exceeds dv={dv}")
+    if pl.cdiv(width, blocks.block) > MAX_BLOCKS:
+        raise ValueError(f"tree_gdn_pallas: W={width} in blocks of {blocks.block} is {pl.cdiv(width, blocks.block)} "
+                         f"blocks, more than {MAX_BLOCKS} (the substitution is unrolled over them): use a larger block")
+    if blocks.precision not in PRECISIONS:
+        raise ValueError(f"tree_gdn_pallas: precision must be one of {', '.join(PRECISIONS)}, "
+                         f"got {blocks.precision!r}")
     f32 = jnp.float32
-    padded = pl.cdiv(width, blocks.block) * blocks.block
-    pad = padded - width
-    visible = jnp.broadcast_to(visible.astype(bool), (batch, width, width))
-    if pad:
-        def pad_nodes(x: jax.Array, axis: int) -> jax.Array:
-            widths = [(0, 0)] * x.ndim
-            widths[axis] = (0, pad)
-            return jnp.pad(x, widths)
-
-        q, k, v = (pad_nodes(x, 2) for x in (q, k, v))
-        beta, decay = (pad_nodes(x, 2) for x in (beta, decay))
-        # A padding node sees itself only (its row of the solve is then u = rhs = 0).
-        padding_self = jnp.eye(padded, dtype=bool) & (jnp.arange(padded) >= width)[:, None]
-        visible = pad_nodes(pad_nodes(visible, 1), 2) | padding_self
+    bt, bv = blocks.block, blocks.block_v
+    num_blocks = pl.cdiv(width, bt)
+    padded = num_blocks * bt
+    dot = _dot_fn(blocks.precision, interpret)
+    params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
     sq = _squeezed()
-    bv = blocks.block_v
-    value_spec = pl.BlockSpec((sq, sq, padded, bv), lambda b, h, c: (b, h, 0, c))
-    key_spec = pl.BlockSpec((sq, sq, padded, dk), lambda b, h, c: (b, h // group, 0, 0))
-    gate_spec = pl.BlockSpec((sq, sq, padded), lambda b, h, c: (b, h, 0))
-    kernel = functools.partial(_tree_gdn_kernel, block=blocks.block, num_blocks=padded // blocks.block,
-                               interpret=interpret)
-    out, u = pl.pallas_call(
-        kernel,
-        grid=(batch, value_heads, dv // bv),
-        in_specs=[key_spec, key_spec, value_spec, gate_spec, gate_spec,
-                  pl.BlockSpec((sq, padded, padded), lambda b, h, c: (b, 0, 0)),
-                  pl.BlockSpec((sq, sq, dk, bv), lambda b, h, c: (b, h, 0, c))],
-        out_specs=[value_spec, value_spec],
-        out_shape=[jax.ShapeDtypeStruct((batch, value_heads, padded, dv), f32)] * 2,
-        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
+    # Block-kernel programs over (batch, Hv / heads, nb), each for `heads` value heads of one key head.
+    heads = group if blocks.share_keys else 1
+    key_spec = pl.BlockSpec((sq, sq, width, dk), lambda b, h, i: (b, h * heads // group, 0, 0))
+    gate_spec = pl.BlockSpec((sq, heads, width), lambda b, h, i: (b, h, 0))
+    vis_spec = pl.BlockSpec((sq, width, width), (lambda b, h, i: (b, 0, 0)) if visible.shape[0] > 1
+                            else (lambda b, h, i: (0, 0, 0)))
+    rows_spec = pl.BlockSpec((sq, heads, bt, dv), lambda b, h, i: (b, h, i, 0))
+    pairs = jax.ShapeDtypeStruct((batch, value_heads, num_blocks, num_blocks, bt, bt), f32)
+    # u0, o0, U and O keep the padded rows (zero): a slice of a kernel's output fuses into its
+    # consumer, where a padded input would be a copy of its own.
+    nodes = jax.ShapeDtypeStruct((batch, value_heads, padded, dv), f32)
+    u0, o0, at, pt = pl.pallas_call(
+        functools.partial(_block_kernel, block=bt, block_v=bv, width=width, dot=dot),
+        grid=(batch, value_heads // heads, num_blocks),
+        in_specs=[key_spec, key_spec, pl.BlockSpec((sq, heads, width, dv), lambda b, h, i: (b, h, 0, 0)),
+                  gate_spec, gate_spec, vis_spec, pl.BlockSpec((sq, heads, dk, dv), lambda b, h, i: (b, h, 0, 0))],
+        out_specs=[rows_spec, rows_spec] + [
+            pl.BlockSpec((sq, heads, sq, num_blocks, bt, bt), lambda b, h, i: (b, h, i, 0, 0, 0))] * 2,
+        out_shape=[nodes, nodes, pairs, pairs],
+        compiler_params=params,
         interpret=interpret,
-        name="tree_gdn",
+        name="tree_gdn_blocks",
     )(q.astype(f32), k.astype(f32), v.astype(f32), beta.astype(f32), decay.astype(f32),
       visible.astype(jnp.int8), state0.astype(f32))
+    if num_blocks == 1:
+        return o0[:, :, :width], u0[:, :, :width]
+    columns_spec = pl.BlockSpec((sq, sq, padded, bv), lambda b, h, c: (b, h, 0, c))
+    pairs_spec = pl.BlockSpec((sq, sq, num_blocks, num_blocks, bt, bt), lambda b, h, c: (b, h, 0, 0, 0, 0))
+    u, out = pl.pallas_call(
+        functools.partial(_substitution_kernel, block=bt, num_blocks=num_blocks, dot=dot),
+        grid=(batch, value_heads, dv // bv),
+        in_specs=[pairs_spec, pairs_spec, columns_spec, columns_spec],
+        out_specs=[columns_spec, columns_spec],
+        out_shape=[nodes, nodes],
+        compiler_params=params,
+        interpret=interpret,
+        name="tree_gdn_substitution",
+    )(at, pt, u0, o0)
     return out[:, :, :width], u[:, :, :width]
 
 
@@ -331,11 +453,11 @@ def kernel_takes(dk: int, dv: int) -> bool:
 def resolve_impl(impl: GdnImpl = "auto", backend: str | None = None) -> str:
     """What ``tree_gdn`` runs for ``impl``: "auto" is "reference" (XLA) on every backend.
 
-    The kernel is not the default: on an H200 at the Qwen3.6-27B GDN shape (48 value heads,
-    dk = dv = 128, batch 1) its chunk took 140 / 692 / 6959 us against 49 / 61 / 259 us for XLA at
-    W = 16 / 64 / 257, XLA then repeating q, k to every value head (BENCHMARKS.md, "The tree-GDN
-    verify"): its row-block walk serialises the solve. It runs only when asked for ("pallas",
-    "interpret"). ``backend`` is accepted so that callers need not special-case it.
+    The kernels run only when asked for ("pallas", "interpret"): "auto" moves to them on a GPU
+    once they beat XLA at every W of the GDN verify bench. The single row-walk kernel they
+    replace did not: 140 / 692 / 6959 us against XLA's 49 / 61 / 259 us at W = 16 / 64 / 257 on
+    an H200, Qwen3.6-27B GDN shape (BENCHMARKS.md, "The tree-GDN verify"). ``backend`` is
+    accepted so that callers need not special-case it.
     """
     if impl not in IMPLS:
         raise ValueError(f"tree_gdn: impl must be one of {', '.join(IMPLS)}, got {impl!r}")

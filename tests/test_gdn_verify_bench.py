@@ -10,12 +10,15 @@ from dflash_jax.bench import gdn_verify_bench
 def test_tiny_run_writes_every_field(tmp_path, capsys):
     out = tmp_path / "gdn_verify.json"
     gdn_verify_bench.main(["--model", "tiny-hybrid", "--widths", "5", "--interpret", "--warmup", "1",
-                           "--iters", "1", "--tilings", "16,16,4", "--out", str(out)])
+                           "--iters", "1", "--tilings", "16,16,4", "16,16,4,1,ieee,share", "--out", str(out)])
     record = json.loads(out.read_text())
     assert record["gdn"] == {"key_heads": 2, "value_heads": 4, "dk": 16, "dv": 16}
     (row,) = record["rows"]
-    assert row["width"] == 5 and row["layers"] == 6 and row["tiling"] == "16,16,4"
-    assert row["tilings_chunk_us"]["16,16,4"] > 0
+    assert row["width"] == 5 and row["layers"] == 6 and row["tiling"] == "16,16,4,2,tf32x3"
+    # A tiling without stages and precision takes the default's.
+    assert set(row["tilings_chunk_us"]) == {"16,16,4,2,tf32x3", "16,16,4,1,ieee,share"}
+    for name, us in row["tilings_chunk_us"].items():
+        assert us > 0 and row["tilings_max_diff"][name] < 1e-5
     for part in ("verify", "chunk"):
         for impl in ("xla", "kernel"):
             assert row[f"{part}_{impl}_us"] > 0
@@ -25,7 +28,8 @@ def test_tiny_run_writes_every_field(tmp_path, capsys):
     assert "| 5 |" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv", [["--model", "qwen3-8b"], ["--tilings", "32,64"], ["--tilings", "a,b,c"]])
+@pytest.mark.parametrize("argv", [["--model", "qwen3-8b"], ["--tilings", "32,64"], ["--tilings", "a,b,c"],
+                                  ["--tilings", "16,16,4,1,fp16"], ["--tilings", "16,16,4,1,ieee,shared"]])
 def test_bad_flags_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
         gdn_verify_bench.main(argv)
@@ -38,4 +42,4 @@ def test_a_failing_tiling_is_reported_not_fatal(tmp_path):
     gdn_verify_bench.main(["--model", "tiny-hybrid", "--widths", "3", "--interpret", "--warmup", "1",
                            "--iters", "1", "--tilings", "16,32,4", "--out", str(out)])
     (row,) = json.loads(out.read_text())["rows"]
-    assert "block_v=32 exceeds dv=16" in row["tilings_chunk_us"]["16,32,4"]
+    assert "block_v=32 exceeds dv=16" in row["tilings_chunk_us"]["16,32,4,2,tf32x3"]

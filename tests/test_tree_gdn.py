@@ -14,6 +14,8 @@ import pytest
 
 from dflash_jax import gdn
 from pallas_kernels.tree_gdn import (
+    MAX_BLOCKS,
+    PRECISIONS,
     default_block_sizes,
     impl_for_attention,
     resolve_impl,
@@ -155,15 +157,42 @@ def test_ancestor_mask_matters():
     assert np.max(np.abs(np.asarray(out, np.float64) - want_out)) > 1e-2
 
 
-@pytest.mark.parametrize("block,block_v", [(16, 64), (32, 64), (32, 16)])
-def test_tilings_agree(block, block_v):
-    """Row blocks and value-column splits are tiling choices: 64 nodes in 4 blocks of 16 or 2 of
-    32, dv 64 whole or in 4 programs of 16 columns, give the same."""
+@pytest.mark.parametrize("block,block_v,share_keys", [(16, 64, False), (32, 16, False), (64, 32, False),
+                                                      (32, 32, True), (64, 64, True)])
+def test_tilings_agree(block, block_v, share_keys):
+    """Row blocks, value-column splits and programs per key head are tiling choices: 64 nodes in
+    4 blocks of 16, 2 of 32 or 1 of 64 (the block kernel alone), dv 64 whole or in programs of 16
+    or 32 columns, the GQA pair of value heads in one program or two, give the same."""
     args, g, parents = make_case(5, 1, 2, 2, 64, 64, padding=2)
-    out, u = tree_gdn_pallas(*as32(args), block=block, block_v=block_v, interpret=True)
+    out, u = tree_gdn_pallas(*as32(args), block=block, block_v=block_v, share_keys=share_keys, interpret=True)
     want_out, want_u = recurrence(args, g, parents)
-    check_close(out, want_out, parents, 1e-5, f"O at block {block}, block_v {block_v}")
-    check_close(u, want_u, parents, 1e-5, f"U at block {block}, block_v {block_v}")
+    what = f"block {block}, block_v {block_v}, share_keys {share_keys}"
+    check_close(out, want_out, parents, 1e-5, f"O at {what}")
+    check_close(u, want_u, parents, 1e-5, f"U at {what}")
+
+
+@pytest.mark.parametrize("block", [16, 64])
+def test_aligned_keys_on_a_chain_stay_exact(block):
+    """A 64-node chain (a causal chunk) whose keys nearly align, with beta near 1 and gates near 0:
+    the block inverse's entries stay small while powers of A grow like binomials (the product of
+    (I + (-A)^(2^m)) factors misses this chain's (I + A)^-1 by 1e9 in float32). The blockwise
+    doubling inverse keeps the kernel within 1e-5 of the recurrence, in one block of 64 and in
+    four of 16."""
+    rng = np.random.default_rng(12)
+    width, dim = 64, 64
+    (q, _, v, _, _, _, state0), _, _ = make_case(12, 1, 1, 2, width, dim)
+    parents = np.arange(-1, width - 1)[None]
+    visible = np.tril(np.ones((width, width), bool))[None]
+    k = rng.standard_normal(dim) + 0.05 * rng.standard_normal((1, 1, width, dim))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    beta = rng.uniform(0.9, 1.0, (1, 2, width))
+    g = -rng.uniform(0, 0.02, (1, 2, width))
+    args = (q, k, v, beta, np.cumsum(g, axis=-1), visible, state0)
+    out, u = tree_gdn_pallas(*as32(args), block=block, interpret=True)
+    want_out, want_u = recurrence(args, g, parents)
+    assert np.max(np.abs(want_u)) > 2  # the solve does amplify here
+    check_close(out, want_out, parents, 1e-5, f"O in blocks of {block}")
+    check_close(u, want_u, parents, 1e-5, f"U in blocks of {block}")
 
 
 def test_tree_verify_interpret_equals_reference():
@@ -211,23 +240,33 @@ def test_bad_input_names_the_tensor():
         tree_gdn_pallas(*args, block=24, interpret=True)
     with pytest.raises(ValueError, match="block_v=32 exceeds dv=16"):
         tree_gdn_pallas(*args, block_v=32, interpret=True)
+    with pytest.raises(ValueError, match="precision must be one of ieee, tf32x3, got 'tf32'"):
+        tree_gdn_pallas(*args, precision="tf32", interpret=True)
+    wide = as32(make_case(7, 1, 1, 1, 300, 16)[0])
+    with pytest.raises(ValueError, match="W=300 in blocks of 16 is 19 blocks, more than 17"):
+        tree_gdn_pallas(*wide, block=16, interpret=True)
     odd = as32(make_case(7, 1, 1, 2, 16, 24)[0])
     with pytest.raises(ValueError, match="dk=24 must be a power of two"):
         tree_gdn_pallas(*odd, interpret=True)
 
 
 def test_default_block_sizes_are_triton_blocks():
-    """Powers of two >= 16 (Triton's dot), W padded no further than its next power of two, dv
-    split until batch 1 at 48 value heads fills 128 programs."""
-    for width in (1, 2, 16, 17, 64, 257, 513):
+    """Powers of two >= 16 (Triton's dot), W padded no further than its next power of two, at most
+    MAX_BLOCKS blocks up to W = 1 + 512, dv split until batch 1 at 48 value heads fills 128
+    programs and until the substitution's U fits in registers."""
+    for width in (1, 2, 16, 17, 64, 257, 288, 289, 513):
         for batch, heads in ((1, 48), (4, 48), (2, 4)):
             blocks = default_block_sizes(batch, heads, width, 128, 128)
             for size in (blocks.block, blocks.block_v):
                 assert size >= 16 and size & (size - 1) == 0
             assert blocks.block <= max(16, 1 << (width - 1).bit_length())
+            assert -(-width // blocks.block) <= MAX_BLOCKS
             assert 128 % blocks.block_v == 0
+            assert blocks.precision in PRECISIONS
     assert default_block_sizes(1, 48, 257, 128, 128).block_v == 32
-    assert default_block_sizes(4, 48, 257, 128, 128).block_v == 128
+    assert default_block_sizes(4, 48, 64, 128, 128).block_v == 128
+    assert default_block_sizes(4, 48, 257, 128, 128).block_v == 32  # 288 x 64 U values would spill
+    assert default_block_sizes(1, 48, 16, 128, 128).block == 16  # the block kernel alone
 
 
 def shapes(batch: int, key_heads: int, value_heads: int, width: int, dim: int):
@@ -239,13 +278,35 @@ def shapes(batch: int, key_heads: int, value_heads: int, width: int, dim: int):
             spec((batch, value_heads, dim, dim), f32))
 
 
-@pytest.mark.parametrize("width,block_v", [(16, None), (64, None), (257, None), (257, 128)])
-def test_kernel_lowers_for_cuda(width, block_v):
-    """Qwen3.6-27B's GDN shape (16 key heads, 48 value heads of 128); by default dv split in 4,
-    and whole (block_v 128)."""
-    fn = functools.partial(tree_gdn_pallas, block_v=block_v)
-    text = jax.jit(fn).trace(*shapes(1, 16, 48, width, 128)).lower(lowering_platforms=("cuda",)).as_text()
-    assert "__gpu$xla.gpu.triton" in text
+# The tilings to time against the defaults on a GPU (gdn_verify_bench --tilings "32,32,4,2,ieee
+# 64,32,4,2,ieee 64,32,4,2 64,32,8,2 32,64,4,2 32,128,4,2 32,32,4,2,tf32x3,share
+# 64,32,4,2,tf32x3,share"): each must at least lower.
+VARIANTS = [dict(block=32, precision="ieee"), dict(block=64, precision="ieee"), dict(block=64),
+            dict(block=64, num_warps=8), dict(block=32, block_v=64), dict(block=32, block_v=128),
+            dict(block=32, share_keys=True), dict(block=64, share_keys=True)]
+
+
+def lower_for_cuda(width: int, **tiling) -> str:
+    fn = functools.partial(tree_gdn_pallas, **tiling)
+    return jax.jit(fn).trace(*shapes(1, 16, 48, width, 128)).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("width", [16, 64, 257, 513])
+def test_kernel_lowers_for_cuda(width):
+    """Qwen3.6-27B's GDN shape (16 key heads, 48 value heads of 128) at the default tiling: the
+    block kernel alone for W = 16, the substitution after it beyond."""
+    text = lower_for_cuda(width)
+    assert text.count("__gpu$xla.gpu.triton") == (1 if width <= 16 else 2)
+
+
+@pytest.mark.parametrize("tiling", VARIANTS, ids=lambda t: ",".join(f"{k}={v}" for k, v in t.items()))
+def test_variants_lower_for_cuda(tiling):
+    assert lower_for_cuda(257, **tiling).count("__gpu$xla.gpu.triton") == 2
+
+
+def test_precision_reaches_the_kernel():
+    """ieee and tf32x3 lower to different Triton kernels (the dots' input precision is in them)."""
+    assert lower_for_cuda(64, precision="ieee") != lower_for_cuda(64, precision="tf32x3")
 
 
 GPU_CASES = [  # batch, key heads, group, W, dk = dv, padding nodes
@@ -258,10 +319,11 @@ GPU_CASES = [  # batch, key heads, group, W, dk = dv, padding nodes
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("batch,key_heads,group,width,dim,padding", GPU_CASES)
-def test_gpu_kernel_matches_reference_and_recurrence(batch, key_heads, group, width, dim, padding):
+def test_gpu_kernel_matches_reference_and_recurrence(batch, key_heads, group, width, dim, padding, precision):
     args, g, parents = make_case(width, batch, key_heads, group, width, dim, padding)
-    out, u = jax.jit(tree_gdn_pallas)(*as32(args))
+    out, u = jax.jit(functools.partial(tree_gdn_pallas, precision=precision))(*as32(args))
     want_out, want_u = recurrence(args, g, parents)
     check_close(out, want_out, parents, 2e-5, "GPU kernel O")
     check_close(u, want_u, parents, 2e-5, "GPU kernel U")
@@ -270,9 +332,9 @@ def test_gpu_kernel_matches_reference_and_recurrence(batch, key_heads, group, wi
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
-def test_gpu_auto_runs_the_kernel():
+def test_gpu_auto_runs_what_resolve_impl_says():
     text = jax.jit(tree_gdn).lower(*shapes(1, 16, 48, 64, 128)).as_text()
-    assert "__gpu$xla.gpu.triton" in text
+    assert ("__gpu$xla.gpu.triton" in text) == (resolve_impl("auto", "gpu") == "pallas")
 
 
 def test_hybrid_verify_through_the_interpreted_kernel():

@@ -1,4 +1,4 @@
-"""Benchmark of the tree-GDN verify: the Pallas kernel (pallas_kernels.tree_gdn) against XLA.
+"""Benchmark of the tree-GDN verify: the Pallas kernels (pallas_kernels.tree_gdn) against XLA.
 
 Shape: a hybrid target's GDN layers (default Qwen3.6-27B: 16 key heads, 48 value heads, dk = dv =
 128, 48 GDN layers), batch 1, W nodes of a random draft tree.
@@ -13,11 +13,14 @@ layer feeds its next round), so Python dispatch is out of the numbers:
   -> `gdn.tree_verify` -> `gdn.commit_state` (the conv and projections are the same either way);
 - "chunk": the verify chunk alone (`tree_gdn`: K S0 ... O, the part the kernel replaces).
 Reported: medians (after warm-up) of the time per layer, the kernel's speedup, and the largest
-difference between the two implementations' outputs and committed states.
+difference between the two implementations' outputs and committed states. `--tilings` also times
+the chunk at other tilings and dot precisions of the kernel (`pallas_kernels.tree_gdn.BlockSizes`),
+each with the largest difference of its chained state from XLA's.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 from typing import Any
 
@@ -29,7 +32,7 @@ from dflash_jax import gdn
 from dflash_jax.bench.common import SHAPES, environment, log, time_fn, write_json
 from dflash_jax.bench.tree_attention_bench import random_tree_visibility
 from dflash_jax.qwen3_5 import Qwen35Config
-from pallas_kernels.tree_gdn import default_block_sizes, tree_gdn, tree_gdn_pallas
+from pallas_kernels.tree_gdn import PRECISIONS, BlockSizes, default_block_sizes, tree_gdn, tree_gdn_pallas
 
 
 def make_inputs(cfg: Qwen35Config, width: int, dtype: Any, seed: int = 0) -> dict[str, jax.Array]:
@@ -76,52 +79,84 @@ def chunk_inputs(x: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
 
 
 def chunk_layers(args: tuple[jax.Array, ...], state: jax.Array, layers: int, impl: str,
-                 tiling: tuple[int, int, int] | None = None) -> jax.Array:
+                 tiling: BlockSizes | None = None) -> jax.Array:
     """`layers` verify chunks in a chain: each one's U (scaled down) is the next one's state,
-    so XLA can neither hoist nor drop any of them. tiling: (block, block_v, num_warps) for the
-    kernel instead of its defaults."""
+    so XLA can neither hoist nor drop any of them. tiling: the kernel's instead of its defaults."""
     def layer(_, s):
         if tiling is None:
             _, u = tree_gdn(*args, s, impl=impl)
         else:
-            block, block_v, warps = tiling
-            _, u = tree_gdn_pallas(*args, s, block=block, block_v=block_v, num_warps=warps,
-                                   interpret=impl == "interpret")
+            _, u = tree_gdn_pallas(*args, s, **dataclasses.asdict(tiling), interpret=impl == "interpret")
         return s + 1e-3 * jnp.mean(u, axis=2, keepdims=True)
 
     return jax.lax.fori_loop(0, layers, layer, state)
 
 
+def tiling_name(blocks: BlockSizes) -> str:
+    """BLOCK,BLOCK_V,WARPS,STAGES,PRECISION[,share], the --tilings spelling."""
+    name = f"{blocks.block},{blocks.block_v},{blocks.num_warps},{blocks.num_stages},{blocks.precision}"
+    return name + ",share" if blocks.share_keys else name
+
+
+def parse_tiling(spec: str, default: BlockSizes) -> BlockSizes:
+    """BLOCK,BLOCK_V,WARPS[,STAGES[,PRECISION[,share]]]; STAGES and PRECISION default to
+    `default`'s, and "share" sets share_keys. Raises ValueError on another form."""
+    fields = spec.split(",")
+    if not 3 <= len(fields) <= 6 or fields[5:] not in ([], ["share"]):
+        raise ValueError(spec)
+    block, block_v, warps = (int(n) for n in fields[:3])
+    stages = int(fields[3]) if len(fields) > 3 else default.num_stages
+    precision = fields[4] if len(fields) > 4 else default.precision
+    if precision not in PRECISIONS:
+        raise ValueError(spec)
+    return BlockSizes(block=block, block_v=block_v, num_warps=warps, num_stages=stages, precision=precision,
+                      share_keys=len(fields) == 6)
+
+
 def bench_width(cfg: Qwen35Config, width: int, dtype: Any, kernel_impl: str, warmup: int,
-                iters: int, tilings: list[tuple[int, int, int]]) -> dict[str, Any]:
+                iters: int, tilings: list[str]) -> dict[str, Any]:
+    """One W: XLA, the kernel at its default tiling, and the chunk at each of `tilings`. A kernel
+    that fails (a tiling the GPU refuses, say) leaves its error in the row instead of its times."""
     layers = len(cfg.gdn_layers)
     x = make_inputs(cfg, width, dtype)
     blocks = default_block_sizes(1, cfg.gdn_value_heads, width, cfg.gdn_key_dim, cfg.gdn_value_dim)
-    row: dict[str, Any] = {"width": width, "layers": layers,
-                           "tiling": f"{blocks.block},{blocks.block_v},{blocks.num_warps}"}
-    results = {}
+    row: dict[str, Any] = {"width": width, "layers": layers, "tiling": tiling_name(blocks),
+                           "tilings_chunk_us": {}, "tilings_max_diff": {}}
     args = chunk_inputs(x)
+    per_layer = lambda fn: time_fn(fn, warmup, iters)["median_ms"] * 1e3 / layers
+    results = {}
     for name, impl in (("xla", "reference"), ("kernel", kernel_impl)):
         verify = jax.jit(functools.partial(verify_layers, layers=layers, impl=impl))
-        results[name] = verify(x)
-        row[f"verify_{name}_us"] = time_fn(lambda: verify(x), warmup, iters)["median_ms"] * 1e3 / layers
         chunk = jax.jit(functools.partial(chunk_layers, layers=layers, impl=impl))
-        row[f"chunk_{name}_us"] = time_fn(lambda: chunk(args, x["state"]), warmup, iters)["median_ms"] * 1e3 / layers
-    row["tilings_chunk_us"] = {}
-    for tiling in tilings:
-        chunk = jax.jit(functools.partial(chunk_layers, layers=layers, impl=kernel_impl, tiling=tiling))
-        name = ",".join(map(str, tiling))
         try:
-            row["tilings_chunk_us"][name] = time_fn(lambda: chunk(args, x["state"]), warmup, iters)["median_ms"] \
-                * 1e3 / layers
+            results[name] = verify(x)
+            row[f"verify_{name}_us"] = per_layer(lambda: verify(x))
+            row[f"chunk_{name}_us"] = per_layer(lambda: chunk(args, x["state"]))
+        except Exception as e:  # noqa: BLE001 -- a kernel the GPU refuses is a result; XLA's failure is not
+            if name == "xla":
+                raise
+            row["kernel_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            log(f"W={width}: the kernel at its default tiling failed: {row['kernel_error']}")
+    chunk_xla = jax.jit(functools.partial(chunk_layers, layers=layers, impl="reference"))(args, x["state"])
+    if "kernel" in results:
+        for part in ("verify", "chunk"):
+            row[f"{part}_speedup"] = row[f"{part}_xla_us"] / row[f"{part}_kernel_us"]
+        (out_x, state_x), (out_k, state_k) = results["xla"], results["kernel"]
+        row["max_abs_diff_out"] = float(jnp.max(jnp.abs(out_x - out_k)))
+        row["max_abs_diff_state"] = float(jnp.max(jnp.abs(state_x - state_k)))
+    for spec in tilings:
+        tiling = parse_tiling(spec, blocks)
+        chunk = jax.jit(functools.partial(chunk_layers, layers=layers, impl=kernel_impl, tiling=tiling))
+        name = tiling_name(tiling)
+        try:
+            # The chained state after every layer, against XLA's: a fast tiling must also be right.
+            row["tilings_max_diff"][name] = float(jnp.max(jnp.abs(chunk(args, x["state"]) - chunk_xla)))
+            row["tilings_chunk_us"][name] = per_layer(lambda: chunk(args, x["state"]))
+            log(f"W={width}: tiling {name}: {row['tilings_chunk_us'][name]:.1f} us/layer, "
+                f"max diff {row['tilings_max_diff'][name]:.2g}")
         except Exception as e:  # noqa: BLE001 -- a tiling the GPU refuses (e.g. its shared memory) is a result
             row["tilings_chunk_us"][name] = f"{type(e).__name__}: {str(e)[:200]}"
             log(f"W={width}: tiling {name} failed: {row['tilings_chunk_us'][name]}")
-    for part in ("verify", "chunk"):
-        row[f"{part}_speedup"] = row[f"{part}_xla_us"] / row[f"{part}_kernel_us"]
-    (out_x, state_x), (out_k, state_k) = results["xla"], results["kernel"]
-    row["max_abs_diff_out"] = float(jnp.max(jnp.abs(out_x - out_k)))
-    row["max_abs_diff_state"] = float(jnp.max(jnp.abs(state_x - state_k)))
     return row
 
 
@@ -131,10 +166,13 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         others = ", ".join(f"{t}: {us:.1f}" if isinstance(us, float) else f"{t}: failed"
                            for t, us in r["tilings_chunk_us"].items())
-        lines.append(f"| {r['width']} | {r['verify_xla_us']:.1f} | {r['verify_kernel_us']:.1f} | "
-                     f"{r['verify_speedup']:.2f}x | {r['chunk_xla_us']:.1f} | {r['chunk_kernel_us']:.1f} | "
-                     f"{r['chunk_speedup']:.2f}x | {max(r['max_abs_diff_out'], r['max_abs_diff_state']):.2g} | "
-                     f"{r['tiling']} | {others} |")
+        if "kernel_error" in r:
+            kernel = "failed | - | {:.1f} | failed | - | - ".format(r["chunk_xla_us"])
+        else:
+            kernel = (f"{r['verify_kernel_us']:.1f} | {r['verify_speedup']:.2f}x | {r['chunk_xla_us']:.1f} | "
+                      f"{r['chunk_kernel_us']:.1f} | {r['chunk_speedup']:.2f}x | "
+                      f"{max(r['max_abs_diff_out'], r['max_abs_diff_state']):.2g} ")
+        lines.append(f"| {r['width']} | {r['verify_xla_us']:.1f} | {kernel}| {r['tiling']} | {others} |")
     return "\n".join(lines)
 
 
@@ -146,9 +184,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--interpret", action="store_true", help="the kernel in Pallas' interpreter (CPU smoke test)")
-    p.add_argument("--tilings", nargs="*", default=[], metavar="BLOCK,BLOCK_V,WARPS",
-                   help="kernel tilings to time the chunk with, beside the default one (one that fails is "
-                        "reported with its error)")
+    p.add_argument("--tilings", nargs="*", default=[], metavar="BLOCK,BLOCK_V,WARPS[,STAGES[,PRECISION[,share]]]",
+                   help="kernel tilings to time the chunk with, beside the default one (STAGES and PRECISION, "
+                        f"one of {', '.join(PRECISIONS)}, default to the default tiling's; 'share' makes one "
+                        "block-kernel program per key head; one that fails is reported with its error)")
     p.add_argument("--out", help="JSON file for the results")
     a = p.parse_args(argv)
     cfg = SHAPES.get(a.model)
@@ -157,17 +196,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{sorted(n for n, c in SHAPES.items() if isinstance(c, Qwen35Config))}")
     if min(a.widths) < 1:
         p.error(f"--widths must be >= 1, got {a.widths}")
-    try:
-        tilings = [tuple(int(n) for n in t.split(",")) for t in a.tilings]
-    except ValueError:
-        tilings = [()]
-    if any(len(t) != 3 for t in tilings):
-        p.error(f"--tilings takes BLOCK,BLOCK_V,WARPS triples of ints, got {a.tilings}")
+    probe = BlockSizes(block=16, block_v=16, num_warps=4, num_stages=1, precision=PRECISIONS[0], share_keys=False)
+    for spec in a.tilings:
+        try:
+            parse_tiling(spec, probe)
+        except ValueError:
+            p.error(f"--tilings takes BLOCK,BLOCK_V,WARPS[,STAGES[,PRECISION[,share]]] with ints and PRECISION one "
+                    f"of {', '.join(PRECISIONS)}, got {spec!r}")
     rows = []
     for width in a.widths:
         rows.append(bench_width(cfg, width, jnp.dtype(a.dtype), "interpret" if a.interpret else "pallas", a.warmup, a.iters,
-                                tilings))
-        log(f"W={width}: verify {rows[-1]['verify_xla_us']:.1f} -> {rows[-1]['verify_kernel_us']:.1f} us/layer")
+                                a.tilings))
+        r = rows[-1]
+        log(f"W={width}: verify {r['verify_xla_us']:.1f} -> {r.get('verify_kernel_us', float('nan')):.1f} us/layer, "
+            f"chunk {r['chunk_xla_us']:.1f} -> {r.get('chunk_kernel_us', float('nan')):.1f}")
     record = {"env": environment(), "model": a.model, "dtype": a.dtype, "interpret": a.interpret,
               "gdn": {"key_heads": cfg.gdn_key_heads, "value_heads": cfg.gdn_value_heads,
                       "dk": cfg.gdn_key_dim, "dv": cfg.gdn_value_dim}, "rows": rows}

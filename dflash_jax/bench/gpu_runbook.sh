@@ -20,8 +20,8 @@
 #   kernel-tests  the GPU-only parity tests of the kernels against their references
 #   gdn-verify    the tree-GDN verify (gates, tree_verify, commit per GDN layer) and its chunk alone,
 #                 Pallas kernel against XLA, Qwen3.6-27B GDN shape, W 16/64/257 (GDN_WIDTHS); GDN_TILINGS
-#                 ("block,block_v,warps" ...) also times the chunk with each of those kernel tilings, one
-#                 process and GDN_TILING_S seconds (120) each
+#                 ("block,block_v,warps[,stages[,precision[,share]]]" ...) also times the chunk at each of
+#                 those kernel tilings, one process and GDN_TILING_S seconds (120) each
 #   lossless      greedy DDTree and DFlash against greedy AR on the GPU (float32)
 #   top-k         the tree's vocabulary top-k alone, [15, 151936], k 16-512
 #   kernel-sweep  only the random tiling sweep, SWEEP_S seconds (default 300), at SWEEP_WIDTHS
@@ -255,7 +255,8 @@ kernel-tests)
     # Every kernel's GPU case is named test_gpu_*: the files are found, not listed.
     else JAX_PLATFORMS=cuda step kernel_tests "$limit" python -m pytest -q tests -k gpu_; fi ;;
 gdn-verify)
-    if [ "$dry" = 1 ]; then set -- --model tiny-hybrid --widths 5 17 --interpret --warmup 1 --iters 2; tilings=16,16,4
+    if [ "$dry" = 1 ]; then set -- --model tiny-hybrid --widths 5 17 --interpret --warmup 1 --iters 2
+                            tilings="16,16,4 16,16,4,1,ieee,share"
     else
         # shellcheck disable=SC2086
         set -- --model qwen3.6-27b --widths ${GDN_WIDTHS:-16 64 257}; tilings=${GDN_TILINGS:-}
