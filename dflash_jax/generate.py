@@ -133,7 +133,7 @@ def is_stop(tokens: jax.Array, stop_tokens: tuple[int, ...]) -> jax.Array:
 # XLA's command buffers (CUDA graphs) for every command type, the loop types (WHILE, CONDITIONAL)
 # included. A generation's while_loop otherwise has the host read `done` back after every step
 # before it issues the next, so each step starts with the GPU waiting on the host. Speculative
-# decoding compiles its loop so too (`speculative.DDTREE_COMPILER_OPTIONS`). AR decoding at ctx 4K
+# decoding compiles its loop so too (`speculative.SPEC_COMPILER_OPTIONS`). AR decoding at ctx 4K
 # (Qwen3-8B shape, 127 tokens, in turns): 4.803 against 4.844 ms a token with XLA's default
 # command types, faster in each of 7 turns, the same tokens (BENCHMARKS.md).
 COMMAND_BUFFERS_ALL = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",

@@ -467,31 +467,31 @@ def _generate(target: ModelParams | Qwen35Params, cfg: ModelConfig | Qwen35Confi
 
 
 _STATIC = ("cfg", "dcfg", "settings", "max_len", "impl")
-# XLA's DotMerger concatenates each layer's q/k/v weights inside the round loop once the tree is
-# wide (a 48 MB copy per layer per round at Qwen3-8B, budget 256). With the pass off, a DDTree(256)
-# round took 15.66 ms instead of 16.20 (H200, BENCHMARKS.md); DFlash rounds showed no gain.
+# XLA's DotMerger concatenates weights that share an input inside the round loop: each layer's
+# q/k/v at Qwen3-8B, budget 256 (a 48 MB copy per layer per round; with the pass off a DDTree(256)
+# round took 15.66 ms instead of 16.20 on an H200), and a Qwen3.6-27B hybrid's GDN input
+# projections in the DFlash round (5.4 of its 30.3 ms on an H100, BENCHMARKS.md). Dense DFlash
+# rounds showed no gain from the pass, so every speculative program compiles with it off.
 DOT_MERGER_OFF = {"xla_gpu_dot_merger_threshold_mb": 0}
 # XLA's command buffers for every command type (`generate.COMMAND_BUFFERS_ALL`), the loop types
 # included: a DDTree(256) round as decoding runs it (`bench/decode_loop.py`, 63-127 rounds, in turns)
 # took 10.33 / 10.58 / 10.54 / 10.12 / 10.57 ms with them against 10.52 / 10.78 / 10.75 / 10.49 /
 # 10.95 ms with command buffers off, on five H200s, the same tokens; without the loop types 10.70
-# against 10.78 (BENCHMARKS.md). spec_round's fori_loop, which reads nothing back, is as fast
-# either way.
-DDTREE_COMPILER_OPTIONS = {**DOT_MERGER_OFF, **COMMAND_BUFFERS_ALL}
+# against 10.78; DFlash (block 16, 127 rounds) 5.81 ms against 6.10 with XLA's default command
+# types and 6.03 with none (BENCHMARKS.md). spec_round's fori_loop, which reads nothing back, is
+# as fast either way.
+SPEC_COMPILER_OPTIONS = {**DOT_MERGER_OFF, **COMMAND_BUFFERS_ALL}
 # The same without graphs, for programs a profiler must see into (a trace cannot attribute the
 # kernels of a graph to their HLO instructions).
-DDTREE_PROFILED_OPTIONS = {**DOT_MERGER_OFF, **COMMAND_BUFFERS_OFF}
-# DFlash likewise: block 16, 127 rounds as decoding runs them took 5.81 ms against 6.10 with XLA's
-# default command types and 6.03 with none; on another H200 5.84 against 6.02 with none (in turns;
-# BENCHMARKS.md).
-DFLASH_COMPILER_OPTIONS = COMMAND_BUFFERS_ALL
-_generate_dflash = jax.jit(_generate, static_argnames=_STATIC, compiler_options=DFLASH_COMPILER_OPTIONS)
-_generate_ddtree = jax.jit(_generate, static_argnames=_STATIC, compiler_options=DDTREE_COMPILER_OPTIONS)
+SPEC_PROFILED_OPTIONS = {**DOT_MERGER_OFF, **COMMAND_BUFFERS_OFF}
+_generate_jit = jax.jit(_generate, static_argnames=_STATIC, compiler_options=SPEC_COMPILER_OPTIONS)
 
 
 def speculative_program(settings: SpecSettings) -> Any:
-    """The jitted generation for these settings (same signature as `generate_speculative`)."""
-    return _generate_dflash if settings.is_chain else _generate_ddtree
+    """The jitted generation (same signature as `generate_speculative`); one program serves every
+    method, compiled for `settings` as a static argument."""
+    del settings
+    return _generate_jit
 
 
 def generate_speculative(target: ModelParams | Qwen35Params, cfg: ModelConfig | Qwen35Config, dparams: Any,

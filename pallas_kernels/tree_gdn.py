@@ -138,15 +138,18 @@ def tree_gdn_reference(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array
     diff = decay[..., :, None] - decay[..., None, :]
     d = jnp.exp(jnp.where(vis, diff, -jnp.inf))
     strict = vis & ~jnp.eye(width, dtype=bool)
-    kk = jnp.einsum("bhtk,bhsk->bhts", k, k, precision=_HI)[:, :, None]
-    a = jnp.where(strict, beta[..., None] * kk * d, 0)
+    # K and Q go through each product together, [K; Q] with 2W rows: one launch for K K^T and
+    # Q K^T, one for K S0 and Q S0 (the verify's products are small and launch-bound).
+    kq = jnp.concatenate([k, q], axis=2)
+    gram = jnp.einsum("bhtk,bhsk->bhts", kq, k, precision=_HI)[:, :, None]
+    s0_products = jnp.einsum("bhtk,bhgkv->bhgtv", kq, s0, precision=_HI)
+    a = jnp.where(strict, beta[..., None] * gram[..., :width, :] * d, 0)
     e = jnp.exp(decay)[..., None]
-    rhs = beta[..., None] * (v - e * jnp.einsum("bhtk,bhgkv->bhgtv", k, s0, precision=_HI))
+    rhs = beta[..., None] * (v - e * s0_products[..., :width, :])
     # (I + A) U = rhs; unit_diagonal: the solver never reads a's (zero) diagonal.
     u = jax.scipy.linalg.solve_triangular(a, rhs, lower=True, unit_diagonal=True)
-    scores = jnp.einsum("bhtk,bhsk->bhts", q, k, precision=_HI)[:, :, None] * d
-    out = e * jnp.einsum("bhtk,bhgkv->bhgtv", q, s0, precision=_HI) + jnp.einsum(
-        "bhgts,bhgsv->bhgtv", scores, u, precision=_HI)
+    scores = gram[..., width:, :] * d
+    out = e * s0_products[..., width:, :] + jnp.einsum("bhgts,bhgsv->bhgtv", scores, u, precision=_HI)
     out, u = (x.reshape(batch, value_heads, width, dv) for x in (out, u))
     return out, u
 

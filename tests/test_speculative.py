@@ -327,13 +327,13 @@ def test_ddtree_compiler_options_are_xla_options():
     """DDTree's generation compiles with these options (dot merger off, command buffers for every
     command type, the loops included), and its profiled benches with command buffers off; XLA
     rejects a misspelt name or value with INVALID_ARGUMENT, here as on a GPU."""
-    from dflash_jax.speculative import DDTREE_COMPILER_OPTIONS, DDTREE_PROFILED_OPTIONS
+    from dflash_jax.speculative import SPEC_COMPILER_OPTIONS, SPEC_PROFILED_OPTIONS
 
-    assert set(DDTREE_COMPILER_OPTIONS) == {"xla_gpu_dot_merger_threshold_mb", "xla_gpu_enable_command_buffer",
+    assert set(SPEC_COMPILER_OPTIONS) == {"xla_gpu_dot_merger_threshold_mb", "xla_gpu_enable_command_buffer",
                                             "xla_gpu_graph_min_graph_size"}
-    assert {"WHILE", "CONDITIONAL"} <= set(DDTREE_COMPILER_OPTIONS["xla_gpu_enable_command_buffer"].split(","))
-    assert DDTREE_PROFILED_OPTIONS["xla_gpu_enable_command_buffer"] == ""
-    for options in (DDTREE_COMPILER_OPTIONS, DDTREE_PROFILED_OPTIONS):
+    assert {"WHILE", "CONDITIONAL"} <= set(SPEC_COMPILER_OPTIONS["xla_gpu_enable_command_buffer"].split(","))
+    assert SPEC_PROFILED_OPTIONS["xla_gpu_enable_command_buffer"] == ""
+    for options in (SPEC_COMPILER_OPTIONS, SPEC_PROFILED_OPTIONS):
         compiled = jax.jit(lambda x: x * 2).lower(jnp.ones(3)).compile(compiler_options=options)
         np.testing.assert_array_equal(np.asarray(compiled(jnp.ones(3))), 2.0)
     with pytest.raises(Exception, match="xla_gpu_enable_command_buffer"):

@@ -5,7 +5,7 @@ round after round without waiting. The generation (`speculative.generate_specula
 every sequence is done: a `while_loop`. Run by the host (XLA's while thunk), it reads the
 condition back before it issues the next round, so each round starts with the GPU waiting for the
 host to issue its first kernels; `Impl.rounds_per_check` = k reads `done` once every k rounds. With XLA's command buffers (CUDA graphs) for every command type, WHILE and CONDITIONAL among
-them, as decoding compiles it (`speculative.DDTREE_COMPILER_OPTIONS`, `DFLASH_COMPILER_OPTIONS`),
+them, as decoding compiles it (`speculative.SPEC_COMPILER_OPTIONS`),
 XLA can run the loop as a graph with conditional nodes instead. `--command-buffers` times the generation as decoding
 compiles it and with other settings (`spec_round`'s names); the generations are timed in turns.
 

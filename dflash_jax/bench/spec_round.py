@@ -224,11 +224,11 @@ def timed_rounds(target, dparams, cfg, dcfg, s: SpecSettings, state: SpecState,
 # XLA's DotMerger joins dots that share an input by concatenating their weights, and at wide
 # trees it does so for q/k/v inside the round loop: a 48 MB copy per layer every round (Qwen3-8B).
 # Threshold 0 turns the pass off; `--dot-merger default off` times both in one process.
-# DDTree decoding compiles with the pass off (speculative.DDTREE_COMPILER_OPTIONS).
+# Speculative decoding compiles with the pass off (speculative.SPEC_COMPILER_OPTIONS).
 DOT_MERGER = {"default": {}, "off": DOT_MERGER_OFF}
 # XLA's command buffers (CUDA graphs) as they are, off, or for every command type XLA can put in
-# a graph, loops and custom calls included, in graphs of any size ("all": as DDTree decoding
-# compiles them, speculative.DDTREE_COMPILER_OPTIONS; whether that captures the whole round depends
+# a graph, loops and custom calls included, in graphs of any size ("all": as speculative decoding
+# compiles them, speculative.SPEC_COMPILER_OPTIONS; whether that captures the whole round depends
 # on what each custom call allows); "no-loops" the same without WHILE and CONDITIONAL.
 # `--command-buffers default off all` times them in one process.
 COMMAND_BUFFERS = {"default": {}, "off": COMMAND_BUFFERS_OFF, "all": COMMAND_BUFFERS_ALL,
@@ -239,12 +239,12 @@ COMMAND_BUFFERS = {"default": {}, "off": COMMAND_BUFFERS_OFF, "all": COMMAND_BUF
 def decoding_settings(method: str, dot_merger: str = "decoding", command_buffers: str = "decoding",
                       profile: bool = False) -> tuple[str, str]:
     """(dot merger, command buffers) by their names in DOT_MERGER / COMMAND_BUFFERS, "decoding"
-    resolved as decoding compiles `method` ("ddtree" or "dflash": speculative.DDTREE_COMPILER_OPTIONS
-    / DFLASH_COMPILER_OPTIONS; "ar", `generate.generate_ar`: generate.COMMAND_BUFFERS_ALL). A profile
+    resolved as decoding compiles `method` ("ddtree", "dflash" or "mtp": speculative.SPEC_COMPILER_OPTIONS;
+    "ar", `generate.generate_ar`: generate.COMMAND_BUFFERS_ALL). A profile
     cannot see into graphs, and spec_round's fori_loop times about the same with or without them
     (BENCHMARKS.md), so with `profile` a program compiles them off."""
     if dot_merger == "decoding":
-        dot_merger = "off" if method == "ddtree" else "default"
+        dot_merger = "default" if method == "ar" else "off"
     if command_buffers == "decoding":
         command_buffers = "off" if profile else "all"
     return dot_merger, command_buffers
@@ -299,9 +299,7 @@ def bench_settings(target, cfg, dparams, dcfg, s: SpecSettings, ctx: int, max_le
                    timers: list | None = None, timeline: bool = False, clocks: bool = False,
                    impl: Impl = Impl()) -> dict:
     state = make_state(cfg, dcfg, ctx, max_len, s.max_new_tokens, target.embed.dtype)
-    # Decoding compiles an MTP chain as DFlash and an MTP tree as DDTree (`speculative_program`).
-    method = s.method if s.method != "mtp" else ("dflash" if s.is_chain else "ddtree")
-    dot_merger, command_buffers = decoding_settings(method, dot_merger, command_buffers, profile)
+    dot_merger, command_buffers = decoding_settings(s.method, dot_merger, command_buffers, profile)
     options = {**DOT_MERGER[dot_merger], **COMMAND_BUFFERS[command_buffers], **parse_xla_options(xla_options)} or None
     ms, rnd, call, extra = _timed_rounds(target, dparams, cfg, dcfg, s, state, profile, rounds, options, table,
                                          timeline, clocks, impl)

@@ -54,7 +54,7 @@ from dflash_jax.model import forward, init_params
 from dflash_jax.params import param_bytes
 from dflash_jax.bench.profile import profile_program, scale_profile
 from dflash_jax.bench.spec_round import ROUNDS_PER_CALL, drafter_config, make_state, round_program, timed_rounds
-from dflash_jax.speculative import DDTREE_PROFILED_OPTIONS, SpecSettings, spec_round
+from dflash_jax.speculative import SPEC_PROFILED_OPTIONS, SpecSettings, spec_round
 
 TINY = ModelConfig(model_type="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=6,
                    num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True, rope=RopeConfig(theta=1e6))
@@ -187,7 +187,7 @@ def bench_round(target, dparams, cfg, dcfg, mesh, budget: int, ctx: int, max_len
     state = make_spec_state(cfg, dcfg, ctx, max_len, s.max_new_tokens, jnp.bfloat16, mesh)
     # As DDTree decoding compiles it (dot merger off), command buffers off so that a profile can
     # attribute kernels, plus the variant's options.
-    options = {**DDTREE_PROFILED_OPTIONS, **(compiler_options or {})}
+    options = {**SPEC_PROFILED_OPTIONS, **(compiler_options or {})}
     ms, rnd, call = timed_rounds(target, dparams, cfg, dcfg, s, state, options)
     hlo = rnd.as_text()
     ops = hlo_collectives(hlo)
