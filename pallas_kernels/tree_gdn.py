@@ -41,7 +41,8 @@ W <= block needs the block kernel alone: one launch, at W = 16 by default. Two l
 than one program per (sequence, value head) walking its rows: that walk put the Gram blocks,
 the inverses and K S0 in its serial chain, on 48 programs at batch 1 (a third of an H200's
 SMs), and took 140 / 692 / 6959 us against XLA's 49 / 61 / 259 at W = 16 / 64 / 257. The split
-costs a launch and the pair matrices' round trip through memory.
+costs a launch and the pair matrices' round trip through memory. It is still far from XLA: 164 /
+1114 / 4765 us against 34 / 54 / 238 on an H100 (BENCHMARKS.md).
 
 The block inverse is blockwise doubling (``_unit_lower_inverse``): log2(block) - 1 levels of two
 dots instead of ``block`` dependent row reductions. The dots take float32 inputs and accumulate
@@ -457,10 +458,10 @@ def resolve_impl(impl: GdnImpl = "auto", backend: str | None = None) -> str:
     """What ``tree_gdn`` runs for ``impl``: "auto" is "reference" (XLA) on every backend.
 
     The kernels run only when asked for ("pallas", "interpret"): "auto" moves to them on a GPU
-    once they beat XLA at every W of the GDN verify bench. The single row-walk kernel they
-    replace did not: 140 / 692 / 6959 us against XLA's 49 / 61 / 259 us at W = 16 / 64 / 257 on
-    an H200, Qwen3.6-27B GDN shape (BENCHMARKS.md, "The tree-GDN verify"). ``backend`` is
-    accepted so that callers need not special-case it.
+    once they beat XLA at every W of the GDN verify bench. They do not: at the Qwen3.6-27B GDN
+    shape, batch 1, their chunk took 164 / 1114 / 4765 us against XLA's 34 / 54 / 238 us at
+    W = 16 / 64 / 257 on an H100 (BENCHMARKS.md, "The tree-GDN verify"). ``backend`` is accepted
+    so that callers need not special-case it.
     """
     if impl not in IMPLS:
         raise ValueError(f"tree_gdn: impl must be one of {', '.join(IMPLS)}, got {impl!r}")
