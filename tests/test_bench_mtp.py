@@ -13,7 +13,7 @@ import pytest
 from dflash_jax import mtp
 from dflash_jax import qwen3_5
 from dflash_jax.bench import spec_round as sr
-from dflash_jax.speculative import SpecSettings, spec_round
+from dflash_jax.speculative import SPEC_COMPILER_OPTIONS, SpecSettings, spec_round
 
 CTX, MAX_LEN = 24, 96
 
@@ -57,7 +57,9 @@ def test_rows_of_mtp_chains_and_trees(head):
                               CTX, MAX_LEN, profile=False, rounds=2) for b in (0, 4)]
     assert [r["method"] for r in rows] == ["mtp(k=2)", "mtp(k=2)"]
     assert [r["width"] for r in rows] == [3, 5] and [r["budget"] for r in rows] == [0, 4]
-    assert [r["dot_merger"] for r in rows] == ["default", "off"]  # compiled as decoding compiles them
+    # Compiled as decoding compiles them: every speculative program with the dot merger off.
+    assert [r["dot_merger"] for r in rows] == ["off", "off"]
+    assert sr.DOT_MERGER["off"].items() <= SPEC_COMPILER_OPTIONS.items()
     assert all(r["round_ms"] > 0 and r["kv_finite"] and r["gdn_state_finite"] for r in rows)
 
 
