@@ -1,9 +1,7 @@
 """The MTP round benchmark (bench/spec_round.py --mtp-steps / --mtp-budgets, runbook phase
 mtp-rounds) on the tiny hybrid shape: the head's state at ctx, one round against a plain forward,
 and the rows it reports."""
-import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
