@@ -124,10 +124,10 @@ def bench_width(cfg: Qwen35Config, width: int, dtype: Any, kernel_impl: str, war
                            "tilings_chunk_us": {}, "tilings_max_diff": {}}
     args = chunk_inputs(x)
     per_layer = lambda fn: time_fn(fn, warmup, iters)["median_ms"] * 1e3 / layers
-    results = {}
+    results, chunks = {}, {}
     for name, impl in (("xla", "reference"), ("kernel", kernel_impl)):
         verify = jax.jit(functools.partial(verify_layers, layers=layers, impl=impl))
-        chunk = jax.jit(functools.partial(chunk_layers, layers=layers, impl=impl))
+        chunk = chunks[name] = jax.jit(functools.partial(chunk_layers, layers=layers, impl=impl))
         try:
             results[name] = verify(x)
             row[f"verify_{name}_us"] = per_layer(lambda: verify(x))
@@ -137,7 +137,7 @@ def bench_width(cfg: Qwen35Config, width: int, dtype: Any, kernel_impl: str, war
                 raise
             row["kernel_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             log(f"W={width}: the kernel at its default tiling failed: {row['kernel_error']}")
-    chunk_xla = jax.jit(functools.partial(chunk_layers, layers=layers, impl="reference"))(args, x["state"])
+    chunk_xla = chunks["xla"](args, x["state"]) if tilings else None
     if "kernel" in results:
         for part in ("verify", "chunk"):
             row[f"{part}_speedup"] = row[f"{part}_xla_us"] / row[f"{part}_kernel_us"]
