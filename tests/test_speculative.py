@@ -323,9 +323,9 @@ def test_stage_times_bad_arguments(pair):
                     settings=s, max_len=16)
 
 
-def test_ddtree_compiler_options_are_xla_options():
-    """DDTree's generation compiles with these options (dot merger off, command buffers for every
-    command type, the loops included), and its profiled benches with command buffers off; XLA
+def test_speculative_compiler_options_are_xla_options():
+    """Every method's generation compiles with these options (dot merger off, command buffers for
+    every command type, the loops included), and its profiled benches with command buffers off; XLA
     rejects a misspelt name or value with INVALID_ARGUMENT, here as on a GPU."""
     from dflash_jax.speculative import SPEC_COMPILER_OPTIONS, SPEC_PROFILED_OPTIONS
 
