@@ -188,11 +188,13 @@ class BlockSizes:
     share_keys: bool
 
 
+# Columns of dk per step of the block kernel's products over dk.
+_BLOCK_K = 32
 # Programs that count as filling an H200's 132 SMs.
 _FULL_GRID = 128
-# The substitution holds its W x block_v values of U in registers: at most this many (128 a
-# thread at 4 warps).
-_HELD_U = 16384
+# The substitution holds its W x block_v values of U in registers: at most this many (64 a
+# thread at 4 warps; at W = 257, 288 x 32 of them spilled 9 KB a thread, per ptxas).
+_HELD_U = 8192
 # The substitution is unrolled over the row blocks: at most this many (W = 1 + 512 in blocks of 32).
 MAX_BLOCKS = 17
 
@@ -206,14 +208,15 @@ def default_block_sizes(batch: int, value_heads: int, width: int, dk: int, dv: i
     which keeps the substitution at 9 blocks up to W = 576. block_v: dv split (down to 32
     columns) until the substitution's grid has _FULL_GRID programs, since batch 1 at 48 value
     heads has 48 programs of whole heads, which would leave most of an H200's SMs idle, and
-    until its U fits _HELD_U values (else it spills from registers). TF32x3 dots: IEEE float32
-    dots run on CUDA cores at a small fraction of the tensor cores' rate.
+    (down to 16 columns) until its U fits _HELD_U values (else it spills from registers).
+    TF32x3 dots: IEEE float32 dots run on CUDA cores at a small fraction of the tensor cores' rate.
     """
     del dk
     block = _MIN_BLOCK if width <= _MIN_BLOCK else 32 if width <= 9 * 32 else 64
     rows = -(-width // block) * block
     block_v = dv
-    while block_v > 32 and (batch * value_heads * (dv // block_v) < _FULL_GRID or rows * block_v > _HELD_U):
+    while (block_v > 32 and batch * value_heads * (dv // block_v) < _FULL_GRID) or (
+            block_v > _MIN_BLOCK and rows * block_v > _HELD_U):
         block_v //= 2
     return BlockSizes(block=block, block_v=block_v, num_warps=4, num_stages=2, precision="tf32x3", share_keys=False)
 
@@ -277,7 +280,7 @@ def _load(ref, idx: tuple, valid: jax.Array | None) -> jax.Array:
 
 
 def _block_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, vis_ref, s0_ref, u0_ref, o0_ref, at_ref, pt_ref,
-                  *, block: int, block_v: int, width: int, dot: Dot):
+                  *, block: int, block_v: int, block_k: int, width: int, dot: Dot):
     """Row block i of one sequence and of `heads` value heads of one key head (the leading axis of
     every value-head ref): everything that does not need another block's U.
 
@@ -286,6 +289,12 @@ def _block_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, vis_ref, s0_ref, u0_
     U_i = u0 - sum_j At_ij U_j and O_i = o0 + sum_j Pt_ij U_j. The Gram blocks K_i K_j^T and
     Q_i K_j^T are made once for the heads. Rows past W (in the last block) load as zero: their
     q, k, v, beta, gate and visibility, so their u0 and o0 are zero and no real node sees them.
+
+    Every product over dk runs as a loop over `block_k` columns, loading its operands' slices
+    in the loop: only [block, block] and [block, block_v] accumulators stay in registers. Held
+    whole, q_i and k_i ([block, dk] each, split in two for the TF32x3 products and repeated
+    across the warps of a small-M tensor-core product) spilled from registers, which made this
+    kernel 30x slower than XLA at W = 257.
     """
     heads = v_ref.shape[0]
     i = pl.program_id(2)
@@ -298,11 +307,33 @@ def _block_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, vis_ref, s0_ref, u0_
     def real_rows(columns: int) -> jax.Array | None:
         return None if real is None else jnp.broadcast_to(real[:, None], (block, columns))
 
-    every = slice(None)
-    q_i = _load(q_ref, (rows_i, every), real_rows(q_ref.shape[-1]))
-    k_i = _load(k_ref, (rows_i, every), real_rows(k_ref.shape[-1]))
+    steps_k = k_ref.shape[-1] // block_k
+
+    def chunk(c):
+        return pl.ds(pl.multiple_of(c * block_k, block_k), block_k)
+
+    def gram(rows_j, real_j):
+        """(K_i K_j^T, Q_i K_j^T), [block, block] each."""
+        def step(c, acc):
+            k_i = _load(k_ref, (rows_i, chunk(c)), real_rows(block_k))
+            q_i = _load(q_ref, (rows_i, chunk(c)), real_rows(block_k))
+            k_j = _load(k_ref, (rows_j, chunk(c)), real_j)
+            return acc[0] + dot(k_i, k_j, 1), acc[1] + dot(q_i, k_j, 1)
+        zero = jnp.zeros((block, block), jnp.float32)
+        return lax.fori_loop(0, steps_k, step, (zero, zero))
+
+    def state_products(h, cols_v):
+        """(K_i S0, Q_i S0) for value head h and columns cols_v, [block, block_v] each."""
+        def step(c, acc):
+            s0 = s0_ref[h, chunk(c), cols_v]
+            k_i = _load(k_ref, (rows_i, chunk(c)), real_rows(block_k))
+            q_i = _load(q_ref, (rows_i, chunk(c)), real_rows(block_k))
+            return acc[0] + dot(k_i, s0, 0), acc[1] + dot(q_i, s0, 0)
+        zero = jnp.zeros((block, block_v), jnp.float32)
+        return lax.fori_loop(0, steps_k, step, (zero, zero))
+
     seen_ii = _load(vis_ref, (rows_i, rows_i), None if real is None else real[:, None] & real[None, :]) != 0
-    kk_ii, qk_ii = dot(k_i, k_i, 1), dot(q_i, k_i, 1)
+    kk_ii, qk_ii = gram(rows_i, real_rows(block_k))
     betas, gates, inverses, scores = [], [], [], []
     for h in range(heads):
         # (An array index: the interpreter's masked load takes no Python int beside a slice.)
@@ -313,13 +344,17 @@ def _block_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, vis_ref, s0_ref, u0_
         p_ii = qk_ii * d_ii
         t_i = _unit_lower_inverse(jnp.where(rows > cols, beta_i * kk_ii * d_ii, 0.0), rows, cols, dot)
         e_i = jnp.exp(g_i)[:, None]
-        for c in range(v_ref.shape[-1] // block_v):
-            cols_v = pl.ds(c * block_v, block_v)
-            s0 = s0_ref[h, :, cols_v]
+
+        def columns(c, carry, h=h, head=head, beta_i=beta_i, t_i=t_i, p_ii=p_ii, e_i=e_i):
+            cols_v = pl.ds(pl.multiple_of(c * block_v, block_v), block_v)
+            ks0, qs0 = state_products(h, cols_v)
             v_i = _load(v_ref, (head, rows_i, cols_v), real_rows(block_v))
-            u0 = dot(t_i, beta_i * (v_i - e_i * dot(k_i, s0, 0)), 0)
+            u0 = dot(t_i, beta_i * (v_i - e_i * ks0), 0)
             u0_ref[h, :, cols_v] = u0
-            o0_ref[h, :, cols_v] = e_i * dot(q_i, s0, 0) + dot(p_ii, u0, 0)
+            o0_ref[h, :, cols_v] = e_i * qs0 + dot(p_ii, u0, 0)
+            return carry
+
+        lax.fori_loop(0, v_ref.shape[-1] // block_v, columns, 0)
         betas.append(beta_i)
         gates.append(g_i)
         inverses.append(t_i)
@@ -330,9 +365,8 @@ def _block_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, vis_ref, s0_ref, u0_
         # zero, and a loop of plain loads and dots is one Triton can pipeline (num_stages).
         # Block j < i is whole: only this block's rows can run past W.
         cols_j = pl.ds(pl.multiple_of(j * block, block), block)
-        k_j = k_ref[cols_j, :]
         seen = _load(vis_ref, (rows_i, cols_j), real_rows(block)) != 0
-        kk, qk = dot(k_i, k_j, 1), dot(q_i, k_j, 1)
+        kk, qk = gram(cols_j, None)
         for h in range(heads):
             d = _masked_decay(gates[h], decay_ref[h, cols_j], seen)
             at = dot(inverses[h], betas[h] * kk * d, 0)
@@ -416,7 +450,7 @@ def tree_gdn_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, d
     # consumer, where a padded input would be a copy of its own.
     nodes = jax.ShapeDtypeStruct((batch, value_heads, padded, dv), f32)
     u0, o0, at, pt = pl.pallas_call(
-        functools.partial(_block_kernel, block=bt, block_v=bv, width=width, dot=dot),
+        functools.partial(_block_kernel, block=bt, block_v=bv, block_k=min(dk, _BLOCK_K), width=width, dot=dot),
         grid=(batch, value_heads // heads, num_blocks),
         in_specs=[key_spec, key_spec, pl.BlockSpec((sq, heads, width, dv), lambda b, h, i: (b, h, 0, 0)),
                   gate_spec, gate_spec, vis_spec, pl.BlockSpec((sq, heads, dk, dv), lambda b, h, i: (b, h, 0, 0))],
@@ -471,12 +505,16 @@ def resolve_impl(impl: GdnImpl = "auto", backend: str | None = None) -> str:
 
 def impl_for_attention(attention: str, dk: int, dv: int) -> GdnImpl:
     """The chunk's impl that goes with an attention impl (`pallas_kernels.tree_attention.IMPLS`,
-    a decoder's `Impl.attention`) for head sizes dk, dv: "reference" keeps the chunk in jnp as it
-    keeps a round's other kernels; "interpret" interprets the kernel where it takes the head sizes
-    (a tiny test model's 8 it does not: jnp then); the kernel choices leave it "auto"."""
-    if attention == "reference" or (attention == "interpret" and not kernel_takes(dk, dv)):
+    a decoder's `Impl.attention`) for head sizes dk, dv. Head sizes the kernel does not take (a
+    tiny test model's 8) keep the chunk in jnp. Otherwise "reference" keeps it in jnp as it keeps
+    a round's other kernels, "interpret" interprets the kernel, "triton" (the Triton kernels
+    alone, as GPUs other than Hopper run them) runs the kernel, and "auto" and "pallas" (which
+    "auto" resolves to on a GPU) leave it "auto" (``resolve_impl``)."""
+    if attention == "reference" or not kernel_takes(dk, dv):
         return "reference"
-    return "interpret" if attention == "interpret" else "auto"
+    if attention == "interpret":
+        return "interpret"
+    return "pallas" if attention == "triton" else "auto"
 
 
 def tree_gdn(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, decay: jax.Array,
