@@ -192,28 +192,30 @@ class BlockSizes:
 _BLOCK_K = 32
 # Programs that count as filling an H200's 132 SMs.
 _FULL_GRID = 128
-# The substitution holds its W x block_v values of U in registers: at most this many (64 a
-# thread at 4 warps; at W = 257, 288 x 32 of them spilled 9 KB a thread, per ptxas).
-_HELD_U = 8192
-# The substitution is unrolled over the row blocks: at most this many (W = 1 + 512 in blocks of 32).
+# The substitution holds its W x block_v values of U in registers: at most this many (128 a
+# thread at 4 warps).
+_HELD_U = 16384
+# The substitution is unrolled over the row blocks: at most this many (W = 1 + 256 in blocks of
+# 16, W = 1 + 512 in blocks of 32).
 MAX_BLOCKS = 17
 
 
 def default_block_sizes(batch: int, value_heads: int, width: int, dk: int, dv: int) -> BlockSizes:
-    """Block sizes for a shape (chosen from the work per step; not tuned on a GPU yet).
+    """Block sizes for a shape, chosen by what ptxas reports for sm_90a (registers and spills)
+    at the Qwen3.6-27B GDN shape; the timings of BENCHMARKS.md ("The tree-GDN verify") check them.
 
-    block: 16 rows for W <= 16 (the block kernel alone, nothing padded past Triton's minimum);
-    32 up to W = 288 (at most 9 blocks: W = 257 rounds up to 288 rows, against 320 in blocks of
-    64, and the block inverse's 4 levels of [32, 32] dots cost a tenth of 5 levels at 64); 64 beyond,
-    which keeps the substitution at 9 blocks up to W = 576. block_v: dv split (down to 32
+    block: 16 rows up to MAX_BLOCKS blocks (W <= 272), else 32. At W = 257 the substitution
+    spilled 9 KB a thread in blocks of 32 (block_v 32; 732 bytes at block_v 16) against 16 bytes
+    in blocks of 16, and the block kernel none in blocks of 16 (at W = 513, in blocks of 32 at
+    block_v 16, the substitution still spills 12 KB). block_v: dv split (down to 32
     columns) until the substitution's grid has _FULL_GRID programs, since batch 1 at 48 value
     heads has 48 programs of whole heads, which would leave most of an H200's SMs idle, and
-    (down to 16 columns) until its U fits _HELD_U values (else it spills from registers).
-    TF32x3 dots: IEEE float32 dots run on CUDA cores at a small fraction of the tensor cores' rate.
+    (down to 16 columns) until its U fits _HELD_U values. TF32x3 dots: IEEE float32 dots run on
+    CUDA cores at a small fraction of the tensor cores' rate.
     """
     del dk
-    block = _MIN_BLOCK if width <= _MIN_BLOCK else 32 if width <= 9 * 32 else 64
-    rows = -(-width // block) * block
+    block = _MIN_BLOCK if pl.cdiv(width, _MIN_BLOCK) <= MAX_BLOCKS else 32
+    rows = pl.cdiv(width, block) * block
     block_v = dv
     while (block_v > 32 and batch * value_heads * (dv // block_v) < _FULL_GRID) or (
             block_v > _MIN_BLOCK and rows * block_v > _HELD_U):

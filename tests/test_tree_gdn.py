@@ -264,9 +264,11 @@ def test_default_block_sizes_are_triton_blocks():
             assert -(-width // blocks.block) <= MAX_BLOCKS
             assert 128 % blocks.block_v == 0
             assert blocks.precision in PRECISIONS
-    assert default_block_sizes(1, 48, 257, 128, 128).block_v == 16  # 288 x 32 U values spilled
+    # W = 257 in 17 blocks of 16 (in blocks of 32 the substitution spilled from registers).
+    assert (default_block_sizes(1, 48, 257, 128, 128).block, default_block_sizes(1, 48, 257, 128, 128).block_v) == (16, 32)
     assert default_block_sizes(4, 48, 64, 128, 128).block_v == 128
-    assert default_block_sizes(4, 48, 257, 128, 128).block_v == 16
+    assert default_block_sizes(4, 48, 257, 128, 128).block_v == 32
+    assert (default_block_sizes(1, 48, 513, 128, 128).block, default_block_sizes(1, 48, 513, 128, 128).block_v) == (32, 16)
     assert default_block_sizes(1, 48, 16, 128, 128).block == 16  # the block kernel alone
 
 
