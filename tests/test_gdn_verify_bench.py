@@ -43,3 +43,18 @@ def test_a_failing_tiling_is_reported_not_fatal(tmp_path):
                            "--iters", "1", "--tilings", "16,32,4", "--out", str(out)])
     (row,) = json.loads(out.read_text())["rows"]
     assert "block_v=32 exceeds dv=16" in row["tilings_chunk_us"]["16,32,4,2,tf32x3"]
+
+
+def test_profile_names_each_chunks_kernels(tmp_path):
+    """--profile: per W, each chunk's costliest kernels (name, us and launches per layer) from a
+    trace. XLA's chunk runs the triangular solve as its own op; the kernel's chunk has none."""
+    out = tmp_path / "gdn_verify.json"
+    gdn_verify_bench.main(["--model", "tiny-hybrid", "--widths", "5", "--interpret", "--warmup", "1",
+                           "--iters", "1", "--profile", "--out", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    tables = {impl: row[f"chunk_{impl}_kernels"] for impl in ("xla", "kernel")}
+    for table in tables.values():
+        assert isinstance(table, list) and table, table
+        assert all(len(entry) == 3 and entry[1] >= 0 and entry[2] > 0 for entry in table)
+    assert any("triangular_solve" in name for name, _, _ in tables["xla"])
+    assert not any("triangular_solve" in name for name, _, _ in tables["kernel"])

@@ -13,7 +13,8 @@ layer feeds its next round), so Python dispatch is out of the numbers:
   -> `gdn.tree_verify` -> `gdn.commit_state` (the conv and projections are the same either way);
 - "chunk": the verify chunk alone (`tree_gdn`: K S0 ... O, the part the kernel replaces).
 Reported: medians (after warm-up) of the time per layer, the kernel's speedup, and the largest
-difference between the two implementations' outputs and committed states. `--tilings` also times
+difference between the two implementations' outputs and committed states. `--profile` adds each
+chunk's kernels from a profiler trace (device us and launches per layer): which launch the time is in. `--tilings` also times
 the chunk at other tilings and dot precisions of the kernel (`pallas_kernels.tree_gdn.BlockSizes`),
 each with the largest difference of its chained state from XLA's.
 """
@@ -30,6 +31,7 @@ import numpy as np
 
 from dflash_jax import gdn
 from dflash_jax.bench.common import SHAPES, environment, log, time_fn, write_json
+from dflash_jax.bench.profile import profile_program
 from dflash_jax.bench.tree_attention_bench import random_tree_visibility
 from dflash_jax.qwen3_5 import Qwen35Config
 from pallas_kernels.tree_gdn import PRECISIONS, BlockSizes, default_block_sizes, tree_gdn, tree_gdn_pallas
@@ -113,10 +115,20 @@ def parse_tiling(spec: str, default: BlockSizes) -> BlockSizes:
                       share_keys=len(fields) == 6)
 
 
+def kernel_table(fn: Any, compiled_text: str, layers: int, top: int = 8) -> list[list[Any]] | str:
+    """The `top` costliest kernels of `fn()` (a chain of `layers` chunks) as [name, device us per
+    layer, launches per layer], or the profiler's error."""
+    p = profile_program(fn, compiled_text, calls=3, table=top)
+    if "error" in p:
+        return str(p["error"])
+    return [[name, round(ms * 1e3 / layers, 2), launches / layers] for name, ms, launches, *_ in p["kernels"]]
+
+
 def bench_width(cfg: Qwen35Config, width: int, dtype: Any, kernel_impl: str, warmup: int,
-                iters: int, tilings: list[str]) -> dict[str, Any]:
+                iters: int, tilings: list[str], profile: bool = False) -> dict[str, Any]:
     """One W: XLA, the kernel at its default tiling, and the chunk at each of `tilings`. A kernel
-    that fails (a tiling the GPU refuses, say) leaves its error in the row instead of its times."""
+    that fails (a tiling the GPU refuses, say) leaves its error in the row instead of its times.
+    profile: also each chunk's kernel table (`kernel_table`) as chunk_xla_kernels / chunk_kernel_kernels."""
     layers = len(cfg.gdn_layers)
     x = make_inputs(cfg, width, dtype)
     blocks = default_block_sizes(1, cfg.gdn_value_heads, width, cfg.gdn_key_dim, cfg.gdn_value_dim)
@@ -132,6 +144,9 @@ def bench_width(cfg: Qwen35Config, width: int, dtype: Any, kernel_impl: str, war
             results[name] = verify(x)
             row[f"verify_{name}_us"] = per_layer(lambda: verify(x))
             row[f"chunk_{name}_us"] = per_layer(lambda: chunk(args, x["state"]))
+            if profile:
+                row[f"chunk_{name}_kernels"] = kernel_table(lambda: chunk(args, x["state"]),
+                                                            chunk.lower(args, x["state"]).compile().as_text(), layers)
         except Exception as e:  # noqa: BLE001 -- a kernel the GPU refuses is a result; XLA's failure is not
             if name == "xla":
                 raise
@@ -188,6 +203,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="kernel tilings to time the chunk with, beside the default one (STAGES and PRECISION, "
                         f"one of {', '.join(PRECISIONS)}, default to the default tiling's; 'share' makes one "
                         "block-kernel program per key head; one that fails is reported with its error)")
+    p.add_argument("--profile", action="store_true",
+                   help="also each chunk's costliest kernels from a profiler trace (device us and launches per layer)")
     p.add_argument("--out", help="JSON file for the results")
     a = p.parse_args(argv)
     cfg = SHAPES.get(a.model)
@@ -206,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = []
     for width in a.widths:
         rows.append(bench_width(cfg, width, jnp.dtype(a.dtype), "interpret" if a.interpret else "pallas", a.warmup, a.iters,
-                                a.tilings))
+                                a.tilings, a.profile))
         r = rows[-1]
         log(f"W={width}: verify {r['verify_xla_us']:.1f} -> {r.get('verify_kernel_us', float('nan')):.1f} us/layer, "
             f"chunk {r['chunk_xla_us']:.1f} -> {r.get('chunk_kernel_us', float('nan')):.1f}")

@@ -21,7 +21,8 @@
 #   gdn-verify    the tree-GDN verify (gates, tree_verify, commit per GDN layer) and its chunk alone,
 #                 Pallas kernel against XLA, Qwen3.6-27B GDN shape, W 16/64/257 (GDN_WIDTHS); GDN_TILINGS
 #                 ("block,block_v,warps[,stages[,precision[,share]]]" ...) also times the chunk at each of
-#                 those kernel tilings, one process and GDN_TILING_S seconds (120) each
+#                 those kernel tilings, one process and GDN_TILING_S seconds (120) each; the default
+#                 tiling's run adds each chunk's kernel table (--profile)
 #   lossless      greedy DDTree and DFlash against greedy AR on the GPU (float32)
 #   top-k         the tree's vocabulary top-k alone, [15, 151936], k 16-512
 #   kernel-sweep  only the random tiling sweep, SWEEP_S seconds (default 300), at SWEEP_WIDTHS
@@ -261,7 +262,7 @@ gdn-verify)
         # shellcheck disable=SC2086
         set -- --model qwen3.6-27b --widths ${GDN_WIDTHS:-16 64 257}; tilings=${GDN_TILINGS:-}
     fi
-    step gdn_verify "$limit" python -m dflash_jax.bench.gdn_verify_bench "$@" --out "$out/gdn_verify.json"
+    step gdn_verify "$limit" python -m dflash_jax.bench.gdn_verify_bench "$@" --profile --out "$out/gdn_verify.json"
     # Each tiling in its own process and time limit (GDN_TILING_S, default 120 s): a tiling whose
     # Triton compile runs for minutes (large float32 tiles) costs its own limit, not the rest.
     for t in $tilings; do
