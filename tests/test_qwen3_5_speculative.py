@@ -29,7 +29,10 @@ from dflash_jax.tree import build_tree, chain_tree
 L_, F_ = q35.LINEAR, q35.FULL
 VOCAB = 8  # small, so that a random drafter's guesses are accepted often enough to matter
 NEW = 32
-TOL = 1e-5  # committed states and K/V
+# Committed states and K/V against a forward of the accepted tokens: float32 rounding of a W-node
+# verify and a T-token forward differ (other matmul shapes), by up to 1.3e-5 of the scale on one
+# CPU kind; a wrong path, slot or state is off by the order of the scale itself.
+TOL = 1e-4
 LOGIT_TOL = 1e-4  # logits and taps, as the model's own numerics tests
 
 
