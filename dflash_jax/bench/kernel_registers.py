@@ -1,6 +1,6 @@
 """Registers and spills of the tree-GDN Triton kernels for a GPU arch, on any machine.
 
-Register spills (values a thread stores to local memory and loads back) made these kernels 20-30x
+Register spills (values a thread stores to local memory and loads back) made these kernels about 20x
 slower than XLA on an H100 (BENCHMARKS.md, "The tree-GDN verify"), and a profile shows only the
 time, not the cause. A CPU machine can lower the kernels for cuda (Pallas builds their Triton IR
 at lowering time); Triton's compiler turns that IR into PTX for an arch, and ptxas, which ships
@@ -48,7 +48,7 @@ def parse_ptxas(report: str) -> dict[str, int]:
 def triton_ir(fn: Any, *args: jax.ShapeDtypeStruct) -> list[tuple[str, str]]:
     """(kernel name, Triton IR text) of every Pallas Triton kernel in `fn(*args)` lowered for cuda,
     in lowering order. Reads the IR where Pallas builds it (`lower_jaxpr_to_triton_module`)."""
-    from jax._src.pallas.triton import lowering, pallas_call_registration
+    from jax._src.pallas.triton import lowering
 
     found: list[tuple[str, str]] = []
     build = lowering.lower_jaxpr_to_triton_module
@@ -59,11 +59,11 @@ def triton_ir(fn: Any, *args: jax.ShapeDtypeStruct) -> list[tuple[str, str]]:
         found.append((re.search(r"tt\.func public @(\w+)", text).group(1), text))
         return result
 
-    pallas_call_registration.lowering.lower_jaxpr_to_triton_module = capture
+    lowering.lower_jaxpr_to_triton_module = capture
     try:
         jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     finally:
-        pallas_call_registration.lowering.lower_jaxpr_to_triton_module = build
+        lowering.lower_jaxpr_to_triton_module = build
     if not found:
         raise ValueError("no Pallas Triton kernel was lowered for cuda in this program")
     return found
