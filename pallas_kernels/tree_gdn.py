@@ -41,8 +41,8 @@ W <= block needs the block kernel alone: one launch, at W = 16 by default. Two l
 than one program per (sequence, value head) walking its rows: that walk put the Gram blocks,
 the inverses and K S0 in its serial chain, on 48 programs at batch 1 (a third of an H200's
 SMs), and took 140 / 692 / 6959 us against XLA's 49 / 61 / 259 at W = 16 / 64 / 257. The split
-costs a launch and the pair matrices' round trip through memory. It is still far from XLA: 164 /
-1114 / 4765 us against 34 / 54 / 238 on an H100 (BENCHMARKS.md).
+costs a launch and the pair matrices' round trip through memory. It is still behind XLA: 48.9 /
+97.5 us against 38.9 / 58.6 at W = 16 / 64 on an H100 (BENCHMARKS.md; W = 257 not yet timed).
 
 The block inverse is blockwise doubling (``_unit_lower_inverse``): log2(block) - 1 levels of two
 dots instead of ``block`` dependent row reductions. The dots take float32 inputs and accumulate
@@ -68,7 +68,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.powers_of_two import is_power_of_two
 
-# "auto" (kernel on a GPU without a mesh, else reference), "pallas" (the kernel), "reference"
+# "auto" (the reference until the kernel beats XLA: `resolve_impl`), "pallas" (the kernel), "reference"
 # (jnp), "interpret" (the kernel in Pallas' interpreter, for CPU tests).
 GdnImpl = Literal["auto", "pallas", "reference", "interpret"]
 IMPLS: tuple[str, ...] = get_args(GdnImpl)
@@ -495,8 +495,8 @@ def resolve_impl(impl: GdnImpl = "auto", backend: str | None = None) -> str:
 
     The kernels run only when asked for ("pallas", "interpret"): "auto" moves to them on a GPU
     once they beat XLA at every W of the GDN verify bench. They do not: at the Qwen3.6-27B GDN
-    shape, batch 1, their chunk took 164 / 1114 / 4765 us against XLA's 34 / 54 / 238 us at
-    W = 16 / 64 / 257 on an H100 (BENCHMARKS.md, "The tree-GDN verify"). ``backend`` is accepted
+    shape, batch 1, their chunk took 48.9 / 97.5 us against XLA's 38.9 / 58.6 us at W = 16 / 64
+    on an H100 (BENCHMARKS.md, "The tree-GDN verify"). ``backend`` is accepted
     so that callers need not special-case it.
     """
     if impl not in IMPLS:

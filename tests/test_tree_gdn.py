@@ -223,7 +223,7 @@ def test_auto_is_reference_off_gpu_and_kernel_on_gpu():
     assert [impl_for_attention(a, 128, 128) for a in attention] == ["auto", "auto", "auto", "reference", "interpret"]
     assert [impl_for_attention(a, 8, 6) for a in attention] == ["auto", "auto", "auto", "reference", "reference"]
     assert resolve_impl("auto", "cpu") == "reference"
-    assert resolve_impl("auto", "gpu") == "reference"  # the kernel loses to XLA on an H200
+    assert resolve_impl("auto", "gpu") == "reference"  # the kernel still loses to XLA (BENCHMARKS.md)
     assert resolve_impl("pallas", "gpu") == "pallas"
     assert resolve_impl("interpret") == "interpret"
     with pytest.raises(ValueError, match="impl must be one of"):
