@@ -218,7 +218,7 @@ def test_tree_verify_interpret_equals_reference():
     np.testing.assert_array_equal(kept_i.decay, kept_r.decay)
 
 
-def test_auto_is_reference_off_gpu_and_kernel_on_gpu():
+def test_auto_is_reference_on_every_backend():
     attention = ("auto", "pallas", "triton", "reference", "interpret")
     assert [impl_for_attention(a, 128, 128) for a in attention] == ["auto", "auto", "auto", "reference", "interpret"]
     assert [impl_for_attention(a, 8, 6) for a in attention] == ["auto", "auto", "auto", "reference", "reference"]

@@ -1,6 +1,6 @@
 """Registers and spills of the tree-GDN Triton kernels for a GPU arch, on any machine.
 
-Register spills (values a thread stores to local memory and loads back) made these kernels about 20x
+Register spills (values a thread stores to local memory and loads back) made these kernels 5-20x
 slower than XLA on an H100 (BENCHMARKS.md, "The tree-GDN verify"), and a profile shows only the
 time, not the cause. A CPU machine can lower the kernels for cuda (Pallas builds their Triton IR
 at lowering time); Triton's compiler turns that IR into PTX for an arch, and ptxas, which ships
