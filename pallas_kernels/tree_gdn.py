@@ -111,8 +111,67 @@ def _check_shapes(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, dec
 # Reference
 # --------------------------------------------------------------------------------------------
 
+# How the reference solves (I + A) U = rhs (measured side by side: BENCHMARKS.md, "The tree-GDN verify").
+XlaSolve = Literal["triangular", "doubling", "doubling16"]
+
+
+def _diagonal_blocks(x: jax.Array, size: int) -> jax.Array:
+    """[..., n, n] -> [..., n / size, size, size]: x's diagonal blocks of `size` (dividing n)."""
+    lead, count = x.shape[:-2], x.shape[-1] // size
+    blocks = x.reshape(lead + (count, size, count, size))
+    return jnp.moveaxis(jnp.diagonal(blocks, axis1=-4, axis2=-2), -1, -3)
+
+
+def _unit_lower_inverse_xla(a: jax.Array, base: int) -> jax.Array:
+    """(I + a)^-1 for strictly lower triangular a [..., n, n] (n a power of two) by blockwise
+    doubling over the whole matrix: the inverse's diagonal blocks of size 2s are
+    [[T1, 0], [-T2 a21 T1, T2]] from those of size s, so log2(n / base) levels of two batched
+    products, each of blocks of the true inverse (nothing grows past it). The first blocks, of
+    `base` rows, come from XLA's triangular solve (base 1: none)."""
+    lead, n = a.shape[:-2], a.shape[-1]
+    size = min(base, n)
+    if size == 1:
+        inverse = jnp.ones(lead + (n, 1, 1), a.dtype)
+    else:
+        eye = jnp.broadcast_to(jnp.eye(size, dtype=a.dtype), lead + (n // size, size, size))
+        inverse = jax.scipy.linalg.solve_triangular(_diagonal_blocks(a, size), eye, lower=True, unit_diagonal=True)
+    while size < n:
+        pairs = inverse.reshape(lead + (n // (2 * size), 2, size, size))
+        first, second = pairs[..., 0, :, :], pairs[..., 1, :, :]
+        a21 = _diagonal_blocks(a, 2 * size)[..., size:, :size]
+        low = -jnp.einsum("...ij,...jk,...kl->...il", second, a21, first, precision=_HI)
+        inverse = jnp.concatenate([jnp.concatenate([first, jnp.zeros_like(first)], -1),
+                                   jnp.concatenate([low, second], -1)], -2)
+        size *= 2
+    return inverse.reshape(lead + (n, n))
+
+
+def _unit_lower_solve(a: jax.Array, rhs: jax.Array, solve: XlaSolve) -> jax.Array:
+    """U with (I + a) U = rhs: a [..., W, W] strictly lower triangular, rhs [..., W, dv].
+
+    "doubling": node 0 has no ancestors, so U_0 = rhs_0, and the other W - 1 rows (padded to a
+    power of two, with rows that are their own solution) are the product of their inverse
+    (`_unit_lower_inverse_xla`) with the right-hand side: about 2 log2(W) batched products in
+    place of a triangular solve that walks the rows."""
+    if solve == "triangular":
+        return jax.scipy.linalg.solve_triangular(a, rhs, lower=True, unit_diagonal=True)
+    width = a.shape[-1]
+    root = rhs[..., :1, :]
+    if width == 1:
+        return root
+    rows = width - 1
+    n = 1 << (rows - 1).bit_length()
+    pad = [(0, 0)] * (a.ndim - 2) + [(0, n - rows)]
+    rest = jnp.pad(rhs[..., 1:, :] - a[..., 1:, :1] * root, pad + [(0, 0)])
+    inverse = _unit_lower_inverse_xla(jnp.pad(a[..., 1:, 1:], pad + [(0, n - rows)]),
+                                      16 if solve == "doubling16" else 1)
+    u = jnp.einsum("...ts,...sv->...tv", inverse, rest, precision=_HI)
+    return jnp.concatenate([root, u[..., :rows, :]], -2)
+
+
 def tree_gdn_reference(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, decay: jax.Array,
-                       visible: jax.Array, state0: jax.Array) -> tuple[jax.Array, jax.Array]:
+                       visible: jax.Array, state0: jax.Array, solve: XlaSolve = "doubling"
+                       ) -> tuple[jax.Array, jax.Array]:
     """The WY form over W nodes in jnp, computed in state0's dtype at HIGHEST precision.
 
     Args:
@@ -147,8 +206,7 @@ def tree_gdn_reference(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array
     a = jnp.where(strict, beta[..., None] * gram[..., :width, :] * d, 0)
     e = jnp.exp(decay)[..., None]
     rhs = beta[..., None] * (v - e * s0_products[..., :width, :])
-    # (I + A) U = rhs; unit_diagonal: the solver never reads a's (zero) diagonal.
-    u = jax.scipy.linalg.solve_triangular(a, rhs, lower=True, unit_diagonal=True)
+    u = _unit_lower_solve(a, rhs, solve)
     scores = gram[..., width:, :] * d
     out = e * s0_products[..., width:, :] + jnp.einsum("bhgts,bhgsv->bhgtv", scores, u, precision=_HI)
     out, u = (x.reshape(batch, value_heads, width, dv) for x in (out, u))

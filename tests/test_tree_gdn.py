@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import get_args
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from dflash_jax import gdn
 from pallas_kernels.tree_gdn import (
     MAX_BLOCKS,
     PRECISIONS,
+    XlaSolve,
     default_block_sizes,
     impl_for_attention,
     resolve_impl,
@@ -25,6 +27,7 @@ from pallas_kernels.tree_gdn import (
 )
 
 ON_GPU = jax.default_backend() == "gpu"
+SOLVES = get_args(XlaSolve)
 MAX_DEPTH = 15
 
 
@@ -135,14 +138,28 @@ def test_interpret_kernel_matches_reference_and_recurrence(batch, key_heads, gro
     check_close(u, np.asarray(ref_u), parents, 1e-5, "kernel U vs reference")
 
 
-def test_reference_matches_recurrence_in_float64():
-    args, g, parents = make_case(3, 2, 2, 2, 33, 16, padding=4)
+@pytest.mark.parametrize("solve", SOLVES)
+@pytest.mark.parametrize("width,padding", [(1, 0), (2, 0), (33, 4), (66, 3)])
+def test_reference_matches_recurrence_in_float64(solve, width, padding):
+    """Every solve of (I + A) U = rhs, at W = 1 + a power of two (66 pads 65 rows to 128 in the
+    doubling), against the per-path recurrence."""
+    args, g, parents = make_case(3 + width, 2, 2, 2, width, 16, padding=padding)
     with jax.enable_x64(True):
-        out, u = tree_gdn_reference(*(jnp.asarray(a) for a in args))
+        out, u = tree_gdn_reference(*(jnp.asarray(a) for a in args), solve=solve)
         out, u = np.asarray(out), np.asarray(u)
     want_out, want_u = recurrence(args, g, parents)
-    check_close(out, want_out, parents, 1e-12, "reference O")
-    check_close(u, want_u, parents, 1e-12, "reference U")
+    check_close(out, want_out, parents, 1e-12, f"reference O ({solve})")
+    check_close(u, want_u, parents, 1e-12, f"reference U ({solve})")
+
+
+@pytest.mark.parametrize("solve", SOLVES)
+def test_reference_float32_at_w257(solve):
+    """DDTree(256)'s width in float32 (the model's dtype for the chunk): within 1e-5."""
+    args, g, parents = make_case(257, 1, 1, 2, 257, 32, padding=5)
+    out, u = tree_gdn_reference(*as32(args), solve=solve)
+    want_out, want_u = recurrence(args, g, parents)
+    check_close(out, want_out, parents, 1e-5, f"reference O ({solve})")
+    check_close(u, want_u, parents, 1e-5, f"reference U ({solve})")
 
 
 def test_ancestor_mask_matters():
@@ -177,7 +194,7 @@ def test_aligned_keys_on_a_chain_stay_exact(block):
     the block inverse's entries stay small while powers of A grow like binomials (the product of
     (I + (-A)^(2^m)) factors misses this chain's (I + A)^-1 by 1e9 in float32). The blockwise
     doubling inverse keeps the kernel within 1e-5 of the recurrence, in one block of 64 and in
-    four of 16."""
+    four of 16, and so does every solve of the reference."""
     rng = np.random.default_rng(12)
     width, dim = 64, 64
     (q, _, v, _, _, _, state0), _, _ = make_case(12, 1, 1, 2, width, dim)
@@ -193,6 +210,10 @@ def test_aligned_keys_on_a_chain_stay_exact(block):
     assert np.max(np.abs(want_u)) > 2  # the solve does amplify here
     check_close(out, want_out, parents, 1e-5, f"O in blocks of {block}")
     check_close(u, want_u, parents, 1e-5, f"U in blocks of {block}")
+    for solve in SOLVES:
+        out, u = tree_gdn_reference(*as32(args), solve=solve)
+        check_close(out, want_out, parents, 1e-5, f"reference O ({solve})")
+        check_close(u, want_u, parents, 1e-5, f"reference U ({solve})")
 
 
 def test_tree_verify_interpret_equals_reference():

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, get_args
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +34,8 @@ from dflash_jax.bench.common import SHAPES, environment, log, time_fn, write_jso
 from dflash_jax.bench.profile import profile_program
 from dflash_jax.bench.tree_attention_bench import random_tree_visibility
 from dflash_jax.qwen3_5 import Qwen35Config
-from pallas_kernels.tree_gdn import PRECISIONS, BlockSizes, default_block_sizes, tree_gdn, tree_gdn_pallas
+from pallas_kernels.tree_gdn import (PRECISIONS, BlockSizes, XlaSolve, default_block_sizes, tree_gdn, tree_gdn_pallas,
+                                     tree_gdn_reference)
 
 
 def make_inputs(cfg: Qwen35Config, width: int, dtype: Any, seed: int = 0) -> dict[str, jax.Array]:
@@ -81,11 +82,14 @@ def chunk_inputs(x: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
 
 
 def chunk_layers(args: tuple[jax.Array, ...], state: jax.Array, layers: int, impl: str,
-                 tiling: BlockSizes | None = None) -> jax.Array:
+                 tiling: BlockSizes | None = None, solve: XlaSolve | None = None) -> jax.Array:
     """`layers` verify chunks in a chain: each one's U (scaled down) is the next one's state,
-    so XLA can neither hoist nor drop any of them. tiling: the kernel's instead of its defaults."""
+    so XLA can neither hoist nor drop any of them. tiling: the kernel's instead of its defaults;
+    solve: the reference with this solve instead of `impl`."""
     def layer(_, s):
-        if tiling is None:
+        if solve is not None:
+            _, u = tree_gdn_reference(*args, s, solve=solve)
+        elif tiling is None:
             _, u = tree_gdn(*args, s, impl=impl)
         else:
             _, u = tree_gdn_pallas(*args, s, **dataclasses.asdict(tiling), interpret=impl == "interpret")
@@ -124,20 +128,23 @@ def kernel_table(fn: Any, compiled_text: str, layers: int, top: int = 8) -> list
     return [[name, round(ms * 1e3 / layers, 2), launches / layers] for name, ms, launches, *_ in p["kernels"]]
 
 
-def bench_width(cfg: Qwen35Config, width: int, dtype: Any, kernel_impl: str, warmup: int,
-                iters: int, tilings: list[str], profile: bool = False) -> dict[str, Any]:
-    """One W: XLA, the kernel at its default tiling, and the chunk at each of `tilings`. A kernel
+def bench_width(cfg: Qwen35Config, width: int, dtype: Any, kernel_impl: str | None, warmup: int,
+                iters: int, tilings: list[str], profile: bool = False, solves: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One W: XLA, the kernel at its default tiling (kernel_impl None: XLA alone), the chunk at
+    each of `tilings`, and XLA's chunk with each of `solves` (`tree_gdn_reference`'s). A kernel
     that fails (a tiling the GPU refuses, say) leaves its error in the row instead of its times.
-    profile: also each chunk's kernel table (`kernel_table`) as chunk_xla_kernels / chunk_kernel_kernels."""
+    profile: also each chunk's kernel table (`kernel_table`) as chunk_xla_kernels / chunk_kernel_kernels
+    (and solves_kernels)."""
     layers = len(cfg.gdn_layers)
     x = make_inputs(cfg, width, dtype)
     blocks = default_block_sizes(1, cfg.gdn_value_heads, width, cfg.gdn_key_dim, cfg.gdn_value_dim)
     row: dict[str, Any] = {"width": width, "layers": layers, "tiling": tiling_name(blocks),
-                           "tilings_chunk_us": {}, "tilings_max_diff": {}}
+                           "tilings_chunk_us": {}, "tilings_max_diff": {}, "solves_chunk_us": {},
+                           "solves_max_diff": {}, "solves_kernels": {}}
     args = chunk_inputs(x)
     per_layer = lambda fn: time_fn(fn, warmup, iters)["median_ms"] * 1e3 / layers
     results, chunks = {}, {}
-    for name, impl in (("xla", "reference"), ("kernel", kernel_impl)):
+    for name, impl in (("xla", "reference"), ("kernel", kernel_impl))[:2 if kernel_impl else 1]:
         verify = jax.jit(functools.partial(verify_layers, layers=layers, impl=impl))
         try:
             results[name] = verify(x)
@@ -153,7 +160,16 @@ def bench_width(cfg: Qwen35Config, width: int, dtype: Any, kernel_impl: str, war
                 raise
             row["kernel_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             log(f"W={width}: the kernel at its default tiling failed: {row['kernel_error']}")
-    chunk_xla = chunks["xla"](args, x["state"]) if tilings else None
+    chunk_xla = chunks["xla"](args, x["state"]) if tilings or solves else None
+    for solve in solves:
+        chunk = jax.jit(functools.partial(chunk_layers, layers=layers, impl="reference", solve=solve)).lower(
+            args, x["state"]).compile()
+        row["solves_max_diff"][solve] = float(jnp.max(jnp.abs(chunk(args, x["state"]) - chunk_xla)))
+        row["solves_chunk_us"][solve] = per_layer(lambda: chunk(args, x["state"]))
+        if profile:
+            row["solves_kernels"][solve] = kernel_table(lambda: chunk(args, x["state"]), chunk.as_text(), layers)
+        log(f"W={width}: XLA chunk with the {solve} solve: {row['solves_chunk_us'][solve]:.1f} us/layer, "
+            f"max diff {row['solves_max_diff'][solve]:.2g}")
     if "kernel" in results:
         for part in ("verify", "chunk"):
             row[f"{part}_speedup"] = row[f"{part}_xla_us"] / row[f"{part}_kernel_us"]
@@ -178,17 +194,21 @@ def bench_width(cfg: Qwen35Config, width: int, dtype: Any, kernel_impl: str, war
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = ["| W | verify XLA us | verify kernel us | speedup | chunk XLA us | chunk kernel us | speedup | "
-             "max diff | tiling | other tilings (chunk us) |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "max diff | tiling | other tilings (chunk us) | XLA solves (chunk us) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         others = ", ".join(f"{t}: {us:.1f}" if isinstance(us, float) else f"{t}: failed"
                            for t, us in r["tilings_chunk_us"].items())
-        if "kernel_error" in r:
+        solves = ", ".join(f"{n}: {us:.1f}" for n, us in r["solves_chunk_us"].items())
+        if "verify_kernel_us" not in r and "kernel_error" not in r:
+            kernel = "- | - | {:.1f} | - | - | - ".format(r["chunk_xla_us"])
+        elif "kernel_error" in r:
             kernel = "failed | - | {:.1f} | failed | - | - ".format(r["chunk_xla_us"])
         else:
             kernel = (f"{r['verify_kernel_us']:.1f} | {r['verify_speedup']:.2f}x | {r['chunk_xla_us']:.1f} | "
                       f"{r['chunk_kernel_us']:.1f} | {r['chunk_speedup']:.2f}x | "
                       f"{max(r['max_abs_diff_out'], r['max_abs_diff_state']):.2g} ")
-        lines.append(f"| {r['width']} | {r['verify_xla_us']:.1f} | {kernel}| {r['tiling']} | {others} |")
+        lines.append(f"| {r['width']} | {r['verify_xla_us']:.1f} | {kernel}| {r['tiling']} | {others} | {solves} |")
     return "\n".join(lines)
 
 
@@ -206,12 +226,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "block-kernel program per key head; one that fails is reported with its error)")
     p.add_argument("--profile", action="store_true",
                    help="also each chunk's costliest kernels from a profiler trace (device us and launches per layer)")
+    p.add_argument("--no-kernel", action="store_true", help="time XLA alone (no kernel, no --tilings)")
+    p.add_argument("--xla-solves", nargs="*", default=[], choices=get_args(XlaSolve),
+                   help="also time XLA's chunk with each of these solves of (I + A) U = rhs")
     p.add_argument("--out", help="JSON file for the results")
     a = p.parse_args(argv)
     cfg = SHAPES.get(a.model)
     if not isinstance(cfg, Qwen35Config):
         p.error(f"--model {a.model!r} is not a hybrid shape; hybrid shapes: "
                 f"{sorted(n for n, c in SHAPES.items() if isinstance(c, Qwen35Config))}")
+    if a.no_kernel and a.tilings:
+        p.error("--tilings times the kernel: it does not go with --no-kernel")
     if min(a.widths) < 1:
         p.error(f"--widths must be >= 1, got {a.widths}")
     probe = BlockSizes(block=16, block_v=16, num_warps=4, num_stages=1, precision=PRECISIONS[0], share_keys=False)
@@ -223,8 +248,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"of {', '.join(PRECISIONS)}, got {spec!r}")
     rows = []
     for width in a.widths:
-        rows.append(bench_width(cfg, width, jnp.dtype(a.dtype), "interpret" if a.interpret else "pallas", a.warmup, a.iters,
-                                a.tilings, a.profile))
+        kernel = None if a.no_kernel else "interpret" if a.interpret else "pallas"
+        rows.append(bench_width(cfg, width, jnp.dtype(a.dtype), kernel, a.warmup, a.iters, a.tilings, a.profile,
+                                tuple(a.xla_solves)))
         r = rows[-1]
         log(f"W={width}: verify {r['verify_xla_us']:.1f} -> {r.get('verify_kernel_us', float('nan')):.1f} us/layer, "
             f"chunk {r['chunk_xla_us']:.1f} -> {r.get('chunk_kernel_us', float('nan')):.1f}")
