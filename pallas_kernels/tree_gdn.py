@@ -111,7 +111,11 @@ def _check_shapes(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, dec
 # Reference
 # --------------------------------------------------------------------------------------------
 
-# How the reference solves (I + A) U = rhs (measured side by side: BENCHMARKS.md, "The tree-GDN verify").
+# How the reference solves (I + A) U = rhs: "triangular" (XLA's triangular solve, the default; at
+# W = 257 it is most of the chunk's 238 us on an H100) or the doubling inverse of `_unit_lower_solve`,
+# from blocks of 1 or 16 rows. The doubling candidates are exact (tests/test_tree_gdn.py) but not yet
+# timed on a GPU: `gdn_verify_bench --no-kernel --xla-solves ...` (runbook phase `gdn-solves`)
+# compares them, and the default moves only to one that wins at every W.
 XlaSolve = Literal["triangular", "doubling", "doubling16"]
 
 
@@ -170,7 +174,7 @@ def _unit_lower_solve(a: jax.Array, rhs: jax.Array, solve: XlaSolve) -> jax.Arra
 
 
 def tree_gdn_reference(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, decay: jax.Array,
-                       visible: jax.Array, state0: jax.Array, solve: XlaSolve = "doubling"
+                       visible: jax.Array, state0: jax.Array, solve: XlaSolve = "triangular"
                        ) -> tuple[jax.Array, jax.Array]:
     """The WY form over W nodes in jnp, computed in state0's dtype at HIGHEST precision.
 
@@ -181,6 +185,7 @@ def tree_gdn_reference(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array
       visible: [batch or 1, W, W] bool, ancestor-or-self (every row sees itself; causal for a
         prefill chunk).
       state0: [batch, Hv, dk, dv], the state before the nodes.
+      solve: how (I + A) U = rhs is solved (``XlaSolve``).
     Returns:
       (O, U), both [batch, Hv, W, dv] in state0's dtype.
     """
