@@ -33,8 +33,11 @@ demo: .venv/.base
 		--compare-ar --max-new-tokens 96 "Give me three tips for a good night's sleep." \
 		"Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
 
+# TEST_WORKERS pytest-xdist processes, each taking whole files (module fixtures are built once):
+# on CI's 2 cores, 2 workers take the suite from about 48 to about 35 minutes.
+TEST_WORKERS ?= 2
 test: .venv-test/.test
-	.venv-test/bin/python -m pytest -q --durations=15 tests
+	.venv-test/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
 
 clean:
 	rm -rf .venv .venv-test
