@@ -111,12 +111,25 @@ def _check_shapes(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, dec
 # Reference
 # --------------------------------------------------------------------------------------------
 
+# The float32 dots' input precision: "ieee" (CUDA-core FMAs) or "tf32x3" (each dot as three
+# TF32 tensor-core products, hi*hi + hi*lo + lo*hi, about 2^-21 relative error per product).
+DotPrecision = Literal["ieee", "tf32x3"]
+PRECISIONS: tuple[str, ...] = get_args(DotPrecision)
+
 # How the reference solves (I + A) U = rhs: "triangular" (XLA's triangular solve, the default; at
 # W = 257 it is most of the chunk's 238 us on an H100) or the doubling inverse of `_unit_lower_solve`,
 # from blocks of 1 or 16 rows. The doubling candidates are exact (tests/test_tree_gdn.py) but not yet
 # timed on a GPU: `gdn_verify_bench --no-kernel --xla-solves ...` (runbook phase `gdn-solves`)
-# compares them, and the default moves only to one that wins at every W.
+# compares them, and the default moves only to one that wins at every W. The same goes for the
+# reference's dot precision (`tree_gdn_reference`'s `dots`): "ieee" by default, "tf32x3" a GPU
+# candidate (XLA's CPU backend refuses the TF32 algorithms).
 XlaSolve = Literal["triangular", "doubling", "doubling16"]
+
+
+def _xla_precision(dots: DotPrecision) -> lax.Precision | lax.DotAlgorithmPreset:
+    if dots not in PRECISIONS:
+        raise ValueError(f"tree_gdn_reference: dots must be one of {', '.join(PRECISIONS)}, got {dots!r}")
+    return _HI if dots == "ieee" else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 
 def _diagonal_blocks(x: jax.Array, size: int) -> jax.Array:
@@ -126,7 +139,8 @@ def _diagonal_blocks(x: jax.Array, size: int) -> jax.Array:
     return jnp.moveaxis(jnp.diagonal(blocks, axis1=-4, axis2=-2), -1, -3)
 
 
-def _unit_lower_inverse_xla(a: jax.Array, base: int) -> jax.Array:
+def _unit_lower_inverse_xla(a: jax.Array, base: int, precision: lax.Precision | lax.DotAlgorithmPreset
+                            ) -> jax.Array:
     """(I + a)^-1 for strictly lower triangular a [..., n, n] (n a power of two) by blockwise
     doubling over the whole matrix: the inverse's diagonal blocks of size 2s are
     [[T1, 0], [-T2 a21 T1, T2]] from those of size s, so log2(n / base) levels of two batched
@@ -143,14 +157,15 @@ def _unit_lower_inverse_xla(a: jax.Array, base: int) -> jax.Array:
         pairs = inverse.reshape(lead + (n // (2 * size), 2, size, size))
         first, second = pairs[..., 0, :, :], pairs[..., 1, :, :]
         a21 = _diagonal_blocks(a, 2 * size)[..., size:, :size]
-        low = -jnp.einsum("...ij,...jk,...kl->...il", second, a21, first, precision=_HI)
+        low = -jnp.einsum("...ij,...jk,...kl->...il", second, a21, first, precision=precision)
         inverse = jnp.concatenate([jnp.concatenate([first, jnp.zeros_like(first)], -1),
                                    jnp.concatenate([low, second], -1)], -2)
         size *= 2
     return inverse.reshape(lead + (n, n))
 
 
-def _unit_lower_solve(a: jax.Array, rhs: jax.Array, solve: XlaSolve) -> jax.Array:
+def _unit_lower_solve(a: jax.Array, rhs: jax.Array, solve: XlaSolve,
+                      precision: lax.Precision | lax.DotAlgorithmPreset) -> jax.Array:
     """U with (I + a) U = rhs: a [..., W, W] strictly lower triangular, rhs [..., W, dv].
 
     "doubling": node 0 has no ancestors, so U_0 = rhs_0, and the other W - 1 rows (padded to a
@@ -168,15 +183,15 @@ def _unit_lower_solve(a: jax.Array, rhs: jax.Array, solve: XlaSolve) -> jax.Arra
     pad = [(0, 0)] * (a.ndim - 2) + [(0, n - rows)]
     rest = jnp.pad(rhs[..., 1:, :] - a[..., 1:, :1] * root, pad + [(0, 0)])
     inverse = _unit_lower_inverse_xla(jnp.pad(a[..., 1:, 1:], pad + [(0, n - rows)]),
-                                      16 if solve == "doubling16" else 1)
-    u = jnp.einsum("...ts,...sv->...tv", inverse, rest, precision=_HI)
+                                      16 if solve == "doubling16" else 1, precision)
+    u = jnp.einsum("...ts,...sv->...tv", inverse, rest, precision=precision)
     return jnp.concatenate([root, u[..., :rows, :]], -2)
 
 
 def tree_gdn_reference(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, decay: jax.Array,
-                       visible: jax.Array, state0: jax.Array, solve: XlaSolve = "triangular"
-                       ) -> tuple[jax.Array, jax.Array]:
-    """The WY form over W nodes in jnp, computed in state0's dtype at HIGHEST precision.
+                       visible: jax.Array, state0: jax.Array, solve: XlaSolve = "triangular",
+                       dots: DotPrecision = "ieee") -> tuple[jax.Array, jax.Array]:
+    """The WY form over W nodes in jnp, computed in state0's dtype (at HIGHEST precision: dots "ieee").
 
     Args:
       q, k: [batch, Hk, W, dk], L2-normalised (q also scaled); value head h reads key head
@@ -186,10 +201,12 @@ def tree_gdn_reference(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array
         prefill chunk).
       state0: [batch, Hv, dk, dv], the state before the nodes.
       solve: how (I + A) U = rhs is solved (``XlaSolve``).
+      dots: the products' precision (``DotPrecision``; "tf32x3": float32 on a GPU only).
     Returns:
       (O, U), both [batch, Hv, W, dv] in state0's dtype.
     """
     batch, key_heads, value_heads, width, dk, dv, group = _check_shapes(q, k, v, beta, decay, visible, state0)
+    precision = _xla_precision(dots)
     dtype = state0.dtype
     q, k, v, beta, decay = (x.astype(dtype) for x in (q, k, v, beta, decay))
     # Value heads grouped under their key head: [B, Hk, group, ...]. The Gram products K K^T and
@@ -206,14 +223,14 @@ def tree_gdn_reference(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array
     # K and Q go through each product together, [K; Q] with 2W rows: one launch for K K^T and
     # Q K^T, one for K S0 and Q S0 (the verify's products are small and launch-bound).
     kq = jnp.concatenate([k, q], axis=2)
-    gram = jnp.einsum("bhtk,bhsk->bhts", kq, k, precision=_HI)[:, :, None]
-    s0_products = jnp.einsum("bhtk,bhgkv->bhgtv", kq, s0, precision=_HI)
+    gram = jnp.einsum("bhtk,bhsk->bhts", kq, k, precision=precision)[:, :, None]
+    s0_products = jnp.einsum("bhtk,bhgkv->bhgtv", kq, s0, precision=precision)
     a = jnp.where(strict, beta[..., None] * gram[..., :width, :] * d, 0)
     e = jnp.exp(decay)[..., None]
     rhs = beta[..., None] * (v - e * s0_products[..., :width, :])
-    u = _unit_lower_solve(a, rhs, solve)
+    u = _unit_lower_solve(a, rhs, solve, precision)
     scores = gram[..., width:, :] * d
-    out = e * s0_products[..., width:, :] + jnp.einsum("bhgts,bhgsv->bhgtv", scores, u, precision=_HI)
+    out = e * s0_products[..., width:, :] + jnp.einsum("bhgts,bhgsv->bhgtv", scores, u, precision=precision)
     out, u = (x.reshape(batch, value_heads, width, dv) for x in (out, u))
     return out, u
 
@@ -221,11 +238,6 @@ def tree_gdn_reference(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array
 # --------------------------------------------------------------------------------------------
 # Block sizes
 # --------------------------------------------------------------------------------------------
-
-# The float32 dots' input precision: "ieee" (CUDA-core FMAs) or "tf32x3" (each dot as three
-# TF32 tensor-core products, hi*hi + hi*lo + lo*hi, about 2^-21 relative error per product).
-DotPrecision = Literal["ieee", "tf32x3"]
-PRECISIONS: tuple[str, ...] = get_args(DotPrecision)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -400,3 +400,34 @@ def test_hybrid_verify_through_the_interpreted_kernel():
     real = jnp.asarray(parents != -2)[:, :, None]
     np.testing.assert_allclose(jnp.where(real, got[0], 0), jnp.where(real, want[0], 0), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("solve", SOLVES)
+def test_reference_tf32x3_lowers_for_cuda(solve):
+    """The reference's TF32x3 dots (a GPU candidate) lower for cuda, with the algorithm in every
+    dot; the IEEE reference has none."""
+    def text(dots):
+        fn = functools.partial(tree_gdn_reference, solve=solve, dots=dots)
+        return jax.jit(fn).trace(*shapes(1, 16, 48, 65, 128)).lower(lowering_platforms=("cuda",)).as_text()
+    fast, exact = text("tf32x3"), text("ieee")
+    assert fast.count("dot_general") == exact.count("dot_general") > 0
+    assert fast.count("tf32") >= fast.count("dot_general") and "tf32" not in exact
+
+
+def test_reference_refuses_unknown_dots():
+    args, _, _ = make_case(1, 1, 1, 1, 4, 16)
+    with pytest.raises(ValueError, match="dots must be one of"):
+        tree_gdn_reference(*as32(args), dots="bf16")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("solve", SOLVES)
+@pytest.mark.parametrize("width", [16, 65, 257])
+def test_gpu_reference_variants_match_recurrence(solve, width):
+    """Each candidate of the reference (solve, TF32x3 dots) on the GPU within 2e-5 of the recurrence."""
+    args, g, parents = make_case(width, 1, 4, 3, width, 128, padding=1)
+    want_out, want_u = recurrence(args, g, parents)
+    for dots in PRECISIONS:
+        out, u = jax.jit(functools.partial(tree_gdn_reference, solve=solve, dots=dots))(*as32(args))
+        check_close(out, want_out, parents, 2e-5, f"GPU reference O ({solve}, {dots})")
+        check_close(u, want_u, parents, 2e-5, f"GPU reference U ({solve}, {dots})")

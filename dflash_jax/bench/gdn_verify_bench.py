@@ -82,13 +82,13 @@ def chunk_inputs(x: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
 
 
 def chunk_layers(args: tuple[jax.Array, ...], state: jax.Array, layers: int, impl: str,
-                 tiling: BlockSizes | None = None, solve: XlaSolve | None = None) -> jax.Array:
+                 tiling: BlockSizes | None = None, solve: tuple[str, str] | None = None) -> jax.Array:
     """`layers` verify chunks in a chain: each one's U (scaled down) is the next one's state,
     so XLA can neither hoist nor drop any of them. tiling: the kernel's instead of its defaults;
-    solve: the reference with this solve instead of `impl`."""
+    solve: (solve, dots), the reference with these (`tree_gdn_reference`'s) instead of `impl`."""
     def layer(_, s):
         if solve is not None:
-            _, u = tree_gdn_reference(*args, s, solve=solve)
+            _, u = tree_gdn_reference(*args, s, solve=solve[0], dots=solve[1])
         elif tiling is None:
             _, u = tree_gdn(*args, s, impl=impl)
         else:
@@ -129,9 +129,11 @@ def kernel_table(fn: Any, compiled_text: str, layers: int, top: int = 8) -> list
 
 
 def bench_width(cfg: Qwen35Config, width: int, dtype: Any, kernel_impl: str | None, warmup: int,
-                iters: int, tilings: list[str], profile: bool = False, solves: tuple[str, ...] = ()) -> dict[str, Any]:
+                iters: int, tilings: list[str], profile: bool = False,
+                solves: tuple[tuple[str, str], ...] = ()) -> dict[str, Any]:
     """One W: XLA, the kernel at its default tiling (kernel_impl None: XLA alone), the chunk at
-    each of `tilings`, and XLA's chunk with each of `solves` (`tree_gdn_reference`'s). A kernel
+    each of `tilings`, and XLA's chunk at each (solve, dots) of `solves` (`tree_gdn_reference`'s),
+    named "SOLVE,DOTS". A kernel
     that fails (a tiling the GPU refuses, say) leaves its error in the row instead of its times.
     profile: also each chunk's kernel table (`kernel_table`) as chunk_xla_kernels / chunk_kernel_kernels
     (and solves_kernels)."""
@@ -161,14 +163,20 @@ def bench_width(cfg: Qwen35Config, width: int, dtype: Any, kernel_impl: str | No
             row["kernel_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             log(f"W={width}: the kernel at its default tiling failed: {row['kernel_error']}")
     chunk_xla = chunks["xla"](args, x["state"]) if tilings or solves else None
-    for solve in solves:
-        chunk = jax.jit(functools.partial(chunk_layers, layers=layers, impl="reference", solve=solve)).lower(
-            args, x["state"]).compile()
-        row["solves_max_diff"][solve] = float(jnp.max(jnp.abs(chunk(args, x["state"]) - chunk_xla)))
-        row["solves_chunk_us"][solve] = per_layer(lambda: chunk(args, x["state"]))
+    for variant in solves:
+        solve = ",".join(variant)
+        try:
+            chunk = jax.jit(functools.partial(chunk_layers, layers=layers, impl="reference", solve=variant)).lower(
+                args, x["state"]).compile()
+            row["solves_max_diff"][solve] = float(jnp.max(jnp.abs(chunk(args, x["state"]) - chunk_xla)))
+            row["solves_chunk_us"][solve] = per_layer(lambda: chunk(args, x["state"]))
+        except Exception as e:  # noqa: BLE001 -- a backend that refuses a precision (the CPU's TF32) is a result
+            row["solves_chunk_us"][solve] = f"{type(e).__name__}: {str(e)[:200]}"
+            log(f"W={width}: XLA chunk, solve and dots {solve}, failed: {row['solves_chunk_us'][solve]}")
+            continue
         if profile:
             row["solves_kernels"][solve] = kernel_table(lambda: chunk(args, x["state"]), chunk.as_text(), layers)
-        log(f"W={width}: XLA chunk with the {solve} solve: {row['solves_chunk_us'][solve]:.1f} us/layer, "
+        log(f"W={width}: XLA chunk, solve and dots {solve}: {row['solves_chunk_us'][solve]:.1f} us/layer, "
             f"max diff {row['solves_max_diff'][solve]:.2g}")
     if "kernel" in results:
         for part in ("verify", "chunk"):
@@ -199,7 +207,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         others = ", ".join(f"{t}: {us:.1f}" if isinstance(us, float) else f"{t}: failed"
                            for t, us in r["tilings_chunk_us"].items())
-        solves = ", ".join(f"{n}: {us:.1f}" for n, us in r["solves_chunk_us"].items())
+        solves = ", ".join(f"{n}: {us:.1f}" if isinstance(us, float) else f"{n}: failed"
+                           for n, us in r["solves_chunk_us"].items())
         if "verify_kernel_us" not in r and "kernel_error" not in r:
             kernel = "- | - | {:.1f} | - | - | - ".format(r["chunk_xla_us"])
         elif "kernel_error" in r:
@@ -228,7 +237,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="also each chunk's costliest kernels from a profiler trace (device us and launches per layer)")
     p.add_argument("--no-kernel", action="store_true", help="time XLA alone (no kernel, no --tilings)")
     p.add_argument("--xla-solves", nargs="*", default=[], choices=get_args(XlaSolve),
-                   help="also time XLA's chunk with each of these solves of (I + A) U = rhs")
+                   help="also time XLA's chunk with each of these solves of (I + A) U = rhs ...")
+    p.add_argument("--xla-dots", nargs="+", default=["ieee"], choices=PRECISIONS,
+                   help="... at each of these dot precisions (tf32x3: GPU only)")
     p.add_argument("--out", help="JSON file for the results")
     a = p.parse_args(argv)
     cfg = SHAPES.get(a.model)
@@ -250,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for width in a.widths:
         kernel = None if a.no_kernel else "interpret" if a.interpret else "pallas"
         rows.append(bench_width(cfg, width, jnp.dtype(a.dtype), kernel, a.warmup, a.iters, a.tilings, a.profile,
-                                tuple(a.xla_solves)))
+                                tuple((s, d) for s in a.xla_solves for d in a.xla_dots)))
         r = rows[-1]
         log(f"W={width}: verify {r['verify_xla_us']:.1f} -> {r.get('verify_kernel_us', float('nan')):.1f} us/layer, "
             f"chunk {r['chunk_xla_us']:.1f} -> {r.get('chunk_kernel_us', float('nan')):.1f}")
