@@ -9,7 +9,9 @@ where s is an ancestor-or-self of t (else 0):
 
 This file holds, side by side:
 
-* ``tree_gdn_reference``: plain jnp (any float dtype; the XLA path of the model and of prefill).
+* ``tree_gdn_reference``: plain jnp (any float dtype; the XLA path of the model and of prefill),
+  with XLA's triangular solve or a blockwise doubling inverse (``XlaSolve``) and IEEE or TF32x3
+  dots, the defaults being the ones measured (XLA's solve, IEEE).
 * ``tree_gdn_pallas``: two Pallas kernels on the Triton GPU backend (below), key heads shared
   by GQA through the BlockSpec index maps.
 * ``default_block_sizes``: their tiling and dot precision for a shape.

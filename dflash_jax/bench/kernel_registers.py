@@ -6,6 +6,8 @@ time, not the cause. A CPU machine can lower the kernels for cuda (Pallas builds
 at lowering time); Triton's compiler turns that IR into PTX for an arch, and ptxas, which ships
 with it, reports each kernel's registers and spills. So a change of tiling or structure can be
 checked for spills on Hopper (sm_90a) and on Ampere (sm_86, the RTX A6000) before any GPU run.
+Each row also has the seconds Triton and ptxas took (`compile_s`, on this machine's CPU): an
+unrolled kernel whose compile grows with W shows there too.
 
     pip install triton    # the compiler and its ptxas; not a dependency of dflash-jax
     python -m dflash_jax.bench.kernel_registers --widths 16 65 257 --arch 90 86
@@ -24,6 +26,7 @@ import os
 import re
 import subprocess
 import tempfile
+import time
 from typing import Any
 
 import jax
@@ -123,12 +126,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         tiling = default_block_sizes(1, cfg.gdn_value_heads, width, cfg.gdn_key_dim, cfg.gdn_value_dim)
         for name, ir in tree_gdn_kernels(cfg, width, tiling):
             for arch in a.arch:
+                start = time.perf_counter()
+                report = ptxas_report(ir, arch, tiling.num_warps, tiling.num_stages)
                 row = {"width": width, "kernel": name, "arch": arch, "block": tiling.block,
-                       "block_v": tiling.block_v, "num_warps": tiling.num_warps,
-                       **ptxas_report(ir, arch, tiling.num_warps, tiling.num_stages)}
+                       "block_v": tiling.block_v, "num_warps": tiling.num_warps, **report,
+                       "compile_s": round(time.perf_counter() - start, 2)}
                 rows.append(row)
                 print(f"W {width:4d} {name:24s} sm_{arch}: {row['registers']} registers, "
-                      f"{row['spill_store_bytes']} / {row['spill_load_bytes']} bytes spill stores / loads", flush=True)
+                      f"{row['spill_store_bytes']} / {row['spill_load_bytes']} bytes spill stores / loads, "
+                      f"compiled in {row['compile_s']:.1f} s", flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=1)
