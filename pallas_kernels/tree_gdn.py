@@ -175,6 +175,7 @@ def _unit_lower_solve(a: jax.Array, rhs: jax.Array, solve: XlaSolve,
     (`_unit_lower_inverse_xla`) with the right-hand side: about 2 log2(W) batched products in
     place of a triangular solve that walks the rows."""
     if solve == "triangular":
+        # unit_diagonal: the solver never reads a's (zero) diagonal.
         return jax.scipy.linalg.solve_triangular(a, rhs, lower=True, unit_diagonal=True)
     width = a.shape[-1]
     root = rhs[..., :1, :]
