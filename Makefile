@@ -34,7 +34,7 @@ demo: .venv/.base
 		"Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
 
 # TEST_WORKERS pytest-xdist processes, each taking whole files (module fixtures are built once):
-# on CI's 2 cores, 2 workers take the suite from about 48 to about 35 minutes.
+# on a 2-core machine, 2 workers ran it in 36-40 minutes against 48 in one process.
 TEST_WORKERS ?= 2
 test: .venv-test/.test
 	.venv-test/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
