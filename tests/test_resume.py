@@ -28,19 +28,26 @@ TRAIN_ARGS = ["--steps", str(STEPS), "--batch", "4", "--seq-len", "32", "--block
               "--layers", "2", "--mask-token-id", str(MASK), "--lr", "1e-2", "--seed", "3", "--val-fraction", "0",
               "--compute-dtype", "float32", "--save-every", str(SAVE_EVERY), "--log-every", "1", "--no-progress"]
 # Runs the CLI in a process that SIGKILLs itself when train_step is called for the KILL_AT-th time
-# (after KILL_AT - 1 finished steps): no handler, no flush, no cleanup. Each step first waits
-# 0.1 s, time for an asynchronous save to finish unless it was issued right before the kill (a
-# step of the tiny drafter takes milliseconds, a save longer), so that two checkpoints are finished.
+# (after KILL_AT - 1 finished steps): no handler, no flush, no cleanup. Each earlier step first
+# waits (up to 120 s) until the newest save issued so far has finished (orbax saves step 1, then
+# every --save-every), so that every checkpoint but one issued right before the kill is finished
+# however busy the machine is (a fixed wait of 0.1 s was too short beside other tests).
 KILLER = """
 import os, signal, sys, time
+from pathlib import Path
 from dflash_jax import train
 from dflash_jax.cli import main
 kill_at, calls, step = int(os.environ["KILL_AT"]), [0], train.train_step
+ckpts = Path(sys.argv[sys.argv.index("--out") + 1]) / "checkpoints"
+every = int(sys.argv[sys.argv.index("--save-every") + 1])
 def dying_step(*args, **kwargs):
     calls[0] += 1
     if calls[0] == kill_at:
         os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(0.1)
+    saved = [s for s in range(1, calls[0]) if s == 1 or s % every == 0]
+    deadline = time.monotonic() + 120
+    while saved and saved[-1] not in train.finished_steps(ckpts) and time.monotonic() < deadline:
+        time.sleep(0.05)
     return step(*args, **kwargs)
 train.train_step = dying_step
 sys.argv = ["dflash-jax"] + sys.argv[1:]
