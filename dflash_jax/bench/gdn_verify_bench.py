@@ -34,8 +34,8 @@ from dflash_jax.bench.common import SHAPES, environment, log, time_fn, write_jso
 from dflash_jax.bench.profile import profile_program
 from dflash_jax.bench.tree_attention_bench import random_tree_visibility
 from dflash_jax.qwen3_5 import Qwen35Config
-from pallas_kernels.tree_gdn import (PRECISIONS, BlockSizes, XlaSolve, default_block_sizes, tree_gdn, tree_gdn_pallas,
-                                     tree_gdn_reference)
+from pallas_kernels.tree_gdn import (PRECISIONS, BlockSizes, DotPrecision, XlaSolve, default_block_sizes, tree_gdn,
+                                     tree_gdn_pallas, tree_gdn_reference)
 
 
 def make_inputs(cfg: Qwen35Config, width: int, dtype: Any, seed: int = 0) -> dict[str, jax.Array]:
@@ -82,13 +82,14 @@ def chunk_inputs(x: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
 
 
 def chunk_layers(args: tuple[jax.Array, ...], state: jax.Array, layers: int, impl: str,
-                 tiling: BlockSizes | None = None, solve: tuple[str, str] | None = None) -> jax.Array:
+                 tiling: BlockSizes | None = None, solve: XlaSolve | None = None,
+                 dots: DotPrecision = "ieee") -> jax.Array:
     """`layers` verify chunks in a chain: each one's U (scaled down) is the next one's state,
     so XLA can neither hoist nor drop any of them. tiling: the kernel's instead of its defaults;
-    solve: (solve, dots), the reference with these (`tree_gdn_reference`'s) instead of `impl`."""
+    solve: the reference with this solve and `dots` (`tree_gdn_reference`'s) instead of `impl`."""
     def layer(_, s):
         if solve is not None:
-            _, u = tree_gdn_reference(*args, s, solve=solve[0], dots=solve[1])
+            _, u = tree_gdn_reference(*args, s, solve=solve, dots=dots)
         elif tiling is None:
             _, u = tree_gdn(*args, s, impl=impl)
         else:
@@ -133,16 +134,16 @@ def bench_width(cfg: Qwen35Config, width: int, dtype: Any, kernel_impl: str | No
                 solves: tuple[tuple[str, str], ...] = ()) -> dict[str, Any]:
     """One W: XLA, the kernel at its default tiling (kernel_impl None: XLA alone), the chunk at
     each of `tilings`, and XLA's chunk at each (solve, dots) of `solves` (`tree_gdn_reference`'s),
-    named "SOLVE,DOTS". A kernel
-    that fails (a tiling the GPU refuses, say) leaves its error in the row instead of its times.
+    named "SOLVE,DOTS". A kernel that fails (a tiling the GPU refuses, say) leaves its error in
+    the row instead of its times.
     profile: also each chunk's kernel table (`kernel_table`) as chunk_xla_kernels / chunk_kernel_kernels
-    (and solves_kernels)."""
+    (and solves_kernels / tilings_kernels)."""
     layers = len(cfg.gdn_layers)
     x = make_inputs(cfg, width, dtype)
     blocks = default_block_sizes(1, cfg.gdn_value_heads, width, cfg.gdn_key_dim, cfg.gdn_value_dim)
     row: dict[str, Any] = {"width": width, "layers": layers, "tiling": tiling_name(blocks),
                            "tilings_chunk_us": {}, "tilings_max_diff": {}, "solves_chunk_us": {},
-                           "solves_max_diff": {}, "solves_kernels": {}}
+                           "solves_max_diff": {}, "solves_kernels": {}, "tilings_kernels": {}}
     args = chunk_inputs(x)
     per_layer = lambda fn: time_fn(fn, warmup, iters)["median_ms"] * 1e3 / layers
     results, chunks = {}, {}
@@ -163,21 +164,26 @@ def bench_width(cfg: Qwen35Config, width: int, dtype: Any, kernel_impl: str | No
             row["kernel_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             log(f"W={width}: the kernel at its default tiling failed: {row['kernel_error']}")
     chunk_xla = chunks["xla"](args, x["state"]) if tilings or solves else None
-    for variant in solves:
-        solve = ",".join(variant)
+
+    def variant(kind: str, name: str, **chunk_kwargs: Any) -> None:
+        """Time one chained chunk into row[kind + "_chunk_us"][name], with its largest difference
+        from XLA's default chunk (a fast variant must also be right) and, with `profile`, its
+        kernel table; one that fails (a tiling the GPU refuses, the CPU's TF32) leaves its error."""
         try:
-            chunk = jax.jit(functools.partial(chunk_layers, layers=layers, impl="reference", solve=variant)).lower(
+            chunk = jax.jit(functools.partial(chunk_layers, layers=layers, **chunk_kwargs)).lower(
                 args, x["state"]).compile()
-            row["solves_max_diff"][solve] = float(jnp.max(jnp.abs(chunk(args, x["state"]) - chunk_xla)))
-            row["solves_chunk_us"][solve] = per_layer(lambda: chunk(args, x["state"]))
-        except Exception as e:  # noqa: BLE001 -- a backend that refuses a precision (the CPU's TF32) is a result
-            row["solves_chunk_us"][solve] = f"{type(e).__name__}: {str(e)[:200]}"
-            log(f"W={width}: XLA chunk, solve and dots {solve}, failed: {row['solves_chunk_us'][solve]}")
-            continue
+            row[f"{kind}_max_diff"][name] = float(jnp.max(jnp.abs(chunk(args, x["state"]) - chunk_xla)))
+            row[f"{kind}_chunk_us"][name] = us = per_layer(lambda: chunk(args, x["state"]))
+        except Exception as e:  # noqa: BLE001 -- a variant the backend refuses is a result
+            row[f"{kind}_chunk_us"][name] = f"{type(e).__name__}: {str(e)[:200]}"
+            log(f"W={width}: {kind} {name} failed: {row[f'{kind}_chunk_us'][name]}")
+            return
         if profile:
-            row["solves_kernels"][solve] = kernel_table(lambda: chunk(args, x["state"]), chunk.as_text(), layers)
-        log(f"W={width}: XLA chunk, solve and dots {solve}: {row['solves_chunk_us'][solve]:.1f} us/layer, "
-            f"max diff {row['solves_max_diff'][solve]:.2g}")
+            row[f"{kind}_kernels"][name] = kernel_table(lambda: chunk(args, x["state"]), chunk.as_text(), layers)
+        log(f"W={width}: {kind} {name}: {us:.1f} us/layer, max diff {row[f'{kind}_max_diff'][name]:.2g}")
+
+    for solve, dots in solves:
+        variant("solves", f"{solve},{dots}", impl="reference", solve=solve, dots=dots)
     if "kernel" in results:
         for part in ("verify", "chunk"):
             row[f"{part}_speedup"] = row[f"{part}_xla_us"] / row[f"{part}_kernel_us"]
@@ -186,17 +192,7 @@ def bench_width(cfg: Qwen35Config, width: int, dtype: Any, kernel_impl: str | No
         row["max_abs_diff_state"] = float(jnp.max(jnp.abs(state_x - state_k)))
     for spec in tilings:
         tiling = parse_tiling(spec, blocks)
-        chunk = jax.jit(functools.partial(chunk_layers, layers=layers, impl=kernel_impl, tiling=tiling))
-        name = tiling_name(tiling)
-        try:
-            # The chained state after every layer, against XLA's: a fast tiling must also be right.
-            row["tilings_max_diff"][name] = float(jnp.max(jnp.abs(chunk(args, x["state"]) - chunk_xla)))
-            row["tilings_chunk_us"][name] = per_layer(lambda: chunk(args, x["state"]))
-            log(f"W={width}: tiling {name}: {row['tilings_chunk_us'][name]:.1f} us/layer, "
-                f"max diff {row['tilings_max_diff'][name]:.2g}")
-        except Exception as e:  # noqa: BLE001 -- a tiling the GPU refuses (e.g. its shared memory) is a result
-            row["tilings_chunk_us"][name] = f"{type(e).__name__}: {str(e)[:200]}"
-            log(f"W={width}: tiling {name} failed: {row['tilings_chunk_us'][name]}")
+        variant("tilings", tiling_name(tiling), impl=kernel_impl, tiling=tiling)
     return row
 
 
