@@ -10,8 +10,8 @@ where s is an ancestor-or-self of t (else 0):
 This file holds, side by side:
 
 * ``tree_gdn_reference``: plain jnp (any float dtype; the XLA path of the model and of prefill),
-  with XLA's triangular solve or a blockwise doubling inverse (``XlaSolve``) and IEEE or TF32x3
-  dots, the defaults being the ones measured (XLA's solve, IEEE).
+  solving (I + A) U = rhs by a blockwise doubling inverse, with TF32x3 dots for float32 on a GPU
+  (``default_dots``).
 * ``tree_gdn_pallas``: two Pallas kernels on the Triton GPU backend (below), key heads shared
   by GQA through the BlockSpec index maps.
 * ``default_block_sizes``: their tiling and dot precision for a shape.
@@ -118,20 +118,22 @@ def _check_shapes(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, dec
 DotPrecision = Literal["ieee", "tf32x3"]
 PRECISIONS: tuple[str, ...] = get_args(DotPrecision)
 
-# How the reference solves (I + A) U = rhs: "triangular" (XLA's triangular solve, the default; at
-# W = 257 it is most of the chunk's 238 us on an H100) or the doubling inverse of `_unit_lower_solve`,
-# from blocks of 1 or 16 rows. The doubling candidates are exact (tests/test_tree_gdn.py) but not yet
-# timed on a GPU: `gdn_verify_bench --no-kernel --xla-solves ...` (runbook phase `gdn-solves`)
-# compares them, and the default moves only to one that wins at every W. The same goes for the
-# reference's dot precision (`tree_gdn_reference`'s `dots`): "ieee" by default, "tf32x3" a GPU
-# candidate (XLA's CPU backend refuses the TF32 algorithms).
-XlaSolve = Literal["triangular", "doubling", "doubling16"]
+# The reference's products on a GPU: TF32x3 for float32 (about 2^-21 relative error a product;
+# XLA's CPU backend refuses the algorithm), IEEE elsewhere and for float64.
+def default_dots(dtype: jnp.dtype, backend: str | None = None) -> DotPrecision:
+    """The dot precision ``tree_gdn_reference`` uses for ``dtype`` on ``backend`` (default: jax's)."""
+    on_gpu = (backend or jax.default_backend()) == "gpu"
+    return "tf32x3" if on_gpu and jnp.dtype(dtype) == jnp.float32 else "ieee"
 
 
 def _xla_precision(dots: DotPrecision) -> lax.Precision | lax.DotAlgorithmPreset:
     if dots not in PRECISIONS:
         raise ValueError(f"tree_gdn_reference: dots must be one of {', '.join(PRECISIONS)}, got {dots!r}")
     return _HI if dots == "ieee" else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+
+
+# The rows of the doubling inverse's first blocks, which come from XLA's triangular solve.
+_SOLVE_BLOCK = 16
 
 
 def _diagonal_blocks(x: jax.Array, size: int) -> jax.Array:
@@ -141,20 +143,16 @@ def _diagonal_blocks(x: jax.Array, size: int) -> jax.Array:
     return jnp.moveaxis(jnp.diagonal(blocks, axis1=-4, axis2=-2), -1, -3)
 
 
-def _unit_lower_inverse_xla(a: jax.Array, base: int, precision: lax.Precision | lax.DotAlgorithmPreset
-                            ) -> jax.Array:
+def _unit_lower_inverse_xla(a: jax.Array, precision: lax.Precision | lax.DotAlgorithmPreset) -> jax.Array:
     """(I + a)^-1 for strictly lower triangular a [..., n, n] (n a power of two) by blockwise
-    doubling over the whole matrix: the inverse's diagonal blocks of size 2s are
-    [[T1, 0], [-T2 a21 T1, T2]] from those of size s, so log2(n / base) levels of two batched
-    products, each of blocks of the true inverse (nothing grows past it). The first blocks, of
-    `base` rows, come from XLA's triangular solve (base 1: none)."""
+    doubling: the inverse's diagonal blocks of size 2s are [[T1, 0], [-T2 a21 T1, T2]] from those
+    of size s, so log2(n / 16) levels of two batched products, each of blocks of the true inverse
+    (nothing grows past it). The first blocks, of 16 rows (or n), come from XLA's triangular solve."""
     lead, n = a.shape[:-2], a.shape[-1]
-    size = min(base, n)
-    if size == 1:
-        inverse = jnp.ones(lead + (n, 1, 1), a.dtype)
-    else:
-        eye = jnp.broadcast_to(jnp.eye(size, dtype=a.dtype), lead + (n // size, size, size))
-        inverse = jax.scipy.linalg.solve_triangular(_diagonal_blocks(a, size), eye, lower=True, unit_diagonal=True)
+    size = min(_SOLVE_BLOCK, n)
+    eye = jnp.broadcast_to(jnp.eye(size, dtype=a.dtype), lead + (n // size, size, size))
+    # unit_diagonal: the solver never reads a's (zero) diagonal.
+    inverse = jax.scipy.linalg.solve_triangular(_diagonal_blocks(a, size), eye, lower=True, unit_diagonal=True)
     while size < n:
         pairs = inverse.reshape(lead + (n // (2 * size), 2, size, size))
         first, second = pairs[..., 0, :, :], pairs[..., 1, :, :]
@@ -166,17 +164,16 @@ def _unit_lower_inverse_xla(a: jax.Array, base: int, precision: lax.Precision | 
     return inverse.reshape(lead + (n, n))
 
 
-def _unit_lower_solve(a: jax.Array, rhs: jax.Array, solve: XlaSolve,
-                      precision: lax.Precision | lax.DotAlgorithmPreset) -> jax.Array:
+def _unit_lower_solve(a: jax.Array, rhs: jax.Array, precision: lax.Precision | lax.DotAlgorithmPreset
+                      ) -> jax.Array:
     """U with (I + a) U = rhs: a [..., W, W] strictly lower triangular, rhs [..., W, dv].
 
-    "doubling": node 0 has no ancestors, so U_0 = rhs_0, and the other W - 1 rows (padded to a
-    power of two, with rows that are their own solution) are the product of their inverse
-    (`_unit_lower_inverse_xla`) with the right-hand side: about 2 log2(W) batched products in
-    place of a triangular solve that walks the rows."""
-    if solve == "triangular":
-        # unit_diagonal: the solver never reads a's (zero) diagonal.
-        return jax.scipy.linalg.solve_triangular(a, rhs, lower=True, unit_diagonal=True)
+    Node 0 has no ancestors, so U_0 = rhs_0, and the other W - 1 rows (padded to a power of two,
+    with rows that are their own solution) are the product of their inverse
+    (`_unit_lower_inverse_xla`) with the right-hand side. XLA's triangular solve of the whole
+    system walks its rows (5 launches at W = 257); at Qwen3.6-27B's GDN shape on an H100 the
+    doubling made the chunk faster at every W with either dot precision (BENCHMARKS.md,
+    "Measured and not adopted")."""
     width = a.shape[-1]
     root = rhs[..., :1, :]
     if width == 1:
@@ -185,16 +182,15 @@ def _unit_lower_solve(a: jax.Array, rhs: jax.Array, solve: XlaSolve,
     n = 1 << (rows - 1).bit_length()
     pad = [(0, 0)] * (a.ndim - 2) + [(0, n - rows)]
     rest = jnp.pad(rhs[..., 1:, :] - a[..., 1:, :1] * root, pad + [(0, 0)])
-    inverse = _unit_lower_inverse_xla(jnp.pad(a[..., 1:, 1:], pad + [(0, n - rows)]),
-                                      16 if solve == "doubling16" else 1, precision)
+    inverse = _unit_lower_inverse_xla(jnp.pad(a[..., 1:, 1:], pad + [(0, n - rows)]), precision)
     u = jnp.einsum("...ts,...sv->...tv", inverse, rest, precision=precision)
     return jnp.concatenate([root, u[..., :rows, :]], -2)
 
 
 def tree_gdn_reference(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, decay: jax.Array,
-                       visible: jax.Array, state0: jax.Array, solve: XlaSolve = "triangular",
-                       dots: DotPrecision = "ieee") -> tuple[jax.Array, jax.Array]:
-    """The WY form over W nodes in jnp, computed in state0's dtype (at HIGHEST precision: dots "ieee").
+                       visible: jax.Array, state0: jax.Array, dots: DotPrecision | None = None
+                       ) -> tuple[jax.Array, jax.Array]:
+    """The WY form over W nodes in jnp, computed in state0's dtype.
 
     Args:
       q, k: [batch, Hk, W, dk], L2-normalised (q also scaled); value head h reads key head
@@ -203,14 +199,14 @@ def tree_gdn_reference(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array
       visible: [batch or 1, W, W] bool, ancestor-or-self (every row sees itself; causal for a
         prefill chunk).
       state0: [batch, Hv, dk, dv], the state before the nodes.
-      solve: how (I + A) U = rhs is solved (``XlaSolve``).
-      dots: the products' precision (``DotPrecision``; "tf32x3": float32 on a GPU only).
+      dots: the products' precision (``DotPrecision``; "tf32x3": float32 on a GPU only); None:
+        ``default_dots`` for state0's dtype.
     Returns:
       (O, U), both [batch, Hv, W, dv] in state0's dtype.
     """
     batch, key_heads, value_heads, width, dk, dv, group = _check_shapes(q, k, v, beta, decay, visible, state0)
-    precision = _xla_precision(dots)
     dtype = state0.dtype
+    precision = _xla_precision(default_dots(dtype) if dots is None else dots)
     q, k, v, beta, decay = (x.astype(dtype) for x in (q, k, v, beta, decay))
     # Value heads grouped under their key head: [B, Hk, group, ...]. The Gram products K K^T and
     # Q K^T are made once per key head and K S0, Q S0 as one product over the group's states,
@@ -231,7 +227,7 @@ def tree_gdn_reference(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array
     a = jnp.where(strict, beta[..., None] * gram[..., :width, :] * d, 0)
     e = jnp.exp(decay)[..., None]
     rhs = beta[..., None] * (v - e * s0_products[..., :width, :])
-    u = _unit_lower_solve(a, rhs, solve, precision)
+    u = _unit_lower_solve(a, rhs, precision)
     scores = gram[..., width:, :] * d
     out = e * s0_products[..., width:, :] + jnp.einsum("bhgts,bhgsv->bhgtv", scores, u, precision=precision)
     out, u = (x.reshape(batch, value_heads, width, dv) for x in (out, u))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import get_args
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +16,8 @@ from dflash_jax import gdn
 from pallas_kernels.tree_gdn import (
     MAX_BLOCKS,
     PRECISIONS,
-    XlaSolve,
     default_block_sizes,
+    default_dots,
     impl_for_attention,
     resolve_impl,
     tree_gdn,
@@ -27,7 +26,6 @@ from pallas_kernels.tree_gdn import (
 )
 
 ON_GPU = jax.default_backend() == "gpu"
-SOLVES = get_args(XlaSolve)
 MAX_DEPTH = 15
 
 
@@ -138,28 +136,26 @@ def test_interpret_kernel_matches_reference_and_recurrence(batch, key_heads, gro
     check_close(u, np.asarray(ref_u), parents, 1e-5, "kernel U vs reference")
 
 
-@pytest.mark.parametrize("solve", SOLVES)
-@pytest.mark.parametrize("width,padding", [(1, 0), (2, 0), (33, 4), (66, 3)])
-def test_reference_matches_recurrence_in_float64(solve, width, padding):
-    """Every solve of (I + A) U = rhs, at W = 1 + a power of two (66 pads 65 rows to 128 in the
-    doubling), against the per-path recurrence."""
+@pytest.mark.parametrize("width,padding", [(1, 0), (2, 0), (17, 0), (33, 4), (66, 3)])
+def test_reference_matches_recurrence_in_float64(width, padding):
+    """The doubling solve of (I + A) U = rhs at W = 1 + a power of two (17: one block of 16 rows;
+    66 pads 65 rows to 128, three levels above the blocks of 16) against the per-path recurrence."""
     args, g, parents = make_case(3 + width, 2, 2, 2, width, 16, padding=padding)
     with jax.enable_x64(True):
-        out, u = tree_gdn_reference(*(jnp.asarray(a) for a in args), solve=solve)
+        out, u = tree_gdn_reference(*(jnp.asarray(a) for a in args))
         out, u = np.asarray(out), np.asarray(u)
     want_out, want_u = recurrence(args, g, parents)
-    check_close(out, want_out, parents, 1e-12, f"reference O ({solve})")
-    check_close(u, want_u, parents, 1e-12, f"reference U ({solve})")
+    check_close(out, want_out, parents, 1e-12, "reference O")
+    check_close(u, want_u, parents, 1e-12, "reference U")
 
 
-@pytest.mark.parametrize("solve", SOLVES)
-def test_reference_float32_at_w257(solve):
+def test_reference_float32_at_w257():
     """DDTree(256)'s width in float32 (the model's dtype for the chunk): within 1e-5."""
     args, g, parents = make_case(257, 1, 1, 2, 257, 32, padding=5)
-    out, u = tree_gdn_reference(*as32(args), solve=solve)
+    out, u = tree_gdn_reference(*as32(args))
     want_out, want_u = recurrence(args, g, parents)
-    check_close(out, want_out, parents, 1e-5, f"reference O ({solve})")
-    check_close(u, want_u, parents, 1e-5, f"reference U ({solve})")
+    check_close(out, want_out, parents, 1e-5, "reference O")
+    check_close(u, want_u, parents, 1e-5, "reference U")
 
 
 def test_ancestor_mask_matters():
@@ -194,7 +190,7 @@ def test_aligned_keys_on_a_chain_stay_exact(block):
     the block inverse's entries stay small while powers of A grow like binomials (the product of
     (I + (-A)^(2^m)) factors misses this chain's (I + A)^-1 by 1e9 in float32). The blockwise
     doubling inverse keeps the kernel within 1e-5 of the recurrence, in one block of 64 and in
-    four of 16, and so does every solve of the reference."""
+    four of 16, and so does the reference's doubling solve."""
     rng = np.random.default_rng(12)
     width, dim = 64, 64
     (q, _, v, _, _, _, state0), _, _ = make_case(12, 1, 1, 2, width, dim)
@@ -210,10 +206,9 @@ def test_aligned_keys_on_a_chain_stay_exact(block):
     assert np.max(np.abs(want_u)) > 2  # the solve does amplify here
     check_close(out, want_out, parents, 1e-5, f"O in blocks of {block}")
     check_close(u, want_u, parents, 1e-5, f"U in blocks of {block}")
-    for solve in SOLVES:
-        out, u = tree_gdn_reference(*as32(args), solve=solve)
-        check_close(out, want_out, parents, 1e-5, f"reference O ({solve})")
-        check_close(u, want_u, parents, 1e-5, f"reference U ({solve})")
+    out, u = tree_gdn_reference(*as32(args))
+    check_close(out, want_out, parents, 1e-5, "reference O")
+    check_close(u, want_u, parents, 1e-5, "reference U")
 
 
 def test_tree_verify_interpret_equals_reference():
@@ -402,16 +397,23 @@ def test_hybrid_verify_through_the_interpreted_kernel():
     np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("solve", SOLVES)
-def test_reference_tf32x3_lowers_for_cuda(solve):
-    """The reference's TF32x3 dots (a GPU candidate) lower for cuda, with the algorithm in every
-    dot; the IEEE reference has none."""
+def test_reference_tf32x3_lowers_for_cuda():
+    """The reference's TF32x3 dots (its float32 default on a GPU) lower for cuda, with the
+    algorithm in every dot; the IEEE reference has none."""
     def text(dots):
-        fn = functools.partial(tree_gdn_reference, solve=solve, dots=dots)
+        fn = functools.partial(tree_gdn_reference, dots=dots)
         return jax.jit(fn).trace(*shapes(1, 16, 48, 65, 128)).lower(lowering_platforms=("cuda",)).as_text()
     fast, exact = text("tf32x3"), text("ieee")
     assert fast.count("dot_general") == exact.count("dot_general") > 0
     assert fast.count("tf32") >= fast.count("dot_general") and "tf32" not in exact
+
+
+def test_default_dots():
+    """TF32x3 for float32 on a GPU only: IEEE on the CPU (which refuses TF32) and for float64
+    and bfloat16 on a GPU."""
+    assert default_dots(jnp.float32, "gpu") == "tf32x3"
+    assert default_dots(jnp.float32, "cpu") == "ieee"
+    assert default_dots(jnp.float64, "gpu") == default_dots(jnp.bfloat16, "gpu") == "ieee"
 
 
 def test_reference_refuses_unknown_dots():
@@ -421,13 +423,12 @@ def test_reference_refuses_unknown_dots():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
-@pytest.mark.parametrize("solve", SOLVES)
 @pytest.mark.parametrize("width", [16, 65, 257])
-def test_gpu_reference_variants_match_recurrence(solve, width):
-    """Each candidate of the reference (solve, TF32x3 dots) on the GPU within 2e-5 of the recurrence."""
+def test_gpu_reference_matches_recurrence(width):
+    """The reference on the GPU at each dot precision (TF32x3 its default) within 2e-5 of the recurrence."""
     args, g, parents = make_case(width, 1, 4, 3, width, 128, padding=1)
     want_out, want_u = recurrence(args, g, parents)
     for dots in PRECISIONS:
-        out, u = jax.jit(functools.partial(tree_gdn_reference, solve=solve, dots=dots))(*as32(args))
-        check_close(out, want_out, parents, 2e-5, f"GPU reference O ({solve}, {dots})")
-        check_close(u, want_u, parents, 2e-5, f"GPU reference U ({solve}, {dots})")
+        out, u = jax.jit(functools.partial(tree_gdn_reference, dots=dots))(*as32(args))
+        check_close(out, want_out, parents, 2e-5, f"GPU reference O ({dots})")
+        check_close(u, want_u, parents, 2e-5, f"GPU reference U ({dots})")

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-from typing import Any, get_args
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +34,7 @@ from dflash_jax.bench.common import SHAPES, environment, log, time_fn, write_jso
 from dflash_jax.bench.profile import profile_program
 from dflash_jax.bench.tree_attention_bench import random_tree_visibility
 from dflash_jax.qwen3_5 import Qwen35Config
-from pallas_kernels.tree_gdn import (PRECISIONS, BlockSizes, DotPrecision, XlaSolve, default_block_sizes, tree_gdn,
-                                     tree_gdn_pallas, tree_gdn_reference)
+from pallas_kernels.tree_gdn import PRECISIONS, BlockSizes, default_block_sizes, tree_gdn, tree_gdn_pallas
 
 
 def make_inputs(cfg: Qwen35Config, width: int, dtype: Any, seed: int = 0) -> dict[str, jax.Array]:
@@ -82,15 +81,11 @@ def chunk_inputs(x: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
 
 
 def chunk_layers(args: tuple[jax.Array, ...], state: jax.Array, layers: int, impl: str,
-                 tiling: BlockSizes | None = None, solve: XlaSolve | None = None,
-                 dots: DotPrecision = "ieee") -> jax.Array:
+                 tiling: BlockSizes | None = None) -> jax.Array:
     """`layers` verify chunks in a chain: each one's U (scaled down) is the next one's state,
-    so XLA can neither hoist nor drop any of them. tiling: the kernel's instead of its defaults;
-    solve: the reference with this solve and `dots` (`tree_gdn_reference`'s) instead of `impl`."""
+    so XLA can neither hoist nor drop any of them. tiling: the kernel's instead of its defaults."""
     def layer(_, s):
-        if solve is not None:
-            _, u = tree_gdn_reference(*args, s, solve=solve, dots=dots)
-        elif tiling is None:
+        if tiling is None:
             _, u = tree_gdn(*args, s, impl=impl)
         else:
             _, u = tree_gdn_pallas(*args, s, **dataclasses.asdict(tiling), interpret=impl == "interpret")
@@ -130,20 +125,16 @@ def kernel_table(fn: Any, compiled_text: str, layers: int, top: int = 8) -> list
 
 
 def bench_width(cfg: Qwen35Config, width: int, dtype: Any, kernel_impl: str | None, warmup: int,
-                iters: int, tilings: list[str], profile: bool = False,
-                solves: tuple[tuple[str, str], ...] = ()) -> dict[str, Any]:
-    """One W: XLA, the kernel at its default tiling (kernel_impl None: XLA alone), the chunk at
-    each of `tilings`, and XLA's chunk at each (solve, dots) of `solves` (`tree_gdn_reference`'s),
-    named "SOLVE,DOTS". A kernel that fails (a tiling the GPU refuses, say) leaves its error in
+                iters: int, tilings: list[str], profile: bool = False) -> dict[str, Any]:
+    """One W: XLA, the kernel at its default tiling (kernel_impl None: XLA alone), and the chunk
+    at each of `tilings`. A kernel that fails (a tiling the GPU refuses, say) leaves its error in
     the row instead of its times.
-    profile: also each chunk's kernel table (`kernel_table`) as chunk_xla_kernels / chunk_kernel_kernels
-    (and solves_kernels / tilings_kernels)."""
+    profile: also each chunk's kernel table (`kernel_table`) as chunk_xla_kernels / chunk_kernel_kernels."""
     layers = len(cfg.gdn_layers)
     x = make_inputs(cfg, width, dtype)
     blocks = default_block_sizes(1, cfg.gdn_value_heads, width, cfg.gdn_key_dim, cfg.gdn_value_dim)
     row: dict[str, Any] = {"width": width, "layers": layers, "tiling": tiling_name(blocks),
-                           "tilings_chunk_us": {}, "tilings_max_diff": {}, "solves_chunk_us": {},
-                           "solves_max_diff": {}, "solves_kernels": {}, "tilings_kernels": {}}
+                           "tilings_chunk_us": {}, "tilings_max_diff": {}}
     args = chunk_inputs(x)
     per_layer = lambda fn: time_fn(fn, warmup, iters)["median_ms"] * 1e3 / layers
     results, chunks = {}, {}
@@ -163,48 +154,35 @@ def bench_width(cfg: Qwen35Config, width: int, dtype: Any, kernel_impl: str | No
                 raise
             row["kernel_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             log(f"W={width}: the kernel at its default tiling failed: {row['kernel_error']}")
-    chunk_xla = chunks["xla"](args, x["state"]) if tilings or solves else None
-
-    def variant(kind: str, name: str, **chunk_kwargs: Any) -> None:
-        """Time one chained chunk into row[kind + "_chunk_us"][name], with its largest difference
-        from XLA's default chunk (a fast variant must also be right) and, with `profile`, its
-        kernel table; one that fails (a tiling the GPU refuses, the CPU's TF32) leaves its error."""
-        try:
-            chunk = jax.jit(functools.partial(chunk_layers, layers=layers, **chunk_kwargs)).lower(
-                args, x["state"]).compile()
-            row[f"{kind}_max_diff"][name] = float(jnp.max(jnp.abs(chunk(args, x["state"]) - chunk_xla)))
-            row[f"{kind}_chunk_us"][name] = us = per_layer(lambda: chunk(args, x["state"]))
-        except Exception as e:  # noqa: BLE001 -- a variant the backend refuses is a result
-            row[f"{kind}_chunk_us"][name] = f"{type(e).__name__}: {str(e)[:200]}"
-            log(f"W={width}: {kind} {name} failed: {row[f'{kind}_chunk_us'][name]}")
-            return
-        if profile:
-            row[f"{kind}_kernels"][name] = kernel_table(lambda: chunk(args, x["state"]), chunk.as_text(), layers)
-        log(f"W={width}: {kind} {name}: {us:.1f} us/layer, max diff {row[f'{kind}_max_diff'][name]:.2g}")
-
-    for solve, dots in solves:
-        variant("solves", f"{solve},{dots}", impl="reference", solve=solve, dots=dots)
     if "kernel" in results:
         for part in ("verify", "chunk"):
             row[f"{part}_speedup"] = row[f"{part}_xla_us"] / row[f"{part}_kernel_us"]
         (out_x, state_x), (out_k, state_k) = results["xla"], results["kernel"]
         row["max_abs_diff_out"] = float(jnp.max(jnp.abs(out_x - out_k)))
         row["max_abs_diff_state"] = float(jnp.max(jnp.abs(state_x - state_k)))
+    chunk_xla = chunks["xla"](args, x["state"]) if tilings else None
     for spec in tilings:
         tiling = parse_tiling(spec, blocks)
-        variant("tilings", tiling_name(tiling), impl=kernel_impl, tiling=tiling)
+        name = tiling_name(tiling)
+        try:
+            chunk = jax.jit(functools.partial(chunk_layers, layers=layers, impl=kernel_impl, tiling=tiling))
+            # The chained state after every layer, against XLA's: a fast tiling must also be right.
+            row["tilings_max_diff"][name] = float(jnp.max(jnp.abs(chunk(args, x["state"]) - chunk_xla)))
+            row["tilings_chunk_us"][name] = per_layer(lambda: chunk(args, x["state"]))
+            log(f"W={width}: tiling {name}: {row['tilings_chunk_us'][name]:.1f} us/layer, "
+                f"max diff {row['tilings_max_diff'][name]:.2g}")
+        except Exception as e:  # noqa: BLE001 -- a tiling the GPU refuses (e.g. its shared memory) is a result
+            row["tilings_chunk_us"][name] = f"{type(e).__name__}: {str(e)[:200]}"
+            log(f"W={width}: tiling {name} failed: {row['tilings_chunk_us'][name]}")
     return row
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = ["| W | verify XLA us | verify kernel us | speedup | chunk XLA us | chunk kernel us | speedup | "
-             "max diff | tiling | other tilings (chunk us) | XLA solves (chunk us) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "max diff | tiling | other tilings (chunk us) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         others = ", ".join(f"{t}: {us:.1f}" if isinstance(us, float) else f"{t}: failed"
                            for t, us in r["tilings_chunk_us"].items())
-        solves = ", ".join(f"{n}: {us:.1f}" if isinstance(us, float) else f"{n}: failed"
-                           for n, us in r["solves_chunk_us"].items())
         if "verify_kernel_us" not in r and "kernel_error" not in r:
             kernel = "- | - | {:.1f} | - | - | - ".format(r["chunk_xla_us"])
         elif "kernel_error" in r:
@@ -213,7 +191,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             kernel = (f"{r['verify_kernel_us']:.1f} | {r['verify_speedup']:.2f}x | {r['chunk_xla_us']:.1f} | "
                       f"{r['chunk_kernel_us']:.1f} | {r['chunk_speedup']:.2f}x | "
                       f"{max(r['max_abs_diff_out'], r['max_abs_diff_state']):.2g} ")
-        lines.append(f"| {r['width']} | {r['verify_xla_us']:.1f} | {kernel}| {r['tiling']} | {others} | {solves} |")
+        lines.append(f"| {r['width']} | {r['verify_xla_us']:.1f} | {kernel}| {r['tiling']} | {others} |")
     return "\n".join(lines)
 
 
@@ -232,10 +210,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--profile", action="store_true",
                    help="also each chunk's costliest kernels from a profiler trace (device us and launches per layer)")
     p.add_argument("--no-kernel", action="store_true", help="time XLA alone (no kernel, no --tilings)")
-    p.add_argument("--xla-solves", nargs="*", default=[], choices=get_args(XlaSolve),
-                   help="also time XLA's chunk with each of these solves of (I + A) U = rhs ...")
-    p.add_argument("--xla-dots", nargs="+", default=["ieee"], choices=PRECISIONS,
-                   help="... at each of these dot precisions (tf32x3: GPU only)")
     p.add_argument("--out", help="JSON file for the results")
     a = p.parse_args(argv)
     cfg = SHAPES.get(a.model)
@@ -256,8 +230,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = []
     for width in a.widths:
         kernel = None if a.no_kernel else "interpret" if a.interpret else "pallas"
-        rows.append(bench_width(cfg, width, jnp.dtype(a.dtype), kernel, a.warmup, a.iters, a.tilings, a.profile,
-                                tuple((s, d) for s in a.xla_solves for d in a.xla_dots)))
+        rows.append(bench_width(cfg, width, jnp.dtype(a.dtype), kernel, a.warmup, a.iters, a.tilings, a.profile))
         r = rows[-1]
         log(f"W={width}: verify {r['verify_xla_us']:.1f} -> {r.get('verify_kernel_us', float('nan')):.1f} us/layer, "
             f"chunk {r['chunk_xla_us']:.1f} -> {r.get('chunk_kernel_us', float('nan')):.1f}")

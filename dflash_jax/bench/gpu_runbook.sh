@@ -23,9 +23,6 @@
 #                 ("block,block_v,warps[,stages[,precision[,share]]]" ...) also times the chunk at each of
 #                 those kernel tilings, one process and GDN_TILING_S seconds (120) each; the default
 #                 tiling's run adds each chunk's kernel table (--profile)
-#   gdn-solves    the GDN verify chunk in XLA alone with each solve of (I + A) U = rhs that the reference
-#                 has (pallas_kernels.tree_gdn.XlaSolve) at IEEE and TF32x3 dots, side by side, W 16/64/257
-#                 (GDN_WIDTHS), profiled
 #   lossless      greedy DDTree and DFlash against greedy AR on the GPU (float32)
 #   top-k         the tree's vocabulary top-k alone, [15, 151936], k 16-512
 #   kernel-sweep  only the random tiling sweep, SWEEP_S seconds (default 300), at SWEEP_WIDTHS
@@ -272,15 +269,6 @@ gdn-verify)
         step "gdn_verify_${t//,/-}" "${GDN_TILING_S:-120}" python -m dflash_jax.bench.gdn_verify_bench "$@" --tilings "$t" \
             --out "$out/gdn_verify_${t//,/-}.json"
     done ;;
-gdn-solves)
-    # TF32x3 dots: a GPU's (the CPU backend refuses the algorithm).
-    if [ "$dry" = 1 ]; then set -- --model tiny-hybrid --widths 5 17 --warmup 1 --iters 2; dots=(ieee)
-    else dots=(ieee tf32x3)
-        # shellcheck disable=SC2086
-        set -- --model qwen3.6-27b --widths ${GDN_WIDTHS:-16 64 257}
-    fi
-    step gdn_solves "$limit" python -m dflash_jax.bench.gdn_verify_bench "$@" --no-kernel \
-        --xla-solves triangular doubling doubling16 --xla-dots "${dots[@]}" --profile --out "$out/gdn_solves.json" ;;
 lossless)
     if [ "$dry" = 1 ]; then echo "lossless: GPU only (make test runs the same tests on the CPU)"
     else JAX_PLATFORMS=cuda step lossless "$limit" python -m pytest -q tests/test_speculative.py \
