@@ -173,7 +173,7 @@ def _unit_lower_solve(a: jax.Array, rhs: jax.Array, precision: lax.Precision | l
     (`_unit_lower_inverse_xla`) with the right-hand side. XLA's triangular solve of the whole
     system walks its rows (5 launches at W = 257); at Qwen3.6-27B's GDN shape on an H100 the
     doubling made the chunk faster at every W with either dot precision (BENCHMARKS.md,
-    "Measured and not adopted")."""
+    "The tree-GDN verify")."""
     width = a.shape[-1]
     root = rhs[..., :1, :]
     if width == 1:
