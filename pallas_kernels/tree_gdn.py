@@ -118,8 +118,9 @@ def _check_shapes(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, dec
 DotPrecision = Literal["ieee", "tf32x3"]
 PRECISIONS: tuple[str, ...] = get_args(DotPrecision)
 
-# The reference's products on a GPU: TF32x3 for float32 (about 2^-21 relative error a product;
-# XLA's CPU backend refuses the algorithm), IEEE elsewhere and for float64.
+# The reference's products on a GPU: TF32x3 for float32 (about 2^-21 relative error a product, on
+# the TF32 tensor cores of Ampere and newer; XLA's CPU backend refuses the algorithm), IEEE
+# elsewhere and for float64.
 def default_dots(dtype: jnp.dtype, backend: str | None = None) -> DotPrecision:
     """The dot precision ``tree_gdn_reference`` uses for ``dtype`` on ``backend`` (default: jax's)."""
     on_gpu = (backend or jax.default_backend()) == "gpu"
