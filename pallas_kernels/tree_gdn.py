@@ -44,7 +44,8 @@ than one program per (sequence, value head) walking its rows: that walk put the 
 the inverses and K S0 in its serial chain, on 48 programs at batch 1 (a third of an H200's
 SMs), and took 140 / 692 / 6959 us against XLA's 49 / 61 / 259 at W = 16 / 64 / 257. The split
 costs a launch and the pair matrices' round trip through memory. It is still behind XLA: 48.9 /
-97.5 us against 38.9 / 58.6 at W = 16 / 64 on an H100 (BENCHMARKS.md; W = 257 not yet timed).
+97.5 us against 38.9 / 58.6 at W = 16 / 64 on an H100 with XLA's triangular solve, which the
+reference's doubling solve has since cut to 37.0 / 56.3 (BENCHMARKS.md; W = 257 not yet timed).
 
 The block inverse is blockwise doubling (``_unit_lower_inverse``): log2(block) - 1 levels of two
 dots instead of ``block`` dependent row reductions. The dots take float32 inputs and accumulate
@@ -571,8 +572,8 @@ def resolve_impl(impl: GdnImpl = "auto", backend: str | None = None) -> str:
     The kernels run only when asked for ("pallas", "interpret"): "auto" moves to them on a GPU
     once they beat XLA at every W of the GDN verify bench. They do not: at the Qwen3.6-27B GDN
     shape, batch 1, their chunk took 48.9 / 97.5 us against XLA's 38.9 / 58.6 us at W = 16 / 64
-    on an H100 (BENCHMARKS.md, "The tree-GDN verify"). ``backend`` is accepted
-    so that callers need not special-case it.
+    on an H100, and XLA's is faster now (BENCHMARKS.md, "The tree-GDN verify"). ``backend`` is
+    accepted so that callers need not special-case it.
     """
     if impl not in IMPLS:
         raise ValueError(f"tree_gdn: impl must be one of {', '.join(IMPLS)}, got {impl!r}")
