@@ -46,8 +46,9 @@ def test_a_failing_tiling_is_reported_not_fatal(tmp_path):
 
 
 def test_profile_names_each_chunks_kernels(tmp_path):
-    """--profile: per W, each chunk's costliest kernels (name, us and launches per layer) from a
-    trace. XLA's chunk runs the triangular solve as its own op; the kernel's chunk has none."""
+    """--profile: per W, each chunk's costliest kernels (name, us and launches per layer, jax op)
+    from a trace. The kernel's chunk lists the block kernel's program (op scope tree_gdn_blocks);
+    XLA's chunk has no such op."""
     out = tmp_path / "gdn_verify.json"
     gdn_verify_bench.main(["--model", "tiny-hybrid", "--widths", "5", "--interpret", "--warmup", "1",
                            "--iters", "1", "--profile", "--out", str(out)])
@@ -55,9 +56,9 @@ def test_profile_names_each_chunks_kernels(tmp_path):
     tables = {impl: row[f"chunk_{impl}_kernels"] for impl in ("xla", "kernel")}
     for table in tables.values():
         assert isinstance(table, list) and table, table
-        assert all(len(entry) == 3 and entry[1] >= 0 and entry[2] > 0 for entry in table)
-    assert any("triangular_solve" in name for name, _, _ in tables["xla"])
-    assert not any("triangular_solve" in name for name, _, _ in tables["kernel"])
+        assert all(len(entry) == 4 and entry[1] >= 0 and entry[2] > 0 for entry in table)
+    assert any("tree_gdn_blocks" in op for _, _, _, op in tables["kernel"]), tables["kernel"]
+    assert not any("tree_gdn" in op for _, _, _, op in tables["xla"]), tables["xla"]
 
 
 def test_no_kernel_times_xla_alone(tmp_path):

@@ -14,8 +14,8 @@ layer feeds its next round), so Python dispatch is out of the numbers:
 - "chunk": the verify chunk alone (`tree_gdn`: K S0 ... O, the part the kernel replaces).
 Reported: medians (after warm-up) of the time per layer, the kernel's speedup, and the largest
 difference between the two implementations' outputs and committed states. `--profile` adds each
-chunk's kernels from a profiler trace (device us and launches per layer): which launch the time
-is in. `--tilings` also times the chunk at other tilings and dot precisions of the kernel
+chunk's kernels from a profiler trace (device us and launches per layer, and the jax op each
+came from): which launch the time is in. `--tilings` also times the chunk at other tilings and dot precisions of the kernel
 (`pallas_kernels.tree_gdn.BlockSizes`), each with the largest difference of its chained state from XLA's.
 """
 from __future__ import annotations
@@ -117,11 +117,11 @@ def parse_tiling(spec: str, default: BlockSizes) -> BlockSizes:
 
 def kernel_table(fn: Any, compiled_text: str, layers: int, top: int = 8) -> list[list[Any]] | str:
     """The `top` costliest kernels of `fn()` (a chain of `layers` chunks) as [name, device us per
-    layer, launches per layer], or the profiler's error."""
+    layer, launches per layer, the jax op it came from (its name scope)], or the profiler's error."""
     p = profile_program(fn, compiled_text, calls=3, table=top)
     if "error" in p:
         return str(p["error"])
-    return [[name, round(ms * 1e3 / layers, 2), launches / layers] for name, ms, launches, *_ in p["kernels"]]
+    return [[name, round(ms * 1e3 / layers, 2), launches / layers, op] for name, ms, launches, _, op in p["kernels"]]
 
 
 def bench_width(cfg: Qwen35Config, width: int, dtype: Any, kernel_impl: str | None, warmup: int,
