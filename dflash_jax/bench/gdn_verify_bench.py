@@ -15,8 +15,9 @@ layer feeds its next round), so Python dispatch is out of the numbers:
 Reported: medians (after warm-up) of the time per layer, the kernel's speedup, and the largest
 difference between the two implementations' outputs and committed states. `--profile` adds each
 chunk's kernels from a profiler trace (device us and launches per layer, and the jax op each
-came from): which launch the time is in. `--tilings` also times the chunk at other tilings and dot precisions of the kernel
-(`pallas_kernels.tree_gdn.BlockSizes`), each with the largest difference of its chained state from XLA's.
+came from): which launch the time is in. `--tilings` also times the chunk at other tilings and
+dot precisions of the kernel (`pallas_kernels.tree_gdn.BlockSizes`), each with the largest
+difference of its chained state from XLA's.
 """
 from __future__ import annotations
 
